@@ -1,0 +1,31 @@
+# Every target that needs the project installs it first, into .venv, from python3 alone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint run bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+run: $(STAMP)
+	$(BIN)/relay-trio server --db relay.db
+
+bench: $(STAMP)
+	@echo "relay-bench arrives with issue 5"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,137 @@
+"""Every relay-trio exception. Each one that reaches a client maps to one wire error code.
+
+The tree:
+
+    RelayError                      code         connection
+      BadRequest                    bad_request  stays open
+      FrameTooLarge                 frame_too_large  closed
+      UnknownOp                     unknown_op   stays open
+      JobNotFound                   not_found
+      StaleToken                    stale_token
+      LeaseExpired                  lease_expired
+      InvalidState                  invalid_state
+      Overloaded                    overloaded
+      ShuttingDown                  shutting_down
+      Unauthorized                  unauthorized
+      InternalError                 internal
+      StoreError                    (fatal at start, never sent on the wire)
+        NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt
+
+Job errors carry fields (``job_id``, ``state``) so callers need not parse messages.
+"""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base of every relay-trio error. ``code`` is the wire error code."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(RelayError):
+    """A malformed request or a field outside its documented range; names the field."""
+
+    code = "bad_request"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class FrameTooLarge(RelayError):
+    """A frame longer than the limit. The server replies once, then closes the connection."""
+
+    code = "frame_too_large"
+
+
+class UnknownOp(RelayError):
+    code = "unknown_op"
+
+
+class JobNotFound(RelayError):
+    code = "not_found"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id}")
+        self.job_id = job_id
+
+
+class StaleToken(RelayError):
+    """The token and worker id do not hold the job's current lease. Nothing was changed."""
+
+    code = "stale_token"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"token and worker_id do not hold the current lease of {job_id}")
+        self.job_id = job_id
+
+
+class LeaseExpired(RelayError):
+    """The token held the lease, but the lease has expired. Nothing was changed."""
+
+    code = "lease_expired"
+
+    def __init__(self, job_id: str, expired_at: int) -> None:
+        super().__init__(f"the lease of {job_id} expired at {expired_at}")
+        self.job_id = job_id
+        self.expired_at = expired_at
+
+
+class InvalidState(RelayError):
+    """The operation is not allowed in the job's current state. Nothing was changed."""
+
+    code = "invalid_state"
+
+    def __init__(self, job_id: str, state: str, operation: str) -> None:
+        super().__init__(f"cannot {operation} {job_id}: it is {state}")
+        self.job_id = job_id
+        self.state = state
+        self.operation = operation
+
+
+class Overloaded(RelayError):
+    code = "overloaded"
+
+
+class ShuttingDown(RelayError):
+    code = "shutting_down"
+
+
+class Unauthorized(RelayError):
+    code = "unauthorized"
+
+
+class InternalError(RelayError):
+    """A bug. The server logs the traceback and keeps serving."""
+
+    code = "internal"
+
+
+class StoreError(RelayError):
+    """The database cannot be used. Raised when opening; the server exits non-zero."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class NotADatabase(StoreError):
+    """The file is not a SQLite database."""
+
+
+class ForeignDatabase(StoreError):
+    """The file is a SQLite database of another application."""
+
+
+class SchemaTooNew(StoreError):
+    """The database was written by a newer relay-trio than this one."""
+
+
+class DatabaseCorrupt(StoreError):
+    """SQLite's integrity check failed."""

@@ -1,0 +1,223 @@
+"""The job model: states, priorities, retry policy and the pure rules over them. No I/O.
+
+Everything here is a value (frozen attrs) or a pure function, so the store, the server and
+the tests share one definition of "what a job is" and "when it runs next".
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import re
+
+import attrs
+
+# A job gains one priority class per full minute spent ready (see docs/design-decisions.md).
+AGING_STEP_MS = 60_000
+
+# A job id is "job_" + 16 hex digits of one 63-bit integer: milliseconds since the epoch
+# shifted left 21 bits, plus a sequence number within the millisecond. The integer is the
+# row's key in the store; the fixed-width lowercase hex makes the strings sort exactly as
+# the integers do. 42 bits of milliseconds last until the year 2109; 21 bits of sequence
+# allow 2 million ids within one millisecond before the generator borrows the next one.
+_ID_SEQ_BITS = 21
+_ID_MAX = (1 << 63) - 1
+_ID_RE = re.compile(r"^job_[0-9a-f]{16}$")
+
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class JobState(enum.StrEnum):
+    PENDING = "pending"  # delayed, not yet due
+    READY = "ready"
+    LEASED = "leased"
+    RETRYING = "retrying"  # failed, waiting for its retry time
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.DEAD)
+
+
+class Priority(enum.IntEnum):
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+    CRITICAL = 3
+
+    @property
+    def wire(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_wire(cls, name: str) -> Priority:
+        return cls[name.upper()]
+
+
+WIRE_PRIORITIES = tuple(p.wire for p in Priority)
+
+
+def effective_priority(base: int, ready_at: int, now: int) -> int:
+    """Base class plus one class per full minute spent ready, capped at critical."""
+    waited = max(0, now - ready_at)
+    return min(int(Priority.CRITICAL), base + waited // AGING_STEP_MS)
+
+
+@attrs.frozen
+class Backoff:
+    """How long a failed job waits before its next attempt.
+
+    ``fixed`` waits ``base_ms`` every time. ``exponential`` waits min(max_ms,
+    base_ms * 2**(n-1)) before retry n; with ``jitter`` a uniformly random 50-100 % of that,
+    so a burst of failures does not come back as a burst.
+    """
+
+    kind: str = "exponential"  # "fixed" | "exponential"
+    base_ms: int = 1_000
+    max_ms: int = 300_000
+    jitter: bool = True
+
+    @classmethod
+    def fixed(cls, delay_ms: int) -> Backoff:
+        return cls(kind="fixed", base_ms=delay_ms, max_ms=delay_ms, jitter=False)
+
+    def delay_ms(self, retry: int, rng: random.Random) -> int:
+        """The wait before retry number ``retry`` (1 for the first retry)."""
+        if self.kind == "fixed":
+            return self.base_ms
+        doublings = retry - 1
+        # Past 2**62 the product exceeds any max_ms a client may set; skip the big integer.
+        full = self.max_ms if doublings >= 62 else min(self.max_ms, self.base_ms << doublings)
+        if not self.jitter:
+            return full
+        half = full // 2
+        return half + rng.randint(0, full - half)
+
+
+DEFAULT_BACKOFF = Backoff()
+
+
+@attrs.frozen
+class SubmitSpec:
+    """One job to create. ``payload`` is its JSON text, already validated and size-checked.
+
+    The due time is ``run_at`` if given, else now + ``delay_ms``; the store applies its own
+    ``now`` so that the time is the server's, taken when the change is made.
+    """
+
+    queue: str
+    payload: str
+    priority: int = Priority.NORMAL
+    delay_ms: int = 0
+    run_at: int | None = None
+    max_attempts: int = 4
+    backoff: Backoff = DEFAULT_BACKOFF
+    idempotency_key: str | None = None
+
+    def due_at(self, now: int) -> int:
+        return self.run_at if self.run_at is not None else now + self.delay_ms
+
+
+@attrs.frozen
+class SubmitResult:
+    job_id: str
+    state: JobState
+    duplicate: bool
+
+
+@attrs.frozen
+class Lease:
+    """A claimed job as a worker sees it. ``payload`` is JSON text."""
+
+    job_id: str
+    queue: str
+    payload: str
+    priority: int
+    attempt: int
+    max_attempts: int
+    token: str
+    lease_expires_at: int
+
+
+@attrs.frozen
+class FailOutcome:
+    state: JobState  # RETRYING or DEAD
+    retry_at: int | None
+
+
+@attrs.frozen
+class ErrorEntry:
+    attempt: int
+    error: str
+    at: int
+
+
+@attrs.frozen
+class JobInfo:
+    """Everything ``inspect`` shows of a job. ``payload`` and ``result`` are JSON text.
+
+    Lease fields are set only while the job is leased.
+    """
+
+    job_id: str
+    queue: str
+    state: JobState
+    priority: int
+    payload: str
+    attempt: int
+    max_attempts: int
+    created_at: int
+    ready_at: int | None = None
+    run_at: int | None = None
+    lease_expires_at: int | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    errors: tuple[ErrorEntry, ...] = ()
+    result: str | None = None
+    idempotency_key: str | None = None
+    finished_at: int | None = None
+
+
+class JobIdGenerator:
+    """Job ids that sort by creation time, strictly, also within one millisecond.
+
+    Seeded at open with the highest id ever issued, so the order also holds across restarts
+    and when the wall clock steps back: a new id never sorts before an old one.
+    """
+
+    def __init__(self, last_id: int = 0) -> None:
+        self.last_id = last_id
+
+    def next_id(self, now_ms: int) -> int:
+        candidate = now_ms << _ID_SEQ_BITS
+        # Same millisecond (or a clock that stepped back): the next sequence number; past
+        # the last sequence number this carries into the next millisecond.
+        self.last_id = candidate if candidate > self.last_id else self.last_id + 1
+        return self.last_id
+
+
+def format_job_id(key: int) -> str:
+    return f"job_{key:016x}"
+
+
+def parse_job_id(job_id: str) -> int | None:
+    """The integer key of a job id, or None if the string is not a relay-trio job id."""
+    if not _ID_RE.match(job_id):
+        return None
+    key = int(job_id[4:], 16)
+    return key if key <= _ID_MAX else None
+
+
+def job_id_time(job_id: str) -> int | None:
+    """Milliseconds since the epoch at which the job was created, from its id."""
+    key = parse_job_id(job_id)
+    return None if key is None else key >> _ID_SEQ_BITS
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """``text`` cut to at most ``max_bytes`` of UTF-8, never inside a character."""
+    encoded = text.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[:max_bytes].decode("utf-8", errors="ignore")

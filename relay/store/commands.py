@@ -1,0 +1,186 @@
+"""The typed commands trio code sends to the writer thread, one per store operation.
+
+A command is a frozen value with ``apply(store, now)``: the writer calls it inside the
+batch's transaction with the batch's ``now``. Keeping commands as plain data (rather than
+closures) lets the writer see what it runs, and lets a later store reuse the vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+from relay.model import SubmitSpec
+from relay.store.sqlite import SqliteStore
+
+
+class Command(Protocol):
+    def apply(self, store: SqliteStore, now: int) -> Any: ...
+
+
+@attrs.frozen
+class Submit:
+    specs: tuple[SubmitSpec, ...]
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_submit(self.specs, now)
+
+
+@attrs.frozen
+class Claim:
+    queues: tuple[str, ...]
+    worker_id: str
+    count: int
+    lease_ms: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_claim(self.queues, self.worker_id, self.count, self.lease_ms, now)
+
+
+@attrs.frozen
+class Renew:
+    job_id: str
+    worker_id: str
+    token: str
+    lease_ms: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.lease_renew(self.job_id, self.worker_id, self.token, self.lease_ms, now)
+
+
+@attrs.frozen
+class Ack:
+    job_id: str
+    worker_id: str
+    token: str
+    result: str | None = None
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_ack(self.job_id, self.worker_id, self.token, self.result, now)
+
+
+@attrs.frozen
+class Fail:
+    job_id: str
+    worker_id: str
+    token: str
+    error: str
+    retryable: bool = True
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_fail(
+            self.job_id, self.worker_id, self.token, self.error, self.retryable, now
+        )
+
+
+@attrs.frozen
+class Release:
+    job_id: str
+    worker_id: str
+    token: str
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_release(self.job_id, self.worker_id, self.token, now)
+
+
+@attrs.frozen
+class PromoteDue:
+    limit: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_promote_due(now, self.limit)
+
+
+@attrs.frozen
+class ReapExpired:
+    limit: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.leases_reap_expired(now, self.limit)
+
+
+@attrs.frozen
+class Recover:
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.leases_recover(now)
+
+
+@attrs.frozen
+class Prune:
+    limit: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.jobs_prune(now, self.limit)
+
+
+@attrs.frozen
+class NextDeadlines:
+    """(earliest due time of a pending/retrying job, earliest lease expiry), either None."""
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.next_due_at(), store.next_expiry_at()
+
+
+@attrs.frozen
+class Inspect:
+    job_id: str
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.job_inspect(self.job_id)
+
+
+@attrs.frozen
+class Stats:
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.queue_stats()
+
+
+@attrs.frozen
+class EventTotals:
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.event_totals()
+
+
+@attrs.frozen
+class DeadList:
+    queue: str | None
+    limit: int
+    cursor: str | None = None
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.dead_list(self.queue, self.limit, self.cursor)
+
+
+@attrs.frozen
+class DeadRetry:
+    job_id: str
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.dead_retry(self.job_id, now)
+
+
+@attrs.frozen
+class DeadRetryQueue:
+    queue: str
+    limit: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.dead_retry_queue(self.queue, now, self.limit)
+
+
+@attrs.frozen
+class DeadPurge:
+    job_id: str
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.dead_purge(self.job_id)
+
+
+@attrs.frozen
+class DeadPurgeQueue:
+    queue: str
+    limit: int
+
+    def apply(self, store: SqliteStore, now: int) -> Any:
+        return store.dead_purge_queue(self.queue, self.limit)

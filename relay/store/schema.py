@@ -1,0 +1,196 @@
+"""The database file: checks before touching it, the schema, migrations, and connection setup.
+
+``open_database`` is the only way in. It refuses, without writing a byte, a file that is
+not SQLite, a SQLite file of another application, a schema newer than this code, and a
+file that fails ``PRAGMA quick_check``. Only then does it open the write connection, switch
+to WAL and create or migrate the schema in one transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Callable
+
+import sqlite_utils
+
+from relay.errors import DatabaseCorrupt, ForeignDatabase, NotADatabase, SchemaTooNew
+
+# "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
+# `file(1)` and our own check can tell it from any other SQLite database.
+APPLICATION_ID = 0x524C5954
+SCHEMA_VERSION = 1
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+SYNCHRONOUS_MODES = ("full", "normal")
+
+# How long a statement waits for a lock held by another connection (a backup tool, the
+# sqlite3 shell) before failing. Our own writer never contends with itself.
+BUSY_TIMEOUT_MS = 5_000
+
+
+def _create_v1(db: sqlite_utils.Database) -> None:
+    db["jobs"].create(
+        {
+            # The integer form of the job id: milliseconds << 21 | sequence (relay.model).
+            # Using it as the rowid keeps one b-tree for the table and its key.
+            "id": int,
+            "queue": str,
+            "state": str,
+            "priority": int,
+            "payload": str,
+            "attempt": int,
+            "max_attempts": int,
+            "backoff_kind": str,
+            "backoff_base_ms": int,
+            "backoff_max_ms": int,
+            "backoff_jitter": int,
+            "created_at": int,
+            "ready_at": int,
+            "run_at": int,
+            "finished_at": int,
+            "lease_token": str,
+            "lease_worker": str,
+            "lease_expires_at": int,
+            "last_error": str,
+            "result": str,
+            "idempotency_key": str,
+        },
+        pk="id",
+        not_null=[
+            "queue",
+            "state",
+            "priority",
+            "payload",
+            "attempt",
+            "max_attempts",
+            "backoff_kind",
+            "backoff_base_ms",
+            "backoff_max_ms",
+            "backoff_jitter",
+            "created_at",
+        ],
+        strict=True,
+    )
+    db["job_errors"].create(
+        {"job_id": int, "attempt": int, "error": str, "at": int},
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["job_id", "attempt", "error", "at"],
+        strict=True,
+    )
+    db["job_errors"].create_index(["job_id"], index_name="job_errors_job")
+    db["idempotency_keys"].create(
+        {"queue": str, "key": str, "job_id": int, "expires_at": int},
+        pk=("queue", "key"),
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["job_id", "expires_at"],
+        strict=True,
+    )
+    db["idempotency_keys"].create_index(["job_id"], index_name="idempotency_keys_job")
+    db["idempotency_keys"].create_index(["expires_at"], index_name="idempotency_keys_expiry")
+    db["meta"].create({"key": str, "value": str}, pk="key", strict=True)
+    # Partial indexes hold only the rows of one state, so each stays as small as that state
+    # and every time-driven pass (claim, promote, reap, prune) is a seek, not a scan.
+    # sqlite-utils cannot express a WHERE on an index, hence plain SQL.
+    for statement in (
+        # Claim: the oldest ready job of each (queue, priority class) is the only candidate.
+        "CREATE INDEX jobs_ready ON jobs (queue, priority, ready_at, id) WHERE state = 'ready'",
+        "CREATE INDEX jobs_due ON jobs (run_at) WHERE state IN ('pending', 'retrying')",
+        "CREATE INDEX jobs_leased ON jobs (lease_expires_at) WHERE state = 'leased'",
+        "CREATE INDEX jobs_dead ON jobs (id) WHERE state = 'dead'",
+        "CREATE INDEX jobs_dead_queue ON jobs (queue, id) WHERE state = 'dead'",
+        "CREATE INDEX jobs_succeeded ON jobs (finished_at) WHERE state = 'succeeded'",
+    ):
+        db.execute(statement)
+
+
+# MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _create_v1}
+
+
+def inspect_file(path: str) -> int:
+    """Check an existing file read-only; return its schema version (0 for an empty file).
+
+    Raises:
+        NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt: naming the file.
+    """
+    with open(path, "rb") as f:
+        header = f.read(len(SQLITE_HEADER))
+    if not header:
+        return 0
+    if header != SQLITE_HEADER:
+        raise NotADatabase(path, "not a SQLite database (wrong file header)")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise NotADatabase(path, f"cannot be opened read-only: {exc}") from exc
+    try:
+        application_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        has_tables = conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0] > 0
+        if application_id != APPLICATION_ID and (application_id != 0 or has_tables):
+            raise ForeignDatabase(
+                path,
+                f"a SQLite database of another application (application_id {application_id:#x})",
+            )
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                path, f"schema version {version} is newer than this relay-trio ({SCHEMA_VERSION})"
+            )
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise DatabaseCorrupt(path, "integrity check failed: " + "; ".join(problems[:5]))
+        return version
+    except sqlite3.DatabaseError as exc:
+        raise DatabaseCorrupt(path, f"unreadable: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection:
+    """Open (creating or migrating) a relay-trio database and return the write connection.
+
+    The connection is in autocommit mode (``isolation_level=None``): the writer issues
+    ``BEGIN IMMEDIATE`` / ``COMMIT`` itself. It may be handed to one other thread, which
+    then owns it; nothing else may use it.
+
+    Raises:
+        NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt: the file is refused
+            and left byte-for-byte unchanged.
+    """
+    if synchronous not in SYNCHRONOUS_MODES:
+        raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, not {synchronous!r}")
+    in_memory = path == ":memory:"
+    version = 0
+    if not in_memory and os.path.exists(path):
+        version = inspect_file(path)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        if not in_memory:
+            conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        _migrate(conn, version)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    if version == SCHEMA_VERSION:
+        return
+    db = sqlite_utils.Database(conn)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            MIGRATIONS[target](db)
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise

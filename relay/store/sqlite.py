@@ -1,0 +1,734 @@
+"""Every job state transition as synchronous SQL. Never imports trio; never reads the clock.
+
+``SqliteStore`` is the store interface (see docs/architecture.md): each method takes the
+current time ``now`` (milliseconds) from its caller, so tests drive time explicitly and a
+future PostgreSQL store can offer the same methods. Methods do not commit: the writer
+(relay/store/writer.py) groups many of them into one transaction with ``begin``,
+``command`` (a savepoint each) and ``commit``. Called outside ``begin``, each statement
+commits on its own, which is what the synchronous unit tests do.
+
+Every method that refuses (``RelayError``) does so before it writes anything, so a refused
+command never leaves a partial change behind, even without its savepoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import secrets
+import sqlite3
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+import attrs
+
+from relay.errors import InvalidState, JobNotFound, LeaseExpired, StaleToken
+from relay.model import (
+    Backoff,
+    ErrorEntry,
+    FailOutcome,
+    JobIdGenerator,
+    JobInfo,
+    JobState,
+    Lease,
+    Priority,
+    SubmitResult,
+    SubmitSpec,
+    effective_priority,
+    format_job_id,
+    parse_job_id,
+    truncate_utf8,
+)
+from relay.store.schema import open_database
+
+PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
+RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
+
+LEASE_EXPIRED_ERROR = "lease expired"
+RESTART_ERROR = "lease lost: the server restarted while the job was leased"
+
+# Bytes of randomness per lease token: 128 bits, as the contract requires.
+TOKEN_BYTES = 16
+
+# Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
+EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
+
+_PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
+
+_JOB_COLUMNS = (
+    "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
+    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
+)
+
+
+@attrs.frozen
+class StoreConfig:
+    """Policies of the store. Durations in milliseconds."""
+
+    idempotency_window_ms: int = 24 * 3600 * 1000
+    retention_ms: int = 7 * 24 * 3600 * 1000
+    max_error_bytes: int = 8 * 1024
+
+
+@attrs.frozen
+class Reaped:
+    """One expired lease the reaper ended: the job is now ``state`` (ready or dead)."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    attempt: int
+
+
+@attrs.define
+class Changes:
+    """What committed changes mean for the trio side: whom to wake, and when.
+
+    Collected while a transaction runs and taken by the writer after its commit. A command
+    that is rolled back may leave a spurious entry here; a spurious wake-up is harmless.
+    """
+
+    ready_queues: set[str] = attrs.Factory(set)
+    # The earliest due time of a job that became pending or retrying, and the earliest new
+    # lease expiry: the promoter and the reaper sleep until these if they are sooner.
+    next_due_at: int | None = None
+    next_expiry_at: int | None = None
+
+    def due(self, at: int) -> None:
+        if self.next_due_at is None or at < self.next_due_at:
+            self.next_due_at = at
+
+    def expiry(self, at: int) -> None:
+        if self.next_expiry_at is None or at < self.next_expiry_at:
+            self.next_expiry_at = at
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_candidates_sql(queue_count: int) -> str:
+    # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
+    # class's oldest ready jobs, so the cost is independent of the backlog.
+    part = (
+        "SELECT * FROM (SELECT id, priority, ready_at FROM jobs INDEXED BY jobs_ready "
+        "WHERE state = 'ready' AND queue = ? AND priority = ? ORDER BY ready_at, id LIMIT ?)"
+    )
+    return " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
+
+
+class SqliteStore:
+    """The job store on one SQLite connection, which it owns.
+
+    Not thread-safe: exactly one thread (the writer) may call it.
+    """
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        config: StoreConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._db = conn
+        self.config = config or StoreConfig()
+        # Jitter needs no cryptographic strength; tokens do, and use `secrets`.
+        self._rng = rng or random.Random()
+        last = conn.execute("SELECT value FROM meta WHERE key = 'last_job_id'").fetchone()
+        top = conn.execute("SELECT max(id) FROM jobs").fetchone()[0]
+        self._ids = JobIdGenerator(max(int(last[0]) if last else 0, top or 0))
+        self._counts: Counter[tuple[str, str]] = Counter()  # (queue, state) -> jobs
+        self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
+        self._load_counts()
+        # While a transaction runs: every counter change, to undo them on rollback.
+        self._journal: list[tuple[Counter[tuple[str, str]], tuple[str, str], int]] | None = None
+        self.changes = Changes()
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        config: StoreConfig | None = None,
+        *,
+        synchronous: str = "full",
+        rng: random.Random | None = None,
+    ) -> SqliteStore:
+        """Open or create the database at ``path`` (see ``schema.open_database``)."""
+        return cls(open_database(path, synchronous=synchronous), config, rng=rng)
+
+    def close(self) -> None:
+        """Checkpoint the WAL into the main file and close the connection."""
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+
+    # -- transactions (used by the writer) -------------------------------------------------
+
+    def begin(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        self._journal = []
+
+    @contextlib.contextmanager
+    def command(self) -> Iterator[None]:
+        """One command inside the transaction: on any exception its changes are undone."""
+        assert self._journal is not None, "command() outside begin()"
+        mark = len(self._journal)
+        self._db.execute("SAVEPOINT command")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK TO command")
+            self._db.execute("RELEASE command")
+            self._undo(mark)
+            raise
+        self._db.execute("RELEASE command")
+
+    def commit(self) -> Changes:
+        """Commit; return what changed and start collecting afresh."""
+        self._db.execute("COMMIT")
+        self._journal = None
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("ROLLBACK")
+        if self._journal is not None:
+            self._undo(0)
+        self._journal = None
+        self.changes = Changes()
+
+    def _undo(self, mark: int) -> None:
+        assert self._journal is not None
+        for counter, key, n in reversed(self._journal[mark:]):
+            counter[key] -= n
+        del self._journal[mark:]
+
+    def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
+        counter[key] += n
+        if self._journal is not None:
+            self._journal.append((counter, key, n))
+
+    def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
+        if src is not None:
+            self._bump(self._counts, (queue, src), -n)
+        if dst is not None:
+            self._bump(self._counts, (queue, dst), n)
+
+    def _count(self, queue: str, event: str, n: int = 1) -> None:
+        self._bump(self._totals, (queue, event), n)
+
+    def _load_counts(self) -> None:
+        self._counts.clear()
+        rows = self._db.execute("SELECT queue, state, count(*) FROM jobs GROUP BY queue, state")
+        for queue, state, n in rows:
+            self._counts[(queue, state)] = n
+
+    # -- submit ----------------------------------------------------------------------------
+
+    def jobs_submit(self, specs: Sequence[SubmitSpec], now: int) -> list[SubmitResult]:
+        """Create jobs, all or none. A key seen within the window returns the first job.
+
+        A repeated (queue, idempotency key) within the window, also within ``specs``,
+        creates nothing and answers the first job's id and current state.
+        """
+        results: list[SubmitResult] = []
+        rows: list[tuple] = []
+        keys: list[tuple] = []
+        fresh_keys: dict[tuple[str, str], SubmitResult] = {}
+        key_expires_at = now + self.config.idempotency_window_ms
+        for spec in specs:
+            if spec.idempotency_key is not None:
+                seen = fresh_keys.get((spec.queue, spec.idempotency_key))
+                if seen is None:
+                    seen = self._idempotent_hit(spec.queue, spec.idempotency_key, now)
+                if seen is not None:
+                    results.append(SubmitResult(seen.job_id, seen.state, duplicate=True))
+                    continue
+            key = self._ids.next_id(now)
+            due = spec.due_at(now)
+            if due > now:
+                state, ready_at, run_at = PENDING, None, due
+                self.changes.due(due)
+            else:
+                state, ready_at, run_at = READY, now, spec.run_at
+                self.changes.ready_queues.add(spec.queue)
+            backoff = spec.backoff
+            rows.append(
+                (
+                    key,
+                    spec.queue,
+                    state,
+                    int(spec.priority),
+                    spec.payload,
+                    spec.max_attempts,
+                    backoff.kind,
+                    backoff.base_ms,
+                    backoff.max_ms,
+                    int(backoff.jitter),
+                    now,
+                    ready_at,
+                    run_at,
+                    spec.idempotency_key,
+                )
+            )
+            result = SubmitResult(format_job_id(key), state, duplicate=False)
+            results.append(result)
+            if spec.idempotency_key is not None:
+                keys.append((spec.queue, spec.idempotency_key, key, key_expires_at))
+                fresh_keys[(spec.queue, spec.idempotency_key)] = result
+            self._move(spec.queue, None, state)
+            self._count(spec.queue, "submitted")
+        if rows:
+            self._db.executemany(
+                "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
+                "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, "
+                "ready_at, run_at, idempotency_key) "
+                "VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            self._db.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_job_id', ?)",
+                (str(self._ids.last_id),),
+            )
+        if keys:
+            # An expired key for the same (queue, key) is replaced: its window has passed.
+            self._db.executemany(
+                "INSERT OR REPLACE INTO idempotency_keys (queue, key, job_id, expires_at) "
+                "VALUES (?, ?, ?, ?)",
+                keys,
+            )
+        return results
+
+    def _idempotent_hit(self, queue: str, key: str, now: int) -> SubmitResult | None:
+        row = self._db.execute(
+            "SELECT k.job_id, j.state FROM idempotency_keys k JOIN jobs j ON j.id = k.job_id "
+            "WHERE k.queue = ? AND k.key = ? AND k.expires_at > ?",
+            (queue, key, now),
+        ).fetchone()
+        if row is None:
+            return None
+        return SubmitResult(format_job_id(row[0]), JobState(row[1]), duplicate=True)
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def jobs_claim(
+        self, queues: Sequence[str], worker_id: str, count: int, lease_ms: int, now: int
+    ) -> list[Lease]:
+        """Lease up to ``count`` ready jobs from ``queues``, best effective priority first.
+
+        Each claim increments the attempt and issues a fresh random token. Within one
+        effective priority, the job that became ready first goes first.
+        """
+        queues = list(dict.fromkeys(queues))
+        if count <= 0 or not queues:
+            return []
+        params: list[object] = []
+        for queue in queues:
+            for priority in _PRIORITIES_HIGH_FIRST:
+                params += (queue, priority, count)
+        candidates = self._db.execute(_claim_candidates_sql(len(queues)), params).fetchall()
+        if not candidates:
+            return []
+        # Within one (queue, class) the oldest job also has the highest effective priority,
+        # so the best `count` of all candidates are the best `count` jobs overall.
+        candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
+        chosen = candidates[:count]
+        tokens = secrets.token_hex(TOKEN_BYTES * len(chosen))
+        expires_at = now + lease_ms
+        leases = []
+        for i, (key, _priority, _ready_at) in enumerate(chosen):
+            token = tokens[i * 2 * TOKEN_BYTES : (i + 1) * 2 * TOKEN_BYTES]
+            queue, payload, priority, attempt, max_attempts = self._db.execute(
+                "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = ?, "
+                "lease_worker = ?, lease_expires_at = ? WHERE id = ? "
+                "RETURNING queue, payload, priority, attempt, max_attempts",
+                (token, worker_id, expires_at, key),
+            ).fetchone()
+            leases.append(
+                Lease(
+                    format_job_id(key),
+                    queue,
+                    payload,
+                    priority,
+                    attempt,
+                    max_attempts,
+                    token,
+                    expires_at,
+                )
+            )
+            self._move(queue, READY, LEASED)
+            self._count(queue, "leased")
+        self.changes.expiry(expires_at)
+        return leases
+
+    def _held_lease(
+        self, job_id: str, worker_id: str, token: str, now: int, operation: str
+    ) -> tuple | None:
+        """The job row if ``token`` and ``worker_id`` hold its unexpired lease.
+
+        Returns None for an ack repeated with the token that completed the job.
+
+        Raises:
+            JobNotFound, StaleToken, LeaseExpired, InvalidState: and changes nothing.
+        """
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._db.execute(
+                "SELECT id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
+                "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, "
+                "backoff_jitter FROM jobs WHERE id = ?",
+                (key,),
+            ).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        state, lease_token, lease_worker, expires_at = row[2], row[5], row[6], row[7]
+        if lease_token is None or token != lease_token or worker_id != lease_worker:
+            raise StaleToken(job_id)
+        if state == LEASED:
+            if now >= expires_at:
+                raise LeaseExpired(job_id, expires_at)
+            return row
+        if state == SUCCEEDED and operation == "ack":
+            return None
+        # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
+        # restart recovery); the holder's own ack, fail or release clears it.
+        if expires_at is not None:
+            raise LeaseExpired(job_id, expires_at)
+        raise InvalidState(job_id, state, operation)
+
+    def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
+        """Extend a held lease to now + ``lease_ms``; return the new expiry."""
+        row = self._held_lease(job_id, worker_id, token, now, "renew")
+        assert row is not None
+        expires_at = now + lease_ms
+        self._db.execute("UPDATE jobs SET lease_expires_at = ? WHERE id = ?", (expires_at, row[0]))
+        self.changes.expiry(expires_at)
+        return expires_at
+
+    def jobs_ack(
+        self, job_id: str, worker_id: str, token: str, result: str | None, now: int
+    ) -> None:
+        """Complete a job. Repeating the ack with the completing token is answered ok."""
+        row = self._held_lease(job_id, worker_id, token, now, "ack")
+        if row is None:
+            return
+        self._db.execute(
+            "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = ?, "
+            "lease_expires_at = NULL WHERE id = ?",
+            (now, result, row[0]),
+        )
+        self._move(row[1], LEASED, SUCCEEDED)
+        self._count(row[1], "acked")
+
+    def jobs_fail(
+        self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int
+    ) -> FailOutcome:
+        """Record a failed attempt: retrying after its backoff, or dead when spent."""
+        row = self._held_lease(job_id, worker_id, token, now, "fail")
+        assert row is not None
+        key, queue, _state, attempt, max_attempts = row[:5]
+        error = truncate_utf8(error, self.config.max_error_bytes)
+        self._record_error(key, attempt, error, now)
+        self._count(queue, "failed")
+        if retryable and attempt < max_attempts:
+            backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
+            retry_at = now + backoff.delay_ms(attempt, self._rng)
+            self._db.execute(
+                "UPDATE jobs SET state = 'retrying', run_at = ?, last_error = ?, "
+                "lease_expires_at = NULL WHERE id = ?",
+                (retry_at, error, key),
+            )
+            self._move(queue, LEASED, RETRYING)
+            self._count(queue, "retried")
+            self.changes.due(retry_at)
+            return FailOutcome(RETRYING, retry_at)
+        self._db.execute(
+            "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ?, "
+            "lease_expires_at = NULL WHERE id = ?",
+            (now, error, key),
+        )
+        self._move(queue, LEASED, DEAD)
+        self._count(queue, "dead")
+        return FailOutcome(DEAD, None)
+
+    def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
+        """Give a leased job back at once; its attempt counter returns to the value it had
+        before this lease, and it keeps its place (ready_at) in the queue."""
+        row = self._held_lease(job_id, worker_id, token, now, "release")
+        assert row is not None
+        self._db.execute(
+            "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
+            "WHERE id = ?",
+            (row[0],),
+        )
+        self._move(row[1], LEASED, READY)
+        self.changes.ready_queues.add(row[1])
+
+    def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
+        self._db.execute(
+            "INSERT INTO job_errors (job_id, attempt, error, at) VALUES (?, ?, ?, ?)",
+            (key, attempt, error, now),
+        )
+
+    # -- time-driven transitions -------------------------------------------------------------
+
+    def jobs_promote_due(self, now: int, limit: int) -> int:
+        """Make up to ``limit`` due pending and retrying jobs ready; return how many.
+
+        A promoted job counts as ready from its due time, not from when this pass ran.
+        """
+        rows = self._db.execute(
+            "SELECT id, queue, state FROM jobs "
+            "WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
+            (now, limit),
+        ).fetchall()
+        if rows:
+            self._db.executemany(
+                "UPDATE jobs SET state = 'ready', ready_at = run_at WHERE id = ?",
+                [(row[0],) for row in rows],
+            )
+        for _key, queue, state in rows:
+            self._move(queue, state, READY)
+            self.changes.ready_queues.add(queue)
+        return len(rows)
+
+    def leases_reap_expired(self, now: int, limit: int) -> list[Reaped]:
+        """End up to ``limit`` leases that expired at or before ``now``.
+
+        A job with attempts left becomes ready (from its expiry time); one without becomes
+        dead with the error "lease expired". The old token keeps answering lease_expired.
+        """
+        rows = self._db.execute(
+            "SELECT id, queue, attempt, max_attempts, lease_expires_at FROM jobs "
+            "WHERE state = 'leased' AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?",
+            (now, limit),
+        ).fetchall()
+        reaped = []
+        for key, queue, attempt, max_attempts, expired_at in rows:
+            self._record_error(key, attempt, LEASE_EXPIRED_ERROR, now)
+            self._count(queue, "expired")
+            if attempt < max_attempts:
+                self._db.execute(
+                    "UPDATE jobs SET state = 'ready', ready_at = ?, last_error = ? WHERE id = ?",
+                    (expired_at, LEASE_EXPIRED_ERROR, key),
+                )
+                state = READY
+                self.changes.ready_queues.add(queue)
+            else:
+                self._db.execute(
+                    "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ? WHERE id = ?",
+                    (now, LEASE_EXPIRED_ERROR, key),
+                )
+                state = DEAD
+                self._count(queue, "dead")
+            self._move(queue, LEASED, state)
+            reaped.append(Reaped(format_job_id(key), queue, state, attempt))
+        return reaped
+
+    def leases_recover(self, now: int) -> int:
+        """At start, before serving: every leased job becomes ready again, at once.
+
+        The lease was lost with the previous process, not through the job, so the attempt
+        is given back (as with release). The old token answers lease_expired from now on.
+        Returns how many jobs were recovered.
+        """
+        rows = self._db.execute(
+            "SELECT id, queue, attempt FROM jobs WHERE state = 'leased'"
+        ).fetchall()
+        for key, queue, attempt in rows:
+            self._record_error(key, attempt, RESTART_ERROR, now)
+            self._move(queue, LEASED, READY)
+            self.changes.ready_queues.add(queue)
+        self._db.execute(
+            "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = ?, "
+            "last_error = ? WHERE state = 'leased'",
+            (now, RESTART_ERROR),
+        )
+        return len(rows)
+
+    def next_due_at(self) -> int | None:
+        """The earliest due time of a pending or retrying job."""
+        return self._db.execute(
+            "SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')"
+        ).fetchone()[0]
+
+    def next_expiry_at(self) -> int | None:
+        """The earliest expiry of a held lease."""
+        return self._db.execute(
+            "SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'"
+        ).fetchone()[0]
+
+    def jobs_prune(self, now: int, limit: int) -> int:
+        """Delete up to ``limit`` succeeded jobs finished longer than the retention period
+        ago, and up to ``limit`` expired idempotency keys. Returns jobs deleted."""
+        self._db.execute(
+            "DELETE FROM idempotency_keys WHERE rowid IN "
+            "(SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
+            (now, limit),
+        )
+        rows = self._db.execute(
+            "SELECT id, queue FROM jobs WHERE state = 'succeeded' AND finished_at < ? LIMIT ?",
+            (now - self.config.retention_ms, limit),
+        ).fetchall()
+        self._delete_jobs(rows, SUCCEEDED)
+        return len(rows)
+
+    def _delete_jobs(self, rows: Iterable[tuple[int, str]], state: str) -> None:
+        rows = list(rows)
+        keys = [(row[0],) for row in rows]
+        self._db.executemany("DELETE FROM job_errors WHERE job_id = ?", keys)
+        self._db.executemany("DELETE FROM idempotency_keys WHERE job_id = ?", keys)
+        self._db.executemany("DELETE FROM jobs WHERE id = ?", keys)
+        for _key, queue in rows:
+            self._move(queue, state, None)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def job_inspect(self, job_id: str) -> JobInfo:
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (key,)
+            ).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        return self._job_infos([row])[0]
+
+    def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
+        errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
+        if rows:
+            marks = ", ".join("?" * len(rows))
+            for key, attempt, error, at in self._db.execute(
+                f"SELECT job_id, attempt, error, at FROM job_errors WHERE job_id IN ({marks}) "
+                "ORDER BY rowid",
+                list(errors),
+            ):
+                errors[key].append(ErrorEntry(attempt, error, at))
+        infos = []
+        for row in rows:
+            state = JobState(row[2])
+            leased = state == LEASED
+            infos.append(
+                JobInfo(
+                    job_id=format_job_id(row[0]),
+                    queue=row[1],
+                    state=state,
+                    priority=row[3],
+                    payload=row[4],
+                    attempt=row[5],
+                    max_attempts=row[6],
+                    created_at=row[7],
+                    ready_at=row[8],
+                    run_at=row[9],
+                    lease_expires_at=row[10] if leased else None,
+                    worker_id=row[11],
+                    last_error=row[12],
+                    errors=tuple(errors[row[0]]),
+                    result=row[13],
+                    idempotency_key=row[14],
+                    finished_at=row[15],
+                )
+            )
+        return infos
+
+    def queue_stats(self) -> dict[str, dict[str, int]]:
+        """Jobs per queue and state (every state present, zeros included).
+
+        Kept in memory and updated by every transition, so this never scans the table.
+        """
+        stats: dict[str, dict[str, int]] = {}
+        for (queue, state), n in self._counts.items():
+            if n:
+                stats.setdefault(queue, dict.fromkeys(JobState, 0))[JobState(state)] = n
+        return {
+            queue: {str(s): n for s, n in by_state.items()} for queue, by_state in stats.items()
+        }
+
+    def event_totals(self) -> dict[tuple[str, str], int]:
+        """(queue, event) -> how many times it happened since this store was opened."""
+        return {key: n for key, n in self._totals.items() if n}
+
+    def dead_list(
+        self, queue: str | None, limit: int, cursor: str | None
+    ) -> tuple[list[JobInfo], str | None]:
+        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page."""
+        after = -1
+        if cursor is not None:
+            after = parse_job_id(cursor)
+            if after is None:
+                after = -1
+        if queue is None:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+                "WHERE state = 'dead' AND id > ? ORDER BY id LIMIT ?",
+                (after, limit + 1),
+            ).fetchall()
+        else:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
+                "WHERE state = 'dead' AND queue = ? AND id > ? ORDER BY id LIMIT ?",
+                (queue, after, limit + 1),
+            ).fetchall()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        next_cursor = format_job_id(rows[-1][0]) if more else None
+        return self._job_infos(rows), next_cursor
+
+    # -- dead letters ----------------------------------------------------------------------
+
+    def _dead_job(self, job_id: str, operation: str) -> tuple[int, str]:
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._db.execute("SELECT queue, state FROM jobs WHERE id = ?", (key,)).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        if row[1] != DEAD:
+            raise InvalidState(job_id, row[1], operation)
+        assert key is not None
+        return key, row[0]
+
+    def dead_retry(self, job_id: str, now: int) -> int:
+        """Make one dead job ready with fresh attempts. Its error history is kept."""
+        key, queue = self._dead_job(job_id, "retry")
+        self._revive([(key, queue)], now)
+        return 1
+
+    def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
+        """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
+        while it returns ``limit``: each call is one bounded piece of work."""
+        rows = self._db.execute(
+            "SELECT id, queue FROM jobs INDEXED BY jobs_dead_queue "
+            "WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?",
+            (queue, limit),
+        ).fetchall()
+        self._revive(rows, now)
+        return len(rows)
+
+    def _revive(self, rows: list[tuple[int, str]], now: int) -> None:
+        self._db.executemany(
+            "UPDATE jobs SET state = 'ready', attempt = 0, ready_at = ?, run_at = NULL, "
+            "finished_at = NULL, lease_token = NULL, lease_worker = NULL, "
+            "lease_expires_at = NULL WHERE id = ?",
+            [(now, key) for key, _queue in rows],
+        )
+        for _key, queue in rows:
+            self._move(queue, DEAD, READY)
+            self.changes.ready_queues.add(queue)
+
+    def dead_purge(self, job_id: str) -> int:
+        """Delete one dead job and its history."""
+        key, queue = self._dead_job(job_id, "purge")
+        self._delete_jobs([(key, queue)], DEAD)
+        return 1
+
+    def dead_purge_queue(self, queue: str, limit: int) -> int:
+        """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
+        rows = self._db.execute(
+            "SELECT id, queue FROM jobs INDEXED BY jobs_dead_queue "
+            "WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?",
+            (queue, limit),
+        ).fetchall()
+        self._delete_jobs(rows, DEAD)
+        return len(rows)

@@ -1,0 +1,351 @@
+"""The one writer thread that owns SQLite, and the async facade trio code awaits.
+
+Data flows one way::
+
+    trio task --Envelope--> memory channel --> writer thread: BEGIN IMMEDIATE
+                                                 SAVEPOINT / command.apply / RELEASE  (each)
+                                               COMMIT
+    trio task <--deliver(replies)-- trio thread <-- one hand-off per batch
+
+Group commit: the thread takes every envelope already queued (up to ``max_batch``) and runs
+them in one transaction, one savepoint per command so that one command's error does not
+undo the others, commits once, then hands all the outcomes back to trio in one call. A
+success is delivered only after its commit; if the commit fails, every command of the
+batch is answered with an error, because none of it is durable.
+
+The thread is a plain daemon thread owned by ``open_writer``; it talks to trio through the
+run's token. The same hand-off that delivers one batch's replies also takes the next batch,
+so a loaded writer costs one thread round trip per batch, not per command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from relay.errors import InternalError, RelayError, ShuttingDown
+from relay.store.commands import Command
+from relay.store.sqlite import Changes, SqliteStore
+
+log = logging.getLogger("relay.writer")
+
+# Commands queued before senders wait (backpressure). Large enough to hold a few group
+# commits' worth of pipelined requests from many connections.
+DEFAULT_CAPACITY = 4096
+# At most this many commands share one transaction: bounds the latency a command can add
+# to the others of its batch, and the size of one hand-off.
+DEFAULT_MAX_BATCH = 512
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
+# Histogram bounds for batch sizes (commands) and commit durations (seconds).
+BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+COMMIT_SECONDS_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
+
+
+def wall_clock_ms() -> int:
+    """Milliseconds since the Unix epoch: the server clock of the wire contract."""
+    return time.time_ns() // 1_000_000
+
+
+class ReplySink(Protocol):
+    """Where outcomes go. ``deliver`` runs in the trio thread, must not block, and gets the
+    (tag, outcome) pairs of one batch; an outcome is a result or a ``RelayError``."""
+
+    def deliver(self, replies: list[tuple[Any, Any]]) -> None: ...
+
+
+@attrs.define(slots=True)
+class Envelope:
+    command: Command
+    sink: ReplySink
+    tag: Any = None
+
+
+@attrs.frozen
+class HistogramSnapshot:
+    """Cumulative counts per upper bound (``counts[i]`` observations <= ``bounds[i]``)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    count: int
+    total: float
+
+
+class _Histogram:
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.buckets = [0] * len(self.bounds)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.buckets[i] += 1
+                break
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative, running = [], 0
+        for n in self.buckets:
+            running += n
+            cumulative.append(running)
+        return HistogramSnapshot(self.bounds, tuple(cumulative), self.count, self.total)
+
+
+@attrs.frozen
+class WriterStatistics:
+    queued: int  # commands waiting in the channel
+    batches: int  # transactions committed
+    commands: int  # commands in committed transactions
+    failed_commits: int  # transactions that could not commit (their commands got errors)
+    batch_sizes: HistogramSnapshot
+    commit_seconds: HistogramSnapshot
+
+
+class _Waiter:
+    """A one-shot sink for ``Writer.execute``: one request, one awaiting task."""
+
+    __slots__ = ("event", "outcome")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.outcome: Any = None
+
+    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
+        self.outcome = replies[-1][1]
+        self.event.set()
+
+
+class Writer:
+    """The async side of the writer thread. Created by ``open_writer``."""
+
+    def __init__(self, send: trio.MemorySendChannel[Envelope]) -> None:
+        self._send = send
+        self._batch_sizes = _Histogram(BATCH_SIZE_BOUNDS)
+        self._commit_seconds = _Histogram(COMMIT_SECONDS_BOUNDS)
+        self._batches = 0
+        self._commands = 0
+        self._failed_commits = 0
+        # Called in the trio thread after each commit's replies are delivered.
+        self.commit_listeners: list[Callable[[Changes], None]] = []
+
+    async def send(self, command: Command, sink: ReplySink, tag: Any = None) -> None:
+        """Queue ``command``; its outcome goes to ``sink.deliver`` after the commit.
+
+        Waits while the channel is full (backpressure). Cancelling this call before it
+        returns means the command was not queued.
+
+        Raises:
+            ShuttingDown: the writer is stopping or stopped; the command was not queued.
+        """
+        try:
+            await self._send.send(Envelope(command, sink, tag))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ShuttingDown("the store is shutting down") from None
+
+    async def execute(self, command: Command) -> Any:
+        """Run one command and return its result once committed, or raise its error.
+
+        Cancellation: cancelling the wait does not withdraw a command already queued; it
+        still runs and commits, its outcome is dropped. Use it for work whose loss of a
+        reply is safe (everything here is safe to observe later with ``Inspect``).
+        """
+        waiter = _Waiter()
+        await self.send(command, waiter)
+        await waiter.event.wait()
+        if isinstance(waiter.outcome, BaseException):
+            raise waiter.outcome
+        return waiter.outcome
+
+    def statistics(self) -> WriterStatistics:
+        return WriterStatistics(
+            queued=self._send.statistics().current_buffer_used,
+            batches=self._batches,
+            commands=self._commands,
+            failed_commits=self._failed_commits,
+            batch_sizes=self._batch_sizes.snapshot(),
+            commit_seconds=self._commit_seconds.snapshot(),
+        )
+
+    def _record(self, size: int, seconds: float | None) -> None:
+        if seconds is None:
+            self._failed_commits += 1
+            return
+        self._batches += 1
+        self._commands += size
+        self._batch_sizes.observe(size)
+        self._commit_seconds.observe(seconds)
+
+
+class _WriterThread:
+    """The thread's side: owns the store from start to close."""
+
+    def __init__(
+        self,
+        store: SqliteStore,
+        writer: Writer,
+        receive: trio.MemoryReceiveChannel[Envelope],
+        clock: Callable[[], int],
+        max_batch: int,
+    ) -> None:
+        self.store = store
+        self.writer = writer
+        self.receive = receive
+        self.clock = clock
+        self.max_batch = max_batch
+        self.token = trio.lowlevel.current_trio_token()
+        self.finished = trio.Event()
+
+    # -- these run in the trio thread ------------------------------------------------------
+
+    def _take_nowait(self) -> list[Envelope]:
+        batch: list[Envelope] = []
+        while len(batch) < self.max_batch:
+            try:
+                batch.append(self.receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        return batch
+
+    async def _wait_batch(self) -> list[Envelope] | None:
+        try:
+            first = await self.receive.receive()
+        except trio.EndOfChannel:
+            return None
+        return [first, *self._take_nowait()]
+
+    def _deliver_and_take(
+        self,
+        batch: list[Envelope],
+        outcomes: list[Any],
+        changes: Changes | None,
+        seconds: float | None,
+    ) -> list[Envelope]:
+        self.writer._record(len(batch), seconds)
+        by_sink: dict[int, tuple[ReplySink, list[tuple[Any, Any]]]] = {}
+        for envelope, outcome in zip(batch, outcomes, strict=True):
+            entry = by_sink.get(id(envelope.sink))
+            if entry is None:
+                entry = by_sink[id(envelope.sink)] = (envelope.sink, [])
+            entry[1].append((envelope.tag, outcome))
+        for sink, replies in by_sink.values():
+            try:
+                sink.deliver(replies)
+            except Exception:
+                log.exception("a reply sink failed; the other replies are delivered")
+        # Wake-ups after replies: a long-poll that a reply of this very batch parks is
+        # registered by then, so a job made ready in the same batch still wakes it.
+        if changes is not None:
+            for listener in self.writer.commit_listeners:
+                try:
+                    listener(changes)
+                except Exception:
+                    log.exception("a commit listener failed")
+        return self._take_nowait()
+
+    # -- this runs in the writer thread ----------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            batch: list[Envelope] = trio.from_thread.run_sync(
+                self._take_nowait, trio_token=self.token
+            )
+            while True:
+                if not batch:
+                    waited = trio.from_thread.run(self._wait_batch, trio_token=self.token)
+                    if waited is None:
+                        break  # channel closed and drained
+                    batch = waited
+                outcomes, changes, seconds = self._execute(batch)
+                batch = trio.from_thread.run_sync(
+                    self._deliver_and_take, batch, outcomes, changes, seconds,
+                    trio_token=self.token,
+                )  # fmt: skip
+        except (trio.RunFinishedError, trio.Cancelled):
+            log.warning("trio stopped before the writer channel was closed")
+        except BaseException:
+            log.exception("writer thread crashed")
+        finally:
+            try:
+                self.store.close()
+            finally:
+                with contextlib.suppress(trio.RunFinishedError):
+                    trio.from_thread.run_sync(self._stopped, trio_token=self.token)
+
+    def _stopped(self) -> None:
+        # After a crash, refuse new commands and answer any still queued, so that no
+        # sender waits forever for a thread that is gone. After a clean stop the channel
+        # is already closed and drained, and this does nothing.
+        while leftover := self._take_nowait():
+            for envelope in leftover:
+                envelope.sink.deliver([(envelope.tag, ShuttingDown("the store has stopped"))])
+        self.receive.close()
+        self.finished.set()
+
+    def _execute(self, batch: list[Envelope]) -> tuple[list[Any], Changes | None, float | None]:
+        store = self.store
+        started = time.perf_counter()
+        now = self.clock()
+        outcomes: list[Any] = []
+        try:
+            store.begin()
+            for envelope in batch:
+                try:
+                    with store.command():
+                        outcomes.append(envelope.command.apply(store, now))
+                except RelayError as exc:
+                    outcomes.append(exc)
+                except Exception as exc:
+                    log.exception("command %r failed", type(envelope.command).__name__)
+                    outcomes.append(InternalError(f"{type(exc).__name__}: {exc}"))
+            changes = store.commit()
+        except Exception as exc:
+            log.exception("transaction of %d commands failed; none is committed", len(batch))
+            store.rollback()
+            error = InternalError(f"not committed: {type(exc).__name__}: {exc}")
+            return [error] * len(batch), None, None
+        return outcomes, changes, time.perf_counter() - started
+
+
+@asynccontextmanager
+async def open_writer(
+    store: SqliteStore,
+    *,
+    clock: Callable[[], int] = wall_clock_ms,
+    capacity: int = DEFAULT_CAPACITY,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+) -> AsyncIterator[Writer]:
+    """Start the writer thread on ``store`` and yield its async facade.
+
+    Ownership: the thread owns ``store`` from here on and closes it (checkpoint, close)
+    when it stops. Leaving the block closes the command channel: the thread finishes what
+    is queued, commits, and stops; the exit waits for that for at most
+    ``shutdown_timeout`` seconds, shielded from cancellation. If the disk is so stuck that
+    the deadline passes, the exit logs it and returns; the daemon thread then ends with
+    the process, and SQLite's journal keeps the file consistent.
+    """
+    send, receive = trio.open_memory_channel[Envelope](capacity)
+    writer = Writer(send)
+    thread_side = _WriterThread(store, writer, receive, clock, max_batch)
+    thread = threading.Thread(target=thread_side.run, name="relay-writer", daemon=True)
+    thread.start()
+    try:
+        yield writer
+    finally:
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + shutdown_timeout
+            await send.aclose()
+            await thread_side.finished.wait()
+        if scope.cancelled_caught:
+            log.error("writer thread did not stop within %.1f s", shutdown_timeout)
