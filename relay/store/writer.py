@@ -256,10 +256,9 @@ class _WriterThread:
     # -- this runs in the writer thread ----------------------------------------------------
 
     def run(self) -> None:
+        batch: list[Envelope] = []  # taken from the channel, not yet answered
         try:
-            batch: list[Envelope] = trio.from_thread.run_sync(
-                self._take_nowait, trio_token=self.token
-            )
+            batch = trio.from_thread.run_sync(self._take_nowait, trio_token=self.token)
             while True:
                 if not batch:
                     waited = trio.from_thread.run(self._wait_batch, trio_token=self.token)
@@ -277,15 +276,19 @@ class _WriterThread:
             log.exception("writer thread crashed")
         finally:
             try:
+                # Closing with a transaction open rolls it back: nothing of `batch` is kept.
                 self.store.close()
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
-                    trio.from_thread.run_sync(self._stopped, trio_token=self.token)
+                    trio.from_thread.run_sync(self._stopped, batch, trio_token=self.token)
 
-    def _stopped(self) -> None:
-        # After a crash, refuse new commands and answer any still queued, so that no
-        # sender waits forever for a thread that is gone. After a clean stop the channel
-        # is already closed and drained, and this does nothing.
+    def _stopped(self, in_hand: list[Envelope]) -> None:
+        # After a crash, answer what the thread held and what is still queued, and refuse
+        # new commands, so that no sender waits forever for a thread that is gone. After a
+        # clean stop nothing is in hand, the channel is closed and drained, and this only
+        # sets `finished`.
+        for envelope in in_hand:
+            envelope.sink.deliver([(envelope.tag, InternalError("not committed: writer crashed"))])
         while leftover := self._take_nowait():
             for envelope in leftover:
                 envelope.sink.deliver([(envelope.tag, ShuttingDown("the store has stopped"))])

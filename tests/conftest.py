@@ -1,0 +1,23 @@
+"""Shared fixtures. The store is synchronous: tests drive it with explicit ``now`` values."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from relay.store.sqlite import SqliteStore, StoreConfig
+
+# A fixed instant (2026-01-01T00:00:00Z) to start test clocks from.
+T0 = 1_767_225_600_000
+
+
+@pytest.fixture
+def store() -> Iterator[SqliteStore]:
+    """A fresh in-memory store whose jitter comes from a seeded generator."""
+    s = SqliteStore.open(":memory:", StoreConfig(), rng=random.Random(1234))
+    try:
+        yield s
+    finally:
+        s.close()

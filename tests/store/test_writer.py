@@ -1,0 +1,329 @@
+"""The writer thread: group commit, savepoints, replies after commit, shutdown.
+
+These tests run real threads and a real SQLite file, so they use trio's real clock with
+``fail_after`` bounds; the store's own time comes from an injected clock.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from relay.errors import InternalError, ShuttingDown, StaleToken
+from relay.model import JobState, SubmitSpec, parse_job_id
+from relay.store import commands as cmd
+from relay.store.sqlite import Changes, SqliteStore
+from relay.store.writer import Writer, open_writer
+from tests.conftest import T0
+
+# Every wait in these tests is bounded; a hang fails the test instead of the run.
+BOUND_S = 10
+
+
+class FakeClock:
+    def __init__(self, now: int = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class Collect:
+    """A reply sink that records each delivery (one list per batch) in order."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.deliveries: list[list[tuple[Any, Any]]] = []
+        self.done = trio.Event()
+
+    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
+        self.deliveries.append(list(replies))
+        if sum(map(len, self.deliveries)) >= self.expected:
+            self.done.set()
+
+    @property
+    def outcomes(self) -> dict[Any, Any]:
+        return {tag: outcome for batch in self.deliveries for tag, outcome in batch}
+
+
+@attrs.frozen(eq=False)
+class Gate:
+    """A command that holds the writer thread until released, so that the commands sent
+    meanwhile are all queued when the thread takes its next batch."""
+
+    entered: threading.Event = attrs.Factory(threading.Event)
+    release: threading.Event = attrs.Factory(threading.Event)
+
+    def apply(self, store: SqliteStore, now: int) -> str:
+        self.entered.set()
+        assert self.release.wait(BOUND_S), "gate never released"
+        return "passed"
+
+
+@attrs.frozen
+class WriteThenExplode:
+    """Inserts a job, then fails with an unexpected (non-relay) exception."""
+
+    def apply(self, store: SqliteStore, now: int) -> None:
+        store.jobs_submit([SubmitSpec("explode", "1")], now)
+        raise ZeroDivisionError("boom")
+
+
+async def hold_writer(writer: Writer) -> Gate:
+    """Occupy the writer thread with a Gate and return once it is inside it."""
+    gate = Gate()
+    sink = Collect(1)
+    await writer.send(gate, sink)
+    await trio.to_thread.run_sync(gate.entered.wait, BOUND_S)
+    return gate
+
+
+def spec(queue: str = "q", **kw: Any) -> SubmitSpec:
+    return SubmitSpec(queue, kw.pop("payload", "{}"), **kw)
+
+
+@pytest.fixture
+def db_path(tmp_path) -> str:
+    return str(tmp_path / "relay.db")
+
+
+def committed_ids(path: str) -> set[int]:
+    with sqlite3.connect(path) as conn:
+        return {row[0] for row in conn.execute("SELECT id FROM jobs")}
+
+
+async def test_queued_commands_share_one_transaction(db_path):
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            sink = Collect(50)
+            for i in range(50):
+                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
+            before = writer.statistics()
+            gate.release.set()
+            await sink.done.wait()
+            after = writer.statistics()
+    assert before.queued == 50
+    # All fifty were waiting when the thread came back: one batch, one commit, one hand-off.
+    assert len(sink.deliveries) == 1
+    # Two transactions in all: the gate's, then the fifty submits together.
+    assert (before.batches, after.batches) == (0, 2)
+    assert after.commands == 51
+    assert after.batch_sizes.count == after.batches
+    assert [tag for tag, _ in sink.deliveries[0]] == list(range(50))
+
+
+async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            sink = Collect(4)
+            await writer.send(cmd.Submit((spec(payload="1"),)), sink, tag="a")
+            await writer.send(cmd.Ack("job_0000000000000001", "w", "bad"), sink, tag="stale")
+            await writer.send(WriteThenExplode(), sink, tag="explode")
+            await writer.send(cmd.Submit((spec(payload="2"),)), sink, tag="b")
+            gate.release.set()
+            await sink.done.wait()
+            stats = await writer.execute(cmd.Stats())
+    out = sink.outcomes
+    assert out["a"][0].state == JobState.READY
+    assert out["b"][0].state == JobState.READY
+    assert isinstance(out["stale"], Exception) and out["stale"].code == "not_found"
+    assert isinstance(out["explode"], InternalError)
+    assert "ZeroDivisionError" in out["explode"].message
+    # The exploding command's own insert was rolled back with its savepoint.
+    assert stats == {"q": {"pending": 0, "ready": 2, "leased": 0, "retrying": 0,
+                           "succeeded": 0, "dead": 0}}  # fmt: skip
+    assert committed_ids(db_path) == {
+        parse_job_id(out["a"][0].job_id),
+        parse_job_id(out["b"][0].job_id),
+    }
+
+
+async def test_replies_are_delivered_only_after_their_commit(db_path):
+    store = SqliteStore.open(db_path)
+    seen_committed: list[bool] = []
+
+    class CheckOnDelivery(Collect):
+        def deliver(self, replies):
+            # A second connection sees only committed data.
+            ids = committed_ids(db_path)
+            for _tag, results in replies:
+                seen_committed.extend(parse_job_id(r.job_id) in ids for r in results)
+            super().deliver(replies)
+
+    sink = CheckOnDelivery(20)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            for i in range(20):
+                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
+            await sink.done.wait()
+    assert seen_committed == [True] * 20
+
+
+async def test_a_failed_commit_answers_every_command_with_an_error(db_path):
+    store = SqliteStore.open(db_path)
+    real_commit = store.commit
+    failures = iter([False, True])  # the gate's batch commits, the next one fails
+
+    def commit_once_failing() -> Changes:
+        if next(failures, False):
+            raise sqlite3.OperationalError("disk I/O error")
+        return real_commit()
+
+    store.commit = commit_once_failing  # type: ignore[method-assign]
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            sink = Collect(3)
+            for i in range(3):
+                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
+            gate.release.set()
+            await sink.done.wait()
+            stats = await writer.execute(cmd.Stats())
+            failed = writer.statistics().failed_commits
+    assert all(isinstance(o, InternalError) for o in sink.outcomes.values())
+    assert all("not committed" in o.message for o in sink.outcomes.values())
+    assert failed == 1
+    # Nothing of the failed batch is in the file, and the in-memory counts agree.
+    assert committed_ids(db_path) == set()
+    assert stats == {}
+
+
+async def test_concurrent_claimers_never_hold_one_job_twice(db_path):
+    store = SqliteStore.open(db_path)
+    clock = FakeClock()
+    claims: list[tuple[str, str]] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=clock) as writer:
+            await writer.execute(cmd.Submit(tuple(spec(payload=str(i)) for i in range(300))))
+
+            async def claimer(n: int) -> None:
+                while True:
+                    leases = await writer.execute(cmd.Claim(("q",), f"w{n}", 1 + n % 4, 30_000))
+                    if not leases:
+                        return
+                    claims.extend((lease.job_id, lease.token) for lease in leases)
+
+            async with trio.open_nursery() as nursery:
+                for n in range(40):
+                    nursery.start_soon(claimer, n)
+            stats = await writer.execute(cmd.Stats())
+    job_ids = [job_id for job_id, _ in claims]
+    assert len(job_ids) == 300
+    assert len(set(job_ids)) == 300, "a job was leased twice"
+    assert len({token for _, token in claims}) == 300
+    assert stats["q"]["leased"] == 300 and stats["q"]["ready"] == 0
+
+
+async def test_concurrent_idempotent_submits_create_one_job(db_path):
+    store = SqliteStore.open(db_path)
+    results = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+
+            async def submit() -> None:
+                (result,) = await writer.execute(cmd.Submit((spec(idempotency_key="order-17"),)))
+                results.append(result)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(30):
+                    nursery.start_soon(submit)
+    assert len({r.job_id for r in results}) == 1
+    assert sorted(r.duplicate for r in results) == [False] + [True] * 29
+    assert len(committed_ids(db_path)) == 1
+
+
+async def test_stale_token_error_is_raised_by_execute(db_path):
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            await writer.execute(cmd.Submit((spec(),)))
+            (lease,) = await writer.execute(cmd.Claim(("q",), "w", 1, 30_000))
+            with pytest.raises(StaleToken):
+                await writer.execute(cmd.Ack(lease.job_id, "w", "0" * 32))
+            await writer.execute(cmd.Ack(lease.job_id, "w", lease.token))
+            info = await writer.execute(cmd.Inspect(lease.job_id))
+    assert info.state == JobState.SUCCEEDED
+
+
+async def test_the_store_sees_the_injected_clock(db_path):
+    store = SqliteStore.open(db_path)
+    clock = FakeClock(T0)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=clock) as writer:
+            (result,) = await writer.execute(cmd.Submit((spec(delay_ms=5_000),)))
+            assert result.state == JobState.PENDING
+            clock.now = T0 + 4_999
+            assert await writer.execute(cmd.PromoteDue(100)) == 0
+            clock.now = T0 + 5_000
+            assert await writer.execute(cmd.PromoteDue(100)) == 1
+            info = await writer.execute(cmd.Inspect(result.job_id))
+    assert info.state == JobState.READY
+    assert info.ready_at == T0 + 5_000
+
+
+async def test_commit_listeners_hear_which_queues_got_ready_jobs(db_path):
+    store = SqliteStore.open(db_path)
+    heard: list[Changes] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            await writer.execute(cmd.Submit((spec("emails"), spec("later", delay_ms=60_000))))
+    ready = set().union(*(c.ready_queues for c in heard))
+    due = [c.next_due_at for c in heard if c.next_due_at is not None]
+    assert ready == {"emails"}
+    assert due == [T0 + 60_000]
+
+
+async def test_shutdown_commits_everything_queued_then_refuses(db_path):
+    store = SqliteStore.open(db_path)
+    sink = Collect(100)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            for i in range(100):
+                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
+            gate.release.set()
+            # Leaving the block closes the channel while all hundred are still queued.
+        assert sink.done.is_set()
+        with pytest.raises(ShuttingDown):
+            await writer.execute(cmd.Stats())
+    assert all(not isinstance(o, Exception) for o in sink.outcomes.values())
+    assert len(committed_ids(db_path)) == 100
+    # The thread closed the store: the WAL was checkpointed into the main file.
+    reopened = SqliteStore.open(db_path)
+    try:
+        assert reopened.queue_stats()["q"]["ready"] == 100
+    finally:
+        reopened.close()
+
+
+async def test_a_crashed_writer_answers_what_it_held_and_what_was_queued(db_path):
+    @attrs.frozen
+    class Crash:
+        def apply(self, store: SqliteStore, now: int) -> None:
+            raise SystemExit("simulated thread death")
+
+    store = SqliteStore.open(db_path)
+    sink = Collect(2)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            await writer.send(cmd.Submit((spec(),)), sink, tag="held")
+            await writer.send(Crash(), sink, tag="crash")
+            gate.release.set()
+            await sink.done.wait()
+            with pytest.raises(ShuttingDown):
+                await writer.execute(cmd.Stats())
+    outcomes = sink.outcomes
+    assert isinstance(outcomes["held"], InternalError)
+    assert isinstance(outcomes["crash"], InternalError)
+    assert committed_ids(db_path) == set()
