@@ -91,7 +91,7 @@ class Backoff:
         full = self.max_ms if doublings >= 62 else min(self.max_ms, self.base_ms << doublings)
         if not self.jitter:
             return full
-        half = full // 2
+        half = (full + 1) // 2  # never below 50 %, also for an odd number of ms
         return half + rng.randint(0, full - half)
 
 

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ import attrs
 import trio
 
 from relay.errors import InternalError, RelayError, ShuttingDown
+from relay.histogram import Histogram, HistogramSnapshot
 from relay.store.commands import Command
 from relay.store.sqlite import Changes, SqliteStore
 
@@ -70,39 +71,6 @@ class Envelope:
 
 
 @attrs.frozen
-class HistogramSnapshot:
-    """Cumulative counts per upper bound (``counts[i]`` observations <= ``bounds[i]``)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    count: int
-    total: float
-
-
-class _Histogram:
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.buckets = [0] * len(self.bounds)
-        self.count = 0
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.buckets[i] += 1
-                break
-
-    def snapshot(self) -> HistogramSnapshot:
-        cumulative, running = [], 0
-        for n in self.buckets:
-            running += n
-            cumulative.append(running)
-        return HistogramSnapshot(self.bounds, tuple(cumulative), self.count, self.total)
-
-
-@attrs.frozen
 class WriterStatistics:
     queued: int  # commands waiting in the channel
     batches: int  # transactions committed
@@ -131,8 +99,8 @@ class Writer:
 
     def __init__(self, send: trio.MemorySendChannel[Envelope]) -> None:
         self._send = send
-        self._batch_sizes = _Histogram(BATCH_SIZE_BOUNDS)
-        self._commit_seconds = _Histogram(COMMIT_SECONDS_BOUNDS)
+        self._batch_sizes = Histogram(BATCH_SIZE_BOUNDS)
+        self._commit_seconds = Histogram(COMMIT_SECONDS_BOUNDS)
         self._batches = 0
         self._commands = 0
         self._failed_commits = 0

@@ -1,0 +1,54 @@
+"""Structured logs: one JSON object per line on stderr (time, level, event, fields).
+
+Code logs through the standard ``logging`` module, with the event name as the message and
+the fields in ``extra={"fields": {...}}``; ``configure`` installs the JSON formatter on the
+``relay`` logger, at the level named by ``RELAY_LOG`` (debug, info, warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import orjson
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "event": record.getMessage(),
+            "logger": record.name,
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def configure(level: str | None = None, stream: Any = None) -> None:
+    """Send the ``relay`` logger's records to ``stream`` (stderr) as JSON lines."""
+    name = (level or os.environ.get("RELAY_LOG") or "info").lower()
+    if name not in LEVELS:
+        raise ValueError(f"RELAY_LOG must be one of {', '.join(LEVELS)}, not {name!r}")
+    logger = logging.getLogger("relay")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(LEVELS[name])
+    logger.propagate = False
+
+
+def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
+    """Log ``name`` with ``fields`` (skipping the work when the level is off)."""
+    if logger.isEnabledFor(level):
+        logger.log(level, name, extra={"fields": fields})

@@ -1,0 +1,347 @@
+"""From a parsed frame to a store command, and from a committed outcome to reply bytes.
+
+The dispatcher is transport-free: it talks to a ``Connection`` (anything with ``deliver``,
+``reply``, ``begin_request`` and a nursery for rare admin work), so TCP sessions and the
+WebSocket endpoint share it. The hot path spawns no task and allocates no Event: a request
+becomes an envelope for the writer, tagged with a small ``Pending``; the writer's hand-off
+calls ``Connection.deliver``, which calls ``finish`` to encode each reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from relay import wire
+from relay.errors import InternalError, RelayError
+from relay.histogram import Histogram
+from relay.model import FailOutcome, JobInfo, Lease, SubmitResult
+from relay.server.longpoll import LongPolls
+from relay.store import commands as cmd
+from relay.store.writer import Writer
+
+log = logging.getLogger("relay.dispatch")
+
+VERSION = "0.1.0"
+
+# Request duration buckets (seconds): from a pipelined submit (~0.1 ms) to a full long-poll.
+DURATION_BOUNDS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+    2.5, 5, 10, 30, 60,
+)  # fmt: skip
+
+# Dead letters of a whole queue are retried or purged this many per transaction, so one
+# admin request never holds the writer for long.
+DEAD_CHUNK = 1000
+
+
+class Connection(Protocol):
+    nursery: trio.Nursery
+    closed: bool
+
+    def begin_request(self) -> None: ...
+    def reply(self, data: bytes) -> None: ...
+    def deliver(self, replies: list[tuple[Any, Any]]) -> None: ...
+
+
+@attrs.define(slots=True, eq=False)
+class Pending:
+    """The tag of a request in flight: enough to encode its reply and to time it."""
+
+    request_id: Any
+    op: str
+    started: float
+    encode: Callable[[Any], dict[str, Any]]
+
+
+@attrs.define(slots=True, eq=False)
+class PendingLease(Pending):
+    queues: tuple[str, ...] = ()
+    worker_id: str = ""
+    count: int = 1
+    lease_ms: int = 0
+    deadline: float = 0.0
+
+    def claim(self) -> cmd.Claim:
+        return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms)
+
+
+def _submit_result(result: SubmitResult) -> dict[str, Any]:
+    return {"job_id": result.job_id, "state": str(result.state), "duplicate": result.duplicate}
+
+
+def _encode_submit(results: list[SubmitResult]) -> dict[str, Any]:
+    return _submit_result(results[0])
+
+
+def _encode_batch(results: list[SubmitResult]) -> dict[str, Any]:
+    return {"results": [_submit_result(r) for r in results]}
+
+
+def _encode_lease(leases: list[Lease]) -> dict[str, Any]:
+    return {"jobs": [wire.lease_fields(lease) for lease in leases]}
+
+
+def _encode_fail(outcome: FailOutcome) -> dict[str, Any]:
+    fields: dict[str, Any] = {"state": str(outcome.state)}
+    if outcome.retry_at is not None:
+        fields["retry_at"] = outcome.retry_at
+    return fields
+
+
+def _encode_dead_list(page: tuple[list[JobInfo], str | None]) -> dict[str, Any]:
+    jobs, next_cursor = page
+    return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
+
+
+@attrs.frozen
+class DispatchStatistics:
+    in_flight: int
+    parked_leases: int
+    durations: dict[str, Any]  # op -> HistogramSnapshot
+
+
+class Dispatcher:
+    """Turns requests into store commands and outcomes into replies, for every connection."""
+
+    def __init__(
+        self,
+        writer: Writer,
+        limits: wire.Limits,
+        longpolls: LongPolls,
+        *,
+        connections: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.writer = writer
+        self.limits = limits
+        self.longpolls = longpolls
+        self._connections = connections
+        self._started_ns = time.monotonic_ns()
+        self._durations: dict[str, Histogram] = {}
+        self.in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.leasing = True  # cleared at shutdown: leases answer no jobs at once
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def _begin(self, connection: Connection) -> None:
+        connection.begin_request()
+        self.in_flight += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    def _end(self, op: str, started: float) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+        histogram = self._durations.get(op)
+        if histogram is None:
+            histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
+        histogram.observe(trio.current_time() - started)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight on any connection."""
+        while self.in_flight:
+            await self._idle.wait()
+
+    def statistics(self) -> DispatchStatistics:
+        return DispatchStatistics(
+            in_flight=self.in_flight,
+            parked_leases=self.longpolls.parked,
+            durations={op: h.snapshot() for op, h in self._durations.items()},
+        )
+
+    def _reply_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
+        connection.reply(data)
+        self._end(op, started)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def dispatch(self, connection: Connection, line: bytes) -> None:
+        """Handle one frame. Waits only for room in the writer's channel (backpressure)."""
+        started = trio.current_time()
+        self._begin(connection)
+        request_id: Any = None
+        op = "invalid"
+        try:
+            frame = wire.decode_frame(line)
+            request_id = frame.id
+            op = frame.op if isinstance(frame.op, str) and frame.op in wire.REQUEST_TYPES else op
+            request = wire.parse_request(frame, self.limits)
+            handler = getattr(self, f"_op_{frame.op}")
+            await handler(connection, Pending(request_id, op, started, _no_fields), request)
+        except RelayError as exc:
+            self._reply_now(connection, op, started, wire.encode_error(request_id, exc))
+        except Exception:
+            log.exception("request.internal_error", extra={"fields": {"op": op}})
+            error = InternalError("internal error; the server logged it")
+            self._reply_now(connection, op, started, wire.encode_error(request_id, error))
+
+    async def _send(
+        self, connection: Connection, tag: Pending, command: Any, encode: Callable
+    ) -> None:
+        tag.encode = encode
+        await self.writer.send(command, connection, tag)
+
+    async def _op_hello(self, connection: Connection, tag: Pending, request: wire.Hello) -> None:
+        fields = {
+            "server": "relay-trio",
+            "version": VERSION,
+            "protocol": wire.PROTOCOL_VERSION,
+            "limits": self.limits.advertised(),
+        }
+        self._reply_now(connection, tag.op, tag.started, wire.encode_ok(tag.request_id, fields))
+
+    async def _op_ping(self, connection: Connection, tag: Pending, request: wire.Ping) -> None:
+        self._reply_now(connection, tag.op, tag.started, wire.encode_ok(tag.request_id, {}))
+
+    async def _op_submit(self, connection: Connection, tag: Pending, spec: Any) -> None:
+        await self._send(connection, tag, cmd.Submit((spec,)), _encode_submit)
+
+    async def _op_submit_batch(self, connection: Connection, tag: Pending, specs: Any) -> None:
+        await self._send(connection, tag, cmd.Submit(specs), _encode_batch)
+
+    async def _op_lease(
+        self, connection: Connection, tag: Pending, request: wire.LeaseRequest
+    ) -> None:
+        if not self.leasing:
+            data = wire.encode_ok(tag.request_id, {"jobs": []})
+            self._reply_now(connection, tag.op, tag.started, data)
+            return
+        lease = PendingLease(
+            tag.request_id,
+            tag.op,
+            tag.started,
+            _encode_lease,
+            queues=tuple(dict.fromkeys(request.queues)),
+            worker_id=request.worker_id,
+            count=request.count,
+            lease_ms=request.lease_ms,
+            deadline=tag.started + request.wait_ms / 1000,
+        )
+        await self.writer.send(lease.claim(), connection, lease)
+
+    async def _op_renew(self, connection: Connection, tag: Pending, request: wire.Renew) -> None:
+        command = cmd.Renew(request.job_id, request.worker_id, request.token, request.lease_ms)
+        await self._send(connection, tag, command, lambda at: {"lease_expires_at": at})
+
+    async def _op_ack(self, connection: Connection, tag: Pending, request: wire.Ack) -> None:
+        result = request.result_text(self.limits)
+        command = cmd.Ack(request.job_id, request.worker_id, request.token, result)
+        await self._send(connection, tag, command, lambda _: {"state": "succeeded"})
+
+    async def _op_fail(self, connection: Connection, tag: Pending, request: wire.Fail) -> None:
+        command = cmd.Fail(
+            request.job_id, request.worker_id, request.token, request.error, request.retryable
+        )
+        await self._send(connection, tag, command, _encode_fail)
+
+    async def _op_release(
+        self, connection: Connection, tag: Pending, request: wire.Release
+    ) -> None:
+        command = cmd.Release(request.job_id, request.worker_id, request.token)
+        await self._send(connection, tag, command, lambda _: {"state": "ready"})
+
+    async def _op_inspect(
+        self, connection: Connection, tag: Pending, request: wire.Inspect
+    ) -> None:
+        command = cmd.Inspect(request.job_id)
+        await self._send(connection, tag, command, lambda job: {"job": wire.job_fields(job)})
+
+    async def _op_stats(self, connection: Connection, tag: Pending, request: wire.Stats) -> None:
+        def encode(queues: dict[str, dict[str, int]]) -> dict[str, Any]:
+            server = {
+                "version": VERSION,
+                "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
+                "connections": self._connections(),
+            }
+            return {"queues": queues, "server": server}
+
+        await self._send(connection, tag, cmd.Stats(), encode)
+
+    async def _op_dead_list(
+        self, connection: Connection, tag: Pending, request: wire.DeadList
+    ) -> None:
+        command = cmd.DeadList(request.queue, request.limit, request.cursor)
+        await self._send(connection, tag, command, _encode_dead_list)
+
+    async def _op_dead_retry(
+        self, connection: Connection, tag: Pending, request: wire.DeadRetry
+    ) -> None:
+        await self._dead(connection, tag, request, cmd.DeadRetry, cmd.DeadRetryQueue)
+
+    async def _op_dead_purge(
+        self, connection: Connection, tag: Pending, request: wire.DeadPurge
+    ) -> None:
+        await self._dead(connection, tag, request, cmd.DeadPurge, cmd.DeadPurgeQueue)
+
+    async def _dead(
+        self,
+        connection: Connection,
+        tag: Pending,
+        request: wire.DeadSelect,
+        one: Callable[[str], Any],
+        chunk: Callable[[str, int], Any],
+    ) -> None:
+        if request.job_id is not None:
+            await self._send(connection, tag, one(request.job_id), lambda n: {"count": n})
+            return
+        # A whole queue: a rare admin request that may take many transactions. It gets a
+        # task in the connection's nursery (the one exception to "no task per request"),
+        # so the connection keeps reading and the writer serves others between chunks.
+        assert request.queue is not None
+        connection.nursery.start_soon(self._dead_queue, connection, tag, request.queue, chunk)
+
+    async def _dead_queue(
+        self, connection: Connection, tag: Pending, queue: str, chunk: Callable
+    ) -> None:
+        total = 0
+        try:
+            while True:
+                n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
+                total += n
+                if n < DEAD_CHUNK:
+                    break
+            data = wire.encode_ok(tag.request_id, {"count": total})
+        except RelayError as exc:
+            data = wire.encode_error(tag.request_id, exc)
+        self._reply_now(connection, tag.op, tag.started, data)
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def finish(self, connection: Connection, tag: Pending, outcome: Any) -> bytes | None:
+        """The reply bytes for ``outcome``, or None if the request is parked (long-poll).
+
+        Runs in the trio thread inside the writer's hand-off; must not block.
+        """
+        if isinstance(outcome, RelayError):
+            data = wire.encode_error(tag.request_id, outcome)
+        else:
+            if (
+                not outcome
+                and isinstance(tag, PendingLease)
+                and self.leasing
+                and not connection.closed
+                and not self.longpolls.closing
+                and tag.deadline > trio.current_time()
+            ):
+                self.longpolls.park(tag, connection)
+                return None
+            try:
+                data = wire.encode_ok(tag.request_id, tag.encode(outcome))
+            except Exception:
+                log.exception("encoding the reply of %s failed", tag.op)
+                error = InternalError("internal error; the server logged it")
+                data = wire.encode_error(tag.request_id, error)
+        self._end(tag.op, tag.started)
+        return data
+
+
+def _no_fields(_: Any) -> dict[str, Any]:
+    return {}

@@ -1,0 +1,105 @@
+"""The capacity-limited accept loop for NDJSON over TCP.
+
+Each accepted connection takes a token of a ``CapacityLimiter`` on its own behalf (the
+listener acquires it, the session's task releases it), so ``max_connections`` bounds the
+sessions alive at once. The contract asks that a connection over the cap be told so, so
+the listener accepts it, writes one ``overloaded`` line and closes it, rather than
+leaving it unaccepted in the kernel's backlog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from relay import wire
+from relay.errors import Overloaded
+from relay.log import event
+
+log = logging.getLogger("relay.listener")
+
+# A refused peer gets this long to take its one line; it is written inline by the accept
+# loop, and a fresh socket's send buffer takes ~60 bytes at once, so this rarely waits.
+REFUSE_TIMEOUT_S = 1.0
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+class Listener:
+    """Accepts connections until ``stop_accepting``; owns every session task it starts."""
+
+    def __init__(
+        self,
+        listeners: list[trio.SocketListener],
+        handle: Callable[[trio.SocketStream, str], Awaitable[None]],
+        max_connections: int,
+    ) -> None:
+        self._listeners = listeners
+        self._handle = handle
+        self.limiter = trio.CapacityLimiter(max_connections)
+        self._accepting = trio.CancelScope()
+        self.refused = 0
+
+    @property
+    def connections(self) -> int:
+        return self.limiter.borrowed_tokens
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets; sessions already open go on."""
+        self._accepting.cancel()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        """Run until cancelled. Cancellation ends every session (the nursery owns them)."""
+        async with trio.open_nursery() as sessions:
+            with self._accepting:
+                async with trio.open_nursery() as accepting:
+                    for listener in self._listeners:
+                        accepting.start_soon(self._accept_loop, listener, sessions)
+                    task_status.started()
+            for listener in self._listeners:
+                await trio.aclose_forcefully(listener)
+
+    async def _accept_loop(self, listener: trio.SocketListener, sessions: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                event(log, logging.WARNING, "listener.accept_failed", error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            owner = object()
+            try:
+                self.limiter.acquire_on_behalf_of_nowait(owner)
+            except trio.WouldBlock:
+                await self._refuse(stream)
+                continue
+            sessions.start_soon(self._run_session, stream, owner)
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        self.refused += 1
+        peer = _peer(stream)
+        event(log, logging.WARNING, "connection.refused", peer=peer, reason="max_connections")
+        error = Overloaded(f"too many connections (max {self.limiter.total_tokens})")
+        with trio.move_on_after(REFUSE_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(wire.encode_error(None, error))
+        await trio.aclose_forcefully(stream)
+
+    async def _run_session(self, stream: trio.SocketStream, owner: object) -> None:
+        peer = _peer(stream)
+        event(log, logging.DEBUG, "connection.open", peer=peer)
+        try:
+            await self._handle(stream, peer)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            event(log, logging.DEBUG, "connection.broken", peer=peer, error=repr(exc))
+        finally:
+            self.limiter.release_on_behalf_of(owner)
+            event(log, logging.DEBUG, "connection.close", peer=peer)

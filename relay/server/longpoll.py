@@ -1,0 +1,127 @@
+"""Parked long-poll leases: woken by commits that make jobs ready, answered at their deadline.
+
+A ``lease`` with ``wait_ms`` that finds nothing is parked here, inside the delivery of its
+empty result (so it is registered before any later commit's wake-ups are delivered). One
+task, ``LongPolls.run``, serves every parked lease: it re-sends the claims of the woken
+ones and answers ``jobs: []`` to those whose deadline passed. No per-request task, and no
+polling of the database: a parked lease costs nothing until its queue gets a ready job.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from relay.store.commands import Claim
+from relay.store.sqlite import Changes
+from relay.store.writer import ReplySink, Writer
+
+
+class LeaseTag(Protocol):
+    """What a parked lease must tell the hub (the dispatcher's tag for a lease request)."""
+
+    queues: tuple[str, ...]
+    deadline: float  # trio time
+
+    def claim(self) -> Claim: ...
+
+
+@attrs.define(eq=False, slots=True)
+class _Parked:
+    tag: Any
+    sink: ReplySink
+    active: bool = True
+
+
+class LongPolls:
+    """The registry of parked leases and the one task that serves them."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+        self._by_queue: dict[str, set[_Parked]] = {}
+        self._deadlines: list[tuple[float, int, _Parked]] = []
+        self._order = itertools.count()
+        self._woken: list[_Parked] = []
+        self._lot = trio.lowlevel.ParkingLot()
+        self.closing = False
+
+    @property
+    def parked(self) -> int:
+        return sum(1 for _, _, p in self._deadlines if p.active)
+
+    def park(self, tag: LeaseTag, sink: ReplySink) -> None:
+        """Register a lease that found nothing. Sync: called from a reply delivery."""
+        entry = _Parked(tag, sink)
+        for queue in tag.queues:
+            self._by_queue.setdefault(queue, set()).add(entry)
+        heapq.heappush(self._deadlines, (tag.deadline, next(self._order), entry))
+        self._lot.unpark_all()  # the earliest deadline may have changed
+
+    def on_commit(self, changes: Changes) -> None:
+        """Commit listener: wake every lease parked on a queue that got ready jobs."""
+        woke = False
+        for queue in changes.ready_queues:
+            for entry in list(self._by_queue.get(queue, ())):
+                self._unregister(entry)
+                self._woken.append(entry)
+                woke = True
+        if woke:
+            self._lot.unpark_all()
+
+    def drop(self, sink: ReplySink) -> None:
+        """Answer now every lease parked for ``sink``, whose connection has closed (the
+        answer is dropped there, but the request is accounted as finished)."""
+        for _, _, entry in self._deadlines:
+            if entry.active and entry.sink is sink:
+                self._unregister(entry)
+                sink.deliver([(entry.tag, [])])
+
+    def close(self) -> None:
+        """Shutdown: answer every parked lease with no jobs, and park no more."""
+        self.closing = True
+        for _, _, entry in self._deadlines:
+            if entry.active:
+                self._unregister(entry)
+                entry.sink.deliver([(entry.tag, [])])
+        self._deadlines.clear()
+        self._lot.unpark_all()
+
+    def _unregister(self, entry: _Parked) -> None:
+        entry.active = False
+        for queue in entry.tag.queues:
+            waiting = self._by_queue.get(queue)
+            if waiting is not None:
+                waiting.discard(entry)
+                if not waiting:
+                    del self._by_queue[queue]
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve parked leases until cancelled."""
+        task_status.started()
+        while True:
+            while self._woken:
+                entry = self._woken.pop()
+                if getattr(entry.sink, "closed", False):
+                    entry.sink.deliver([(entry.tag, [])])  # nobody to lease for
+                    continue
+                # Its claim goes round again; an empty answer parks it anew (until its
+                # deadline), a job answers it.
+                await self._writer.send(entry.tag.claim(), entry.sink, entry.tag)
+            now = trio.current_time()
+            while self._deadlines and (
+                self._deadlines[0][0] <= now or not self._deadlines[0][2].active
+            ):
+                _, _, entry = heapq.heappop(self._deadlines)
+                if entry.active:
+                    self._unregister(entry)
+                    entry.sink.deliver([(entry.tag, [])])
+            next_deadline = self._deadlines[0][0] if self._deadlines else math.inf
+            if self._woken:
+                continue
+            with trio.move_on_at(next_deadline):
+                await self._lot.park()

@@ -1,0 +1,179 @@
+"""Time-driven passes: promote due jobs, reap expired leases, prune old data.
+
+Each service is one pass (``promote_once``, ``reap_once``, ``prune_once``), which tests call
+directly, and a loop that runs it. The promoter and the reaper sleep until the next due
+time the store knows of, not on a fixed short poll; an ``Alarm`` wakes them early when a
+commit creates an earlier deadline (a short delay, a short lease).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from relay.errors import ShuttingDown
+from relay.log import event
+from relay.model import JobState
+from relay.store import commands as cmd
+from relay.store.sqlite import Changes, Reaped
+from relay.store.writer import Writer
+
+log = logging.getLogger("relay.maintenance")
+
+# Jobs moved per transaction by one pass; a larger backlog takes several transactions,
+# letting client commands in between.
+PASS_LIMIT = 1000
+# The longest a loop sleeps without looking again: bounds the effect of a wall-clock step
+# (the store's times are wall-clock milliseconds; trio sleeps on a monotonic clock).
+MAX_SLEEP_MS = 5_000
+# Retention pruning is not urgent: once a minute is plenty.
+PRUNE_INTERVAL_S = 60.0
+# After an unexpected error, a loop waits this long before trying again.
+ERROR_BACKOFF_S = 1.0
+
+
+class Alarm:
+    """Wakes a sleeping loop when a deadline earlier than its target appears."""
+
+    def __init__(self) -> None:
+        self.earliest = math.inf  # earliest deadline reported since the last reset
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def notify(self, at_ms: int) -> None:
+        if at_ms < self.earliest:
+            self.earliest = at_ms
+            self._lot.unpark_all()
+
+    async def sleep_until(self, target_ms: float, clock: Callable[[], int]) -> None:
+        """Sleep until wall time ``target_ms``, or an earlier notified deadline."""
+        while True:
+            target_ms = min(target_ms, self.earliest)
+            delay_ms = target_ms - clock()
+            if delay_ms <= 0:
+                return
+            with trio.move_on_after(delay_ms / 1000):
+                await self._lot.park()
+
+
+def commit_listener(promoter: Alarm, reaper: Alarm) -> Callable[[Changes], None]:
+    """Route each commit's new deadlines to the loop that serves them."""
+
+    def listen(changes: Changes) -> None:
+        if changes.next_due_at is not None:
+            promoter.notify(changes.next_due_at)
+        if changes.next_expiry_at is not None:
+            reaper.notify(changes.next_expiry_at)
+
+    return listen
+
+
+async def promote_once(writer: Writer) -> int:
+    """Make every due pending or retrying job ready; return how many."""
+    total = 0
+    while True:
+        n = await writer.execute(cmd.PromoteDue(PASS_LIMIT))
+        total += n
+        if n < PASS_LIMIT:
+            return total
+
+
+async def reap_once(writer: Writer) -> list[Reaped]:
+    """End every expired lease (ready again, or dead when attempts are spent)."""
+    reaped: list[Reaped] = []
+    while True:
+        batch = await writer.execute(cmd.ReapExpired(PASS_LIMIT))
+        reaped += batch
+        for job in batch:
+            event(
+                log,
+                logging.INFO if job.state == JobState.READY else logging.WARNING,
+                "lease.expired" if job.state == JobState.READY else "job.dead",
+                job_id=job.job_id,
+                queue=job.queue,
+                attempt=job.attempt,
+                state=str(job.state),
+                reason="lease expired",
+            )
+        if len(batch) < PASS_LIMIT:
+            return reaped
+
+
+async def prune_once(writer: Writer) -> int:
+    """Delete succeeded jobs past retention and expired idempotency keys."""
+    total = 0
+    while True:
+        n = await writer.execute(cmd.Prune(PASS_LIMIT))
+        total += n
+        if n < PASS_LIMIT:
+            if total:
+                event(log, logging.INFO, "jobs.pruned", count=total)
+            return total
+
+
+async def _run_timed(
+    name: str,
+    writer: Writer,
+    pass_once: Callable[[Writer], Awaitable[object]],
+    pick: Callable[[tuple[int | None, int | None]], int | None],
+    alarm: Alarm,
+    clock: Callable[[], int],
+    task_status: trio.TaskStatus[None],
+) -> None:
+    task_status.started()
+    while True:
+        try:
+            # Reset first: a deadline committed from here on is either seen by the
+            # NextDeadlines below or notified to the alarm.
+            alarm.earliest = math.inf
+            await pass_once(writer)
+            next_at = pick(await writer.execute(cmd.NextDeadlines()))
+        except ShuttingDown:
+            return
+        except Exception:
+            log.exception(f"{name}.failed")
+            await trio.sleep(ERROR_BACKOFF_S)
+            continue
+        target = clock() + MAX_SLEEP_MS
+        if next_at is not None:
+            target = min(target, next_at)
+        await alarm.sleep_until(target, clock)
+
+
+async def run_promoter(
+    writer: Writer,
+    alarm: Alarm,
+    clock: Callable[[], int],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Promote due jobs whenever the earliest due time arrives. Runs until cancelled."""
+    await _run_timed("promoter", writer, promote_once, lambda d: d[0], alarm, clock, task_status)
+
+
+async def run_reaper(
+    writer: Writer,
+    alarm: Alarm,
+    clock: Callable[[], int],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Reap leases whenever the earliest expiry arrives. Runs until cancelled."""
+    await _run_timed("reaper", writer, reap_once, lambda d: d[1], alarm, clock, task_status)
+
+
+async def run_pruner(
+    writer: Writer, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Prune once a minute. Runs until cancelled."""
+    task_status.started()
+    while True:
+        try:
+            await prune_once(writer)
+        except ShuttingDown:
+            return
+        except Exception:
+            log.exception("pruner.failed")
+        await trio.sleep(PRUNE_INTERVAL_S)

@@ -1,0 +1,153 @@
+"""``GET /metrics`` (Prometheus text format) and ``GET /healthz`` over a small h11 handler.
+
+This is the only module that imports prometheus_client. Core components expose frozen
+``statistics()`` snapshots and the store answers counts; a scrape gathers them into a
+``MetricsSnapshot`` and a one-shot collector renders it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import attrs
+import h11
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from relay.histogram import HistogramSnapshot
+from relay.log import event
+from relay.model import JobState
+
+log = logging.getLogger("relay.metrics")
+
+# An HTTP exchange (request in, response out) must finish within this, or is dropped.
+HTTP_TIMEOUT_S = 10.0
+MAX_REQUEST_BYTES = 16 * 1024
+
+# store event name -> (metric name without _total, help)
+EVENT_METRICS = {
+    "submitted": ("relay_jobs_submitted", "Jobs created by submit and submit_batch."),
+    "leased": ("relay_jobs_leased", "Leases issued."),
+    "acked": ("relay_jobs_acked", "Jobs completed by ack."),
+    "failed": ("relay_jobs_failed", "Attempts reported failed by fail."),
+    "retried": ("relay_jobs_retried", "Failed attempts scheduled for a retry."),
+    "dead": ("relay_jobs_dead", "Jobs moved to the dead letters."),
+    "expired": ("relay_leases_expired", "Leases that expired before ack, fail or release."),
+}
+
+
+@attrs.frozen
+class MetricsSnapshot:
+    queues: dict[str, dict[str, int]]  # queue -> state -> jobs
+    events: dict[tuple[str, str], int]  # (queue, event) -> count
+    connections: int
+    durations: dict[str, HistogramSnapshot]  # op -> request durations (seconds)
+    batch_sizes: HistogramSnapshot
+    commit_seconds: HistogramSnapshot
+
+
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
+    return [*((repr(float(b)), c) for b, c in zip(h.bounds, h.counts, strict=True)),
+            ("+Inf", h.count)]  # fmt: skip
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: MetricsSnapshot) -> None:
+        self.s = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.s
+        queues = sorted(set(s.queues) | {queue for queue, _ in s.events})
+        for name, (metric, text) in EVENT_METRICS.items():
+            family = CounterMetricFamily(metric, text, labels=["queue"])
+            for queue in queues:
+                family.add_metric([queue], s.events.get((queue, name), 0))
+            yield family
+        jobs = GaugeMetricFamily("relay_queue_jobs", "Jobs per queue and state.",
+                                 labels=["queue", "state"])  # fmt: skip
+        for queue in sorted(s.queues):
+            for state in JobState:
+                jobs.add_metric([queue, str(state)], s.queues[queue].get(str(state), 0))
+        yield jobs
+        yield GaugeMetricFamily("relay_connections", "Open client connections.",
+                                value=s.connections)  # fmt: skip
+        durations = HistogramMetricFamily(
+            "relay_request_duration_seconds", "From a request read to its reply.", labels=["op"]
+        )
+        for op in sorted(s.durations):
+            h = s.durations[op]
+            durations.add_metric([op], _buckets(h), h.total)
+        yield durations
+        for name, text, h in (
+            ("relay_store_batch_size", "Commands per committed transaction.", s.batch_sizes),
+            ("relay_store_commit_seconds", "Time to run and commit one batch.", s.commit_seconds),
+        ):
+            yield HistogramMetricFamily(name, text, buckets=_buckets(h), sum_value=h.total)
+
+
+def render(snapshot: MetricsSnapshot) -> bytes:
+    """The Prometheus text exposition of ``snapshot``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snapshot))  # type: ignore[arg-type]
+    return generate_latest(registry)
+
+
+async def serve_metrics(
+    listeners: list[trio.SocketListener],
+    gather: Callable[[], Awaitable[MetricsSnapshot]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve /metrics and /healthz until cancelled (one request per connection)."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        with trio.move_on_after(HTTP_TIMEOUT_S):
+            await _exchange(stream, gather)
+        await trio.aclose_forcefully(stream)
+
+    await trio.serve_listeners(handle, listeners, task_status=task_status)
+
+
+async def _exchange(
+    stream: trio.SocketStream, gather: Callable[[], Awaitable[MetricsSnapshot]]
+) -> None:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
+    try:
+        while True:
+            incoming: Any = conn.next_event()
+            if incoming is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(MAX_REQUEST_BYTES))
+                continue
+            break
+        if not isinstance(incoming, h11.Request):
+            return
+        target = incoming.target.split(b"?", 1)[0]
+        if incoming.method not in (b"GET", b"HEAD"):
+            status, body, kind = 405, b"method not allowed\n", b"text/plain"
+        elif target == b"/metrics":
+            status, body, kind = 200, render(await gather()), CONTENT_TYPE_LATEST.encode()
+        elif target == b"/healthz":
+            status, body, kind = 200, b"ok\n", b"text/plain"
+        else:
+            status, body, kind = 404, b"not found\n", b"text/plain"
+        headers = [
+            (b"content-type", kind),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        data = conn.send(h11.Response(status_code=status, headers=headers))
+        if incoming.method != b"HEAD":
+            data += conn.send(h11.Data(data=body))
+        data += conn.send(h11.EndOfMessage())
+        await stream.send_all(data)
+    except (h11.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        event(log, logging.DEBUG, "metrics.bad_exchange", error=repr(exc))

@@ -1,0 +1,541 @@
+"""The wire contract in code: limits, request types, validation, reply encoding, framing.
+
+Requests arrive as one JSON object per line. ``parse_request`` turns a frame into a typed,
+validated request (attrs) or raises ``BadRequest`` / ``UnknownOp`` naming the field; the
+cattrs converter does the typing (strictly: no "5" for 5, no true for 1) and each request's
+``check`` does the ranges. Replies are plain dicts encoded with orjson; JSON texts that the
+store keeps (payloads, results) are embedded as ``orjson.Fragment`` without re-parsing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import cattrs
+import orjson
+from cattrs.preconf.orjson import make_converter
+
+from relay.errors import BadRequest, RelayError, UnknownOp
+from relay.model import (
+    QUEUE_NAME_RE,
+    WIRE_PRIORITIES,
+    Backoff,
+    JobInfo,
+    Lease,
+    Priority,
+    SubmitSpec,
+)
+
+PROTOCOL_VERSION = 1
+
+MiB = 1024 * 1024
+HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
+
+
+@attrs.frozen
+class Limits:
+    """Every size, count and duration a client controls. Advertised (in part) by ``hello``."""
+
+    max_frame_bytes: int = MiB
+    max_payload_bytes: int = 256 * 1024
+    max_in_flight: int = 256
+    max_connections: int = 1024
+    max_lease_ms: int = 12 * HOUR_MS
+    max_wait_ms: int = 60_000
+    max_batch: int = 1000
+    max_queues_per_lease: int = 16
+    max_error_bytes: int = 8 * 1024
+    # Not advertised by hello, but documented (docs/protocol.md) and enforced the same way.
+    max_result_bytes: int = 256 * 1024
+    max_retries: int = 1000
+    max_delay_ms: int = 366 * DAY_MS
+    max_backoff_ms: int = 7 * DAY_MS
+    max_id_bytes: int = 256  # worker_id, token, idempotency_key, client name
+    max_dead_list: int = 1000
+
+    def advertised(self) -> dict[str, int]:
+        return {
+            "max_frame_bytes": self.max_frame_bytes,
+            "max_payload_bytes": self.max_payload_bytes,
+            "max_in_flight": self.max_in_flight,
+            "max_connections": self.max_connections,
+            "max_lease_ms": self.max_lease_ms,
+            "max_wait_ms": self.max_wait_ms,
+            "max_batch": self.max_batch,
+            "max_queues_per_lease": self.max_queues_per_lease,
+        }
+
+
+DEFAULT_LEASE_MS = 30_000
+DEFAULT_RETRIES = 3
+DEFAULT_DEAD_LIST = 100
+
+# -- field checks ---------------------------------------------------------------------------
+
+
+def _bad(field: str, problem: str) -> BadRequest:
+    return BadRequest(f"{field}: {problem}", field=field)
+
+
+def check_range(field: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise _bad(field, f"must be between {low} and {high}, got {value}")
+
+
+def check_queue(field: str, name: str) -> None:
+    if not QUEUE_NAME_RE.match(name):
+        raise _bad(field, "a queue name is 1-128 characters of [A-Za-z0-9._:-]")
+
+
+def check_text(field: str, value: str, max_bytes: int, *, empty_ok: bool = False) -> None:
+    if not value and not empty_ok:
+        raise _bad(field, "must not be empty")
+    if len(value) > max_bytes or len(value.encode("utf-8")) > max_bytes:
+        raise _bad(field, f"longer than {max_bytes} bytes")
+
+
+def encode_json_value(field: str, value: Any, max_bytes: int) -> str:
+    """The JSON text of ``value``, checked against ``max_bytes`` encoded."""
+    text = orjson.dumps(value)
+    if len(text) > max_bytes:
+        raise _bad(field, f"{len(text)} bytes encoded, more than {max_bytes}")
+    return text.decode("utf-8")
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Hello:
+    client: str | None = None
+    token: str | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.client is not None:
+            check_text("client", self.client, limits.max_id_bytes, empty_ok=True)
+        if self.token is not None:
+            check_text("token", self.token, limits.max_id_bytes, empty_ok=True)
+
+
+@attrs.frozen
+class Ping:
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@attrs.frozen
+class WireBackoff:
+    kind: str
+    delay_ms: int | None = None
+    base_ms: int | None = None
+    max_ms: int | None = None
+    jitter: bool = True
+
+    def to_model(self, field: str, limits: Limits) -> Backoff:
+        top = limits.max_backoff_ms
+        if self.kind == "fixed":
+            if self.delay_ms is None:
+                raise _bad(f"{field}.delay_ms", "required for a fixed backoff")
+            check_range(f"{field}.delay_ms", self.delay_ms, 0, top)
+            return Backoff.fixed(self.delay_ms)
+        if self.kind == "exponential":
+            base = 1_000 if self.base_ms is None else self.base_ms
+            cap = 300_000 if self.max_ms is None else self.max_ms
+            check_range(f"{field}.base_ms", base, 1, top)
+            check_range(f"{field}.max_ms", cap, base, top)
+            return Backoff("exponential", base, cap, self.jitter)
+        raise _bad(f"{field}.kind", 'must be "fixed" or "exponential"')
+
+
+@attrs.frozen
+class Submit:
+    queue: str
+    payload: Any
+    priority: str = "normal"
+    delay_ms: int | None = None
+    run_at: int | None = None
+    retries: int = DEFAULT_RETRIES
+    backoff: WireBackoff | None = None
+    idempotency_key: str | None = None
+
+    def to_spec(self, limits: Limits, prefix: str = "") -> SubmitSpec:
+        """Check every field and return the store's ``SubmitSpec``."""
+        check_queue(prefix + "queue", self.queue)
+        payload = encode_json_value(prefix + "payload", self.payload, limits.max_payload_bytes)
+        if self.priority not in WIRE_PRIORITIES:
+            raise _bad(prefix + "priority", f"must be one of {', '.join(WIRE_PRIORITIES)}")
+        if self.delay_ms is not None and self.run_at is not None:
+            raise _bad(prefix + "delay_ms", "give delay_ms or run_at, not both")
+        if self.delay_ms is not None:
+            check_range(prefix + "delay_ms", self.delay_ms, 0, limits.max_delay_ms)
+        if self.run_at is not None:
+            check_range(prefix + "run_at", self.run_at, 0, 2**53)
+        check_range(prefix + "retries", self.retries, 0, limits.max_retries)
+        if self.idempotency_key is not None:
+            check_text(prefix + "idempotency_key", self.idempotency_key, limits.max_id_bytes)
+        backoff = (
+            Backoff() if self.backoff is None else self.backoff.to_model(prefix + "backoff", limits)
+        )
+        return SubmitSpec(
+            queue=self.queue,
+            payload=payload,
+            priority=Priority.from_wire(self.priority),
+            delay_ms=self.delay_ms or 0,
+            run_at=self.run_at,
+            max_attempts=self.retries + 1,
+            backoff=backoff,
+            idempotency_key=self.idempotency_key,
+        )
+
+
+@attrs.frozen
+class SubmitBatch:
+    jobs: list[dict[str, Any]]
+
+
+@attrs.frozen
+class LeaseRequest:
+    queues: list[str]
+    worker_id: str
+    count: int = 1
+    lease_ms: int = DEFAULT_LEASE_MS
+    wait_ms: int = 0
+
+    def check(self, limits: Limits) -> None:
+        if not self.queues:
+            raise _bad("queues", "must name at least one queue")
+        if len(self.queues) > limits.max_queues_per_lease:
+            raise _bad("queues", f"at most {limits.max_queues_per_lease} queues")
+        for i, queue in enumerate(self.queues):
+            check_queue(f"queues[{i}]", queue)
+        check_text("worker_id", self.worker_id, limits.max_id_bytes)
+        check_range("count", self.count, 1, limits.max_batch)
+        check_range("lease_ms", self.lease_ms, 1, limits.max_lease_ms)
+        check_range("wait_ms", self.wait_ms, 0, limits.max_wait_ms)
+
+
+@attrs.frozen
+class LeaseRef:
+    """The fields every lease operation carries."""
+
+    job_id: str
+    worker_id: str
+    token: str
+
+    def check_ref(self, limits: Limits) -> None:
+        check_text("job_id", self.job_id, limits.max_id_bytes)
+        check_text("worker_id", self.worker_id, limits.max_id_bytes)
+        check_text("token", self.token, limits.max_id_bytes)
+
+
+@attrs.frozen
+class Renew(LeaseRef):
+    lease_ms: int = DEFAULT_LEASE_MS
+
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+        check_range("lease_ms", self.lease_ms, 1, limits.max_lease_ms)
+
+
+@attrs.frozen
+class Ack(LeaseRef):
+    result: Any = None
+
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+
+    def result_text(self, limits: Limits) -> str | None:
+        if self.result is None:
+            return None
+        return encode_json_value("result", self.result, limits.max_result_bytes)
+
+
+@attrs.frozen
+class Fail(LeaseRef):
+    error: str
+    retryable: bool = True
+
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+        # Long texts are truncated by the store (max_error_bytes), not refused; only a
+        # frame's own limit bounds what arrives here.
+
+
+@attrs.frozen
+class Release(LeaseRef):
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+
+
+@attrs.frozen
+class Inspect:
+    job_id: str
+
+    def check(self, limits: Limits) -> None:
+        check_text("job_id", self.job_id, limits.max_id_bytes)
+
+
+@attrs.frozen
+class Stats:
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@attrs.frozen
+class DeadList:
+    queue: str | None = None
+    limit: int = DEFAULT_DEAD_LIST
+    cursor: str | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.queue is not None:
+            check_queue("queue", self.queue)
+        check_range("limit", self.limit, 1, limits.max_dead_list)
+        if self.cursor is not None:
+            check_text("cursor", self.cursor, limits.max_id_bytes)
+
+
+@attrs.frozen
+class DeadSelect:
+    """``{job_id}`` or ``{queue, all: true}``: one dead job, or every dead job of a queue."""
+
+    job_id: str | None = None
+    queue: str | None = None
+    all: bool = False
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None:
+            if self.queue is not None or self.all:
+                raise _bad("job_id", "give job_id, or queue with all: true, not both")
+            check_text("job_id", self.job_id, limits.max_id_bytes)
+            return
+        if self.queue is None:
+            raise _bad("job_id", "required (or queue with all: true)")
+        check_queue("queue", self.queue)
+        if not self.all:
+            raise _bad("all", "must be true to act on a whole queue")
+
+
+@attrs.frozen
+class DeadRetry(DeadSelect):
+    pass
+
+
+@attrs.frozen
+class DeadPurge(DeadSelect):
+    pass
+
+
+REQUEST_TYPES: dict[str, type] = {
+    "hello": Hello,
+    "ping": Ping,
+    "submit": Submit,
+    "submit_batch": SubmitBatch,
+    "lease": LeaseRequest,
+    "renew": Renew,
+    "ack": Ack,
+    "fail": Fail,
+    "release": Release,
+    "inspect": Inspect,
+    "stats": Stats,
+    "dead_list": DeadList,
+    "dead_retry": DeadRetry,
+    "dead_purge": DeadPurge,
+}
+
+
+def _strict(kind: type, name: str):
+    def structure(value: Any, _type: Any) -> Any:
+        # bool is an int in Python, not on the wire.
+        if type(value) is not kind:
+            raise TypeError(f"expected {name}")
+        return value
+
+    return structure
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = make_converter(forbid_extra_keys=False)
+    converter.register_structure_hook(int, _strict(int, "an integer"))
+    converter.register_structure_hook(str, _strict(str, "a string"))
+    converter.register_structure_hook(bool, _strict(bool, "true or false"))
+    converter.register_structure_hook(Any, lambda value, _type: value)
+    return converter
+
+
+converter = _make_converter()
+
+
+def structure(data: dict[str, Any], cls: type, prefix: str = "") -> Any:
+    """``data`` as an instance of ``cls``, or ``BadRequest`` naming the first bad field."""
+    try:
+        return converter.structure(data, cls)
+    except cattrs.ClassValidationError as exc:
+        message = cattrs.transform_error(exc)[0]
+        problem, _, path = message.partition(" @ $.")
+        field = prefix + (path or "?")
+        raise BadRequest(f"{field}: {problem}", field=field) from None
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"{prefix or 'request'}: {exc}", field=prefix or None) from None
+
+
+@attrs.frozen
+class Frame:
+    """A request as it arrived: its ``id`` (echoed in the reply), ``op`` and fields."""
+
+    id: Any
+    op: Any
+    fields: dict[str, Any]
+
+
+def decode_frame(line: bytes) -> Frame:
+    """Parse one line into a ``Frame``; BadRequest if it is not a JSON object.
+
+    An ``id`` of the wrong type is dropped (the reply then carries ``id: null``) and
+    reported by ``parse_request``; a missing or ill-typed ``op`` too.
+    """
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("a request must be a JSON object")
+    return Frame(data.get("id"), data.get("op"), data)
+
+
+def _valid_id(request_id: Any) -> bool:
+    kind = type(request_id)
+    return request_id is None or kind is int or (kind is str and len(request_id) <= 256)
+
+
+def parse_request(frame: Frame, limits: Limits) -> Any:
+    """The typed, range-checked request of ``frame``.
+
+    ``submit`` becomes a ``SubmitSpec``; ``submit_batch`` a tuple of them (all checked
+    before any is used: one bad job rejects the batch, naming its index).
+    """
+    if not _valid_id(frame.id):
+        raise _bad("id", "must be a string (at most 256 characters) or an integer")
+    if not isinstance(frame.op, str):
+        raise _bad("op", "required, a string")
+    cls = REQUEST_TYPES.get(frame.op)
+    if cls is None:
+        raise UnknownOp(f"unknown op {frame.op!r}")
+    request = structure(frame.fields, cls)
+    if cls is Submit:
+        return request.to_spec(limits)
+    if cls is SubmitBatch:
+        jobs = request.jobs
+        if not 1 <= len(jobs) <= limits.max_batch:
+            raise _bad("jobs", f"must hold 1 to {limits.max_batch} jobs, got {len(jobs)}")
+        specs = []
+        for i, job in enumerate(jobs):
+            prefix = f"jobs[{i}]."
+            if not isinstance(job, dict):
+                raise _bad(f"jobs[{i}]", "must be an object")
+            specs.append(structure(job, Submit, prefix).to_spec(limits, prefix))
+        return tuple(specs)
+    request.check(limits)
+    return request
+
+
+# -- replies --------------------------------------------------------------------------------
+
+
+def encode_ok(request_id: Any, fields: dict[str, Any]) -> bytes:
+    return orjson.dumps({"id": request_id, "ok": True, **fields}) + b"\n"
+
+
+def encode_error(request_id: Any, error: RelayError) -> bytes:
+    body = {"code": error.code, "message": error.message}
+    return orjson.dumps({"id": request_id, "ok": False, "error": body}) + b"\n"
+
+
+def lease_fields(lease: Lease) -> dict[str, Any]:
+    return {
+        "job_id": lease.job_id,
+        "queue": lease.queue,
+        "payload": orjson.Fragment(lease.payload),
+        "priority": Priority(lease.priority).wire,
+        "attempt": lease.attempt,
+        "max_attempts": lease.max_attempts,
+        "token": lease.token,
+        "lease_expires_at": lease.lease_expires_at,
+    }
+
+
+def job_fields(job: JobInfo) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "job_id": job.job_id,
+        "queue": job.queue,
+        "state": str(job.state),
+        "priority": Priority(job.priority).wire,
+        "payload": orjson.Fragment(job.payload),
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "created_at": job.created_at,
+        "errors": [{"attempt": e.attempt, "error": e.error, "at": e.at} for e in job.errors],
+    }
+    optional = {
+        "ready_at": job.ready_at,
+        "run_at": job.run_at,
+        "lease_expires_at": job.lease_expires_at,
+        "worker_id": job.worker_id,
+        "last_error": job.last_error,
+        "result": None if job.result is None else orjson.Fragment(job.result),
+        "idempotency_key": job.idempotency_key,
+        "finished_at": job.finished_at,
+    }
+    fields.update((k, v) for k, v in optional.items() if v is not None)
+    return fields
+
+
+# -- framing --------------------------------------------------------------------------------
+
+
+class LineSplitter:
+    """Splits a byte stream into lines, never holding more than one frame's worth.
+
+    ``feed`` returns the complete lines (newline and a trailing \\r removed) and keeps the
+    rest. Once a line is longer than ``max_frame_bytes`` (as soon as that many bytes have
+    arrived without a newline), ``overflow`` is set and nothing more is returned: the
+    lines before it are still returned, and the buffer never grows past the limit.
+    """
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self.overflow = False
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self.overflow:
+            return []
+        buffer = self._buffer
+        search_from = len(buffer)
+        buffer += data
+        lines = []
+        start = 0
+        while (end := buffer.find(b"\n", max(start, search_from))) >= 0:
+            line = bytes(buffer[start:end])
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if len(line) > self.max_frame_bytes:
+                self._overflowed()
+                return lines
+            lines.append(line)
+            start = end + 1
+        del buffer[:start]
+        # The rest has no newline yet; a \r at its end may be the first half of \r\n.
+        if len(buffer) - buffer.endswith(b"\r") > self.max_frame_bytes:
+            self._overflowed()
+        return lines
+
+    def _overflowed(self) -> None:
+        self.overflow = True
+        self._buffer = bytearray()
