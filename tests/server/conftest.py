@@ -1,0 +1,120 @@
+"""A real server on 127.0.0.1 port 0 for each test, and a tiny NDJSON client to talk to it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import orjson
+import pytest
+import trio
+
+from relay import wire
+from relay.server.serve import ServerConfig, ServerHandle, serve
+
+# Every network wait in these tests is bounded; a hang fails the test, never the run.
+BOUND_S = 10
+
+
+class LineClient:
+    """One connection. ``request`` sends one op and returns its reply (matched by id)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buffer = b""
+        self._ids = itertools.count(1)
+
+    async def send_raw(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def send(self, op: str, **fields: Any) -> int:
+        request_id = next(self._ids)
+        await self.send_raw(orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n")
+        return request_id
+
+    async def read_line(self) -> bytes | None:
+        """The next line, or None at EOF."""
+        with trio.fail_after(BOUND_S):
+            while b"\n" not in self._buffer:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    return None
+                self._buffer += data
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    async def read(self) -> dict[str, Any]:
+        line = await self.read_line()
+        assert line is not None, "connection closed"
+        return orjson.loads(line)
+
+    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        request_id = await self.send(op, **fields)
+        reply = await self.read()
+        assert reply["id"] == request_id
+        return reply
+
+    async def ok(self, op: str, **fields: Any) -> dict[str, Any]:
+        reply = await self.request(op, **fields)
+        assert reply["ok"] is True, reply
+        return reply
+
+    async def error(self, op: str, **fields: Any) -> dict[str, Any]:
+        reply = await self.request(op, **fields)
+        assert reply["ok"] is False, reply
+        return reply["error"]
+
+    async def at_eof(self) -> bool:
+        """True if the server closed the connection (reads until EOF, bounded)."""
+        with trio.fail_after(BOUND_S):
+            while True:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    return True
+                if not data:
+                    return True
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+@attrs.define
+class RunningServer:
+    handle: ServerHandle
+    config: ServerConfig
+    nursery: trio.Nursery
+
+    async def connect(self) -> LineClient:
+        host, port = self.handle.address
+        return LineClient(await trio.open_tcp_stream(host, port))
+
+
+async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> RunningServer:
+    limits = overrides.pop("limits", wire.Limits())
+    config = ServerConfig(
+        db=db, host="127.0.0.1", port=0, metrics_port=0, limits=limits, **overrides
+    )
+    handle = await nursery.start(serve, config)
+    return RunningServer(handle, config, nursery)
+
+
+@pytest.fixture
+async def server(tmp_path) -> AsyncIterator[RunningServer]:
+    async with trio.open_nursery() as nursery:
+        running = await start_server(nursery, str(tmp_path / "relay.db"))
+        try:
+            yield running
+        finally:
+            running.handle.shutdown()
+
+
+@pytest.fixture
+async def client(server: RunningServer) -> AsyncIterator[LineClient]:
+    c = await server.connect()
+    try:
+        yield c
+    finally:
+        await c.aclose()

@@ -1,0 +1,224 @@
+"""Time-driven loops and the long-poll hub, on trio's MockClock with no real I/O.
+
+A ``FakeWriter`` applies commands to an in-memory store synchronously, and the store's
+clock is derived from trio's virtual clock, so the loops' sleeps jump instantly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from relay.model import JobState, SubmitSpec
+from relay.server import maintenance
+from relay.server.dispatch import PendingLease
+from relay.server.longpoll import LongPolls
+from relay.server.maintenance import Alarm
+from relay.store import commands as cmd
+from relay.store.sqlite import SqliteStore
+from tests.conftest import T0
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def virtual_ms() -> int:
+    return T0 + round(trio.current_time() * 1000)
+
+
+class FakeWriter:
+    """The writer's interface, run inline against ``store`` at virtual time."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.store = store
+        self.executed: list[Any] = []
+        self.listeners: list[Any] = []
+        self._executed = trio.Event()
+
+    async def wait_until(self, predicate: Any) -> None:
+        """Wait (on commands, not on time) until ``predicate()`` holds."""
+        while not predicate():
+            await self._executed.wait()
+
+    async def execute(self, command: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        self.executed.append(command)
+        result = command.apply(self.store, virtual_ms())
+        changes, self.store.changes = self.store.changes, type(self.store.changes)()
+        for listener in self.listeners:
+            listener(changes)
+        self._executed.set()
+        self._executed = trio.Event()
+        return result
+
+    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
+        result = await self.execute(command)
+        sink.deliver([(tag, result)])
+
+
+def count(writer: FakeWriter, kind: type) -> int:
+    return sum(isinstance(c, kind) for c in writer.executed)
+
+
+async def test_alarm_sleeps_until_its_target(autojump_clock):
+    alarm = Alarm()
+    await alarm.sleep_until(virtual_ms() + 2_500, virtual_ms)
+    assert trio.current_time() == pytest.approx(2.5)
+
+
+async def test_alarm_wakes_early_for_an_earlier_deadline_only(autojump_clock):
+    alarm = Alarm()
+    woke_at = []
+
+    async def sleeper():
+        await alarm.sleep_until(T0 + 10_000, virtual_ms)
+        woke_at.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sleeper)
+        await trio.sleep(1)
+        alarm.notify(T0 + 20_000)  # later than the target: no effect
+        await trio.sleep(1)
+        alarm.notify(T0 + 3_000)
+    assert woke_at == [pytest.approx(3.0)]
+
+
+async def test_promoter_sleeps_until_the_next_due_job_instead_of_polling(autojump_clock, store):
+    writer = FakeWriter(store)
+    (job,) = store.jobs_submit([SubmitSpec("q", "1", delay_ms=12_000)], virtual_ms())
+    alarm = Alarm()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(maintenance.run_promoter, writer, alarm, virtual_ms)
+        await writer.wait_until(lambda: store.job_inspect(job.job_id).state == JobState.READY)
+        became_ready = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert became_ready == pytest.approx(12.0, abs=0.02)
+    # One pass at start, then one per MAX_SLEEP_MS at most: no short poll.
+    assert count(writer, cmd.PromoteDue) <= 1 + 12_000 // maintenance.MAX_SLEEP_MS + 1
+
+
+async def test_promoter_is_woken_by_a_commit_with_an_earlier_due_time(autojump_clock, store):
+    writer = FakeWriter(store)
+    promoter, reaper = Alarm(), Alarm()
+    writer.listeners.append(maintenance.commit_listener(promoter, reaper))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(maintenance.run_promoter, writer, promoter, virtual_ms)
+        await trio.sleep(1)  # the promoter is asleep for MAX_SLEEP_MS: nothing is due
+        (job,) = await writer.execute(cmd.Submit((SubmitSpec("q", "1", delay_ms=500),)))
+        await writer.wait_until(lambda: store.job_inspect(job.job_id).state == JobState.READY)
+        became_ready = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert became_ready == pytest.approx(1.5, abs=0.02)
+
+
+async def test_reaper_ends_a_lease_at_its_expiry(autojump_clock, store):
+    writer = FakeWriter(store)
+    promoter, reaper = Alarm(), Alarm()
+    writer.listeners.append(maintenance.commit_listener(promoter, reaper))
+    store.jobs_submit([SubmitSpec("q", "1")], virtual_ms())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(maintenance.run_reaper, writer, reaper, virtual_ms)
+        (lease,) = await writer.execute(cmd.Claim(("q",), "w", 1, 2_000))
+        await writer.wait_until(lambda: store.job_inspect(lease.job_id).state != JobState.LEASED)
+        reaped_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert reaped_at == pytest.approx(2.0, abs=0.02)
+    info = store.job_inspect(lease.job_id)
+    assert info.state == JobState.READY
+    assert info.last_error == "lease expired"
+
+
+async def test_promote_once_drains_a_backlog_larger_than_one_pass(autojump_clock, store):
+    writer = FakeWriter(store)
+    n = maintenance.PASS_LIMIT * 2 + 5
+    store.jobs_submit([SubmitSpec("q", "1", delay_ms=10)] * n, virtual_ms())
+    await trio.sleep(0.01)
+    assert await maintenance.promote_once(writer) == n
+    assert count(writer, cmd.PromoteDue) == 3
+    assert store.queue_stats()["q"]["ready"] == n
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.replies: list[tuple[Any, Any]] = []
+        self.closed = False
+        self._delivered = trio.Event()
+
+    def deliver(self, replies):
+        self.replies += replies
+        self._delivered.set()
+        self._delivered = trio.Event()
+
+    async def wait_for(self, n: int) -> None:
+        while len(self.replies) < n:
+            await self._delivered.wait()
+
+
+def lease_tag(queues=("q",), wait_s=5.0, count=1) -> PendingLease:
+    return PendingLease(
+        1, "lease", trio.current_time(), lambda _: {}, queues=queues, worker_id="w",
+        count=count, lease_ms=30_000, deadline=trio.current_time() + wait_s,
+    )  # fmt: skip
+
+
+async def test_parked_lease_is_claimed_again_when_its_queue_gets_a_job(autojump_clock, store):
+    writer = FakeWriter(store)
+    hub = LongPolls(writer)  # type: ignore[arg-type]
+    writer.listeners.append(hub.on_commit)
+    sink = Sink()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hub.run)
+        hub.park(lease_tag(queues=("a", "q")), sink)
+        assert hub.parked == 1
+        await trio.sleep(1)
+        await writer.execute(cmd.Submit((SubmitSpec("other", "1"),)))
+        await trio.lowlevel.checkpoint()
+        assert count(writer, cmd.Claim) == 0  # another queue wakes nobody
+        await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))
+        with trio.fail_after(1):
+            await sink.wait_for(1)
+        nursery.cancel_scope.cancel()
+    ((_tag, leases),) = sink.replies
+    assert [lease.queue for lease in leases] == ["q"]
+    assert hub.parked == 0
+
+
+async def test_parked_lease_gets_no_jobs_at_its_deadline(autojump_clock, store):
+    hub = LongPolls(FakeWriter(store))  # type: ignore[arg-type]
+    sink = Sink()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hub.run)
+        hub.park(lease_tag(wait_s=2.0), sink)
+        hub.park(lease_tag(wait_s=0.5), sink)
+        with trio.fail_after(5):
+            await sink.wait_for(2)
+        answered_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert answered_at == pytest.approx(2.0, abs=0.01)
+    assert [result for _, result in sink.replies] == [[], []]
+
+
+async def test_closing_the_hub_answers_every_parked_lease_at_once(autojump_clock, store):
+    hub = LongPolls(FakeWriter(store))  # type: ignore[arg-type]
+    sinks = [Sink() for _ in range(3)]
+    for sink in sinks:
+        hub.park(lease_tag(wait_s=30), sink)
+    hub.close()
+    assert [s.replies[0][1] for s in sinks] == [[], [], []]
+    assert hub.parked == 0
+
+
+async def test_a_dropped_connection_leaves_nothing_parked(autojump_clock, store):
+    hub = LongPolls(FakeWriter(store))  # type: ignore[arg-type]
+    gone, staying = Sink(), Sink()
+    hub.park(lease_tag(), gone)
+    hub.park(lease_tag(), staying)
+    gone.closed = True
+    hub.drop(gone)
+    assert hub.parked == 1
+    assert len(gone.replies) == 1 and staying.replies == []

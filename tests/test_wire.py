@@ -1,0 +1,215 @@
+"""The wire codec: framing, typed parsing, and reply encoding."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relay import wire
+from relay.errors import BadRequest, UnknownOp
+from relay.model import JobInfo, JobState, Lease, Priority
+
+LIMITS = wire.Limits()
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+
+
+def parse(**fields):
+    return wire.parse_request(wire.decode_frame(orjson.dumps(fields)), LIMITS)
+
+
+@given(
+    lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=20),
+    cuts=st.lists(st.integers(0, 2000), max_size=10),
+    crlf=st.booleans(),
+)
+def test_splitter_returns_each_line_whatever_the_chunking(lines, cuts, crlf):
+    # Lines that end in \r would be ambiguous with \r\n; the contract strips one \r.
+    lines = [line.rstrip(b"\r") for line in lines]
+    stream = b"".join(line + (b"\r\n" if crlf else b"\n") for line in lines)
+    splitter = wire.LineSplitter(100)
+    out = []
+    start = 0
+    for cut in [*sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]:
+        out += splitter.feed(stream[start:cut])
+        start = cut
+    assert out == lines
+    assert splitter.buffered == 0 and not splitter.overflow
+
+
+def test_splitter_flags_overflow_without_buffering_past_the_limit():
+    splitter = wire.LineSplitter(10)
+    assert splitter.feed(b"0123456789") == []
+    assert not splitter.overflow
+    assert splitter.feed(b"A") == []
+    assert splitter.overflow
+    assert splitter.buffered == 0
+    assert splitter.feed(b"more\n") == []
+
+
+def test_splitter_returns_lines_before_an_oversized_one():
+    splitter = wire.LineSplitter(4)
+    assert splitter.feed(b"ok\nmuch too long\nlater\n") == [b"ok"]
+    assert splitter.overflow
+
+
+def test_a_line_of_exactly_the_limit_is_accepted_also_with_crlf():
+    splitter = wire.LineSplitter(4)
+    assert splitter.feed(b"abcd\r") == []
+    assert splitter.feed(b"\n") == [b"abcd"]
+    assert not splitter.overflow
+
+
+@given(payload=json_values)
+def test_submit_payload_round_trips_through_the_store_text(payload):
+    spec = parse(op="submit", queue="q", payload=payload)
+    assert orjson.loads(spec.payload) == payload
+
+
+def test_submit_defaults_match_the_contract():
+    spec = parse(op="submit", queue="q", payload=1)
+    assert spec.max_attempts == 4  # retries 3
+    assert spec.priority == Priority.NORMAL
+    assert (spec.backoff.kind, spec.backoff.base_ms, spec.backoff.max_ms, spec.backoff.jitter) == (
+        "exponential",
+        1000,
+        300000,
+        True,
+    )
+    assert spec.delay_ms == 0 and spec.run_at is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"op": "submit", "payload": 1}, "queue"),
+        ({"op": "submit", "queue": "q"}, "payload"),
+        ({"op": "submit", "queue": "q", "payload": 1, "retries": "3"}, "retries"),
+        ({"op": "submit", "queue": "q", "payload": 1, "retries": True}, "retries"),
+        ({"op": "submit", "queue": "q", "payload": 1, "retries": -1}, "retries"),
+        ({"op": "submit", "queue": "q", "payload": 1, "delay_ms": -5}, "delay_ms"),
+        ({"op": "submit", "queue": "q", "payload": 1, "delay_ms": 1, "run_at": 5}, "delay_ms"),
+        ({"op": "submit", "queue": "bad name", "payload": 1}, "queue"),
+        ({"op": "submit", "queue": "q" * 129, "payload": 1}, "queue"),
+        ({"op": "submit", "queue": "q", "payload": 1, "priority": "urgent"}, "priority"),
+        ({"op": "submit", "queue": "q", "payload": 1, "backoff": {"kind": "x"}}, "backoff.kind"),
+        (
+            {"op": "submit", "queue": "q", "payload": 1, "backoff": {"kind": "fixed"}},
+            "backoff.delay_ms",
+        ),
+        (
+            {
+                "op": "submit",
+                "queue": "q",
+                "payload": 1,
+                "backoff": {"kind": "exponential", "base_ms": 10, "max_ms": 5},
+            },
+            "backoff.max_ms",
+        ),
+        (
+            {"op": "submit", "queue": "q", "payload": 1, "idempotency_key": "k" * 257},
+            "idempotency_key",
+        ),
+        ({"op": "submit_batch", "jobs": []}, "jobs"),
+        ({"op": "submit_batch", "jobs": [{"queue": "q", "payload": 1}, 5]}, "jobs[1]"),
+        (
+            {"op": "submit_batch", "jobs": [{"queue": "q", "payload": 1}, {"queue": "q"}]},
+            "jobs[1].payload",
+        ),
+        ({"op": "lease", "queues": [], "worker_id": "w"}, "queues"),
+        ({"op": "lease", "queues": ["q"] * 17, "worker_id": "w"}, "queues"),
+        ({"op": "lease", "queues": ["q"], "worker_id": ""}, "worker_id"),
+        ({"op": "lease", "queues": ["q"], "worker_id": "w", "count": 0}, "count"),
+        ({"op": "lease", "queues": ["q"], "worker_id": "w", "lease_ms": 0}, "lease_ms"),
+        (
+            {"op": "lease", "queues": ["q"], "worker_id": "w", "lease_ms": LIMITS.max_lease_ms + 1},
+            "lease_ms",
+        ),
+        (
+            {"op": "lease", "queues": ["q"], "worker_id": "w", "wait_ms": LIMITS.max_wait_ms + 1},
+            "wait_ms",
+        ),
+        ({"op": "ack", "job_id": "j", "worker_id": "w"}, "token"),
+        ({"op": "fail", "job_id": "j", "worker_id": "w", "token": "t"}, "error"),
+        ({"op": "fail", "job_id": "j", "worker_id": "w", "token": "t", "error": 5}, "error"),
+        ({"op": "dead_list", "limit": 0}, "limit"),
+        ({"op": "dead_retry", "queue": "q"}, "all"),
+        ({"op": "dead_retry"}, "job_id"),
+        ({"op": "dead_purge", "job_id": "j", "queue": "q", "all": True}, "job_id"),
+        ({"op": 5}, "op"),
+        ({"op": "ping", "id": [1]}, "id"),
+        ({"op": "ping", "id": 1.5}, "id"),
+    ],
+)
+def test_invalid_fields_are_bad_requests_naming_the_field(fields, field):
+    with pytest.raises(BadRequest) as caught:
+        parse(**fields)
+    assert caught.value.field == field
+    assert caught.value.message.startswith(field)
+
+
+def test_payload_over_the_limit_is_refused():
+    limits = wire.Limits(max_payload_bytes=10)
+    frame = wire.decode_frame(orjson.dumps({"op": "submit", "queue": "q", "payload": "x" * 9}))
+    with pytest.raises(BadRequest, match="payload"):
+        wire.parse_request(frame, limits)
+
+
+def test_unknown_op_is_its_own_error():
+    with pytest.raises(UnknownOp):
+        parse(op="explode")
+
+
+@pytest.mark.parametrize("line", [b"", b"nope", b"[1,2]", b'"text"', b"{", b"\xff\xfe"])
+def test_lines_that_are_not_json_objects_are_bad_requests(line):
+    with pytest.raises(BadRequest):
+        wire.decode_frame(line)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    request = parse(op="lease", queues=["q"], worker_id="w", future_field=1)
+    assert request.queues == ["q"]
+
+
+def test_lease_reply_embeds_the_payload_text_as_json():
+    lease = Lease("job_0000000000000001", "q", '{"a":[1,2]}', 2, 1, 4, "t" * 32, 99)
+    reply = orjson.loads(wire.encode_ok(7, {"jobs": [wire.lease_fields(lease)]}))
+    assert reply == {
+        "id": 7,
+        "ok": True,
+        "jobs": [
+            {
+                "job_id": "job_0000000000000001",
+                "queue": "q",
+                "payload": {"a": [1, 2]},
+                "priority": "high",
+                "attempt": 1,
+                "max_attempts": 4,
+                "token": "t" * 32,
+                "lease_expires_at": 99,
+            }
+        ],
+    }
+
+
+def test_job_fields_leave_out_what_is_unset():
+    info = JobInfo("job_0000000000000001", "q", JobState.READY, 1, "null", 0, 4, 5, ready_at=5)
+    fields = orjson.loads(orjson.dumps(wire.job_fields(info)))
+    assert fields == {
+        "job_id": "job_0000000000000001",
+        "queue": "q",
+        "state": "ready",
+        "priority": "normal",
+        "payload": None,
+        "attempt": 0,
+        "max_attempts": 4,
+        "created_at": 5,
+        "ready_at": 5,
+        "errors": [],
+    }
