@@ -12,6 +12,7 @@ import contextlib
 import os
 import sqlite3
 from collections.abc import Callable
+from urllib.parse import quote
 
 import sqlite_utils
 
@@ -121,8 +122,12 @@ def inspect_file(path: str) -> int:
         return 0
     if header != SQLITE_HEADER:
         raise NotADatabase(path, "not a SQLite database (wrong file header)")
+    # Without a -wal file the main file is the whole database: read it as immutable, which
+    # takes no locks and creates no -shm/-wal files beside it. With one, SQLite must read
+    # the WAL too (a crash left committed transactions there), so open it plainly read-only.
+    immutable = "" if os.path.exists(path + "-wal") else "&immutable=1"
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        conn = sqlite3.connect(f"file:{quote(path)}?mode=ro{immutable}", uri=True)
     except sqlite3.Error as exc:
         raise NotADatabase(path, f"cannot be opened read-only: {exc}") from exc
     try:
