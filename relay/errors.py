@@ -14,10 +14,14 @@ The tree:
       ShuttingDown                  shutting_down
       Unauthorized                  unauthorized
       InternalError                 internal
+      QueueFull                     queue_full   (extension: a queue at its max depth)
+      ConnectionLost                (client side: the connection dropped mid-request)
       StoreError                    (fatal at start, never sent on the wire)
         NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt
 
-Job errors carry fields (``job_id``, ``state``) so callers need not parse messages.
+Job errors carry fields (``job_id``, ``state``) so callers need not parse messages. An
+error rebuilt from a reply on the client side (``error_from_wire``) carries the server's
+message; its fields are None where the reply does not state them.
 """
 
 from __future__ import annotations
@@ -32,11 +36,19 @@ class RelayError(Exception):
         super().__init__(message)
         self.message = message
 
+    @classmethod
+    def from_wire(cls, message: str) -> RelayError:
+        """An instance carrying only the server's message (fields stay at None)."""
+        error = cls.__new__(cls)
+        RelayError.__init__(error, message)
+        return error
+
 
 class BadRequest(RelayError):
     """A malformed request or a field outside its documented range; names the field."""
 
     code = "bad_request"
+    field: str | None = None
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -54,6 +66,8 @@ class UnknownOp(RelayError):
 
 
 class JobNotFound(RelayError):
+    job_id: str | None = None
+
     code = "not_found"
 
     def __init__(self, job_id: str) -> None:
@@ -62,6 +76,8 @@ class JobNotFound(RelayError):
 
 
 class StaleToken(RelayError):
+    job_id: str | None = None
+
     """The token and worker id do not hold the job's current lease. Nothing was changed."""
 
     code = "stale_token"
@@ -72,6 +88,9 @@ class StaleToken(RelayError):
 
 
 class LeaseExpired(RelayError):
+    job_id: str | None = None
+    expired_at: int | None = None
+
     """The token held the lease, but the lease has expired. Nothing was changed."""
 
     code = "lease_expired"
@@ -83,6 +102,10 @@ class LeaseExpired(RelayError):
 
 
 class InvalidState(RelayError):
+    job_id: str | None = None
+    state: str | None = None
+    operation: str | None = None
+
     """The operation is not allowed in the job's current state. Nothing was changed."""
 
     code = "invalid_state"
@@ -112,6 +135,19 @@ class InternalError(RelayError):
     code = "internal"
 
 
+class QueueFull(RelayError):
+    """The queue holds its maximum number of unfinished jobs; submit again later."""
+
+    code = "queue_full"
+
+
+class ConnectionLost(RelayError):
+    """The connection dropped while the request was in flight: it may or may not have
+    taken effect. Raised by the client; never sent by the server."""
+
+    code = "connection_lost"
+
+
 class StoreError(RelayError):
     """The database cannot be used. Raised when opening; the server exits non-zero."""
 
@@ -135,3 +171,22 @@ class SchemaTooNew(StoreError):
 
 class DatabaseCorrupt(StoreError):
     """SQLite's integrity check failed."""
+
+
+NotFound = JobNotFound
+
+ERRORS_BY_CODE: dict[str, type[RelayError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest, FrameTooLarge, UnknownOp, JobNotFound, StaleToken, LeaseExpired,
+        InvalidState, Overloaded, ShuttingDown, Unauthorized, InternalError, QueueFull,
+    )
+}  # fmt: skip
+
+
+def error_from_wire(code: str, message: str) -> RelayError:
+    """The exception for an error reply; an unknown code (from a newer server) is internal."""
+    cls = ERRORS_BY_CODE.get(code)
+    if cls is None:
+        return InternalError.from_wire(f"{code}: {message}")
+    return cls.from_wire(message)

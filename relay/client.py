@@ -1,0 +1,501 @@
+"""The async client: typed calls over one pipelined connection, reconnecting when needed.
+
+    async with relay.open_client("127.0.0.1:7400") as client:
+        result = await client.submit("email", {"to": "ada@example.com"})
+
+Every call sends one request and awaits its reply, matched by id; many calls may be in
+flight at once on the one connection. Error replies raise the exception of their code
+(``StaleToken``, ``LeaseExpired``, ``JobNotFound``, ``BadRequest``...), never an exception
+group. When the connection drops, a call in flight raises ``ConnectionLost`` (it may or
+may not have taken effect) — except ``ack``, ``renew`` and ``release``, which are safe to
+repeat and are sent again on the new connection. New calls wait for the reconnection, with
+exponential backoff bounded by ``reconnect_timeout``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any, Protocol
+
+import attrs
+import cattrs
+import orjson
+import trio
+from cattrs.preconf.orjson import make_converter
+
+from relay.errors import ConnectionLost, QueueFull, RelayError, error_from_wire
+from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
+
+DEFAULT_ADDRESS = "127.0.0.1:7400"
+CONNECT_TIMEOUT_S = 5.0
+RECONNECT_TIMEOUT_S = 30.0
+# Reconnection backoff: doubling from the first delay up to the cap, each with jitter.
+RECONNECT_FIRST_S = 0.05
+RECONNECT_CAP_S = 2.0
+# submit(wait=True) backoff while the queue is full.
+QUEUE_FULL_FIRST_S = 0.05
+QUEUE_FULL_CAP_S = 2.0
+READ_BYTES = 64 * 1024
+
+# Ops that are safe to send again after a reconnection: repeating them changes nothing
+# that the first one did not (a repeated ack with the completing token answers ok).
+RETRY_SAFE_OPS = frozenset({"ack", "renew", "release"})
+
+
+@attrs.frozen
+class LeasedJob:
+    job_id: str
+    queue: str
+    payload: Any
+    priority: str
+    attempt: int
+    max_attempts: int
+    token: str
+    lease_expires_at: int
+
+
+@attrs.frozen
+class JobView:
+    """A job as ``inspect`` and ``dead_list`` show it."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    priority: str
+    payload: Any
+    attempt: int
+    max_attempts: int
+    created_at: int
+    errors: list[ErrorEntry] = attrs.Factory(list)
+    ready_at: int | None = None
+    run_at: int | None = None
+    lease_expires_at: int | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    result: Any = None
+    idempotency_key: str | None = None
+    finished_at: int | None = None
+
+
+@attrs.frozen
+class ServerInfo:
+    version: str
+    uptime_ms: int
+    connections: int
+
+
+@attrs.frozen
+class Stats:
+    queues: dict[str, dict[str, int]]
+    server: ServerInfo
+
+
+@attrs.frozen
+class DeadPage:
+    jobs: list[JobView]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class Hello:
+    server: str
+    version: str
+    protocol: int
+    limits: dict[str, int]
+
+
+_converter = make_converter(forbid_extra_keys=False)
+_converter.register_structure_hook(Any, lambda value, _type: value)
+
+
+def _structure(data: Any, cls: type) -> Any:
+    try:
+        return _converter.structure(data, cls)
+    except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
+        raise RelayError(f"unexpected reply from the server: {exc}") from None
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    if isinstance(address, tuple):
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class Transport(Protocol):
+    async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """Send one request; return the reply's fields, or raise its error."""
+        ...
+
+
+class Client:
+    """Typed calls on a transport (TCP, or in-process for ``open_local``)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        return await self._transport.request(op, {k: v for k, v in fields.items() if v is not None})
+
+    async def hello(self, client: str | None = None) -> Hello:
+        reply = await self._call("hello", client=client)
+        return _structure(reply, Hello)
+
+    async def ping(self) -> None:
+        await self._call("ping")
+
+    async def submit(
+        self,
+        queue: str,
+        payload: Any,
+        *,
+        priority: str | None = None,
+        delay_ms: int | None = None,
+        run_at: int | None = None,
+        retries: int | None = None,
+        backoff: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        wait: bool = False,
+    ) -> SubmitResult:
+        """Create a job. With ``wait``, a full queue (``QueueFull``) is retried with backoff
+        until it has room; without, ``QueueFull`` is raised."""
+        job = job_fields(
+            queue, payload, priority=priority, delay_ms=delay_ms, run_at=run_at,
+            retries=retries, backoff=backoff, idempotency_key=idempotency_key,
+        )  # fmt: skip
+        reply = await self._while_full(wait, "submit", job)
+        return _submit_result(reply)
+
+    async def submit_batch(
+        self, jobs: Sequence[dict[str, Any]], *, wait: bool = False
+    ) -> list[SubmitResult]:
+        """Create many jobs, all or none. Build each with ``job_fields``."""
+        reply = await self._while_full(wait, "submit_batch", {"jobs": list(jobs)})
+        return [_submit_result(r) for r in reply["results"]]
+
+    async def _while_full(self, wait: bool, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        delay = QUEUE_FULL_FIRST_S
+        while True:
+            try:
+                return await self._transport.request(op, fields)
+            except QueueFull:
+                if not wait:
+                    raise
+            await trio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, QUEUE_FULL_CAP_S)
+
+    async def lease(
+        self,
+        queues: Sequence[str],
+        worker_id: str,
+        *,
+        count: int = 1,
+        lease_ms: int | None = None,
+        wait_ms: int | None = None,
+    ) -> list[LeasedJob]:
+        reply = await self._call(
+            "lease", queues=list(queues), worker_id=worker_id, count=count,
+            lease_ms=lease_ms, wait_ms=wait_ms,
+        )  # fmt: skip
+        return [_structure(job, LeasedJob) for job in reply["jobs"]]
+
+    async def renew(
+        self, job_id: str, worker_id: str, token: str, *, lease_ms: int | None = None
+    ) -> int:
+        reply = await self._call(
+            "renew", job_id=job_id, worker_id=worker_id, token=token, lease_ms=lease_ms
+        )
+        return reply["lease_expires_at"]
+
+    async def ack(self, job_id: str, worker_id: str, token: str, result: Any = None) -> None:
+        await self._call("ack", job_id=job_id, worker_id=worker_id, token=token, result=result)
+
+    async def fail(
+        self, job_id: str, worker_id: str, token: str, error: str, *, retryable: bool = True
+    ) -> FailOutcome:
+        reply = await self._call(
+            "fail", job_id=job_id, worker_id=worker_id, token=token, error=error,
+            retryable=retryable,
+        )  # fmt: skip
+        return FailOutcome(JobState(reply["state"]), reply.get("retry_at"))
+
+    async def release(self, job_id: str, worker_id: str, token: str) -> None:
+        await self._call("release", job_id=job_id, worker_id=worker_id, token=token)
+
+    async def inspect(self, job_id: str) -> JobView:
+        reply = await self._call("inspect", job_id=job_id)
+        return _structure(reply["job"], JobView)
+
+    async def stats(self) -> Stats:
+        reply = await self._call("stats")
+        return _structure(reply, Stats)
+
+    async def dead_list(
+        self, queue: str | None = None, *, limit: int | None = None, cursor: str | None = None
+    ) -> DeadPage:
+        reply = await self._call("dead_list", queue=queue, limit=limit, cursor=cursor)
+        return _structure(reply, DeadPage)
+
+    async def dead_retry(
+        self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
+    ) -> int:
+        reply = await self._call("dead_retry", job_id=job_id, queue=queue, all=all or None)
+        return reply["count"]
+
+    async def dead_purge(
+        self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
+    ) -> int:
+        reply = await self._call("dead_purge", job_id=job_id, queue=queue, all=all or None)
+        return reply["count"]
+
+
+def job_fields(
+    queue: str,
+    payload: Any,
+    *,
+    priority: str | None = None,
+    delay_ms: int | None = None,
+    run_at: int | None = None,
+    retries: int | None = None,
+    backoff: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
+) -> dict[str, Any]:
+    """One job of a submit or submit_batch, as the wire wants it."""
+    job: dict[str, Any] = {"queue": queue, "payload": payload}
+    optional = {
+        "priority": priority,
+        "delay_ms": delay_ms,
+        "run_at": run_at,
+        "retries": retries,
+        "backoff": backoff,
+        "idempotency_key": idempotency_key,
+    }
+    job.update((k, v) for k, v in optional.items() if v is not None)
+    return job
+
+
+def _submit_result(reply: dict[str, Any]) -> SubmitResult:
+    return SubmitResult(reply["job_id"], JobState(reply["state"]), reply["duplicate"])
+
+
+def reply_fields(reply: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a success reply, or raise the error it carries."""
+    if reply.get("ok") is True:
+        return reply
+    raise reply_error(reply)
+
+
+# -- TCP transport --------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Call:
+    op: str
+    line: bytes
+    done: trio.Event = attrs.Factory(trio.Event)
+    reply: Any = None
+    error: BaseException | None = None
+
+    def settle(self, reply: Any = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.reply, self.error = reply, error
+            self.done.set()
+
+
+class TcpTransport:
+    """One connection at a time, re-established on loss. Owned by ``open_client``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        reconnect: bool = True,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        reconnect_timeout: float = RECONNECT_TIMEOUT_S,
+    ) -> None:
+        self.host, self.port = host, port
+        self.reconnect = reconnect
+        self.connect_timeout = connect_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Call] = {}
+        self._stream: trio.SocketStream | None = None
+        self._connected = trio.Event()
+        self._send_lock = trio.Lock()
+        self._closed = False
+        self._failure: RelayError | None = None  # set when reconnecting gave up
+        self.connections = 0  # how many times a connection was established
+
+    async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        request_id = next(self._ids)
+        call = _Call(op, orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n")
+        self._pending[request_id] = call
+        try:
+            await self._send(call)
+            await call.done.wait()
+        finally:
+            self._pending.pop(request_id, None)
+        if call.error is not None:
+            raise call.error
+        return reply_fields(call.reply)
+
+    async def _send(self, call: _Call) -> None:
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            if self._closed:
+                raise ConnectionLost("the client is closed")
+            await self._connected.wait()
+            stream = self._stream
+            try:
+                async with self._send_lock:
+                    await stream.send_all(call.line)  # type: ignore[union-attr]
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                if call.op not in RETRY_SAFE_OPS:
+                    raise ConnectionLost(f"{call.op}: the connection dropped") from None
+                # A retry-safe call waits for the next connection and goes again.
+                if self._stream is stream:
+                    self._connected = trio.Event()
+
+    async def first_connect(self) -> None:
+        self._stream = await self._connect()
+        self.connections += 1
+        self._connected.set()
+
+    async def _connect(self) -> trio.SocketStream:
+        with trio.fail_after(self.connect_timeout):
+            return await trio.open_tcp_stream(self.host, self.port)
+
+    async def run(self) -> None:
+        """Read replies; on loss, settle what cannot be resent and reconnect. Until
+        cancelled (or, without ``reconnect``, until the connection is lost)."""
+        while True:
+            stream = self._stream
+            assert stream is not None
+            with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._read_replies(stream)
+            self._connected = trio.Event()
+            await trio.aclose_forcefully(stream)
+            resend = []
+            for call in list(self._pending.values()):
+                if call.op in RETRY_SAFE_OPS and self.reconnect:
+                    resend.append(call)
+                else:
+                    call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
+            if not self.reconnect:
+                self._failure = ConnectionLost("the connection dropped")
+                return
+            try:
+                self._stream = await self._reconnect()
+            except ConnectionLost as exc:
+                self._failure = exc
+                for call in list(self._pending.values()):
+                    call.settle(error=exc)
+                return
+            self.connections += 1
+            for call in resend:
+                if not call.done.is_set():
+                    with trio.move_on_after(self.connect_timeout):
+                        await self._stream.send_all(call.line)
+            self._connected.set()
+
+    async def _reconnect(self) -> trio.SocketStream:
+        delay = RECONNECT_FIRST_S
+        with trio.move_on_after(self.reconnect_timeout):
+            while True:
+                try:
+                    return await self._connect()
+                except (OSError, trio.TooSlowError):
+                    await trio.sleep(delay * random.uniform(0.5, 1.0))
+                    delay = min(delay * 2, RECONNECT_CAP_S)
+        raise ConnectionLost(
+            f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
+        )
+
+    async def _read_replies(self, stream: trio.SocketStream) -> None:
+        buffer = b""
+        while True:
+            data = await stream.receive_some(READ_BYTES)
+            if not data:
+                return
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                reply = orjson.loads(line)
+                call = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
+                if call is not None:
+                    call.settle(reply)
+                elif reply.get("id") is None and reply.get("ok") is False:
+                    # A connection-level error (overloaded, frame_too_large): it applies
+                    # to everything in flight here, and the server closes the connection.
+                    error = reply_error(reply)
+                    for pending in list(self._pending.values()):
+                        pending.settle(error=error)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for call in list(self._pending.values()):
+            call.settle(error=ConnectionLost("the client is closed"))
+        if self._stream is not None:
+            await trio.aclose_forcefully(self._stream)
+
+
+def reply_error(reply: dict[str, Any]) -> RelayError:
+    error = reply.get("error") or {}
+    return error_from_wire(str(error.get("code")), str(error.get("message")))
+
+
+@asynccontextmanager
+async def open_client(
+    address: str | tuple[str, int] = DEFAULT_ADDRESS,
+    *,
+    reconnect: bool = True,
+    connect_timeout: float = CONNECT_TIMEOUT_S,
+    reconnect_timeout: float = RECONNECT_TIMEOUT_S,
+) -> AsyncIterator[Client]:
+    """Connect to a relay-trio server and yield a ``Client``.
+
+    Owns one background task (the reply reader, which also reconnects) in a nursery of its
+    own; leaving the block closes the connection and cancels it. Raises OSError (or
+    ``trio.TooSlowError``) if the first connection cannot be made.
+    """
+    host, port = parse_address(address)
+    transport = TcpTransport(
+        host, port, reconnect=reconnect, connect_timeout=connect_timeout,
+        reconnect_timeout=reconnect_timeout,
+    )  # fmt: skip
+    await transport.first_connect()
+    # The body's exception is caught and raised again outside the nursery, so callers get
+    # StaleToken, not an ExceptionGroup around it: the client raises no exception groups.
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(transport.run)
+        try:
+            yield Client(transport)
+        except BaseException as exc:
+            body_error = exc
+        finally:
+            await transport.aclose()
+            nursery.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error
+
+
+__all__ = [
+    "Client",
+    "DeadPage",
+    "JobView",
+    "LeasedJob",
+    "ServerInfo",
+    "Stats",
+    "job_fields",
+    "open_client",
+    "parse_address",
+]
