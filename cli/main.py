@@ -91,14 +91,19 @@ def server(db: str, address: str, metrics_address: str, synchronous: str, **numb
         synchronous=synchronous,
         **{k: v for k, v in numbers.items() if k not in limit_fields},
     )
+    # serve() runs under a nursery, so a start-up failure arrives in an exception group.
+    failure: tuple[int, str] | None = None
     try:
         trio.run(_run_server, config)
-    except StoreError as exc:
-        click.echo(f"relay-trio: refusing to open {exc.path}: {exc.problem}", err=True)
-        sys.exit(2)
-    except OSError as exc:
-        click.echo(f"relay-trio: cannot listen: {exc}", err=True)
-        sys.exit(1)
+    except* StoreError as group:
+        exc = group.exceptions[0]
+        assert isinstance(exc, StoreError)
+        failure = (2, f"relay-trio: refusing to open {exc.path}: {exc.problem}")
+    except* OSError as group:
+        failure = (1, f"relay-trio: cannot listen on {address}: {group.exceptions[0]}")
+    if failure is not None:
+        click.echo(failure[1], err=True)
+        sys.exit(failure[0])
 
 
 async def _run_server(config: ServerConfig) -> None:

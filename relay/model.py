@@ -22,9 +22,9 @@ AGING_STEP_MS = 60_000
 # allow 2 million ids within one millisecond before the generator borrows the next one.
 _ID_SEQ_BITS = 21
 _ID_MAX = (1 << 63) - 1
-_ID_RE = re.compile(r"^job_[0-9a-f]{16}$")
+_ID_RE = re.compile(r"job_[0-9a-f]{16}")  # always fullmatch: "$" would allow a "\n"
 
-QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # always fullmatch
 
 
 class JobState(enum.StrEnum):
@@ -203,7 +203,7 @@ def format_job_id(key: int) -> str:
 
 def parse_job_id(job_id: str) -> int | None:
     """The integer key of a job id, or None if the string is not a relay-trio job id."""
-    if not _ID_RE.match(job_id):
+    if not _ID_RE.fullmatch(job_id):
         return None
     key = int(job_id[4:], 16)
     return key if key <= _ID_MAX else None

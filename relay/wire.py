@@ -25,6 +25,7 @@ from relay.model import (
     Lease,
     Priority,
     SubmitSpec,
+    parse_job_id,
 )
 
 PROTOCOL_VERSION = 1
@@ -85,7 +86,7 @@ def check_range(field: str, value: int, low: int, high: int) -> None:
 
 
 def check_queue(field: str, name: str) -> None:
-    if not QUEUE_NAME_RE.match(name):
+    if not isinstance(name, str) or not QUEUE_NAME_RE.fullmatch(name):
         raise _bad(field, "a queue name is 1-128 characters of [A-Za-z0-9._:-]")
 
 
@@ -293,8 +294,8 @@ class DeadList:
         if self.queue is not None:
             check_queue("queue", self.queue)
         check_range("limit", self.limit, 1, limits.max_dead_list)
-        if self.cursor is not None:
-            check_text("cursor", self.cursor, limits.max_id_bytes)
+        if self.cursor is not None and parse_job_id(self.cursor) is None:
+            raise _bad("cursor", "not a cursor returned by dead_list")
 
 
 @attrs.frozen
@@ -346,6 +347,14 @@ REQUEST_TYPES: dict[str, type] = {
 }
 
 
+def _strict_list(value: Any, _type: Any) -> list[Any]:
+    # cattrs would take any iterable: a string as a list of letters, an object's keys.
+    # The items are checked by the request's own check, which names their index.
+    if type(value) is not list:
+        raise TypeError("expected an array")
+    return value
+
+
 def _strict(kind: type, name: str):
     def structure(value: Any, _type: Any) -> Any:
         # bool is an int in Python, not on the wire.
@@ -362,6 +371,9 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _strict(str, "a string"))
     converter.register_structure_hook(bool, _strict(bool, "true or false"))
     converter.register_structure_hook(Any, lambda value, _type: value)
+    converter.register_structure_hook_func(
+        lambda t: t in (list[str], list[dict[str, Any]]), _strict_list
+    )
     return converter
 
 
@@ -393,8 +405,8 @@ class Frame:
 def decode_frame(line: bytes) -> Frame:
     """Parse one line into a ``Frame``; BadRequest if it is not a JSON object.
 
-    An ``id`` of the wrong type is dropped (the reply then carries ``id: null``) and
-    reported by ``parse_request``; a missing or ill-typed ``op`` too.
+    An ``id`` of the wrong type is dropped (``Frame.id`` is None, so the reply carries
+    ``id: null``) and reported by ``parse_request``; a missing or ill-typed ``op`` too.
     """
     try:
         data = orjson.loads(line)
@@ -402,7 +414,8 @@ def decode_frame(line: bytes) -> Frame:
         raise BadRequest(f"not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest("a request must be a JSON object")
-    return Frame(data.get("id"), data.get("op"), data)
+    request_id = data.get("id")
+    return Frame(request_id if _valid_id(request_id) else None, data.get("op"), data)
 
 
 def _valid_id(request_id: Any) -> bool:
@@ -416,7 +429,7 @@ def parse_request(frame: Frame, limits: Limits) -> Any:
     ``submit`` becomes a ``SubmitSpec``; ``submit_batch`` a tuple of them (all checked
     before any is used: one bad job rejects the batch, naming its index).
     """
-    if not _valid_id(frame.id):
+    if not _valid_id(frame.fields.get("id")):
         raise _bad("id", "must be a string (at most 256 characters) or an integer")
     if not isinstance(frame.op, str):
         raise _bad("op", "required, a string")

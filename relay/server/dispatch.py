@@ -114,13 +114,12 @@ class Dispatcher:
         writer: Writer,
         limits: wire.Limits,
         longpolls: LongPolls,
-        *,
-        connections: Callable[[], int] = lambda: 0,
     ) -> None:
         self.writer = writer
         self.limits = limits
         self.longpolls = longpolls
-        self._connections = connections
+        # How many client connections are open, for stats; the transport sets it.
+        self.connections: Callable[[], int] = lambda: 0
         self._started_ns = time.monotonic_ns()
         self._durations: dict[str, Histogram] = {}
         self.in_flight = 0
@@ -259,7 +258,7 @@ class Dispatcher:
             server = {
                 "version": VERSION,
                 "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
-                "connections": self._connections(),
+                "connections": self.connections(),
             }
             return {"queues": queues, "server": server}
 

@@ -60,13 +60,17 @@ class Listener:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Run until cancelled. Cancellation ends every session (the nursery owns them)."""
         async with trio.open_nursery() as sessions:
-            with self._accepting:
-                async with trio.open_nursery() as accepting:
-                    for listener in self._listeners:
-                        accepting.start_soon(self._accept_loop, listener, sessions)
-                    task_status.started()
-            for listener in self._listeners:
-                await trio.aclose_forcefully(listener)
+            try:
+                with self._accepting:
+                    async with trio.open_nursery() as accepting:
+                        for listener in self._listeners:
+                            accepting.start_soon(self._accept_loop, listener, sessions)
+                        task_status.started()
+            finally:
+                # Also when the whole server is cancelled at once: Cancelled then goes
+                # past the accepting scope, and only a finally still runs here.
+                for listener in self._listeners:
+                    await trio.aclose_forcefully(listener)
 
     async def _accept_loop(self, listener: trio.SocketListener, sessions: trio.Nursery) -> None:
         while True:

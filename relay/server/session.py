@@ -28,6 +28,10 @@ RECEIVE_BYTES = 64 * 1024
 # After the client stops sending (EOF, or a fatal frame), replies still owed are written
 # for at most this long beyond the longest long-poll.
 DRAIN_GRACE_S = 5.0
+# Before closing a connection over a too-large frame: how long, and how many bytes, to
+# read and discard so that the error line is not lost to a TCP reset (see _linger).
+LINGER_S = 1.0
+LINGER_BYTES = 4 * 1024 * 1024
 
 
 class Session:
@@ -52,6 +56,7 @@ class Session:
         self._sending = 0  # replies taken by the sender, not yet written
         self._out_lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
+        self._reading = trio.CancelScope()
 
     # -- called by the dispatcher and the writer's hand-off (sync, trio thread) --------------
 
@@ -74,6 +79,10 @@ class Session:
 
     # -- tasks -------------------------------------------------------------------------------
 
+    def stop_reading(self) -> None:
+        """Take no more requests; write the replies still owed, then close (shutdown)."""
+        self._reading.cancel()
+
     def _owed(self) -> int:
         return self.in_flight + len(self._out) + self._sending
 
@@ -86,16 +95,36 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self._send_loop)
-                await self._read_loop()
-                # The client sent its last request: write what is owed, then close.
+                with self._reading:
+                    await self._read_loop()
+                # The client sent its last request (or the server stops reading): write
+                # what is owed, then close.
                 with trio.move_on_after(self.limits.max_wait_ms / 1000 + DRAIN_GRACE_S):
                     while self._owed():
                         await self._room_lot.park()
+                    if self.splitter.overflow:
+                        await self._linger()
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = True
             self.dispatcher.longpolls.drop(self)
             await trio.aclose_forcefully(self.stream)
+
+    async def _linger(self) -> None:
+        # Closing a socket with unread input makes the kernel reset the connection, which
+        # can destroy the frame_too_large line still on its way. So: half-close, then read
+        # and discard what the client is still sending, bounded in time and bytes.
+        with trio.move_on_after(LINGER_S):
+            try:
+                await self.stream.send_eof()  # type: ignore[attr-defined]
+                discarded = 0
+                while discarded < LINGER_BYTES:
+                    data = await self.stream.receive_some(RECEIVE_BYTES)
+                    if not data:
+                        return
+                    discarded += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
 
     async def _read_loop(self) -> None:
         max_in_flight = self.limits.max_in_flight
@@ -140,3 +169,33 @@ class Session:
             event(log, logging.DEBUG, "connection.send_failed", peer=self.peer, error=repr(exc))
             self.closed = True
             self.nursery.cancel_scope.cancel()
+
+
+class Sessions:
+    """The open sessions of a server, so that shutdown can stop them together."""
+
+    def __init__(self) -> None:
+        self._open: set[Session] = set()
+        self._none_open = trio.Event()
+        self._none_open.set()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    async def run(self, session: Session) -> None:
+        if not self._open:
+            self._none_open = trio.Event()
+        self._open.add(session)
+        try:
+            await session.run()
+        finally:
+            self._open.discard(session)
+            if not self._open:
+                self._none_open.set()
+
+    def stop_reading(self) -> None:
+        for session in self._open:
+            session.stop_reading()
+
+    async def wait_closed(self) -> None:
+        await self._none_open.wait()

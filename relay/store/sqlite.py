@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
-from relay.errors import InvalidState, JobNotFound, LeaseExpired, StaleToken
+from relay.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
 from relay.model import (
     Backoff,
     ErrorEntry,
@@ -44,6 +44,7 @@ from relay.store.schema import open_database
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
+UNFINISHED = (PENDING, READY, LEASED, RETRYING)
 
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
@@ -69,6 +70,13 @@ class StoreConfig:
     idempotency_window_ms: int = 24 * 3600 * 1000
     retention_ms: int = 7 * 24 * 3600 * 1000
     max_error_bytes: int = 8 * 1024
+    # Unfinished jobs a queue may hold (pending + ready + leased + retrying) before a
+    # submit is refused with QueueFull: per queue, else ``max_depth`` (None: unbounded).
+    max_depth: int | None = None
+    queue_depths: dict[str, int] = attrs.Factory(dict)
+
+    def depth_limit(self, queue: str) -> int | None:
+        return self.queue_depths.get(queue, self.max_depth)
 
 
 @attrs.frozen
@@ -275,8 +283,10 @@ class SqliteStore:
             if spec.idempotency_key is not None:
                 keys.append((spec.queue, spec.idempotency_key, key, key_expires_at))
                 fresh_keys[(spec.queue, spec.idempotency_key)] = result
-            self._move(spec.queue, None, state)
-            self._count(spec.queue, "submitted")
+        self._check_depth(rows)
+        for row in rows:
+            self._move(row[1], None, row[2])
+            self._count(row[1], "submitted")
         if rows:
             self._db.executemany(
                 "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
@@ -297,6 +307,17 @@ class SqliteStore:
                 keys,
             )
         return results
+
+    def _check_depth(self, rows: list[tuple]) -> None:
+        if self.config.max_depth is None and not self.config.queue_depths:
+            return
+        for queue, n in Counter(row[1] for row in rows).items():
+            limit = self.config.depth_limit(queue)
+            if limit is None:
+                continue
+            depth = sum(self._counts[(queue, state)] for state in UNFINISHED)
+            if depth + n > limit:
+                raise QueueFull(f"queue {queue} holds {depth} unfinished jobs (max {limit})")
 
     def _idempotent_hit(self, queue: str, key: str, now: int) -> SubmitResult | None:
         row = self._db.execute(

@@ -1,0 +1,115 @@
+"""The transport-free core of a server: store, writer, dispatcher and time-driven services.
+
+``open_core`` is shared by the TCP server (``serve``) and the embedded mode
+(``relay.open_local``): both get the same dispatcher, so a request means the same thing
+whether it arrived over a socket or from the same process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from relay import wire
+from relay.log import event
+from relay.server.dispatch import Dispatcher
+from relay.server.longpoll import LongPolls
+from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
+from relay.store import commands as cmd
+from relay.store.sqlite import SqliteStore, StoreConfig
+from relay.store.writer import Writer, open_writer, wall_clock_ms
+
+log = logging.getLogger("relay.server")
+
+
+@attrs.frozen
+class ServerConfig:
+    db: str = "relay.db"
+    host: str = "127.0.0.1"
+    port: int = 7400
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 7401  # None: no metrics endpoint
+    limits: wire.Limits = attrs.Factory(wire.Limits)
+    synchronous: str = "full"
+    idempotency_window_ms: int = 24 * 3_600_000
+    retention_ms: int = 7 * 24 * 3_600_000
+    shutdown_timeout_ms: int = 10_000
+    idle_timeout_ms: int = 300_000
+    # Unfinished jobs (pending, ready, leased, retrying) a queue may hold before submit
+    # answers queue_full: per queue, and a default for the others (None: unbounded).
+    max_queue_depth: int | None = None
+    queue_depths: dict[str, int] = attrs.Factory(dict)
+    clock: Callable[[], int] = wall_clock_ms
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            idempotency_window_ms=self.idempotency_window_ms,
+            retention_ms=self.retention_ms,
+            max_error_bytes=self.limits.max_error_bytes,
+            max_depth=self.max_queue_depth,
+            queue_depths=dict(self.queue_depths),
+        )
+
+
+@attrs.define
+class Core:
+    writer: Writer
+    dispatcher: Dispatcher
+    longpolls: LongPolls
+    nursery: trio.Nursery  # the services nursery: for tasks that live as long as the core
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop leasing, answer parked long-polls, and wait (at most ``timeout_s``) for the
+        requests in flight. True if they all finished."""
+        self.dispatcher.leasing = False
+        self.longpolls.close()
+        with trio.move_on_after(timeout_s):
+            await self.dispatcher.wait_idle()
+            return True
+        return False
+
+
+@asynccontextmanager
+async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
+    """Open the store, recover leases, start the writer and the time-driven services.
+
+    Owns: the writer thread (through ``open_writer``) and a services nursery with the
+    long-poll hub, promoter, reaper and pruner. Leaving the block cancels the services,
+    then stops the writer (commit, checkpoint, close). Raises StoreError if the database
+    is refused. Exceptions of the body come out as they are, not in a group.
+    """
+    store = SqliteStore.open(config.db, config.store_config(), synchronous=config.synchronous)
+    async with open_writer(
+        store, clock=config.clock, shutdown_timeout=config.shutdown_timeout_ms / 1000
+    ) as writer:
+        t = time.monotonic()
+        recovered = await writer.execute(cmd.Recover())
+        if recovered:
+            event(
+                log, logging.WARNING, "server.recovered_leases", count=recovered,
+                ms=round((time.monotonic() - t) * 1000),
+            )  # fmt: skip
+        longpolls = LongPolls(writer)
+        promoter, reaper = Alarm(), Alarm()
+        writer.commit_listeners += [longpolls.on_commit, commit_listener(promoter, reaper)]
+        dispatcher = Dispatcher(writer, config.limits, longpolls)
+        body_error: BaseException | None = None
+        async with trio.open_nursery() as services:
+            await services.start(longpolls.run)
+            await services.start(run_promoter, writer, promoter, config.clock)
+            await services.start(run_reaper, writer, reaper, config.clock)
+            await services.start(run_pruner, writer)
+            core = Core(writer, dispatcher, longpolls, services)
+            try:
+                yield core
+            except BaseException as exc:
+                body_error = exc
+            finally:
+                services.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error

@@ -1,0 +1,1365 @@
+"""The wire contract (docs: /work/shared/protocol.md) exercised over real TCP sockets.
+
+Every op, every error code a client can reach over TCP, framing, pipelining,
+backpressure, and hostile clients that must not disturb well-behaved ones. Each test
+asserts what the contract says, not what the implementation happens to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from relay import wire
+from tests.server.conftest import LineClient, RunningServer, start_server
+
+STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
+ADVERTISED_LIMITS = {
+    "max_frame_bytes",
+    "max_payload_bytes",
+    "max_in_flight",
+    "max_connections",
+    "max_lease_ms",
+    "max_wait_ms",
+    "max_batch",
+    "max_queues_per_lease",
+}
+LEASE_FIELDS = {
+    "job_id",
+    "queue",
+    "payload",
+    "priority",
+    "attempt",
+    "max_attempts",
+    "token",
+    "lease_expires_at",
+}
+JOB_REQUIRED = {
+    "job_id",
+    "queue",
+    "state",
+    "priority",
+    "payload",
+    "attempt",
+    "max_attempts",
+    "created_at",
+    "errors",
+}
+JOB_OPTIONAL = {
+    "ready_at",
+    "run_at",
+    "lease_expires_at",
+    "worker_id",
+    "last_error",
+    "result",
+    "idempotency_key",
+    "finished_at",
+}
+TOKEN_RE = re.compile(r"[0-9a-fA-F]{32,}")
+W = "worker-1"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@contextlib.asynccontextmanager
+async def custom_server(tmp_path, **overrides: Any) -> AsyncIterator[RunningServer]:
+    """A server with its own limits / timeouts, shut down at the end of the block."""
+    async with trio.open_nursery() as nursery:
+        running = await start_server(nursery, str(tmp_path / "custom.db"), **overrides)
+        try:
+            yield running
+        finally:
+            running.handle.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def connected(server: RunningServer) -> AsyncIterator[LineClient]:
+    c = await server.connect()
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+async def queue_stats(client: LineClient, queue: str) -> dict[str, int]:
+    """The six state counts of ``queue`` (all zero if stats does not list it)."""
+    reply = await client.ok("stats")
+    return reply["queues"].get(queue, dict.fromkeys(STATES, 0))
+
+
+async def submit(client: LineClient, queue: str = "q", payload: Any = None, **fields) -> str:
+    reply = await client.ok("submit", queue=queue, payload=payload, **fields)
+    return reply["job_id"]
+
+
+async def lease_one(client: LineClient, queue: str = "q", **fields: Any) -> dict[str, Any]:
+    reply = await client.ok("lease", queues=[queue], worker_id=W, **fields)
+    (job,) = reply["jobs"]
+    return job
+
+
+async def inspect(client: LineClient, job_id: str) -> dict[str, Any]:
+    return (await client.ok("inspect", job_id=job_id))["job"]
+
+
+async def make_dead(client: LineClient, queue: str, n: int) -> list[str]:
+    """``n`` dead jobs in ``queue`` (submitted, leased, failed not retryable), oldest first."""
+    ids = [await submit(client, queue, {"i": i}, retries=0) for i in range(n)]
+    leased = await client.ok("lease", queues=[queue], worker_id=W, count=n)
+    assert sorted(j["job_id"] for j in leased["jobs"]) == sorted(ids)
+    for job in leased["jobs"]:
+        reply = await client.ok(
+            "fail", job_id=job["job_id"], worker_id=W, token=job["token"], error="boom"
+        )
+        assert reply["state"] == "dead"
+    return ids
+
+
+def assert_error(reply: dict[str, Any], code: str, request_id: Any = ...) -> dict[str, Any]:
+    assert reply["ok"] is False, reply
+    assert set(reply) == {"id", "ok", "error"}, reply
+    assert reply["error"]["code"] == code, reply
+    assert isinstance(reply["error"]["message"], str) and reply["error"]["message"], reply
+    if request_id is not ...:
+        assert reply["id"] == request_id
+    return reply["error"]
+
+
+async def read_until_eof(client: LineClient) -> list[bytes]:
+    """Every line until the server closes (a reset counts as closed)."""
+    lines = []
+    with trio.fail_after(10):
+        while True:
+            try:
+                line = await client.read_line()
+            except trio.BrokenResourceError:
+                return lines
+            if line is None:
+                return lines
+            lines.append(line)
+
+
+# -- hello / ping ---------------------------------------------------------------------------
+
+
+async def test_hello_reports_server_version_protocol_and_limits(server, client):
+    reply = await client.ok("hello", client="test-suite")
+    assert reply["server"] == "relay-trio"
+    assert isinstance(reply["version"], str) and reply["version"]
+    assert reply["protocol"] == 1
+    assert set(reply["limits"]) >= ADVERTISED_LIMITS
+    for key in ADVERTISED_LIMITS:
+        assert reply["limits"][key] == getattr(server.config.limits, key)
+
+
+async def test_hello_advertises_custom_limits(tmp_path):
+    limits = wire.Limits(max_in_flight=7, max_connections=9, max_batch=11)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        advertised = (await c.ok("hello"))["limits"]
+    assert advertised["max_in_flight"] == 7
+    assert advertised["max_connections"] == 9
+    assert advertised["max_batch"] == 11
+
+
+async def test_ping_replies_with_no_fields(client):
+    request_id = await client.send("ping")
+    assert await client.read() == {"id": request_id, "ok": True}
+
+
+# -- submit ---------------------------------------------------------------------------------
+
+
+async def test_submit_ready(client):
+    reply = await client.ok("submit", queue="q", payload={"a": [1, 2, 3]})
+    assert set(reply) == {"id", "ok", "job_id", "state", "duplicate"}
+    assert reply["job_id"].startswith("job_")
+    assert reply["state"] == "ready"
+    assert reply["duplicate"] is False
+    job = await inspect(client, reply["job_id"])
+    assert job["payload"] == {"a": [1, 2, 3]}
+    assert job["priority"] == "normal"
+    assert job["max_attempts"] == 4  # default retries 3
+
+
+@pytest.mark.parametrize("payload", [None, 0, -1.5, "text", [1, "x", None], {"nested": {"k": []}}])
+async def test_submit_any_json_payload_round_trips(client, payload):
+    job_id = await submit(client, "q", payload)
+    assert (await inspect(client, job_id))["payload"] == payload
+    assert (await lease_one(client, "q"))["payload"] == payload
+
+
+async def test_job_ids_sort_by_creation(client):
+    ids = [await submit(client, "q", i) for i in range(20)]
+    assert ids == sorted(ids)
+    assert len(set(ids)) == 20
+
+
+async def test_submit_with_delay_is_pending(client):
+    reply = await client.ok("submit", queue="q", payload=1, delay_ms=60_000)
+    assert reply["state"] == "pending"
+    job = await inspect(client, reply["job_id"])
+    assert job["state"] == "pending"
+    assert job["run_at"] >= now_ms() + 50_000
+    assert (await client.ok("lease", queues=["q"], worker_id=W))["jobs"] == []
+
+
+async def test_submit_with_future_run_at_is_pending(client):
+    run_at = now_ms() + 60_000
+    reply = await client.ok("submit", queue="q", payload=1, run_at=run_at)
+    assert reply["state"] == "pending"
+    job = await inspect(client, reply["job_id"])
+    assert job["state"] == "pending"
+    assert job["run_at"] == run_at
+    assert (await queue_stats(client, "q"))["pending"] == 1
+
+
+async def test_submit_with_zero_delay_or_past_run_at_is_ready(client):
+    assert (await client.ok("submit", queue="q", payload=1, delay_ms=0))["state"] == "ready"
+    past = now_ms() - 60_000
+    assert (await client.ok("submit", queue="q", payload=1, run_at=past))["state"] == "ready"
+
+
+async def test_delayed_job_becomes_ready_when_due(client):
+    job_id = await submit(client, "q", 1, delay_ms=100)
+    job = await client.ok("lease", queues=["q"], worker_id=W, wait_ms=5_000)
+    assert [j["job_id"] for j in job["jobs"]] == [job_id]
+
+
+async def test_submit_with_priority_and_retries(client):
+    job_id = await submit(client, "q", 1, priority="critical", retries=0)
+    job = await inspect(client, job_id)
+    assert job["priority"] == "critical"
+    assert job["max_attempts"] == 1
+
+
+async def test_idempotency_key_duplicate_returns_first_job(client):
+    first = await client.ok("submit", queue="q", payload=1, idempotency_key="k-1")
+    assert first["duplicate"] is False
+    again = await client.ok("submit", queue="q", payload=2, idempotency_key="k-1")
+    assert again["job_id"] == first["job_id"]
+    assert again["duplicate"] is True
+    assert again["state"] == "ready"
+    assert (await queue_stats(client, "q"))["ready"] == 1
+    assert (await inspect(client, first["job_id"]))["idempotency_key"] == "k-1"
+
+
+async def test_idempotency_duplicate_reports_current_state(client):
+    first = await client.ok("submit", queue="q", payload=1, idempotency_key="k")
+    job = await lease_one(client, "q")
+    await client.ok("ack", job_id=job["job_id"], worker_id=W, token=job["token"])
+    again = await client.ok("submit", queue="q", payload=1, idempotency_key="k")
+    assert again == {**again, "job_id": first["job_id"], "duplicate": True, "state": "succeeded"}
+
+
+async def test_idempotency_key_is_per_queue(client):
+    a = await client.ok("submit", queue="qa", payload=1, idempotency_key="same")
+    b = await client.ok("submit", queue="qb", payload=1, idempotency_key="same")
+    assert a["job_id"] != b["job_id"]
+    assert b["duplicate"] is False
+
+
+async def test_concurrent_duplicate_submits_create_one_job(server):
+    async with connected(server) as a, connected(server) as b:
+        replies: list[dict[str, Any]] = []
+
+        async def one(c: LineClient) -> None:
+            replies.append(await c.ok("submit", queue="q", payload=1, idempotency_key="race"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, a)
+            nursery.start_soon(one, b)
+        assert replies[0]["job_id"] == replies[1]["job_id"]
+        assert sorted(r["duplicate"] for r in replies) == [False, True]
+        assert (await queue_stats(a, "q"))["ready"] == 1
+
+
+# -- submit_batch ---------------------------------------------------------------------------
+
+
+async def test_submit_batch_results_in_order(client):
+    jobs = [
+        {"queue": "b", "payload": {"n": 0}},
+        {"queue": "b", "payload": {"n": 1}, "delay_ms": 60_000},
+        {"queue": "b", "payload": {"n": 2}, "priority": "high"},
+    ]
+    reply = await client.ok("submit_batch", jobs=jobs)
+    assert set(reply) == {"id", "ok", "results"}
+    results = reply["results"]
+    assert [r["state"] for r in results] == ["ready", "pending", "ready"]
+    assert all(set(r) == {"job_id", "state", "duplicate"} for r in results)
+    assert all(r["job_id"].startswith("job_") and r["duplicate"] is False for r in results)
+    ids = [r["job_id"] for r in results]
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    for n, job_id in enumerate(ids):
+        assert (await inspect(client, job_id))["payload"] == {"n": n}
+
+
+async def test_submit_batch_with_duplicate_key(client):
+    first = await client.ok("submit", queue="b", payload=1, idempotency_key="dup")
+    reply = await client.ok(
+        "submit_batch",
+        jobs=[
+            {"queue": "b", "payload": 2},
+            {"queue": "b", "payload": 3, "idempotency_key": "dup"},
+        ],
+    )
+    fresh, dup = reply["results"]
+    assert fresh["duplicate"] is False
+    assert dup == {"job_id": first["job_id"], "state": "ready", "duplicate": True}
+
+
+@pytest.mark.parametrize(
+    "bad_job",
+    [
+        {"queue": "b", "payload": 1, "priority": "urgent"},
+        {"queue": "bad queue", "payload": 1},
+        {"queue": "b"},
+        {"queue": "b", "payload": 1, "retries": "3"},
+        {"queue": "b", "payload": 1, "delay_ms": -1},
+        "not an object",
+    ],
+)
+async def test_submit_batch_is_all_or_nothing(client, bad_job):
+    jobs = [{"queue": "b", "payload": 0}, {"queue": "b", "payload": 1}, bad_job]
+    error = await client.error("submit_batch", jobs=jobs)
+    assert error["code"] == "bad_request"
+    assert "jobs[2]" in error["message"]
+    assert await queue_stats(client, "b") == dict.fromkeys(STATES, 0)
+    # Nothing was created in any queue.
+    assert (await client.ok("stats"))["queues"] == {}
+
+
+async def test_submit_batch_over_max_batch(tmp_path):
+    async with custom_server(tmp_path, limits=wire.Limits(max_batch=3)) as srv, connected(srv) as c:
+        jobs = [{"queue": "b", "payload": i} for i in range(4)]
+        error = await c.error("submit_batch", jobs=jobs)
+        assert error["code"] == "bad_request" and "jobs" in error["message"]
+        assert (await c.ok("stats"))["queues"] == {}
+        ok = await c.ok("submit_batch", jobs=jobs[:3])
+        assert len(ok["results"]) == 3
+
+
+# -- lease and friends ----------------------------------------------------------------------
+
+
+async def test_lease_fields(client):
+    job_id = await submit(client, "lq", {"x": 1}, priority="high", retries=2)
+    before = now_ms()
+    reply = await client.ok("lease", queues=["lq"], worker_id=W, lease_ms=20_000)
+    assert set(reply) == {"id", "ok", "jobs"}
+    (job,) = reply["jobs"]
+    assert set(job) == LEASE_FIELDS
+    assert job["job_id"] == job_id
+    assert job["queue"] == "lq"
+    assert job["payload"] == {"x": 1}
+    assert job["priority"] == "high"
+    assert job["attempt"] == 1
+    assert job["max_attempts"] == 3
+    assert isinstance(job["token"], str) and TOKEN_RE.fullmatch(job["token"]), job["token"]
+    assert before + 20_000 - 1000 <= job["lease_expires_at"] <= now_ms() + 20_000 + 1000
+    state = await inspect(client, job_id)
+    assert state["state"] == "leased"
+    assert state["worker_id"] == W
+    assert state["lease_expires_at"] == job["lease_expires_at"]
+
+
+async def test_lease_empty_queue_returns_no_jobs(client):
+    assert (await client.ok("lease", queues=["nothing"], worker_id=W))["jobs"] == []
+
+
+async def test_lease_count_claims_several_fifo(client):
+    ids = [await submit(client, "q", i) for i in range(3)]
+    reply = await client.ok("lease", queues=["q"], worker_id=W, count=5)
+    jobs = reply["jobs"]
+    assert [j["job_id"] for j in jobs] == ids
+    assert len({j["token"] for j in jobs}) == 3
+    assert all(set(j) == LEASE_FIELDS for j in jobs)
+    assert (await queue_stats(client, "q"))["leased"] == 3
+    assert (await client.ok("lease", queues=["q"], worker_id=W))["jobs"] == []
+
+
+async def test_lease_highest_priority_first_across_queues(client):
+    low = await submit(client, "q1", 1, priority="low")
+    normal = await submit(client, "q2", 2)
+    critical = await submit(client, "q1", 3, priority="critical")
+    high = await submit(client, "q2", 4, priority="high")
+    reply = await client.ok("lease", queues=["q1", "q2"], worker_id=W, count=4)
+    assert [j["job_id"] for j in reply["jobs"]] == [critical, high, normal, low]
+
+
+async def test_long_poll_wakes_on_submit(server, client):
+    async with connected(server) as producer:
+        request_id = await client.send("lease", queues=["lp"], worker_id=W, wait_ms=10_000)
+        job_id = await submit(producer, "lp", "wake")
+        with trio.fail_after(5):
+            reply = await client.read()
+    assert reply["id"] == request_id
+    assert [j["job_id"] for j in reply["jobs"]] == [job_id]
+
+
+async def test_long_poll_times_out_with_no_jobs(client):
+    with trio.fail_after(5):
+        reply = await client.ok("lease", queues=["lp"], worker_id=W, wait_ms=150)
+    assert reply["jobs"] == []
+
+
+async def test_renew_extends_the_lease(client):
+    job_id = await submit(client)
+    job = await lease_one(client, lease_ms=5_000)
+    reply = await client.ok(
+        "renew", job_id=job_id, worker_id=W, token=job["token"], lease_ms=600_000
+    )
+    assert set(reply) == {"id", "ok", "lease_expires_at"}
+    assert reply["lease_expires_at"] > job["lease_expires_at"]
+    assert reply["lease_expires_at"] >= now_ms() + 590_000
+    assert (await inspect(client, job_id))["lease_expires_at"] == reply["lease_expires_at"]
+
+
+async def test_ack_succeeds_and_repeat_is_ok(client):
+    job_id = await submit(client)
+    job = await lease_one(client)
+    ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
+    reply = await client.ok("ack", **ref, result={"answer": 42})
+    assert set(reply) == {"id", "ok", "state"} and reply["state"] == "succeeded"
+    again = await client.ok("ack", **ref, result={"answer": 42})
+    assert again["state"] == "succeeded"
+    info = await inspect(client, job_id)
+    assert info["state"] == "succeeded"
+    assert info["result"] == {"answer": 42}
+    assert isinstance(info["finished_at"], int)
+    assert "lease_expires_at" not in info
+    counts = await queue_stats(client, "q")
+    assert counts["succeeded"] == 1 and counts["leased"] == 0
+
+
+async def test_fail_retrying_then_dead(client):
+    job_id = await submit(client, "q", 1, retries=1, backoff={"kind": "fixed", "delay_ms": 50})
+    job = await lease_one(client)
+    before = now_ms()
+    reply = await client.ok(
+        "fail", job_id=job_id, worker_id=W, token=job["token"], error="first failure"
+    )
+    assert set(reply) == {"id", "ok", "state", "retry_at"}
+    assert reply["state"] == "retrying"
+    assert before + 50 - 5 <= reply["retry_at"] <= now_ms() + 50 + 5
+    info = await inspect(client, job_id)
+    assert info["state"] in {"retrying", "ready"}
+    assert info["last_error"] == "first failure"
+    assert [(e["attempt"], e["error"]) for e in info["errors"]] == [(1, "first failure")]
+    assert isinstance(info["errors"][0]["at"], int)
+
+    # The retry becomes ready when due; the last attempt fails for good.
+    second = (await client.ok("lease", queues=["q"], worker_id=W, wait_ms=5_000))["jobs"]
+    assert [j["attempt"] for j in second] == [2]
+    reply = await client.ok(
+        "fail", job_id=job_id, worker_id=W, token=second[0]["token"], error="second failure"
+    )
+    assert set(reply) == {"id", "ok", "state"} and reply["state"] == "dead"
+    info = await inspect(client, job_id)
+    assert info["state"] == "dead"
+    assert [(e["attempt"], e["error"]) for e in info["errors"]] == [
+        (1, "first failure"),
+        (2, "second failure"),
+    ]
+    assert isinstance(info["finished_at"], int)
+
+
+async def test_fail_not_retryable_is_dead(client):
+    job_id = await submit(client, "q", 1, retries=5)
+    job = await lease_one(client)
+    reply = await client.ok(
+        "fail", job_id=job_id, worker_id=W, token=job["token"], error="fatal", retryable=False
+    )
+    assert reply["state"] == "dead"
+    assert "retry_at" not in reply
+    assert (await queue_stats(client, "q"))["dead"] == 1
+
+
+async def test_fail_error_is_truncated_to_max_error_bytes(tmp_path):
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_error_bytes=100)) as srv,
+        connected(srv) as c,
+    ):
+        job_id = await submit(c)
+        job = await lease_one(c)
+        await c.ok("fail", job_id=job_id, worker_id=W, token=job["token"], error="e" * 5000)
+        info = await inspect(c, job_id)
+        assert 0 < len(info["last_error"].encode()) <= 100
+        assert len(info["errors"][0]["error"].encode()) <= 100
+
+
+async def test_release_gives_back_without_consuming_attempt(client):
+    job_id = await submit(client, "q", 1)
+    first = await lease_one(client)
+    assert first["attempt"] == 1
+    reply = await client.ok("release", job_id=job_id, worker_id=W, token=first["token"])
+    assert set(reply) == {"id", "ok", "state"} and reply["state"] == "ready"
+    info = await inspect(client, job_id)
+    assert info["state"] == "ready" and info["attempt"] == 0
+    second = await lease_one(client)
+    assert second["job_id"] == job_id
+    assert second["attempt"] == 1
+    assert second["token"] != first["token"]
+    # The released token is dead.
+    error = await client.error("ack", job_id=job_id, worker_id=W, token=first["token"])
+    assert error["code"] in {"stale_token", "invalid_state"}
+
+
+# -- inspect / stats ------------------------------------------------------------------------
+
+
+async def test_inspect_fields_through_the_life_of_a_job(client):
+    job_id = await submit(client, "iq", {"p": 1}, priority="low", idempotency_key="ik")
+    ready = await inspect(client, job_id)
+    assert set(ready) >= JOB_REQUIRED
+    assert set(ready) <= JOB_REQUIRED | JOB_OPTIONAL
+    assert ready["job_id"] == job_id
+    assert ready["queue"] == "iq"
+    assert ready["state"] == "ready"
+    assert ready["priority"] == "low"
+    assert ready["payload"] == {"p": 1}
+    assert ready["attempt"] == 0
+    assert ready["max_attempts"] == 4
+    assert abs(ready["created_at"] - now_ms()) < 60_000
+    assert isinstance(ready["ready_at"], int)
+    assert ready["idempotency_key"] == "ik"
+    assert ready["errors"] == []
+    assert "lease_expires_at" not in ready and "finished_at" not in ready
+
+    job = await lease_one(client, "iq")
+    leased = await inspect(client, job_id)
+    assert leased["state"] == "leased"
+    assert leased["attempt"] == 1
+    assert leased["worker_id"] == W
+    assert leased["lease_expires_at"] == job["lease_expires_at"]
+
+    await client.ok("fail", job_id=job_id, worker_id=W, token=job["token"], error="oops")
+    failed = await inspect(client, job_id)
+    assert failed["state"] == "retrying"
+    assert failed["last_error"] == "oops"
+    assert isinstance(failed["run_at"], int)
+    assert len(failed["errors"]) == 1
+    assert set(failed["errors"][0]) == {"attempt", "error", "at"}
+    assert failed["errors"][0]["attempt"] == 1 and failed["errors"][0]["error"] == "oops"
+
+
+async def test_inspect_pending_job_has_run_at(client):
+    job_id = await submit(client, "q", 1, delay_ms=30_000)
+    info = await inspect(client, job_id)
+    assert info["state"] == "pending"
+    assert set(info) >= JOB_REQUIRED | {"run_at"}
+
+
+async def test_stats_shape(server, client):
+    await submit(client, "s1", 1)
+    await submit(client, "s1", 2, delay_ms=60_000)
+    await lease_one(client, "s1")
+    await submit(client, "s2", 3)
+    reply = await client.ok("stats")
+    assert set(reply) == {"id", "ok", "queues", "server"}
+    assert set(reply["queues"]) >= {"s1", "s2"}
+    for counts in reply["queues"].values():
+        assert set(counts) == STATES
+    assert reply["queues"]["s1"] == {
+        "pending": 1,
+        "ready": 0,
+        "leased": 1,
+        "retrying": 0,
+        "succeeded": 0,
+        "dead": 0,
+    }
+    assert reply["queues"]["s2"]["ready"] == 1
+    srv = reply["server"]
+    assert set(srv) >= {"version", "uptime_ms", "connections"}
+    assert isinstance(srv["version"], str)
+    assert isinstance(srv["uptime_ms"], int) and srv["uptime_ms"] >= 0
+    assert srv["connections"] == 1
+    async with connected(server) as other:
+        assert (await other.ok("stats"))["server"]["connections"] == 2
+
+
+# -- dead letters ---------------------------------------------------------------------------
+
+
+async def test_dead_list_pages_with_cursor(client):
+    ids = await make_dead(client, "dq", 5)
+    await make_dead(client, "other", 1)
+    seen: list[str] = []
+    cursor = None
+    pages = 0
+    while True:
+        fields: dict[str, Any] = {"queue": "dq", "limit": 2}
+        if cursor is not None:
+            fields["cursor"] = cursor
+        reply = await client.ok("dead_list", **fields)
+        assert set(reply) == {"id", "ok", "jobs", "next_cursor"}
+        assert len(reply["jobs"]) <= 2
+        for job in reply["jobs"]:
+            assert set(job) >= JOB_REQUIRED
+            assert job["state"] == "dead" and job["queue"] == "dq"
+            assert job["last_error"] == "boom"
+            assert [e["error"] for e in job["errors"]] == ["boom"]
+        seen += [j["job_id"] for j in reply["jobs"]]
+        pages += 1
+        cursor = reply["next_cursor"]
+        if cursor is None:
+            break
+        assert pages < 10
+    assert sorted(seen) == sorted(ids)
+    assert len(seen) == len(set(seen)) == 5
+    assert pages == 3
+    # Without a queue: every dead job.
+    everything = await client.ok("dead_list", limit=100)
+    assert len(everything["jobs"]) == 6
+    assert everything["next_cursor"] is None
+
+
+async def test_dead_retry_one_job(client):
+    job_id, other = await make_dead(client, "dq", 2)
+    reply = await client.ok("dead_retry", job_id=job_id)
+    assert set(reply) == {"id", "ok", "count"} and reply["count"] == 1
+    info = await inspect(client, job_id)
+    assert info["state"] == "ready"
+    assert (await inspect(client, other))["state"] == "dead"
+    job = await lease_one(client, "dq")
+    assert job["job_id"] == job_id
+    assert job["attempt"] == 1  # fresh attempts
+    assert job["attempt"] <= job["max_attempts"]
+
+
+async def test_dead_retry_whole_queue(client):
+    await make_dead(client, "dq", 3)
+    await make_dead(client, "keep", 1)
+    reply = await client.ok("dead_retry", queue="dq", all=True)
+    assert reply["count"] == 3
+    counts = await queue_stats(client, "dq")
+    assert counts["dead"] == 0 and counts["ready"] == 3
+    assert (await queue_stats(client, "keep"))["dead"] == 1
+    assert (await client.ok("dead_retry", queue="dq", all=True))["count"] == 0
+
+
+async def test_dead_purge_one_job_and_whole_queue(client):
+    a, b, c = await make_dead(client, "dq", 3)
+    reply = await client.ok("dead_purge", job_id=a)
+    assert set(reply) == {"id", "ok", "count"} and reply["count"] == 1
+    assert (await client.error("inspect", job_id=a))["code"] == "not_found"
+    reply = await client.ok("dead_purge", queue="dq", all=True)
+    assert reply["count"] == 2
+    for job_id in (b, c):
+        assert (await client.error("inspect", job_id=job_id))["code"] == "not_found"
+    assert (await queue_stats(client, "dq"))["dead"] == 0
+    assert (await client.ok("dead_list", queue="dq"))["jobs"] == []
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+BAD = "bad queue!"
+
+ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    # (op, fields, the field the message must name (any of))
+    ("submit", {"payload": 1}, ("queue",)),
+    ("submit", {"queue": "q"}, ("payload",)),
+    ("submit", {"queue": 7, "payload": 1}, ("queue",)),
+    ("submit", {"queue": "", "payload": 1}, ("queue",)),
+    ("submit", {"queue": BAD, "payload": 1}, ("queue",)),
+    ("submit", {"queue": "x" * 129, "payload": 1}, ("queue",)),
+    ("submit", {"queue": "é", "payload": 1}, ("queue",)),
+    ("submit", {"queue": "q\n", "payload": 1}, ("queue",)),
+    ("submit", {"queue": "q" * 128 + "\n", "payload": 1}, ("queue",)),
+    ("submit", {"queue": "q", "payload": 1, "priority": "urgent"}, ("priority",)),
+    ("submit", {"queue": "q", "payload": 1, "priority": 2}, ("priority",)),
+    ("submit", {"queue": "q", "payload": 1, "retries": "3"}, ("retries",)),
+    ("submit", {"queue": "q", "payload": 1, "retries": -1}, ("retries",)),
+    ("submit", {"queue": "q", "payload": 1, "retries": 1.5}, ("retries",)),
+    ("submit", {"queue": "q", "payload": 1, "delay_ms": -1}, ("delay_ms",)),
+    ("submit", {"queue": "q", "payload": 1, "delay_ms": "10"}, ("delay_ms",)),
+    ("submit", {"queue": "q", "payload": 1, "delay_ms": True}, ("delay_ms",)),
+    ("submit", {"queue": "q", "payload": 1, "run_at": -5}, ("run_at",)),
+    ("submit", {"queue": "q", "payload": 1, "run_at": 1.5}, ("run_at",)),
+    ("submit", {"queue": "q", "payload": 1, "delay_ms": 10, "run_at": 1}, ("delay_ms", "run_at")),
+    ("submit", {"queue": "q", "payload": 1, "idempotency_key": 5}, ("idempotency_key",)),
+    ("submit", {"queue": "q", "payload": 1, "idempotency_key": "k" * 257}, ("idempotency_key",)),
+    ("submit", {"queue": "q", "payload": 1, "backoff": {"kind": "linear"}}, ("backoff",)),
+    ("submit", {"queue": "q", "payload": 1, "backoff": {"kind": "fixed"}}, ("backoff",)),
+    ("submit", {"queue": "q", "payload": 1, "backoff": "fast"}, ("backoff",)),
+    (
+        "submit",
+        {"queue": "q", "payload": 1, "backoff": {"kind": "fixed", "delay_ms": -1}},
+        ("backoff",),
+    ),
+    (
+        "submit",
+        {"queue": "q", "payload": 1, "backoff": {"kind": "exponential", "base_ms": 0}},
+        ("backoff",),
+    ),
+    (
+        "submit",
+        {
+            "queue": "q",
+            "payload": 1,
+            "backoff": {"kind": "exponential", "base_ms": 10, "max_ms": 5},
+        },
+        ("backoff",),
+    ),
+    ("submit_batch", {}, ("jobs",)),
+    ("submit_batch", {"jobs": "x"}, ("jobs",)),
+    ("submit_batch", {"jobs": []}, ("jobs",)),
+    ("lease", {"worker_id": W}, ("queues",)),
+    ("lease", {"queues": ["q"]}, ("worker_id",)),
+    ("lease", {"queues": "q", "worker_id": W}, ("queues",)),
+    ("lease", {"queues": {"q": 1}, "worker_id": W}, ("queues",)),
+    ("lease", {"queues": ["q\n"], "worker_id": W}, ("queues",)),
+    ("lease", {"queues": [], "worker_id": W}, ("queues",)),
+    ("lease", {"queues": [BAD], "worker_id": W}, ("queues",)),
+    ("lease", {"queues": ["q"], "worker_id": 1}, ("worker_id",)),
+    ("lease", {"queues": ["q"], "worker_id": ""}, ("worker_id",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "count": True}, ("count",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "count": 0}, ("count",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "count": "2"}, ("count",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "count": 1001}, ("count",)),  # > max_batch
+    ("lease", {"queues": ["q"], "worker_id": W, "lease_ms": 0}, ("lease_ms",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "lease_ms": 12 * 3_600_000 + 1}, ("lease_ms",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "wait_ms": -1}, ("wait_ms",)),
+    ("lease", {"queues": ["q"], "worker_id": W, "wait_ms": 60_001}, ("wait_ms",)),
+    ("lease", {"queues": [f"q{i}" for i in range(17)], "worker_id": W}, ("queues",)),
+    ("renew", {"job_id": "job_0000000000000001", "worker_id": W}, ("token",)),
+    (
+        "renew",
+        {"job_id": "job_0000000000000001", "worker_id": W, "token": "t", "lease_ms": -1},
+        ("lease_ms",),
+    ),
+    (
+        "renew",
+        {
+            "job_id": "job_0000000000000001",
+            "worker_id": W,
+            "token": "t",
+            "lease_ms": 12 * 3_600_000 + 1,
+        },
+        ("lease_ms",),
+    ),
+    ("ack", {"worker_id": W, "token": "t"}, ("job_id",)),
+    ("ack", {"job_id": "job_0000000000000001", "token": "t"}, ("worker_id",)),
+    ("ack", {"job_id": "job_0000000000000001", "worker_id": W, "token": 5}, ("token",)),
+    ("fail", {"job_id": "job_0000000000000001", "worker_id": W, "token": "t"}, ("error",)),
+    (
+        "fail",
+        {"job_id": "job_0000000000000001", "worker_id": W, "token": "t", "error": 3},
+        ("error",),
+    ),
+    (
+        "fail",
+        {
+            "job_id": "job_0000000000000001",
+            "worker_id": W,
+            "token": "t",
+            "error": "e",
+            "retryable": "no",
+        },
+        ("retryable",),
+    ),
+    ("release", {"job_id": None, "worker_id": W, "token": "t"}, ("job_id",)),
+    ("inspect", {}, ("job_id",)),
+    ("inspect", {"job_id": 123}, ("job_id",)),
+    ("dead_list", {"limit": 0}, ("limit",)),
+    ("dead_list", {"limit": "10"}, ("limit",)),
+    ("dead_list", {"queue": BAD}, ("queue",)),
+    ("dead_list", {"queue": "q\n"}, ("queue",)),
+    ("dead_retry", {"queue": "q"}, ("all",)),
+    ("dead_retry", {"queue": "q", "all": False}, ("all",)),
+    ("dead_retry", {"queue": "q", "all": "yes"}, ("all",)),
+    ("dead_retry", {}, ("job_id", "queue")),
+    ("dead_purge", {"queue": "q"}, ("all",)),
+    ("dead_purge", {"queue": BAD, "all": True}, ("queue",)),
+    ("hello", {"client": 5}, ("client",)),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "fields", "names"),
+    ILL_TYPED,
+    ids=[f"{op}-{names[0]}-{i}" for i, (op, _, names) in enumerate(ILL_TYPED)],
+)
+async def test_ill_typed_or_out_of_range_is_bad_request_naming_the_field(client, op, fields, names):
+    request_id = await client.send(op, **fields)
+    reply = await client.read()
+    error = assert_error(reply, "bad_request", request_id)
+    assert any(name in error["message"] for name in names), (names, error["message"])
+    # Nothing was created, and the connection is still usable.
+    assert (await client.ok("stats"))["queues"] == {}
+    await client.ok("ping")
+
+
+async def test_values_at_the_edge_of_their_range_are_accepted(server, client):
+    limits = server.config.limits
+    name = "A-z0.9_:" + "x" * 120
+    assert len(name) == 128
+    job_id = await submit(client, name, 1, idempotency_key="k" * 256, retries=0)
+    job = await lease_one(client, name, lease_ms=limits.max_lease_ms)
+    assert job["job_id"] == job_id
+    reply = await client.ok(
+        "renew", job_id=job_id, worker_id=W, token=job["token"], lease_ms=limits.max_lease_ms
+    )
+    assert reply["lease_expires_at"] >= job["lease_expires_at"]
+    queues = [f"q{i}" for i in range(limits.max_queues_per_lease)]
+    assert (await client.ok("lease", queues=queues, worker_id=W))["jobs"] == []
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda j: j + "\n",
+        lambda j: j + " ",
+        lambda j: " " + j,
+        lambda j: j.upper(),
+        lambda j: j[:-1],
+        lambda j: j + "0",
+        lambda j: j.replace("job_", "job_+"),
+    ],
+    ids=["trailing-newline", "trailing-space", "leading-space", "upper", "short", "long", "plus"],
+)
+async def test_malformed_job_ids_are_not_found(client, mangle):
+    job_id = await submit(client)
+    job = await lease_one(client)
+    bad = mangle(job_id)
+    reply = await client.request("inspect", job_id=bad)
+    assert reply["ok"] is False and reply["error"]["code"] == "not_found", (bad, reply)
+    reply = await client.request("ack", job_id=bad, worker_id=W, token=job["token"])
+    assert reply["ok"] is False and reply["error"]["code"] == "not_found", (bad, reply)
+    assert (await inspect(client, job_id))["state"] == "leased"
+
+
+async def test_stats_and_hello_agree_on_version(client):
+    hello = await client.ok("hello")
+    stats = await client.ok("stats")
+    assert stats["server"]["version"] == hello["version"]
+
+
+async def test_job_ids_sort_across_restarts(tmp_path):
+    ids = []
+    for _ in range(3):
+        async with custom_server(tmp_path) as srv, connected(srv) as c:
+            ids += [await submit(c, "q", i) for i in range(5)]
+    assert ids == sorted(ids)
+    assert len(set(ids)) == 15
+
+
+async def test_leased_jobs_are_ready_after_restart(tmp_path):
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        job_id = await submit(c)
+        job = await lease_one(c, lease_ms=600_000)
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        assert (await inspect(c, job_id))["state"] == "ready"
+        error = await c.error("ack", job_id=job_id, worker_id=W, token=job["token"])
+        assert error["code"] in {"lease_expired", "stale_token"}
+        again = await lease_one(c)
+        assert again["job_id"] == job_id
+
+
+async def test_payload_too_large(tmp_path):
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_payload_bytes=1024)) as srv,
+        connected(srv) as c,
+    ):
+        exact = "x" * 1022  # 1024 bytes encoded, with its quotes
+        assert len(orjson.dumps(exact)) == 1024
+        assert (await c.ok("submit", queue="q", payload=exact))["state"] == "ready"
+        error = await c.error("submit", queue="q", payload="x" * 1023)
+        assert error["code"] == "bad_request" and "payload" in error["message"]
+        error = await c.error("submit", queue="q", payload={"big": ["y" * 600, "z" * 600]})
+        assert error["code"] == "bad_request" and "payload" in error["message"]
+        assert (await queue_stats(c, "q"))["ready"] == 1
+
+
+async def test_frame_too_large_replies_once_then_closes(tmp_path):
+    limits = wire.Limits(max_frame_bytes=1024)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        # A frame of exactly the limit is fine.
+        line = orjson.dumps({"op": "ping", "id": 1, "pad": ""})
+        line = orjson.dumps({"op": "ping", "id": 1, "pad": "p" * (1024 - len(line))})
+        assert len(line) == 1024
+        await c.send_raw(line + b"\n")
+        assert (await c.read()) == {"id": 1, "ok": True}
+        big = orjson.dumps({"op": "ping", "id": 2, "pad": "p" * 2000})
+        await c.send_raw(big + b"\n")
+        lines = await read_until_eof(c)
+        assert len(lines) == 1, lines
+        reply = orjson.loads(lines[0])
+        assert reply["ok"] is False
+        assert reply["error"]["code"] == "frame_too_large"
+        # The server goes on serving others.
+        async with connected(srv) as other:
+            await other.ok("ping")
+
+
+async def test_frame_too_large_counts_crlf_excluded(tmp_path):
+    """The limit is on the line without its newline; ``\\r\\n`` does not count against it."""
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_frame_bytes=64)) as srv,
+        connected(srv) as c,
+    ):
+        line = orjson.dumps({"op": "ping", "id": "x", "pad": ""})
+        line = orjson.dumps({"op": "ping", "id": "x", "pad": "p" * (64 - len(line))})
+        assert len(line) == 64
+        await c.send_raw(line + b"\r\n")
+        assert await c.read() == {"id": "x", "ok": True}
+
+
+async def test_unknown_op(client):
+    request_id = await client.send("frobnicate", queue="q")
+    assert_error(await client.read(), "unknown_op", request_id)
+    await client.ok("ping")
+
+
+@pytest.mark.parametrize("op_value", [None, 5, ["ping"]])
+async def test_missing_or_ill_typed_op_is_bad_request(client, op_value):
+    frame: dict[str, Any] = {"id": 9}
+    if op_value is not None:
+        frame["op"] = op_value
+    await client.send_raw(orjson.dumps(frame) + b"\n")
+    error = assert_error(await client.read(), "bad_request", 9)
+    assert "op" in error["message"]
+    await client.ok("ping")
+
+
+async def test_not_found(client):
+    missing = "job_00000000deadbeef"
+    assert (await client.error("inspect", job_id=missing))["code"] == "not_found"
+    assert (await client.error("inspect", job_id="nonsense"))["code"] == "not_found"
+    ref = {"worker_id": W, "token": "0" * 32}
+    for job_id in ("nope", missing):
+        assert (await client.error("ack", job_id=job_id, **ref))["code"] == "not_found"
+        assert (await client.error("renew", job_id=job_id, **ref))["code"] == "not_found"
+        assert (await client.error("release", job_id=job_id, **ref))["code"] == "not_found"
+        error = await client.error("fail", job_id=job_id, error="x", **ref)
+        assert error["code"] == "not_found"
+        assert (await client.error("dead_retry", job_id=job_id))["code"] == "not_found"
+        assert (await client.error("dead_purge", job_id=job_id))["code"] == "not_found"
+
+
+async def test_stale_token_changes_nothing(client):
+    job_id = await submit(client)
+    job = await lease_one(client)
+    wrong_token = "f" * len(job["token"])
+    for op, extra in (
+        ("ack", {}),
+        ("renew", {}),
+        ("release", {}),
+        ("fail", {"error": "x"}),
+    ):
+        error = await client.error(op, job_id=job_id, worker_id=W, token=wrong_token, **extra)
+        assert error["code"] == "stale_token", (op, error)
+        error = await client.error(
+            op, job_id=job_id, worker_id="someone-else", token=job["token"], **extra
+        )
+        assert error["code"] == "stale_token", (op, error)
+    info = await inspect(client, job_id)
+    assert info["state"] == "leased"
+    assert info["attempt"] == 1
+    assert info["lease_expires_at"] == job["lease_expires_at"]
+    assert info["errors"] == []
+    await client.ok("ack", job_id=job_id, worker_id=W, token=job["token"])
+
+
+async def test_old_token_after_reclaim_is_stale(client):
+    job_id = await submit(client)
+    first = await lease_one(client)
+    await client.ok("release", job_id=job_id, worker_id=W, token=first["token"])
+    second = await lease_one(client)
+    error = await client.error("ack", job_id=job_id, worker_id=W, token=first["token"])
+    assert error["code"] == "stale_token"
+    await client.ok("ack", job_id=job_id, worker_id=W, token=second["token"])
+
+
+async def test_lease_expired(client):
+    job_id = await submit(client, "q", 1, retries=3)
+    job = await lease_one(client, lease_ms=1)
+    await trio.sleep(0.05)  # real time is the behaviour under test
+    ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
+    for op, extra in (("ack", {}), ("renew", {}), ("fail", {"error": "x"}), ("release", {})):
+        error = await client.error(op, **ref, **extra)
+        assert error["code"] == "lease_expired", (op, error)
+    info = await inspect(client, job_id)
+    # Expired (perhaps already reaped back to ready): never succeeded, never failed by us.
+    assert info["state"] in {"leased", "ready"}
+    assert info["errors"] == [] or info["errors"][0]["error"] == "lease expired"
+    assert not any(e["error"] == "x" for e in info["errors"])
+
+
+async def test_lease_expired_after_reaper_ran(client):
+    job_id = await submit(client, "q", 1, retries=3)
+    job = await lease_one(client, lease_ms=1)
+    # Wait until the reaper has put the job back (the contract: within about 100 ms).
+    with trio.fail_after(5):
+        # Polls state the server exposes only through requests.
+        while (await inspect(client, job_id))["state"] != "ready":  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    error = await client.error("ack", job_id=job_id, worker_id=W, token=job["token"])
+    assert error["code"] == "lease_expired"
+    again = await lease_one(client)
+    assert again["job_id"] == job_id and again["attempt"] == 2
+
+
+async def test_expired_last_attempt_is_dead_with_lease_expired_error(client):
+    job_id = await submit(client, "q", 1, retries=0)
+    job = await lease_one(client, lease_ms=1)
+    with trio.fail_after(5):
+        # Polls state the server exposes only through requests.
+        while (info := await inspect(client, job_id))["state"] != "dead":  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    assert info["last_error"] == "lease expired"
+    error = await client.error("ack", job_id=job_id, worker_id=W, token=job["token"])
+    assert error["code"] == "lease_expired"
+
+
+async def test_invalid_state(client):
+    job_id = await submit(client)
+    assert (await client.error("dead_retry", job_id=job_id))["code"] == "invalid_state"
+    assert (await client.error("dead_purge", job_id=job_id))["code"] == "invalid_state"
+    job = await lease_one(client)
+    ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
+    assert (await client.error("dead_retry", job_id=job_id))["code"] == "invalid_state"
+    assert (await client.ok("fail", **ref, error="once"))["state"] == "retrying"
+    error = await client.error("fail", **ref, error="twice")
+    assert error["code"] == "invalid_state"
+    info = await inspect(client, job_id)
+    assert [e["error"] for e in info["errors"]] == ["once"]
+
+
+async def test_fail_twice_after_dead_is_invalid_state(client):
+    job_id = await submit(client, "q", 1, retries=0)
+    job = await lease_one(client)
+    ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
+    assert (await client.ok("fail", **ref, error="once"))["state"] == "dead"
+    assert (await client.error("fail", **ref, error="twice"))["code"] == "invalid_state"
+    assert (await client.error("release", **ref))["code"] == "invalid_state"
+    assert (await client.error("renew", **ref))["code"] == "invalid_state"
+
+
+async def test_ack_after_fail_is_rejected(client):
+    job_id = await submit(client, "q", 1, retries=0)
+    job = await lease_one(client)
+    ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
+    await client.ok("fail", **ref, error="boom", retryable=False)
+    assert (await client.error("ack", **ref))["code"] == "invalid_state"
+    assert (await inspect(client, job_id))["state"] == "dead"
+
+
+async def test_overloaded_over_max_connections(tmp_path):
+    async with custom_server(tmp_path, limits=wire.Limits(max_connections=2)) as srv:
+        c1 = await srv.connect()
+        c2 = await srv.connect()
+        try:
+            await c1.ok("ping")
+            await c2.ok("ping")
+            assert (await c2.ok("stats"))["server"]["connections"] == 2
+            c3 = await srv.connect()
+            try:
+                lines = await read_until_eof(c3)
+            finally:
+                await c3.aclose()
+            assert len(lines) == 1, lines
+            assert_error(orjson.loads(lines[0]), "overloaded")
+            # The two admitted connections are unaffected.
+            await c1.ok("ping")
+            await c2.ok("ping")
+            await c1.aclose()
+            # The server notices the close asynchronously; wait (bounded) for the slot.
+            with trio.fail_after(5):
+                # Polls state the server exposes only through requests.
+                while (await c2.ok("stats"))["server"]["connections"] != 1:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            async with connected(srv) as c4:
+                await c4.ok("ping")
+                assert (await c4.ok("stats"))["server"]["connections"] == 2
+        finally:
+            await c1.aclose()
+            await c2.aclose()
+
+
+# -- framing --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"this is not json",
+        b"[1, 2, 3]",
+        b'"ping"',
+        b"42",
+        b"null",
+        b"",
+        b"   ",
+        b'{"op": "ping"',
+        b"\xff\xfe\x00garbage",
+        b'{"op": "ping", "id": 1}{"op": "ping"}',
+    ],
+    ids=[
+        "text",
+        "array",
+        "string",
+        "number",
+        "null",
+        "empty",
+        "blank",
+        "truncated",
+        "bytes",
+        "two-objects",
+    ],
+)
+async def test_not_a_json_object_is_bad_request_and_connection_stays(client, line):
+    await client.send_raw(line + b"\n")
+    reply = await client.read()
+    assert_error(reply, "bad_request")
+    assert reply["id"] is None
+    request_id = await client.send("ping")
+    assert await client.read() == {"id": request_id, "ok": True}
+
+
+async def test_crlf_line_endings(client):
+    await client.send_raw(b'{"op":"ping","id":"crlf"}\r\n')
+    assert await client.read() == {"id": "crlf", "ok": True}
+    await client.send_raw(b'{"op":"submit","id":2,"queue":"q","payload":[1]}\r\n')
+    reply = await client.read()
+    assert reply["id"] == 2 and reply["ok"] is True and reply["state"] == "ready"
+    # Mixed endings in one write.
+    await client.send_raw(b'{"op":"ping","id":3}\r\n{"op":"ping","id":4}\n')
+    assert {(await client.read())["id"] for _ in range(2)} == {3, 4}
+
+
+@pytest.mark.parametrize("request_id", ["abc", "", "ünïcode-id", 0, -7, 12345678901234, 2**53])
+async def test_id_is_echoed(client, request_id):
+    await client.send_raw(orjson.dumps({"op": "ping", "id": request_id}) + b"\n")
+    assert await client.read() == {"id": request_id, "ok": True}
+    await client.send_raw(orjson.dumps({"op": "nope", "id": request_id}) + b"\n")
+    assert (await client.read())["id"] == request_id
+    await client.send_raw(orjson.dumps({"op": "submit", "id": request_id}) + b"\n")
+    reply = await client.read()
+    assert reply["id"] == request_id and reply["error"]["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("bad_id", [1.5, True, [1], {"a": 1}])
+async def test_ill_typed_id_is_bad_request(client, bad_id):
+    await client.send_raw(orjson.dumps({"op": "ping", "id": bad_id}) + b"\n")
+    reply = await client.read()
+    error = assert_error(reply, "bad_request")
+    assert "id" in error["message"]
+    await client.ok("ping")
+
+
+async def test_request_without_id_is_answered(client):
+    await client.send_raw(b'{"op":"ping"}\n')
+    reply = await client.read()
+    assert reply["ok"] is True
+    assert reply.get("id") is None
+
+
+async def test_replies_match_requests_by_id(server, client):
+    """Slow and fast requests interleaved: every reply carries its request's id."""
+    async with connected(server) as producer:
+        requests = {
+            "poll": {"op": "lease", "queues": ["m"], "worker_id": W, "wait_ms": 5_000},
+            "ping": {"op": "ping"},
+            7: {"op": "stats"},
+            "sub": {"op": "submit", "queue": "other", "payload": 1},
+            8: {"op": "frobnicate"},
+        }
+        await client.send_raw(
+            b"".join(orjson.dumps({**body, "id": rid}) + b"\n" for rid, body in requests.items())
+        )
+        replies: dict[Any, dict[str, Any]] = {}
+        for _ in range(4):
+            reply = await client.read()
+            replies[reply["id"]] = reply
+        assert set(replies) == {"ping", 7, "sub", 8}  # the long-poll is still parked
+        job_id = await submit(producer, "m", "late")
+        reply = await client.read()
+        replies[reply["id"]] = reply
+    assert replies["poll"]["jobs"][0]["job_id"] == job_id
+    assert replies["ping"] == {"id": "ping", "ok": True}
+    assert "queues" in replies[7]
+    assert replies["sub"]["state"] == "ready"
+    assert replies[8]["error"]["code"] == "unknown_op"
+
+
+# -- pipelining and backpressure ------------------------------------------------------------
+
+
+async def pipeline_submits(client: LineClient, n: int, queue: str = "pipe") -> None:
+    data = b"".join(
+        orjson.dumps({"op": "submit", "id": f"r{i}", "queue": queue, "payload": {"i": i}}) + b"\n"
+        for i in range(n)
+    )
+    await client.send_raw(data)
+
+
+async def read_replies(client: LineClient, n: int) -> dict[Any, dict[str, Any]]:
+    replies: dict[Any, dict[str, Any]] = {}
+    for _ in range(n):
+        reply = await client.read()
+        assert reply["id"] not in replies, f"answered twice: {reply['id']}"
+        replies[reply["id"]] = reply
+    return replies
+
+
+async def test_pipelining_200_submits(client):
+    await pipeline_submits(client, 200)
+    replies = await read_replies(client, 200)
+    assert set(replies) == {f"r{i}" for i in range(200)}
+    assert all(r["ok"] is True and r["state"] == "ready" for r in replies.values())
+    assert len({r["job_id"] for r in replies.values()}) == 200
+    # Nothing else is owed: the next request's reply is the next line.
+    request_id = await client.send("ping")
+    assert await client.read() == {"id": request_id, "ok": True}
+    assert (await queue_stats(client, "pipe"))["ready"] == 200
+
+
+async def test_backpressure_does_not_drop(tmp_path):
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_in_flight=4)) as srv,
+        connected(srv) as c,
+    ):
+        await pipeline_submits(c, 100)
+        replies = await read_replies(c, 100)
+        assert set(replies) == {f"r{i}" for i in range(100)}
+        assert all(r["ok"] is True for r in replies.values())
+        assert (await queue_stats(c, "pipe"))["ready"] == 100
+
+
+async def test_backpressure_stops_reading_at_max_in_flight(tmp_path):
+    """Four parked long-polls fill max_in_flight=4: a following ping is not read (so not
+    answered) until one of them is answered."""
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_in_flight=4)) as srv,
+        connected(srv) as c,
+        connected(srv) as producer,
+    ):
+        polls = b"".join(
+            orjson.dumps(
+                {
+                    "op": "lease",
+                    "id": f"p{i}",
+                    "queues": ["bp"],
+                    "worker_id": W,
+                    "wait_ms": 10_000,
+                }
+            )
+            + b"\n"
+            for i in range(4)
+        )
+        await c.send_raw(polls + b'{"op":"ping","id":"after"}\n')
+        with trio.move_on_after(0.3):
+            early = await c.read_line()
+            pytest.fail(f"a reply while max_in_flight requests were parked: {early!r}")
+        await submit(producer, "bp", "free a slot")
+        first = await c.read()
+        assert first["id"] in {f"p{i}" for i in range(4)}
+        assert len(first["jobs"]) == 1
+        second = await c.read()
+        assert second == {"id": "after", "ok": True}
+
+
+# -- hostile clients ------------------------------------------------------------------------
+
+
+async def well_behaved_round(c: LineClient, queue: str) -> None:
+    """One full, checked job cycle on a well-behaved connection."""
+    await c.ok("ping")
+    job_id = await submit(c, queue, {"ok": True})
+    job = await lease_one(c, queue)
+    assert job["job_id"] == job_id and job["payload"] == {"ok": True}
+    reply = await c.ok("ack", job_id=job_id, worker_id=W, token=job["token"])
+    assert reply["state"] == "succeeded"
+
+
+async def test_random_bytes_do_not_disturb_others(server):
+    async with connected(server) as hostile, connected(server) as good:
+        noise = os.urandom(64 * 1024).replace(b"\n", b"\x00")
+        for start in range(0, len(noise), 8192):
+            await hostile.send_raw(noise[start : start + 8192])
+            await well_behaved_round(good, "good")
+        await hostile.send_raw(b"\n")
+        reply = await hostile.read()
+        assert_error(reply, "bad_request")
+        await hostile.ok("ping")  # still open
+        await well_behaved_round(good, "good")
+        assert (await queue_stats(good, "good"))["succeeded"] == 9
+
+
+async def test_stalled_half_line_is_closed_by_idle_timeout(tmp_path):
+    async with (
+        custom_server(tmp_path, idle_timeout_ms=300) as srv,
+        connected(srv) as hostile,
+        connected(srv) as good,
+    ):
+        await hostile.send_raw(b'{"op":"ping","id":1')
+        started = trio.current_time()
+        closed_after: list[float] = []
+
+        async def watch_hostile() -> None:
+            assert await hostile.at_eof()
+            closed_after.append(trio.current_time() - started)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_hostile)
+                # Keep the good client busy (and so not idle) until the stall is closed.
+                rounds = 0
+                while not closed_after:
+                    await well_behaved_round(good, "good")
+                    rounds += 1
+                    await trio.sleep(0.05)
+        assert rounds >= 1
+        assert 0.2 <= closed_after[0] <= 3, closed_after
+        await well_behaved_round(good, "good")
+
+
+async def test_huge_frame_does_not_disturb_others(tmp_path):
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_frame_bytes=4096)) as srv,
+        connected(srv) as hostile,
+        connected(srv) as good,
+    ):
+        await well_behaved_round(good, "good")
+
+        async def flood() -> None:
+            # The server stops reading and closes mid-way; the rest may not be sendable.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                for _ in range(64):
+                    await hostile.send_raw(b"a" * 16384)
+                    await trio.lowlevel.checkpoint()
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(flood)
+                for _ in range(5):
+                    await well_behaved_round(good, "good")
+                lines = await read_until_eof(hostile)
+        # One frame_too_large line (if the peer's reset did not eat it), then closed.
+        assert len(lines) <= 1, lines
+        if lines:
+            assert_error(orjson.loads(lines[0]), "frame_too_large")
+        await well_behaved_round(good, "good")
+        assert (await queue_stats(good, "good"))["succeeded"] == 7
+
+
+async def test_huge_frame_on_default_limits_gets_frame_too_large(server, client):
+    """Just over the 1 MiB default: one frame_too_large line, then the connection closes."""
+    async with connected(server) as good:
+        line = b'{"op":"ping","pad":"' + b"p" * (1024 * 1024) + b'"}\n'
+        with contextlib.suppress(trio.BrokenResourceError):
+            await client.send_raw(line)
+        lines = await read_until_eof(client)
+        assert len(lines) == 1, lines
+        assert_error(orjson.loads(lines[0]), "frame_too_large")
+        await well_behaved_round(good, "good")
