@@ -111,7 +111,7 @@ _converter = make_converter(forbid_extra_keys=False)
 _converter.register_structure_hook(Any, lambda value, _type: value)
 
 
-def _structure(data: Any, cls: type) -> Any:
+def structure_reply(data: Any, cls: type) -> Any:
     try:
         return _converter.structure(data, cls)
     except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
@@ -144,7 +144,7 @@ class Client:
 
     async def hello(self, client: str | None = None) -> Hello:
         reply = await self._call("hello", client=client)
-        return _structure(reply, Hello)
+        return structure_reply(reply, Hello)
 
     async def ping(self) -> None:
         await self._call("ping")
@@ -169,14 +169,14 @@ class Client:
             retries=retries, backoff=backoff, idempotency_key=idempotency_key,
         )  # fmt: skip
         reply = await self._while_full(wait, "submit", job)
-        return _submit_result(reply)
+        return submit_result(reply)
 
     async def submit_batch(
         self, jobs: Sequence[dict[str, Any]], *, wait: bool = False
     ) -> list[SubmitResult]:
         """Create many jobs, all or none. Build each with ``job_fields``."""
         reply = await self._while_full(wait, "submit_batch", {"jobs": list(jobs)})
-        return [_submit_result(r) for r in reply["results"]]
+        return [submit_result(r) for r in reply["results"]]
 
     async def _while_full(self, wait: bool, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         delay = QUEUE_FULL_FIRST_S
@@ -202,7 +202,7 @@ class Client:
             "lease", queues=list(queues), worker_id=worker_id, count=count,
             lease_ms=lease_ms, wait_ms=wait_ms,
         )  # fmt: skip
-        return [_structure(job, LeasedJob) for job in reply["jobs"]]
+        return [structure_reply(job, LeasedJob) for job in reply["jobs"]]
 
     async def renew(
         self, job_id: str, worker_id: str, token: str, *, lease_ms: int | None = None
@@ -229,17 +229,17 @@ class Client:
 
     async def inspect(self, job_id: str) -> JobView:
         reply = await self._call("inspect", job_id=job_id)
-        return _structure(reply["job"], JobView)
+        return structure_reply(reply["job"], JobView)
 
     async def stats(self) -> Stats:
         reply = await self._call("stats")
-        return _structure(reply, Stats)
+        return structure_reply(reply, Stats)
 
     async def dead_list(
         self, queue: str | None = None, *, limit: int | None = None, cursor: str | None = None
     ) -> DeadPage:
         reply = await self._call("dead_list", queue=queue, limit=limit, cursor=cursor)
-        return _structure(reply, DeadPage)
+        return structure_reply(reply, DeadPage)
 
     async def dead_retry(
         self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
@@ -279,7 +279,7 @@ def job_fields(
     return job
 
 
-def _submit_result(reply: dict[str, Any]) -> SubmitResult:
+def submit_result(reply: dict[str, Any]) -> SubmitResult:
     return SubmitResult(reply["job_id"], JobState(reply["state"]), reply["duplicate"])
 
 
@@ -297,6 +297,8 @@ def reply_fields(reply: dict[str, Any]) -> dict[str, Any]:
 class _Call:
     op: str
     line: bytes
+    worker_id: str | None = None
+    orphaned: bool = False  # a lease whose caller gave up: release what it brings
     done: trio.Event = attrs.Factory(trio.Event)
     reply: Any = None
     error: BaseException | None = None
@@ -334,13 +336,21 @@ class TcpTransport:
 
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         request_id = next(self._ids)
-        call = _Call(op, orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n")
+        line = orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n"
+        call = _Call(op, line, fields.get("worker_id"))
         self._pending[request_id] = call
         try:
             await self._send(call)
             await call.done.wait()
+        except trio.Cancelled:
+            # A cancelled lease (a long-poll given up) may still be granted by the
+            # server; the reader then releases those jobs instead of leaving them leased
+            # until their leases expire.
+            call.orphaned = op == "lease"
+            raise
         finally:
-            self._pending.pop(request_id, None)
+            if not call.orphaned:
+                self._pending.pop(request_id, None)
         if call.error is not None:
             raise call.error
         return reply_fields(call.reply)
@@ -430,7 +440,10 @@ class TcpTransport:
             for line in lines:
                 reply = orjson.loads(line)
                 call = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
-                if call is not None:
+                if call is not None and call.orphaned:
+                    del self._pending[reply["id"]]
+                    await self._release(call.worker_id, reply.get("jobs") or [])
+                elif call is not None:
                     call.settle(reply)
                 elif reply.get("id") is None and reply.get("ok") is False:
                     # A connection-level error (overloaded, frame_too_large): it applies
@@ -438,6 +451,19 @@ class TcpTransport:
                     error = reply_error(reply)
                     for pending in list(self._pending.values()):
                         pending.settle(error=error)
+
+    async def _release(self, worker_id: str | None, jobs: list[dict[str, Any]]) -> None:
+        """Send a release for each job; nobody waits for the replies (their ids are not
+        pending, so the reader drops them)."""
+        for job in jobs:
+            fields = {
+                "job_id": job.get("job_id"),
+                "worker_id": worker_id,
+                "token": job.get("token"),
+            }
+            line = orjson.dumps({"op": "release", "id": next(self._ids), **fields}) + b"\n"
+            async with self._send_lock:
+                await self._stream.send_all(line)  # type: ignore[union-attr]
 
     async def aclose(self) -> None:
         self._closed = True

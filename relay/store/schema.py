@@ -118,39 +118,51 @@ def inspect_file(path: str) -> int:
     """
     with open(path, "rb") as f:
         header = f.read(len(SQLITE_HEADER))
-    if not header:
+    wal, shm = path + "-wal", path + "-shm"
+    has_wal = os.path.exists(wal) and os.path.getsize(wal) > 0
+    if not header and not has_wal:
         return 0
-    if header != SQLITE_HEADER:
+    if header and header != SQLITE_HEADER:
         raise NotADatabase(path, "not a SQLite database (wrong file header)")
     # Without a -wal file the main file is the whole database: read it as immutable, which
-    # takes no locks and creates no -shm/-wal files beside it. With one, SQLite must read
-    # the WAL too (a crash left committed transactions there), so open it plainly read-only.
-    immutable = "" if os.path.exists(path + "-wal") else "&immutable=1"
+    # takes no locks and creates nothing beside it. With one (a crash left committed
+    # transactions there; the main file may even be empty), SQLite must read the WAL too,
+    # which needs a -shm index: if we create one, we remove it again below.
+    shm_existed = os.path.exists(shm)
+    immutable = "" if has_wal else "&immutable=1"
     try:
         conn = sqlite3.connect(f"file:{quote(path)}?mode=ro{immutable}", uri=True)
     except sqlite3.Error as exc:
         raise NotADatabase(path, f"cannot be opened read-only: {exc}") from exc
     try:
-        application_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        has_tables = conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0] > 0
-        if application_id != APPLICATION_ID and (application_id != 0 or has_tables):
-            raise ForeignDatabase(
-                path,
-                f"a SQLite database of another application (application_id {application_id:#x})",
-            )
-        if version > SCHEMA_VERSION:
-            raise SchemaTooNew(
-                path, f"schema version {version} is newer than this relay-trio ({SCHEMA_VERSION})"
-            )
-        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
-        if problems != ["ok"]:
-            raise DatabaseCorrupt(path, "integrity check failed: " + "; ".join(problems[:5]))
-        return version
+        return _check_contents(path, conn)
     except sqlite3.DatabaseError as exc:
         raise DatabaseCorrupt(path, f"unreadable: {exc}") from exc
     finally:
         conn.close()
+        # Only a -shm we created, and no other connection can be using it: any other
+        # process with the database open would have created it before us.
+        if not shm_existed and os.path.exists(shm):
+            with contextlib.suppress(OSError):
+                os.remove(shm)
+
+
+def _check_contents(path: str, conn: sqlite3.Connection) -> int:
+    application_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    has_tables = conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0] > 0
+    if application_id != APPLICATION_ID and (application_id != 0 or has_tables):
+        raise ForeignDatabase(
+            path, f"a SQLite database of another application (application_id {application_id:#x})"
+        )
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(
+            path, f"schema version {version} is newer than this relay-trio ({SCHEMA_VERSION})"
+        )
+    problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+    if problems != ["ok"]:
+        raise DatabaseCorrupt(path, "integrity check failed: " + "; ".join(problems[:5]))
+    return version
 
 
 def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection:
@@ -177,6 +189,8 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
             conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
         conn.execute("PRAGMA foreign_keys = ON")
+        # The write connection sees the WAL as well: its version is the one to migrate from.
+        version = max(version, conn.execute("PRAGMA user_version").fetchone()[0])
         _migrate(conn, version)
     except BaseException:
         conn.close()

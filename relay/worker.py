@@ -1,0 +1,327 @@
+"""The pull worker: lease jobs into N slots, run handlers, renew, ack or fail.
+
+    worker = relay.Worker("127.0.0.1:7400", queues=["email"], concurrency=16,
+                          handler=send_email)
+    await worker.run()          # until worker.stop(), or SIGINT/SIGTERM via run_worker()
+
+A ``trio.CapacityLimiter`` of ``concurrency`` slots bounds the jobs held: the worker asks
+the server for at most as many jobs as it has free slots (``lease count`` = free slots,
+with a long-poll ``wait_ms``), and each job holds its slot from lease to ack. So a worker
+of concurrency N never holds more than N jobs.
+
+While a handler runs, its lease is renewed about every third of the lease. If a renewal is
+refused (the lease expired, or another worker holds the job now), the handler is cancelled
+and nothing is acked: the job belongs to someone else. A handler that returns is acked
+with its return value as the result (when it is JSON-serialisable); one that raises is
+failed with the exception's text (``PermanentError``: not retryable). Synchronous handlers
+run in a worker thread, under the same slots.
+
+Graceful stop: stop leasing, let running jobs finish within ``shutdown_timeout``, then
+cancel them and ``release`` their leases so others can take them at once. A second stop
+(second signal) cancels at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from relay.client import Client, LeasedJob, open_client
+from relay.errors import ConnectionLost, JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.histogram import Histogram
+from relay.log import event
+
+log = logging.getLogger("relay.worker")
+
+Handler = Callable[[LeasedJob], Any] | Callable[[LeasedJob], Awaitable[Any]]
+
+DEFAULT_LEASE_MS = 30_000
+# How long one lease request may wait on the server for work (a long-poll).
+LEASE_WAIT_MS = 5_000
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# After a failed lease request (server restarting...), wait this long before the next.
+LEASE_ERROR_BACKOFF_S = 0.5
+# Bound on reporting a job's outcome (ack, fail, release): past it the lease expires and
+# the job runs again, which at-least-once delivery allows.
+SETTLE_TIMEOUT_S = 10.0
+
+
+class PermanentError(Exception):
+    """Raise from a handler to fail the job without retries (it goes dead at once)."""
+
+
+def default_worker_id() -> str:
+    """Unique per process: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def _result_of(value: Any) -> Any:
+    """The handler's return value if it can be stored as JSON, else None."""
+    if value is None:
+        return None
+    try:
+        orjson.dumps(value)
+    except TypeError:
+        return None
+    return value
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@attrs.frozen
+class WorkerStatistics:
+    running: int
+    concurrency: int
+    succeeded: int
+    failed: int
+    lost: int  # renewal refused: cancelled, not acked
+    released: int
+
+
+class Worker:
+    def __init__(
+        self,
+        server: str | tuple[str, int] | Client,
+        *,
+        queues: Sequence[str] | None = None,
+        handler: Handler | None = None,
+        handlers: Mapping[str, Handler] | None = None,
+        concurrency: int = 1,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        wait_ms: int = LEASE_WAIT_MS,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+        worker_id: str | None = None,
+    ) -> None:
+        """Args:
+        server: an address "HOST:PORT", or a ``Client`` (e.g. from ``open_local``).
+        queues: the queues to lease from; with ``handlers``, defaults to its keys.
+        handler: one handler for every queue; or ``handlers``, one per queue.
+        concurrency: slots, the most jobs held at once.
+        """
+        if (handler is None) == (handlers is None):
+            raise ValueError("give handler or handlers (one per queue), not both or neither")
+        self._handlers: Mapping[str, Handler] = dict(handlers or {})
+        self._default = handler
+        self.queues = list(queues if queues is not None else self._handlers)
+        if not self.queues:
+            raise ValueError("no queues to lease from")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self._server = server
+        self.concurrency = concurrency
+        self.lease_ms = lease_ms
+        self.wait_ms = wait_ms
+        self.shutdown_timeout = shutdown_timeout
+        self.worker_id = worker_id or default_worker_id()
+        self._slots = trio.CapacityLimiter(concurrency)
+        # Sync handlers' threads: as many as slots, so trio's default thread limit (40)
+        # never stands between a slot and its job.
+        self._threads = trio.CapacityLimiter(concurrency)
+        self._leasing = trio.CancelScope()
+        self._jobs_scope = trio.CancelScope()
+        self._stopping = False
+        self._running: dict[str, LeasedJob] = {}
+        self._slot_freed = trio.lowlevel.ParkingLot()  # the lease loop waits here
+        self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
+        self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
+
+    def statistics(self) -> WorkerStatistics:
+        return WorkerStatistics(
+            running=len(self._running), concurrency=self.concurrency, **self._counts
+        )
+
+    def stop(self) -> None:
+        """First call: graceful (stop leasing, finish or release within the timeout).
+        Second call: cancel running jobs at once (their leases are still released)."""
+        if self._stopping:
+            self._jobs_scope.cancel()
+            return
+        self._stopping = True
+        self._leasing.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        """Work until ``stop()``. Owns its connection (unless given a client), one task per
+        running job and one renewal task per job; all end before this returns."""
+        async with self._client() as client:
+            event(
+                log, logging.INFO, "worker.started", worker_id=self.worker_id,
+                queues=self.queues, concurrency=self.concurrency,
+            )  # fmt: skip
+            with self._jobs_scope:
+                async with trio.open_nursery() as jobs:
+                    task_status.started()
+                    with self._leasing:
+                        await self._lease_loop(client, jobs)
+                    # Leasing stopped: running jobs get the shutdown timeout, then are
+                    # cancelled (and release their leases).
+                    self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
+        event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
+
+    @asynccontextmanager
+    async def _client(self) -> AsyncIterator[Client]:
+        if isinstance(self._server, Client):
+            yield self._server
+        else:
+            async with open_client(self._server) as client:
+                yield client
+
+    async def _lease_loop(self, client: Client, jobs: trio.Nursery) -> None:
+        while True:
+            while self._slots.available_tokens == 0:
+                await self._slot_freed.park()
+            free = int(self._slots.available_tokens)
+            try:
+                # If this wait is cancelled (stop), the client releases whatever the
+                # server leases to it after all.
+                leased = await client.lease(
+                    self.queues, self.worker_id, count=free, lease_ms=self.lease_ms,
+                    wait_ms=self.wait_ms,
+                )  # fmt: skip
+            except RelayError as exc:
+                event(log, logging.WARNING, "worker.lease_failed", error=repr(exc))
+                await trio.sleep(LEASE_ERROR_BACKOFF_S)
+                continue
+            for job in leased:
+                owner = object()
+                self._slots.acquire_on_behalf_of_nowait(owner)
+                self._running[job.job_id] = job
+                jobs.start_soon(self._run_job, client, job, owner, name=job.job_id)
+
+    async def _run_job(self, client: Client, job: LeasedJob, owner: object) -> None:
+        started = trio.current_time()
+        try:
+            try:
+                outcome, value = await self._execute(client, job)
+            except trio.Cancelled:
+                # Shutdown timeout or a second stop: hand the job back, then go.
+                with trio.CancelScope(shield=True):
+                    await self._settle(client, job, "cancelled", None)
+                raise
+            with trio.CancelScope(shield=True):
+                await self._settle(client, job, outcome, value)
+        finally:
+            del self._running[job.job_id]
+            self._slots.release_on_behalf_of(owner)
+            self._slot_freed.unpark_all()
+            self.durations.observe(trio.current_time() - started)
+
+    async def _execute(self, client: Client, job: LeasedJob) -> tuple[str, Any]:
+        """Run the handler under renewal. Returns (outcome, value): ("ok", result),
+        ("error", exception), ("lost", None) or ("cancelled", None)."""
+        handler = self._handlers.get(job.queue, self._default)
+        lost = False
+        outcome: tuple[str, Any] = ("cancelled", None)
+        async with trio.open_nursery() as nursery:
+            handler_scope = trio.CancelScope()
+
+            async def renew() -> None:
+                nonlocal lost
+                interval = max(self.lease_ms / 3000, 0.01)
+                while True:
+                    await trio.sleep(interval)
+                    try:
+                        await client.renew(job.job_id, self.worker_id, job.token,
+                                           lease_ms=self.lease_ms)  # fmt: skip
+                    except (StaleToken, LeaseExpired, JobNotFound, ConnectionLost) as exc:
+                        # The job is someone else's now (or may be): stop working on it.
+                        lost = True
+                        event(
+                            log, logging.WARNING, "job.lease_lost", job_id=job.job_id,
+                            error=repr(exc),
+                        )  # fmt: skip
+                        handler_scope.cancel()
+                        return
+                    except RelayError as exc:
+                        # Overloaded, shutting down, internal: the lease may still hold;
+                        # try again next interval (an expired one is refused then).
+                        event(log, logging.WARNING, "job.renew_failed", job_id=job.job_id,
+                              error=repr(exc))  # fmt: skip
+
+            nursery.start_soon(renew)
+            with handler_scope:
+                try:
+                    if handler is None:
+                        raise PermanentError(f"no handler for queue {job.queue}")
+                    outcome = ("ok", await self._call(handler, job))
+                except Exception as exc:
+                    outcome = ("error", exc)
+            nursery.cancel_scope.cancel()
+        if lost:
+            return "lost", None
+        return outcome
+
+    async def _call(self, handler: Handler, job: LeasedJob) -> Any:
+        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            getattr(handler, "__call__", None)  # noqa: B004
+        ):
+            return await handler(job)  # type: ignore[misc]
+        result = await trio.to_thread.run_sync(handler, job, limiter=self._threads)
+        if inspect.isawaitable(result):
+            return await result
+        return result
+
+    async def _settle(self, client: Client, job: LeasedJob, outcome: str, value: Any) -> None:
+        """Ack, fail or release. Called shielded, so it has its own deadline: past it the
+        lease simply expires and the job runs again (at-least-once)."""
+        ids = {"job_id": job.job_id, "queue": job.queue, "attempt": job.attempt}
+        if outcome == "lost":
+            self._counts["lost"] += 1
+            return
+        try:
+            with trio.fail_after(SETTLE_TIMEOUT_S):
+                await self._report(client, job, outcome, value, ids)
+        except (RelayError, trio.TooSlowError) as exc:
+            # The lease is gone or the server unreachable: the job will be leased again
+            # after its lease expires.
+            event(log, logging.WARNING, "job.settle_failed", outcome=outcome, error=repr(exc),
+                  **ids)  # fmt: skip
+
+    async def _report(
+        self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]
+    ) -> None:
+        if outcome == "ok":
+            await client.ack(job.job_id, self.worker_id, job.token, _result_of(value))
+            self._counts["succeeded"] += 1
+            event(log, logging.DEBUG, "job.succeeded", **ids)
+        elif outcome == "error":
+            retryable = not isinstance(value, PermanentError)
+            result = await client.fail(
+                job.job_id, self.worker_id, job.token, _error_text(value), retryable=retryable
+            )
+            self._counts["failed"] += 1
+            event(log, logging.INFO, "job.failed", state=str(result.state),
+                  error=_error_text(value), **ids)  # fmt: skip
+        else:  # cancelled by shutdown: give the job back at once
+            await client.release(job.job_id, self.worker_id, job.token)
+            self._counts["released"] += 1
+            event(log, logging.INFO, "job.released", **ids)
+
+
+async def run_worker(worker: Worker) -> None:
+    """Run ``worker`` until SIGINT/SIGTERM: the first stops it gracefully, the second at
+    once. For command lines and simple programs."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for signum in signals:
+                    event(log, logging.INFO, "worker.signal", signal=signal.Signals(signum).name)
+                    worker.stop()
+
+            nursery.start_soon(watch)
+            await worker.run()
+            nursery.cancel_scope.cancel()
