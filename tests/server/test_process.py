@@ -1,0 +1,294 @@
+"""The ``relay-trio server`` command as a real subprocess: signals, crash safety, refusals.
+
+The server listens on 127.0.0.1 port 0; its ``server.started`` log event (JSON lines on
+stderr) names the address it got, so there is no free-port race. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from relay.store.sqlite import SqliteStore
+
+from .conftest import BOUND_S, LineClient
+
+RELAY = Path(sys.executable).parent / "relay-trio"
+SHUTDOWN_TIMEOUT_MS = 2000
+
+
+class ServerProcess:
+    """A running ``relay-trio server``; its stderr is read (and kept) by ``pump``."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.stderr = b""
+        self.events: list[dict[str, Any]] = []
+        self.address: tuple[str, int] | None = None
+        self.settled = trio.Event()  # started, or its stderr closed (it exited)
+        self.stderr_closed = trio.Event()
+
+    async def pump(self) -> None:
+        assert self.process.stderr is not None
+        buffer = b""
+        try:
+            while data := await self.process.stderr.receive_some(65536):
+                self.stderr += data
+                buffer += data
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    self._line(line)
+        finally:
+            self.settled.set()
+            self.stderr_closed.set()
+
+    def _line(self, line: bytes) -> None:
+        try:
+            entry = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(entry, dict):
+            return
+        self.events.append(entry)
+        if entry.get("event") == "server.started":
+            host, _, port = entry["address"].rpartition(":")
+            self.address = (host, int(port))
+            self.settled.set()
+
+    def event_names(self) -> list[str]:
+        return [e.get("event") for e in self.events]
+
+    async def connect(self) -> LineClient:
+        assert self.address is not None
+        with trio.fail_after(BOUND_S):
+            return LineClient(await trio.open_tcp_stream(*self.address))
+
+    async def wait(self, within: float) -> int:
+        """The exit code, waiting at most ``within`` seconds (and for stderr to close)."""
+        with trio.fail_after(within):
+            code = await self.process.wait()
+        with trio.fail_after(BOUND_S):
+            await self.stderr_closed.wait()
+        return code
+
+
+@asynccontextmanager
+async def server_process(db: Path, *args: str) -> AsyncIterator[ServerProcess]:
+    """Start a server on ``db`` and wait until it serves; kill it on the way out if needed."""
+    command = [
+        str(RELAY), "server", "--db", str(db), "--address", "127.0.0.1:0",
+        "--metrics-address", "off", "--shutdown-timeout-ms", str(SHUTDOWN_TIMEOUT_MS), *args,
+    ]  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        process = await trio.lowlevel.open_process(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        server = ServerProcess(process)
+        nursery.start_soon(server.pump)
+        try:
+            with trio.fail_after(BOUND_S):
+                await server.settled.wait()
+            assert server.address is not None, f"server did not start: {server.stderr!r}"
+            yield server
+        finally:
+            if process.returncode is None:
+                process.kill()
+            with trio.CancelScope(shield=True), trio.move_on_after(BOUND_S):
+                await process.wait()
+
+
+async def pipeline(
+    client: LineClient,
+    requests: list[dict[str, Any]],
+    on_reply: Callable[[int, dict[str, Any]], Awaitable[None] | None],
+    window: int = 200,
+) -> None:
+    """Send ``requests`` (request i gets id i) with at most ``window`` unanswered, calling
+    ``on_reply(i, reply)`` for each reply, until all are answered or the connection ends."""
+    room = trio.Semaphore(window)
+    answered = 0
+
+    async def send_all() -> None:
+        try:
+            for i, request in enumerate(requests):
+                await room.acquire()
+                await client.send_raw(orjson.dumps({**request, "id": i}) + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_all)
+        while answered < len(requests):
+            try:
+                line = await client.read_line()
+            except trio.BrokenResourceError:
+                line = None
+            if line is None:
+                break
+            reply = orjson.loads(line)
+            answered += 1
+            room.release()
+            result = on_reply(reply["id"], reply)
+            if result is not None:
+                await result
+        nursery.cancel_scope.cancel()
+
+
+# -- signals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_signal_shuts_down_gracefully_with_exit_code_0(tmp_path, signum):
+    db = tmp_path / "relay.db"
+    async with server_process(db) as server:
+        client = await server.connect()
+        submitted = await client.ok("submit", queue="sig", payload={"kept": True})
+        # A parked long-poll, far from its deadline.
+        lease_id = await client.send("lease", queues=["idle"], worker_id="w", wait_ms=30_000)
+        stats_id = await client.send("stats")
+        assert (await client.read())["id"] == stats_id  # the lease is parked now
+
+        server.process.send_signal(signum)
+        signalled = trio.current_time()
+        try:
+            line = await client.read_line()
+        except trio.BrokenResourceError:
+            line = None
+        answered_after = trio.current_time() - signalled
+        code = await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3)
+        assert code == 0, server.stderr.decode(errors="replace")
+        await client.aclose()
+
+    names = server.event_names()
+    for name in ("shutdown.signal", "shutdown.stopped_accepting", "server.stopped"):
+        assert name in names, (name, names)
+    assert "shutdown.requests_drained" in names or "shutdown.grace_expired" in names, names
+    (sig,) = [e for e in server.events if e["event"] == "shutdown.signal"]
+    assert sig["signal"] == signum.name
+    assert names.index("shutdown.signal") < names.index("server.stopped")
+
+    store = SqliteStore.open(str(db))
+    try:
+        assert store.job_inspect(submitted["job_id"]).payload == '{"kept":true}'
+    finally:
+        store.close()
+    # Parked long-polls answer `jobs: []` (not a silently closed connection).
+    assert line is not None, "the parked long-poll got no reply: the connection was closed"
+    assert orjson.loads(line) == {"id": lease_id, "ok": True, "jobs": []}
+    assert answered_after < 1.0, f"parked long-poll answered after {answered_after:.2f}s"
+
+
+async def test_second_signal_exits_at_once_with_130(tmp_path):
+    async with server_process(tmp_path / "relay.db") as server:
+        # Two different signals (one signal repeated may be coalesced), back to back: the
+        # second arrives while the first's graceful shutdown is still running.
+        server.process.send_signal(signal.SIGINT)
+        server.process.send_signal(signal.SIGTERM)
+        code = await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3)
+    assert code == 130, server.stderr.decode(errors="replace")
+    assert "shutdown.forced" in server.event_names()
+
+
+# -- crash safety -------------------------------------------------------------------------
+
+
+async def test_sigkill_while_submitting_loses_no_acknowledged_job(tmp_path):
+    db = tmp_path / "relay.db"
+    total, kill_after = 2000, 1000
+    acknowledged: dict[int, str] = {}  # request index -> job id, for every ok reply
+
+    async with server_process(db) as server:
+        client = await server.connect()
+        requests = [{"op": "submit", "queue": "crash", "payload": {"n": i}} for i in range(total)]
+
+        def on_reply(i: int, reply: dict[str, Any]) -> None:
+            assert reply["ok"] is True, reply
+            acknowledged[i] = reply["job_id"]
+            if len(acknowledged) == kill_after:
+                server.process.kill()  # SIGKILL, with submits still in the pipeline
+
+        with trio.fail_after(BOUND_S * 2):
+            await pipeline(client, requests, on_reply)
+        code = await server.wait(BOUND_S)
+        assert code == -signal.SIGKILL
+        await client.aclose()
+    # Replies already in our socket buffer when the server died also count (they are
+    # acknowledgements), so there may be a few more than kill_after; not all of them.
+    assert kill_after <= len(acknowledged) < total
+
+    async with server_process(db) as server:
+        client = await server.connect()
+        stats = (await client.ok("stats"))["queues"]["crash"]
+        assert stats["ready"] >= len(acknowledged), stats
+        found: dict[int, dict[str, Any]] = {}
+        order = sorted(acknowledged)
+
+        def on_inspect(k: int, reply: dict[str, Any]) -> None:
+            assert reply["ok"] is True, (acknowledged[order[k]], reply)
+            found[order[k]] = reply["job"]
+
+        inspects = [{"op": "inspect", "job_id": acknowledged[i]} for i in order]
+        with trio.fail_after(BOUND_S * 2):
+            await pipeline(client, inspects, on_inspect)
+        assert len(found) == len(acknowledged)
+        for i, job in found.items():
+            assert job["payload"] == {"n": i} and job["state"] == "ready", job
+        await client.aclose()
+        server.process.send_signal(signal.SIGTERM)
+        assert await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3) == 0
+
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        (count,) = conn.execute("SELECT count(*) FROM jobs WHERE queue = 'crash'").fetchone()
+        assert len(acknowledged) <= count <= total
+    finally:
+        conn.close()
+
+
+# -- refused databases --------------------------------------------------------------------
+
+
+def _text_file(path: Path) -> None:
+    path.write_text("these are my notes, not a database\n" * 20)
+
+
+def _foreign_sqlite(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO users (name) VALUES ('ada'), ('grace')")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("make", [_text_file, _foreign_sqlite], ids=["text", "foreign_sqlite"])
+async def test_refused_database_exits_2_and_leaves_the_file_unchanged(tmp_path, make):
+    db = tmp_path / "precious.db"
+    make(db)
+    before = db.read_bytes()
+    siblings = sorted(p.name for p in tmp_path.iterdir())
+    command = [
+        str(RELAY), "server", "--db", str(db), "--address", "127.0.0.1:0",
+        "--metrics-address", "off",
+    ]  # fmt: skip
+    with trio.fail_after(BOUND_S):
+        done = await trio.run_process(
+            command, stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True,
+            check=False,
+        )  # fmt: skip
+    stderr = done.stderr.decode(errors="replace")
+    assert str(db) in stderr, stderr
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == siblings  # no -wal, -shm, journal
+    assert done.returncode == 2, f"exit code {done.returncode}; stderr:\n{stderr}"
+    assert "Traceback" not in stderr, stderr
