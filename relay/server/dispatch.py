@@ -20,7 +20,8 @@ import trio
 from relay import wire
 from relay.errors import InternalError, RelayError
 from relay.histogram import Histogram
-from relay.model import FailOutcome, JobInfo, Lease, SubmitResult
+from relay.log import event
+from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult
 from relay.server.longpoll import LongPolls
 from relay.store import commands as cmd
 from relay.store.writer import Writer
@@ -239,7 +240,17 @@ class Dispatcher:
         command = cmd.Fail(
             request.job_id, request.worker_id, request.token, request.error, request.retryable
         )
-        await self._send(connection, tag, command, _encode_fail)
+
+        def encode(outcome: FailOutcome) -> dict[str, Any]:
+            if outcome.state == JobState.DEAD:
+                event(
+                    log, logging.WARNING, "job.dead", job_id=request.job_id,
+                    reason="failed" if request.retryable else "failed, not retryable",
+                    error=request.error[:200],
+                )  # fmt: skip
+            return _encode_fail(outcome)
+
+        await self._send(connection, tag, command, encode)
 
     async def _op_release(
         self, connection: Connection, tag: Pending, request: wire.Release
