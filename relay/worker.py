@@ -269,7 +269,12 @@ class Worker:
             getattr(handler, "__call__", None)  # noqa: B004
         ):
             return await handler(job)  # type: ignore[misc]
-        result = await trio.to_thread.run_sync(handler, job, limiter=self._threads)
+        # A thread cannot be interrupted. On cancellation (lease lost, shutdown timeout)
+        # stop waiting for it: it runs on to its end, its result ignored, nothing acked.
+        # It keeps its token of _threads until then, so threads never exceed the slots.
+        result = await trio.to_thread.run_sync(
+            handler, job, limiter=self._threads, abandon_on_cancel=True
+        )
         if inspect.isawaitable(result):
             return await result
         return result
