@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/relay-trio server --db relay.db
 
 bench: $(STAMP)
-	@echo "relay-bench arrives with issue 5"
+	$(BIN)/relay-bench --json bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

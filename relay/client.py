@@ -28,6 +28,7 @@ from cattrs.preconf.orjson import make_converter
 
 from relay.errors import ConnectionLost, QueueFull, RelayError, error_from_wire
 from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
+from relay.nursery import open_service_nursery
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 CONNECT_TIMEOUT_S = 5.0
@@ -498,20 +499,12 @@ async def open_client(
         reconnect_timeout=reconnect_timeout,
     )  # fmt: skip
     await transport.first_connect()
-    # The body's exception is caught and raised again outside the nursery, so callers get
-    # StaleToken, not an ExceptionGroup around it: the client raises no exception groups.
-    body_error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
+    async with open_service_nursery() as nursery:
         nursery.start_soon(transport.run)
         try:
             yield Client(transport)
-        except BaseException as exc:
-            body_error = exc
         finally:
             await transport.aclose()
-            nursery.cancel_scope.cancel()
-    if body_error is not None:
-        raise body_error
 
 
 __all__ = [

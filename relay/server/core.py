@@ -17,6 +17,7 @@ import trio
 
 from relay import wire
 from relay.log import event
+from relay.nursery import open_service_nursery
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
@@ -98,18 +99,9 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         promoter, reaper = Alarm(), Alarm()
         writer.commit_listeners += [longpolls.on_commit, commit_listener(promoter, reaper)]
         dispatcher = Dispatcher(writer, config.limits, longpolls)
-        body_error: BaseException | None = None
-        async with trio.open_nursery() as services:
+        async with open_service_nursery() as services:
             await services.start(longpolls.run)
             await services.start(run_promoter, writer, promoter, config.clock)
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
-            core = Core(writer, dispatcher, longpolls, services)
-            try:
-                yield core
-            except BaseException as exc:
-                body_error = exc
-            finally:
-                services.cancel_scope.cancel()
-        if body_error is not None:
-            raise body_error
+            yield Core(writer, dispatcher, longpolls, services)

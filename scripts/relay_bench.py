@@ -1,0 +1,660 @@
+"""relay-bench: throughput, latency and memory of a relay-trio server, measured honestly.
+
+    relay-bench                 # full run (a few minutes), server started on a temp db
+    relay-bench --quick         # reduced sizes, under 30 s
+    relay-bench --json out.json --address 127.0.0.1:7400   # against a running server
+
+Each scenario runs ``--runs`` times; the table shows the median with min and max. The
+server is a subprocess with ``synchronous=FULL`` unless stated: every ok reply it sends is
+fsync'd. Load generators use raw sockets and pre-encoded requests, and count replies
+without parsing them, so that the generator is not what is measured. See
+docs/benchmarking.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+import orjson
+import trio
+from rich.console import Console
+from rich.table import Table
+
+READ_BYTES = 256 * 1024
+# Every scenario run is bounded: a hung server fails the bench instead of hanging it.
+RUN_TIMEOUT_S = 300.0
+
+
+# -- the server under test --------------------------------------------------------------------
+
+
+@attrs.define
+class ServerProcess:
+    process: subprocess.Popen | None
+    address: tuple[str, int]
+    metrics: tuple[str, int] | None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+def _relay_trio() -> str:
+    return str(Path(sys.executable).parent / "relay-trio")
+
+
+@contextmanager
+def running_server(sync: str, db_dir: str) -> Iterator[ServerProcess]:
+    """A ``relay-trio server`` on a fresh database, stopped (SIGTERM) afterwards."""
+    db = os.path.join(db_dir, f"bench-{sync}-{time.monotonic_ns()}.db")
+    args = [
+        _relay_trio(), "server", "--db", db, "--address", "127.0.0.1:0",
+        "--metrics-address", "127.0.0.1:0", "--synchronous", sync,
+        "--max-in-flight", "1024", "--max-batch", "1000",
+    ]  # fmt: skip
+    env = dict(os.environ, RELAY_LOG="info")
+    process = subprocess.Popen(args, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        assert process.stderr is not None
+        deadline = time.monotonic() + 30
+        started = None
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if not line:
+                break
+            entry = json.loads(line)
+            if entry.get("event") == "server.started":
+                started = entry
+                break
+        if started is None:
+            raise RuntimeError("the server did not start")
+        # Drain stderr in the background so the server never blocks on a full pipe.
+        stderr = process.stderr
+        threading.Thread(target=lambda: stderr.read(), daemon=True).start()
+        host, port = started["address"].rsplit(":", 1)
+        metrics = None
+        if started.get("metrics"):
+            mhost, mport = started["metrics"].rsplit(":", 1)
+            metrics = (mhost, int(mport))
+        yield ServerProcess(process, (host, int(port)), metrics)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.remove(db + suffix)
+
+
+def peak_rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"VmRSS:\s+(\d+) kB", text)
+    return int(match.group(1)) / 1024 if match else None
+
+
+class RssSampler:
+    """Samples the server's resident memory while a scenario runs; keeps the peak."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.peak: float | None = None
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            rss = peak_rss_mb(self.pid)
+            if rss is not None:
+                self.peak = rss if self.peak is None else max(self.peak, rss)
+            await trio.sleep(0.05)
+
+
+async def scrape(metrics: tuple[str, int] | None) -> dict[str, float]:
+    """The writer's batch-size sum and count from /metrics."""
+    if metrics is None:
+        return {}
+    stream = await trio.open_tcp_stream(*metrics)
+    await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    while chunk := await stream.receive_some(READ_BYTES):
+        data += chunk
+    await stream.aclose()
+    values = {}
+    for name in ("relay_store_batch_size_sum", "relay_store_batch_size_count"):
+        match = re.search(rf"^{name} (\S+)$", data.decode(), re.M)
+        if match:
+            values[name] = float(match.group(1))
+    return values
+
+
+# -- raw NDJSON connections -------------------------------------------------------------------
+
+
+class Conn:
+    """A raw connection: pre-encoded lines out, replies counted (parsed only when asked)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buffer = b""
+        self.ids = itertools.count(1)
+
+    @classmethod
+    async def open(cls, address: tuple[str, int]) -> Conn:
+        return cls(await trio.open_tcp_stream(*address))
+
+    def line(self, op: str, **fields: Any) -> bytes:
+        return orjson.dumps({"op": op, "id": next(self.ids), **fields}) + b"\n"
+
+    async def read_count(self, n: int) -> None:
+        """Read ``n`` reply lines; fail on any error reply."""
+        got = self.buffer.count(b"\n")
+        while got < n:
+            data = await self.stream.receive_some(READ_BYTES)
+            if not data:
+                raise RuntimeError("server closed the connection")
+            self.buffer += data
+            got = self.buffer.count(b"\n")
+        if b'"ok":false' in self.buffer:
+            raise RuntimeError(f"error reply: {self.buffer[:300]!r}")
+        # Keep what follows the n-th line.
+        cut = -1
+        for _ in range(n):
+            cut = self.buffer.index(b"\n", cut + 1)
+        self.buffer = self.buffer[cut + 1 :]
+
+    async def read_replies(self, n: int) -> list[dict[str, Any]]:
+        replies = []
+        while len(replies) < n:
+            while b"\n" not in self.buffer:
+                data = await self.stream.receive_some(READ_BYTES)
+                if not data:
+                    raise RuntimeError("server closed the connection")
+                self.buffer += data
+            *lines, self.buffer = self.buffer.split(b"\n")
+            replies += [orjson.loads(line) for line in lines]
+        for reply in replies:
+            if not reply.get("ok"):
+                raise RuntimeError(f"error reply: {reply}")
+        return replies
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        await self.stream.send_all(self.line(op, **fields))
+        (reply,) = await self.read_replies(1)
+        return reply
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _payload(i: int) -> dict[str, Any]:
+    return {"n": i, "kind": "bench"}
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+async def submit_one_at_a_time(address, producers: int, per_producer: int) -> float:
+    async def produce(conn: Conn) -> None:
+        for i in range(per_producer):
+            await conn.stream.send_all(conn.line("submit", queue="bench", payload=_payload(i)))
+            await conn.read_count(1)
+
+    conns = [await Conn.open(address) for _ in range(producers)]
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for conn in conns:
+            nursery.start_soon(produce, conn)
+    elapsed = time.perf_counter() - started
+    for conn in conns:
+        await conn.aclose()
+    return producers * per_producer / elapsed
+
+
+async def submit_pipelined(address, window: int, total: int) -> float:
+    conn = await Conn.open(address)
+    lines = [conn.line("submit", queue="bench", payload=_payload(i)) for i in range(total)]
+    started = time.perf_counter()
+
+    async def sender() -> None:
+        for i in range(0, total, window // 2):
+            await conn.stream.send_all(b"".join(lines[i : i + window // 2]))
+            await sent.acquire()
+
+    sent = trio.Semaphore(2)  # at most `window` requests outstanding
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        remaining = total
+        while remaining:
+            n = min(window // 2, remaining)
+            await conn.read_count(n)
+            remaining -= n
+            sent.release()
+    elapsed = time.perf_counter() - started
+    await conn.aclose()
+    return total / elapsed
+
+
+async def submit_batches(address, clients: int, batch: int, batches: int) -> float:
+    async def produce(conn: Conn) -> None:
+        jobs = [{"queue": "bench", "payload": _payload(i)} for i in range(batch)]
+        for _ in range(batches):
+            await conn.stream.send_all(conn.line("submit_batch", jobs=jobs))
+            await conn.read_count(1)
+
+    conns = [await Conn.open(address) for _ in range(clients)]
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for conn in conns:
+            nursery.start_soon(produce, conn)
+    elapsed = time.perf_counter() - started
+    for conn in conns:
+        await conn.aclose()
+    return clients * batch * batches / elapsed
+
+
+async def prefill(address, total: int, queue: str = "bench") -> None:
+    """Submit ``total`` no-op jobs in batches of 1000, a few batches in flight."""
+    conn = await Conn.open(address)
+    jobs = [{"queue": queue, "payload": {}}] * 1000
+    sent = 0
+    window = 4
+    outstanding = 0
+    while sent < total or outstanding:
+        while sent < total and outstanding < window:
+            n = min(1000, total - sent)
+            await conn.stream.send_all(conn.line("submit_batch", jobs=jobs[:n]))
+            sent += n
+            outstanding += 1
+        await conn.read_count(1)
+        outstanding -= 1
+    await conn.aclose()
+
+
+async def consume_raw(address, total: int, count: int, queue: str = "bench") -> int:
+    """Lease up to ``count`` at a time and pipeline the acks; stop after ``total`` jobs or
+    when the queue is empty. Returns jobs done."""
+    conn = await Conn.open(address)
+    worker = f"bench-{os.getpid()}-{id(conn)}"
+    done = 0
+    while done < total:
+        reply = await conn.call("lease", queues=[queue], worker_id=worker, count=count)
+        jobs = reply["jobs"]
+        if not jobs:
+            break
+        acks = b"".join(
+            conn.line("ack", job_id=j["job_id"], worker_id=worker, token=j["token"]) for j in jobs
+        )
+        await conn.stream.send_all(acks)
+        await conn.read_count(len(jobs))
+        done += len(jobs)
+    await conn.aclose()
+    return done
+
+
+async def lease_ack_processes(address, processes: int, count: int, total: int) -> float:
+    """``processes`` consumer processes, each leasing ``count`` per request."""
+    per = math.ceil(total / processes)
+    args = [sys.executable, __file__, "_consume", f"{address[0]}:{address[1]}", str(per),
+            str(count)]  # fmt: skip
+    done: list[int] = []
+
+    async def one() -> None:
+        finished = await trio.run_process(args, capture_stdout=True)
+        done.append(int(finished.stdout))
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(processes):
+            nursery.start_soon(one)
+    elapsed = time.perf_counter() - started
+    return sum(done) / elapsed
+
+
+async def lease_ack_worker(address, concurrency: int, total: int) -> float:
+    import relay
+
+    done = 0
+    finished = trio.Event()
+
+    async def noop(job: Any) -> None:
+        nonlocal done
+        done += 1
+        if done >= total:
+            finished.set()
+
+    worker = relay.Worker(
+        f"{address[0]}:{address[1]}", queues=["bench"], handler=noop, concurrency=concurrency,
+        wait_ms=200,
+    )  # fmt: skip
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.run)
+        await finished.wait()
+        elapsed = time.perf_counter() - started
+        worker.stop()
+    return total / elapsed
+
+
+async def latency(address, rate: float, duration: float) -> dict[str, float]:
+    """Open loop: submit at ``rate``/s; a consumer leases (long-poll) and acks. Measures
+    submit sent -> handler started, and submit sent -> ack committed (reply received)."""
+    producer = await Conn.open(address)
+    consumer = await Conn.open(address)
+    to_start: list[float] = []
+    to_ack: list[float] = []
+    total = int(rate * duration)
+    worker = "bench-latency"
+
+    async def produce() -> None:
+        interval = 1 / rate
+        next_at = time.perf_counter()
+        for _ in range(total):
+            now = time.perf_counter()
+            if next_at > now:
+                await trio.sleep(next_at - now)
+            next_at += interval
+            line = producer.line("submit", queue="lat", payload={"t": time.perf_counter()})
+            await producer.stream.send_all(line)
+
+    async def drain_producer() -> None:
+        remaining = total
+        while remaining:
+            n = min(remaining, 64)
+            await producer.read_count(n)
+            remaining -= n
+
+    async def consume() -> None:
+        seen = 0
+        while seen < total:
+            reply = await consumer.call("lease", queues=["lat"], worker_id=worker, count=64,
+                                        wait_ms=1000)  # fmt: skip
+            jobs = reply["jobs"]
+            started = time.perf_counter()
+            for job in jobs:
+                to_start.append(started - job["payload"]["t"])
+            if not jobs:
+                continue
+            await consumer.stream.send_all(b"".join(
+                consumer.line("ack", job_id=j["job_id"], worker_id=worker, token=j["token"])
+                for j in jobs
+            ))  # fmt: skip
+            await consumer.read_count(len(jobs))
+            acked = time.perf_counter()
+            for job in jobs:
+                to_ack.append(acked - job["payload"]["t"])
+            seen += len(jobs)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain_producer)
+        nursery.start_soon(consume)
+        await produce()
+    await producer.aclose()
+    await consumer.aclose()
+    return {
+        **{f"start_{k}": v for k, v in _percentiles(to_start).items()},
+        **{f"ack_{k}": v for k, v in _percentiles(to_ack).items()},
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return {"p50_ms": at(0.50), "p90_ms": at(0.90), "p99_ms": at(0.99), "max_ms": at(1.0)}
+
+
+# -- running and reporting ------------------------------------------------------------------
+
+
+@attrs.define
+class Result:
+    scenario: str
+    unit: str
+    runs: list[float]
+    sync: str = "full"
+    peak_rss_mb: float | None = None
+    mean_batch: float | None = None
+    extra: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs) if self.runs else float("nan")
+
+
+async def measure(
+    server: ServerProcess,
+    name: str,
+    unit: str,
+    runs: int,
+    run_once: Callable[[], Awaitable[float]],
+    before_each: Callable[[], Awaitable[None]] | None = None,
+    sync: str = "full",
+) -> Result:
+    result = Result(name, unit, [], sync)
+    sampler = RssSampler(server.pid)
+    batches: list[float] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sampler.run)
+        for _ in range(runs):
+            if before_each is not None:
+                await before_each()
+            m0 = await scrape(server.metrics)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                result.runs.append(await run_once())
+            m1 = await scrape(server.metrics)
+            count = m1.get("relay_store_batch_size_count", 0) - m0.get(
+                "relay_store_batch_size_count", 0
+            )
+            if count:
+                total = m1["relay_store_batch_size_sum"] - m0["relay_store_batch_size_sum"]
+                batches.append(total / count)
+        nursery.cancel_scope.cancel()
+    result.peak_rss_mb = sampler.peak
+    result.mean_batch = statistics.mean(batches) if batches else None
+    return result
+
+
+@attrs.frozen
+class Sizes:
+    per_producer: int
+    pipelined: int
+    batches: int
+    backlog: int
+    claims: int
+    depths: tuple[int, ...]
+    latency_s: float
+
+
+FULL = Sizes(1500, 40_000, 200, 40_000, 20_000, (1_000, 100_000, 1_000_000), 10.0)
+QUICK = Sizes(150, 4_000, 20, 3_000, 2_000, (1_000, 20_000), 2.0)
+
+
+async def submit_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync: str):
+    a = server.address
+    for producers in (1, 8, 32):
+        yield await measure(
+            server, f"submit, {producers} producer(s) one-at-a-time", "jobs/s", runs,
+            lambda p=producers: submit_one_at_a_time(a, p, sizes.per_producer), sync=sync,
+        )  # fmt: skip
+    yield await measure(
+        server, "submit, 1 connection pipelining (window 64)", "jobs/s", runs,
+        lambda: submit_pipelined(a, 64, sizes.pipelined), sync=sync,
+    )  # fmt: skip
+    for clients in (1, 4):
+        yield await measure(
+            server, f"submit_batch of 100, {clients} client(s)", "jobs/s", runs,
+            lambda c=clients: submit_batches(a, c, 100, sizes.batches), sync=sync,
+        )  # fmt: skip
+
+
+async def consume_scenarios(server: ServerProcess, sizes: Sizes, runs: int):
+    a = server.address
+    yield await measure(
+        server, "lease+ack, 8 processes, count 8, pipelined acks", "jobs/s", runs,
+        lambda: lease_ack_processes(a, 8, 8, sizes.backlog),
+        before_each=lambda: prefill(a, sizes.backlog),
+    )  # fmt: skip
+    for concurrency in (1, 4, 16, 64):
+        yield await measure(
+            server, f"lease+ack, relay.Worker concurrency {concurrency}", "jobs/s", runs,
+            lambda c=concurrency: lease_ack_worker(a, c, sizes.claims),
+            before_each=lambda: prefill(a, sizes.claims),
+        )  # fmt: skip
+
+
+async def latency_scenario(server: ServerProcess, sizes: Sizes, runs: int, rate: float):
+    lat = Result(f"end-to-end latency at {rate:,.0f} jobs/s offered", "ms", [])
+    measured = [await latency(server.address, rate, sizes.latency_s) for _ in range(runs)]
+    lat.extra = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
+    lat.runs = [m["ack_p99_ms"] for m in measured]
+    return lat
+
+
+async def depth_scenario(server: ServerProcess, sizes: Sizes, runs: int, depth: int):
+    a = server.address
+    await prefill(a, depth)
+    claims = min(sizes.claims, depth // 2)
+    return await measure(
+        server, f"lease+ack with {depth:,} ready jobs (raw, count 8)", "jobs/s", runs,
+        lambda: _consume_rate(a, claims), before_each=lambda: prefill(a, claims),
+    )  # fmt: skip
+
+
+async def run_all(
+    sizes: Sizes, runs: int, syncs: tuple[str, ...], address: str | None, db_dir: str,
+    console: Console,
+) -> list[Result]:  # fmt: skip
+    results: list[Result] = []
+
+    def note(result: Result) -> None:
+        results.append(result)
+        console.log(f"{result.scenario} [{result.sync}]: {result.median:,.1f} {result.unit}")
+
+    for sync in syncs:
+        with _server(sync, address, db_dir) as server:
+            async for result in submit_scenarios(server, sizes, runs, sync):
+                note(result)
+    with _server("full", address, db_dir) as server:
+        async for result in consume_scenarios(server, sizes, runs):
+            note(result)
+    # Offered rates: the target's 2,000 jobs/s, and half the measured consumer maximum.
+    top = next(r for r in results if r.scenario.startswith("lease+ack, 8 processes")).median
+    for rate in sorted({2000.0, max(100.0, round(top / 2, -2))}):
+        with _server("full", address, db_dir) as server:
+            note(await latency_scenario(server, sizes, runs, rate))
+    for depth in sizes.depths:
+        with _server("full", address, db_dir) as server:
+            note(await depth_scenario(server, sizes, runs, depth))
+    return results
+
+
+async def _consume_rate(address, total: int) -> float:
+    started = time.perf_counter()
+    done = await consume_raw(address, total, 8)
+    return done / (time.perf_counter() - started)
+
+
+@contextmanager
+def _server(sync: str, address: str | None, db_dir: str) -> Iterator[ServerProcess]:
+    if address is not None:
+        host, port = address.rsplit(":", 1)
+        yield ServerProcess(None, (host, int(port)), None)
+    else:
+        with running_server(sync, db_dir) as server:
+            yield server
+
+
+def render(results: list[Result], console: Console) -> None:
+    table = Table(title="relay-bench (medians; min-max across runs)")
+    for column in ("scenario", "sync", "median", "min-max", "unit", "peak RSS MB", "batch"):
+        table.add_column(column, justify="left" if column == "scenario" else "right")
+    for r in results:
+        spread = f"{min(r.runs):,.0f}-{max(r.runs):,.0f}" if r.runs else "-"
+        if r.unit == "ms":
+            detail = ", ".join(f"{k}={v:.1f}" for k, v in r.extra.items())
+            table.add_row(r.scenario, r.sync, f"{r.median:.1f}", spread, "p99 ms", "-", "-")
+            table.add_row(f"  {detail}", "", "", "", "", "", "")
+            continue
+        table.add_row(
+            r.scenario, r.sync, f"{r.median:,.0f}", spread, r.unit,
+            "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}",
+            "-" if r.mean_batch is None else f"{r.mean_batch:.1f}",
+        )  # fmt: skip
+    console.print(table)
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Reduced sizes: under 30 s.")
+@click.option("--runs", type=click.IntRange(1, 20), default=3, show_default=True)
+@click.option(
+    "--sync",
+    "sync_modes",
+    type=click.Choice(["full", "normal", "both"]),
+    default="both",
+    show_default=True,
+    help="Server synchronous mode; 'both' adds NORMAL for the submit scenarios.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write the results as JSON here.",
+)
+@click.option("--address", default=None, help="Target a running server instead.")
+def main(quick: bool, runs: int, sync_modes: str, json_path: str | None,
+         address: str | None) -> None:  # fmt: skip
+    """Measure a relay-trio server: submit, lease+ack, latency, claim cost, memory."""
+    console = Console(stderr=False)
+    syncs = ("full", "normal") if sync_modes == "both" else (sync_modes,)
+    sizes = QUICK if quick else FULL
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="relay-bench-") as db_dir:
+        results = trio.run(run_all, sizes, runs, syncs, address, db_dir, console)
+    render(results, console)
+    console.print(f"{len(results)} scenarios in {time.monotonic() - started:.0f} s; "
+                  f"machine: {os.cpu_count()} cpus")  # fmt: skip
+    if json_path:
+        Path(json_path).write_bytes(orjson.dumps({
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "quick": quick, "runs": runs,
+            "results": [attrs.asdict(r) | {"median": r.median} for r in results],
+        }, option=orjson.OPT_INDENT_2))  # fmt: skip
+
+
+def _consume_main(address: str, per: str, count: str) -> None:
+    host, port = address.rsplit(":", 1)
+    print(trio.run(consume_raw, (host, int(port)), int(per), int(count)))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_consume":
+        _consume_main(*sys.argv[2:5])
+    else:
+        main()
