@@ -1,0 +1,625 @@
+"""The database file: creation, refusals that leave the file untouched, migrations,
+restart recovery and the durability of committed (and only committed) changes."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sqlite3
+from pathlib import Path
+
+import attrs
+import pytest
+
+from relay.errors import (
+    DatabaseCorrupt,
+    ForeignDatabase,
+    JobNotFound,
+    LeaseExpired,
+    NotADatabase,
+    SchemaTooNew,
+    StoreError,
+)
+from relay.model import Backoff, JobState, Priority, SubmitSpec
+from relay.store.schema import (
+    APPLICATION_ID,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    inspect_file,
+    open_database,
+)
+from relay.store.sqlite import SqliteStore, StoreConfig
+from tests.conftest import T0
+
+# PRAGMA synchronous answers a number: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
+SYNCHRONOUS_NORMAL = 1
+SYNCHRONOUS_FULL = 2
+
+SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
+
+
+def pragma(conn: sqlite3.Connection, name: str) -> object:
+    return conn.execute(f"PRAGMA {name}").fetchone()[0]
+
+
+def sql_recount(store: SqliteStore) -> dict[str, dict[str, int]]:
+    """queue_stats() computed from the table, in the same shape (zeros included)."""
+    stats: dict[str, dict[str, int]] = {}
+    rows = store._db.execute("SELECT queue, state, count(*) FROM jobs GROUP BY 1, 2")
+    for queue, state, n in rows:
+        stats.setdefault(queue, {str(s): 0 for s in JobState})[state] = n
+    return stats
+
+
+def all_job_ids(store: SqliteStore) -> set[int]:
+    return {row[0] for row in store._db.execute("SELECT id FROM jobs")}
+
+
+def spec(queue: str = "q", n: int = 0, **kwargs: object) -> SubmitSpec:
+    return SubmitSpec(queue, f'{{"n": {n}}}', **kwargs)
+
+
+# -- a new file ------------------------------------------------------------------------------
+
+
+def test_new_file_is_wal_full_synchronous_with_foreign_keys_and_relay_ids(tmp_path: Path) -> None:
+    path = str(tmp_path / "relay.db")
+    conn = open_database(path)
+    try:
+        assert pragma(conn, "journal_mode") == "wal"
+        assert pragma(conn, "synchronous") == SYNCHRONOUS_FULL
+        assert pragma(conn, "foreign_keys") == 1
+        assert pragma(conn, "application_id") == APPLICATION_ID
+        assert pragma(conn, "user_version") == SCHEMA_VERSION
+    finally:
+        conn.close()
+    # The ids are in the file itself, not only in this connection.
+    reader = sqlite3.connect(path)
+    try:
+        assert pragma(reader, "application_id") == APPLICATION_ID
+        assert pragma(reader, "user_version") == SCHEMA_VERSION
+        assert pragma(reader, "journal_mode") == "wal"
+    finally:
+        reader.close()
+
+
+def test_synchronous_normal_when_asked(tmp_path: Path) -> None:
+    conn = open_database(str(tmp_path / "relay.db"), synchronous="normal")
+    try:
+        assert pragma(conn, "synchronous") == SYNCHRONOUS_NORMAL
+        assert pragma(conn, "journal_mode") == "wal"
+    finally:
+        conn.close()
+
+
+def test_store_open_passes_synchronous_through(tmp_path: Path) -> None:
+    store = SqliteStore.open(str(tmp_path / "relay.db"), synchronous="normal")
+    try:
+        assert pragma(store._db, "synchronous") == SYNCHRONOUS_NORMAL
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("mode", ["off", "extra", "FULL ", "", "wal"])
+def test_unknown_synchronous_mode_is_a_value_error_and_creates_no_file(
+    tmp_path: Path, mode: str
+) -> None:
+    path = tmp_path / "relay.db"
+    with pytest.raises(ValueError, match="synchronous"):
+        open_database(str(path), synchronous=mode)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_opening_twice_keeps_the_data_and_the_schema(tmp_path: Path) -> None:
+    path = str(tmp_path / "relay.db")
+    store = SqliteStore.open(path)
+    [submitted] = store.jobs_submit([spec(n=1)], T0)
+    store.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert pragma(store._db, "application_id") == APPLICATION_ID
+        assert pragma(store._db, "journal_mode") == "wal"
+        assert store.job_inspect(submitted.job_id).payload == '{"n": 1}'
+        assert store.queue_stats()["q"]["ready"] == 1
+    finally:
+        store.close()
+
+
+def test_zero_byte_file_is_initialised_as_a_new_database(tmp_path: Path) -> None:
+    path = tmp_path / "relay.db"
+    path.touch()
+    assert inspect_file(str(path)) == 0
+    store = SqliteStore.open(str(path))
+    try:
+        assert pragma(store._db, "application_id") == APPLICATION_ID
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        store.jobs_submit([spec()], T0)
+        assert store.queue_stats() == {"q": sql_recount(store)["q"]}
+    finally:
+        store.close()
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class FileSnapshot:
+    data: bytes
+    size: int
+    mtime_ns: int
+    directory: frozenset[str]
+
+
+def snapshot(path: Path) -> FileSnapshot:
+    st = path.stat()
+    return FileSnapshot(
+        path.read_bytes(),
+        st.st_size,
+        st.st_mtime_ns,
+        frozenset(p.name for p in path.parent.iterdir()),
+    )
+
+
+def _write_text_file(path: Path) -> None:
+    path.write_text("name,age\nada,36\n", encoding="utf-8")
+
+
+def _write_random_bytes(path: Path) -> None:
+    path.write_bytes(random.Random(7).randbytes(8192))
+
+
+def _write_foreign_database(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO users (name) VALUES ('ada'), ('grace')")
+    conn.commit()
+    conn.close()
+
+
+def _write_foreign_application_id(path: Path) -> None:
+    # No tables at all: only the application id says whose file this is.
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA application_id = 0x46534C31")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("DROP TABLE t")
+    conn.commit()
+    conn.close()
+
+
+def _write_foreign_wal_database(path: Path) -> None:
+    # Another application's file that, like ours, is in WAL mode.
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA application_id = 0x46534C31")
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.commit()
+    conn.close()
+
+
+def _write_relay_database(path: Path, jobs: int = 3) -> None:
+    store = SqliteStore.open(str(path))
+    store.jobs_submit(
+        [spec(f"q{i % 3}", i, priority=i % 4, idempotency_key=f"key-{i}") for i in range(jobs)],
+        T0,
+    )
+    store.close()
+
+
+def _write_newer_schema(path: Path) -> None:
+    _write_relay_database(path)
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+
+
+def _quick_check(path: Path) -> list[str]:
+    """PRAGMA quick_check on ``path`` without creating -wal/-shm files (immutable)."""
+    conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        return [row[0] for row in conn.execute("PRAGMA quick_check")]
+    except sqlite3.DatabaseError as exc:
+        return [f"error: {exc}"]
+    finally:
+        conn.close()
+
+
+def _write_corrupt_database(path: Path) -> None:
+    """A real relay database with one leaf page of the jobs_ready index overwritten.
+
+    The page is found with the dbstat virtual table, so it is a b-tree page in the middle
+    of the file: never page 1 (which holds the 100-byte header and the schema), so SQLite
+    still opens the file, reads the schema, application id and user version, and only
+    quick_check finds the damage ("Page N: btreeInitPage() returns error code 11"). That
+    makes the store answer DatabaseCorrupt, not NotADatabase ("file is not a database"),
+    which is what a damaged header would give.
+    """
+    _write_relay_database(path, jobs=400)
+    conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        page_size = pragma(conn, "page_size")
+        page_count = pragma(conn, "page_count")
+        victims = [
+            row[0]
+            for row in conn.execute(
+                "SELECT pageno FROM dbstat WHERE name = 'jobs_ready' AND pagetype = 'leaf' "
+                "ORDER BY pageno"
+            )
+        ]
+    finally:
+        conn.close()
+    assert victims, "a few hundred jobs should fill more than one index page"
+    page = victims[0]
+    assert 1 < page < page_count
+    data = bytearray(path.read_bytes())
+    start = (page - 1) * page_size
+    data[start : start + page_size] = random.Random(3).randbytes(page_size)
+    path.write_bytes(bytes(data))
+    # The corruption must be real, or the test proves nothing.
+    assert _quick_check(path) != ["ok"]
+
+
+REFUSALS = [
+    pytest.param(_write_text_file, NotADatabase, id="text-file"),
+    pytest.param(_write_random_bytes, NotADatabase, id="random-bytes"),
+    pytest.param(_write_foreign_database, ForeignDatabase, id="foreign-users-table"),
+    pytest.param(_write_foreign_application_id, ForeignDatabase, id="foreign-application-id"),
+    pytest.param(_write_foreign_wal_database, ForeignDatabase, id="foreign-wal-database"),
+    pytest.param(_write_newer_schema, SchemaTooNew, id="schema-too-new"),
+    pytest.param(_write_corrupt_database, DatabaseCorrupt, id="corrupt"),
+]
+
+
+@pytest.mark.parametrize(("make_file", "error"), REFUSALS)
+def test_refused_file_raises_naming_the_path_and_stays_byte_for_byte_unchanged(
+    tmp_path: Path, make_file, error: type[StoreError]
+) -> None:
+    path = tmp_path / "relay.db"
+    make_file(path)
+    before = snapshot(path)
+
+    with pytest.raises(error) as excinfo:
+        SqliteStore.open(str(path))
+
+    assert type(excinfo.value) is error
+    assert excinfo.value.path == str(path)
+    assert str(path) in str(excinfo.value)
+    after = snapshot(path)
+    assert after.data == before.data
+    assert after.size == before.size
+    assert after.mtime_ns == before.mtime_ns
+
+
+@pytest.mark.parametrize(("make_file", "error"), REFUSALS)
+def test_refused_file_leaves_no_wal_or_shm_file_behind(
+    tmp_path: Path, make_file, error: type[StoreError]
+) -> None:
+    path = tmp_path / "relay.db"
+    make_file(path)
+    before = snapshot(path)
+    assert not any(name.endswith(SIDECAR_SUFFIXES) for name in before.directory)
+
+    with pytest.raises(error):
+        SqliteStore.open(str(path))
+
+    assert snapshot(path).directory == before.directory
+
+
+@pytest.mark.parametrize(("make_file", "error"), REFUSALS)
+def test_inspect_file_refuses_with_the_same_error(
+    tmp_path: Path, make_file, error: type[StoreError]
+) -> None:
+    path = tmp_path / "relay.db"
+    make_file(path)
+    with pytest.raises(error):
+        inspect_file(str(path))
+
+
+def _write_newer_schema_left_in_the_wal_by_a_crash(path: Path) -> None:
+    """A relay database whose newer user_version is committed only in its -wal file, as a
+    process that died before checkpointing leaves it (the -shm is gone after a reboot)."""
+    elsewhere = path.parent / "live"
+    elsewhere.mkdir()
+    live = elsewhere / path.name
+    _write_relay_database(live)
+    conn = sqlite3.connect(live, isolation_level=None)
+    try:
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+        shutil.copy(live, path)
+        shutil.copy(f"{live}-wal", f"{path}-wal")
+    finally:
+        conn.close()
+    shutil.rmtree(elsewhere)
+
+
+def test_refused_file_with_a_wal_left_by_a_crash_gains_no_shm_file(tmp_path: Path) -> None:
+    path = tmp_path / "relay.db"
+    _write_newer_schema_left_in_the_wal_by_a_crash(path)
+    wal = Path(f"{path}-wal")
+    assert wal.stat().st_size > 0
+    before, wal_before = snapshot(path), wal.read_bytes()
+    assert before.directory == {"relay.db", "relay.db-wal"}
+
+    # The newer version is only in the WAL: refusing proves the check read it.
+    with pytest.raises(SchemaTooNew):
+        SqliteStore.open(str(path))
+
+    after = snapshot(path)
+    assert (after.data, after.mtime_ns) == (before.data, before.mtime_ns)
+    assert wal.read_bytes() == wal_before
+    assert after.directory == before.directory
+
+
+def test_refusal_of_a_newer_schema_names_both_versions(tmp_path: Path) -> None:
+    path = tmp_path / "relay.db"
+    _write_newer_schema(path)
+    with pytest.raises(SchemaTooNew) as excinfo:
+        SqliteStore.open(str(path))
+    assert str(SCHEMA_VERSION + 1) in excinfo.value.problem
+
+
+def test_sqlite_header_followed_by_garbage_is_refused_unchanged(tmp_path: Path) -> None:
+    # Passes the header check, then SQLite itself says "file is not a database".
+    path = tmp_path / "relay.db"
+    path.write_bytes(b"SQLite format 3\x00" + random.Random(5).randbytes(4096 - 16))
+    before = snapshot(path)
+    with pytest.raises((NotADatabase, DatabaseCorrupt)) as excinfo:
+        SqliteStore.open(str(path))
+    assert str(path) in str(excinfo.value)
+    after = snapshot(path)
+    assert (after.data, after.mtime_ns) == (before.data, before.mtime_ns)
+
+
+# -- migrations ------------------------------------------------------------------------------
+
+
+def test_there_is_a_migration_for_every_version() -> None:
+    assert set(MIGRATIONS) == set(range(1, SCHEMA_VERSION + 1))
+    assert all(callable(m) for m in MIGRATIONS.values())
+
+
+def test_empty_sqlite_file_at_version_zero_is_initialised(tmp_path: Path) -> None:
+    path = tmp_path / "relay.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("DROP TABLE t")
+    conn.commit()
+    assert pragma(conn, "user_version") == 0
+    assert pragma(conn, "application_id") == 0
+    assert conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0] == 0
+    conn.close()
+    assert path.read_bytes().startswith(b"SQLite format 3\x00")
+    assert inspect_file(str(path)) == 0
+
+    store = SqliteStore.open(str(path))
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert pragma(store._db, "application_id") == APPLICATION_ID
+        tables = {
+            row[0] for row in store._db.execute("SELECT name FROM sqlite_schema WHERE type='table'")
+        }
+        assert {"jobs", "job_errors", "idempotency_keys", "meta"} <= tables
+        [result] = store.jobs_submit([spec()], T0)
+        assert store.job_inspect(result.job_id).state is JobState.READY
+    finally:
+        store.close()
+    assert inspect_file(str(path)) == SCHEMA_VERSION
+
+
+# -- restart recovery ------------------------------------------------------------------------
+
+QUEUES = ("emails", "reports", "thumbnails")
+
+
+def test_restart_recovers_every_leased_job_of_a_thousand_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "relay.db")
+    store = SqliteStore.open(path, rng=random.Random(0))
+    specs = [
+        spec(
+            QUEUES[i % len(QUEUES)],
+            i,
+            priority=(i // 3) % len(Priority),
+            max_attempts=3,
+            backoff=Backoff.fixed(60_000),
+        )
+        for i in range(1_000)
+    ]
+    submitted = store.jobs_submit(specs, T0)
+    assert len({r.job_id for r in submitted}) == 1_000
+
+    leases = []
+    worker = {}  # job id -> the worker that holds its lease
+    for round_ in range(4):
+        claimed = store.jobs_claim(QUEUES, f"worker-{round_}", 100, 30_000, T0 + 1_000)
+        worker.update((lease.job_id, f"worker-{round_}") for lease in claimed)
+        leases += claimed
+    assert len(leases) == 400
+    assert len({lease.job_id for lease in leases}) == 400
+
+    acked, failed, dead, held = leases[:100], leases[100:180], leases[180:200], leases[200:]
+    for lease in acked:
+        store.jobs_ack(lease.job_id, worker[lease.job_id], lease.token, '"done"', T0 + 2_000)
+    for lease in failed:
+        outcome = store.jobs_fail(
+            lease.job_id, worker[lease.job_id], lease.token, "boom", True, T0 + 2_000
+        )
+        assert outcome.state is JobState.RETRYING
+    for lease in dead:
+        outcome = store.jobs_fail(
+            lease.job_id, worker[lease.job_id], lease.token, "fatal", False, T0 + 2_000
+        )
+        assert outcome.state is JobState.DEAD
+
+    ids_before = all_job_ids(store)
+    infos_before = {r.job_id: store.job_inspect(r.job_id) for r in submitted}
+    store.close()
+
+    store = SqliteStore.open(path, rng=random.Random(0))
+    try:
+        assert store.queue_stats() == sql_recount(store)
+        recover_at = T0 + 5_000
+        assert store.leases_recover(recover_at) == len(held)
+
+        assert all_job_ids(store) == ids_before
+        for lease in held:
+            info = store.job_inspect(lease.job_id)
+            assert info.state is JobState.READY
+            # The attempt lost with the process is given back.
+            assert info.attempt == lease.attempt - 1 == 0
+            assert info.lease_expires_at is None
+            with pytest.raises(LeaseExpired):
+                store.jobs_ack(lease.job_id, worker[lease.job_id], lease.token, None, T0)
+        for lease in acked:
+            info = store.job_inspect(lease.job_id)
+            assert info.state is JobState.SUCCEEDED
+            assert info.result == '"done"'
+            assert info.finished_at == T0 + 2_000
+        for lease in failed:
+            info = store.job_inspect(lease.job_id)
+            assert info.state is JobState.RETRYING
+            assert info.run_at == T0 + 2_000 + 60_000
+            assert info.attempt == 1
+            assert info.last_error == "boom"
+        for lease in dead:
+            assert store.job_inspect(lease.job_id).state is JobState.DEAD
+        leased_ids = {lease.job_id for lease in leases}
+        for job_id, info in infos_before.items():
+            if job_id not in leased_ids:
+                assert store.job_inspect(job_id) == info
+
+        stats = store.queue_stats()
+        assert stats == sql_recount(store)
+        totals = {state: sum(q[state] for q in stats.values()) for state in map(str, JobState)}
+        assert totals == {
+            "pending": 0,
+            "ready": 600 + len(held),
+            "leased": 0,
+            "retrying": len(failed),
+            "succeeded": len(acked),
+            "dead": len(dead),
+        }
+
+        # The wall clock stepped back an hour: new ids still sort after every old one.
+        [late] = store.jobs_submit([spec("emails", 1_001)], T0 - 3_600_000)
+        assert late.job_id > max(r.job_id for r in submitted)
+        assert int(late.job_id[4:], 16) > max(ids_before)
+        [later] = store.jobs_submit([spec("emails", 1_002)], T0 - 3_600_000)
+        assert later.job_id > late.job_id
+    finally:
+        store.close()
+
+
+# -- durability of committed data ------------------------------------------------------------
+
+
+def test_committed_commands_survive_reopen(tmp_path: Path) -> None:
+    path = str(tmp_path / "relay.db")
+    store = SqliteStore.open(path)
+    store.begin()
+    with store.command():
+        [a] = store.jobs_submit([spec("q", 1)], T0)
+    with store.command():
+        [b] = store.jobs_submit([spec("q", 2, delay_ms=10_000)], T0)
+    store.commit()
+    store.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert store.job_inspect(a.job_id).state is JobState.READY
+        assert store.job_inspect(b.job_id).state is JobState.PENDING
+        assert store.queue_stats()["q"]["ready"] == 1
+        assert store.queue_stats()["q"]["pending"] == 1
+    finally:
+        store.close()
+
+
+def test_rolled_back_transaction_is_not_durable_and_stats_revert(tmp_path: Path) -> None:
+    path = str(tmp_path / "relay.db")
+    store = SqliteStore.open(path)
+    [kept] = store.jobs_submit([spec("q", 1)], T0)
+    stats_before = store.queue_stats()
+
+    store.begin()
+    with store.command():
+        dropped, _other = store.jobs_submit([spec("q", 2), spec("other", 3)], T0 + 1)
+    with store.command():
+        [lease] = store.jobs_claim(["q"], "w", 1, 30_000, T0 + 2)
+    assert store.queue_stats() != stats_before
+    store.rollback()
+
+    assert store.queue_stats() == stats_before == sql_recount(store)
+    with pytest.raises(JobNotFound):
+        store.job_inspect(dropped.job_id)
+    assert store.job_inspect(lease.job_id).state is JobState.READY
+    assert store.job_inspect(lease.job_id).attempt == 0
+    store.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert all_job_ids(store) == {int(kept.job_id[4:], 16)}
+        with pytest.raises(JobNotFound):
+            store.job_inspect(dropped.job_id)
+        assert store.queue_stats() == stats_before
+    finally:
+        store.close()
+
+
+def test_a_command_that_raises_is_undone_while_the_others_commit(tmp_path: Path) -> None:
+    path = str(tmp_path / "relay.db")
+    store = SqliteStore.open(path)
+    store.begin()
+    with store.command():
+        [first] = store.jobs_submit([spec("q", 1)], T0)
+    with pytest.raises(RuntimeError, match="mid-command"), store.command():
+        undone, _side = store.jobs_submit([spec("q", 2), spec("side", 3)], T0)
+        store.jobs_claim(["q"], "w", 2, 30_000, T0)
+        raise RuntimeError("mid-command")
+    with store.command():
+        [last] = store.jobs_submit([spec("q", 4)], T0)
+    assert store.queue_stats() == {"q": {**dict.fromkeys(map(str, JobState), 0), "ready": 2}}
+    store.commit()
+    assert store.queue_stats() == sql_recount(store)
+    store.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert store.job_inspect(first.job_id).state is JobState.READY
+        assert store.job_inspect(first.job_id).attempt == 0
+        assert store.job_inspect(last.job_id).state is JobState.READY
+        with pytest.raises(JobNotFound):
+            store.job_inspect(undone.job_id)
+        assert store.queue_stats() == sql_recount(store)
+        assert set(store.queue_stats()) == {"q"}
+    finally:
+        store.close()
+
+
+def test_uncommitted_transaction_is_lost_when_the_process_dies(tmp_path: Path) -> None:
+    # A copy of the files taken while a transaction is open is what a crash leaves behind.
+    path = tmp_path / "relay.db"
+    store = SqliteStore.open(str(path), StoreConfig())
+    [committed] = store.jobs_submit([spec("q", 1)], T0)
+    store.begin()
+    with store.command():
+        [uncommitted] = store.jobs_submit([spec("q", 2)], T0)
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    for name in os.listdir(tmp_path):
+        if name.startswith("relay.db"):
+            shutil.copy(tmp_path / name, crashed / name)
+    store.rollback()
+    store.close()
+
+    survivor = SqliteStore.open(str(crashed / "relay.db"))
+    try:
+        assert survivor.job_inspect(committed.job_id).state is JobState.READY
+        with pytest.raises(JobNotFound):
+            survivor.job_inspect(uncommitted.job_id)
+    finally:
+        survivor.close()
