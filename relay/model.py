@@ -157,7 +157,8 @@ class ErrorEntry:
 class JobInfo:
     """Everything ``inspect`` shows of a job. ``payload`` and ``result`` are JSON text.
 
-    Lease fields are set only while the job is leased.
+    ``lease_expires_at`` is set only while the job is leased; ``worker_id`` names the last
+    worker that leased it.
     """
 
     job_id: str
