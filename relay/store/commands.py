@@ -19,12 +19,28 @@ class Command(Protocol):
     def apply(self, store: SqliteStore, now: int) -> Any: ...
 
 
+# A command class may also offer ``apply_many(store, now, commands) -> outcomes``: the
+# writer then runs a run of consecutive commands of that class in one call and one
+# savepoint. If that raises, the writer runs them one by one instead, so each command
+# still gets its own outcome: merging is only ever an optimisation.
+
+
 @attrs.frozen
 class Submit:
     specs: tuple[SubmitSpec, ...]
 
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_submit(self.specs, now)
+
+    @staticmethod
+    def apply_many(store: SqliteStore, now: int, commands: list[Submit]) -> list[Any]:
+        # One executemany for the whole run; then each command gets its own slice.
+        results = store.jobs_submit([spec for c in commands for spec in c.specs], now)
+        outcomes, start = [], 0
+        for c in commands:
+            outcomes.append(results[start : start + len(c.specs)])
+            start += len(c.specs)
+        return outcomes
 
 
 @attrs.frozen

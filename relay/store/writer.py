@@ -293,6 +293,29 @@ class _WriterThread:
                 with contextlib.suppress(trio.RunFinishedError):
                     self.token.run_sync_soon(self._stopped, batch)
 
+    def _apply_one(self, command: Command, now: int) -> Any:
+        try:
+            with self.store.command():
+                return command.apply(self.store, now)
+        except RelayError as exc:
+            return exc
+        except Exception as exc:
+            log.exception("command %r failed", type(command).__name__)
+            return InternalError(f"{type(exc).__name__}: {exc}")
+
+    def _apply_merged(
+        self, merge: Callable, run: list[Envelope], now: int, outcomes: list[Any]
+    ) -> bool:
+        """Run consecutive commands of one class in one call and one savepoint. False
+        (and nothing changed) if any of them failed: the caller runs them one by one."""
+        try:
+            with self.store.command():
+                merged = merge(self.store, now, [envelope.command for envelope in run])
+        except Exception:
+            return False
+        outcomes.extend(merged)
+        return True
+
     def _execute(self, batch: list[Envelope]) -> tuple[list[Any], Changes | None, float | None]:
         store = self.store
         started = time.perf_counter()
@@ -300,15 +323,20 @@ class _WriterThread:
         outcomes: list[Any] = []
         try:
             store.begin()
-            for envelope in batch:
-                try:
-                    with store.command():
-                        outcomes.append(envelope.command.apply(store, now))
-                except RelayError as exc:
-                    outcomes.append(exc)
-                except Exception as exc:
-                    log.exception("command %r failed", type(envelope.command).__name__)
-                    outcomes.append(InternalError(f"{type(exc).__name__}: {exc}"))
+            i = 0
+            while i < len(batch):
+                kind = type(batch[i].command)
+                j = i + 1
+                merge = getattr(kind, "apply_many", None)
+                if merge is not None:
+                    while j < len(batch) and type(batch[j].command) is kind:
+                        j += 1
+                    if j - i > 1 and self._apply_merged(merge, batch[i:j], now, outcomes):
+                        i = j
+                        continue
+                for envelope in batch[i:j]:
+                    outcomes.append(self._apply_one(envelope.command, now))
+                i = j
             changes = store.commit()
         except Exception as exc:
             log.exception("transaction of %d commands failed; none is committed", len(batch))

@@ -327,3 +327,48 @@ async def test_a_crashed_writer_answers_what_it_held_and_what_was_queued(db_path
     assert isinstance(outcomes["held"], InternalError)
     assert isinstance(outcomes["crash"], InternalError)
     assert committed_ids(db_path) == set()
+
+
+async def test_a_run_of_submits_becomes_one_store_call(db_path):
+    store = SqliteStore.open(db_path)
+    calls: list[int] = []
+    real_submit = store.jobs_submit
+
+    def counting_submit(specs, now):
+        calls.append(len(specs))
+        return real_submit(specs, now)
+
+    store.jobs_submit = counting_submit  # type: ignore[method-assign]
+    sink = Collect(10)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            for i in range(10):
+                await writer.send(cmd.Submit((spec(payload=str(i)), spec())), sink, tag=i)
+            gate.release.set()
+            await sink.done.wait()
+    assert calls == [20]
+    outcomes = sink.outcomes
+    assert [len(outcomes[i]) for i in range(10)] == [2] * 10
+    ids = [result.job_id for i in range(10) for result in outcomes[i]]
+    assert ids == sorted(ids) and len(set(ids)) == 20
+
+
+async def test_a_failing_submit_in_a_merged_run_fails_alone(db_path):
+    from relay.errors import QueueFull
+    from relay.store.sqlite import StoreConfig
+
+    store = SqliteStore.open(db_path, StoreConfig(max_depth=3))
+    sink = Collect(5)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            for i in range(5):
+                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
+            gate.release.set()
+            await sink.done.wait()
+            stats = await writer.execute(cmd.Stats())
+    outcomes = sink.outcomes
+    assert [isinstance(outcomes[i], QueueFull) for i in range(5)] == [False] * 3 + [True] * 2
+    assert stats["q"]["ready"] == 3
+    assert len(committed_ids(db_path)) == 3
