@@ -402,7 +402,7 @@ class SqliteStore:
         Returns None for an ack repeated with the token that completed the job.
 
         Raises:
-            JobNotFound, StaleToken, LeaseExpired, InvalidState: and changes nothing.
+            JobNotFound, StaleToken, LeaseExpired: and changes nothing.
         """
         key = parse_job_id(job_id)
         row = None
@@ -425,10 +425,11 @@ class SqliteStore:
         if state == SUCCEEDED and operation == "ack":
             return None
         # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
-        # restart recovery); the holder's own ack, fail or release clears it.
+        # restart recovery): the token held the lease and it expired. The holder's own
+        # ack, fail or release clears it: the token no longer holds the current lease.
         if expires_at is not None:
             raise LeaseExpired(job_id, expires_at)
-        raise InvalidState(job_id, state, operation)
+        raise StaleToken(job_id)
 
     def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
         """Extend a held lease to now + ``lease_ms``; return the new expiry."""

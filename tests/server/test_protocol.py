@@ -512,7 +512,7 @@ async def test_release_gives_back_without_consuming_attempt(client):
     assert second["token"] != first["token"]
     # The released token is dead.
     error = await client.error("ack", job_id=job_id, worker_id=W, token=first["token"])
-    assert error["code"] in {"stale_token", "invalid_state"}
+    assert error["code"] == "stale_token"
 
 
 # -- inspect / stats ------------------------------------------------------------------------
@@ -1030,20 +1030,21 @@ async def test_invalid_state(client):
     ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
     assert (await client.error("dead_retry", job_id=job_id))["code"] == "invalid_state"
     assert (await client.ok("fail", **ref, error="once"))["state"] == "retrying"
+    # The contract: without the current lease, fail answers stale_token.
     error = await client.error("fail", **ref, error="twice")
-    assert error["code"] == "invalid_state"
+    assert error["code"] == "stale_token"
     info = await inspect(client, job_id)
     assert [e["error"] for e in info["errors"]] == ["once"]
 
 
-async def test_fail_twice_after_dead_is_invalid_state(client):
+async def test_lease_ops_after_the_token_failed_the_job_are_stale(client):
     job_id = await submit(client, "q", 1, retries=0)
     job = await lease_one(client)
     ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
     assert (await client.ok("fail", **ref, error="once"))["state"] == "dead"
-    assert (await client.error("fail", **ref, error="twice"))["code"] == "invalid_state"
-    assert (await client.error("release", **ref))["code"] == "invalid_state"
-    assert (await client.error("renew", **ref))["code"] == "invalid_state"
+    assert (await client.error("fail", **ref, error="twice"))["code"] == "stale_token"
+    assert (await client.error("release", **ref))["code"] == "stale_token"
+    assert (await client.error("renew", **ref))["code"] == "stale_token"
 
 
 async def test_ack_after_fail_is_rejected(client):
@@ -1051,7 +1052,7 @@ async def test_ack_after_fail_is_rejected(client):
     job = await lease_one(client)
     ref = {"job_id": job_id, "worker_id": W, "token": job["token"]}
     await client.ok("fail", **ref, error="boom", retryable=False)
-    assert (await client.error("ack", **ref))["code"] == "invalid_state"
+    assert (await client.error("ack", **ref))["code"] == "stale_token"
     assert (await inspect(client, job_id))["state"] == "dead"
 
 

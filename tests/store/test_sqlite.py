@@ -538,12 +538,13 @@ def test_ack_after_success_without_the_completing_lease_raises_stale_token(store
 
 
 @pytest.mark.parametrize("op", ["renew", "fail", "release"])
-def test_other_ops_with_the_completing_token_after_success_raise_invalid_state(store, op):
+def test_other_ops_with_the_completing_token_after_success_raise_stale_token(store, op):
+    # The contract: without the current lease, renew/ack/fail/release answer stale_token.
     job = submit(store, T0)
     lease = claim_one(store, T0)
     store.jobs_ack(job, "w1", lease.token, None, T0 + 1)
     before = snapshot(store, job)
-    with pytest.raises(InvalidState):
+    with pytest.raises(StaleToken):
         OPS[op](store, job, "w1", lease.token, T0 + 2)
     assert snapshot(store, job) == before
 
@@ -580,12 +581,12 @@ def test_fail_on_the_last_attempt_is_dead(store):
 
 
 @pytest.mark.parametrize("retryable", [True, False])
-def test_repeated_fail_with_the_same_token_raises_invalid_state(store, retryable):
+def test_repeated_fail_with_the_same_token_raises_stale_token(store, retryable):
     job = submit(store, T0)
     lease = claim_one(store, T0)
     store.jobs_fail(job, "w1", lease.token, "once", retryable, T0 + 1)
     before = snapshot(store, job)
-    with pytest.raises(InvalidState):
+    with pytest.raises(StaleToken):
         store.jobs_fail(job, "w1", lease.token, "twice", retryable, T0 + 2)
     assert snapshot(store, job) == before
 
@@ -705,12 +706,12 @@ def test_release_after_a_failed_attempt_keeps_the_failed_attempt(store):
     assert claim_one(store, T0 + 102).attempt == 2
 
 
-def test_repeated_release_with_the_same_token_raises_invalid_state(store):
+def test_repeated_release_with_the_same_token_raises_stale_token(store):
     job = submit(store, T0)
     lease = claim_one(store, T0)
     store.jobs_release(job, "w1", lease.token, T0 + 1)
     before = snapshot(store, job)
-    with pytest.raises(InvalidState):
+    with pytest.raises(StaleToken):
         store.jobs_release(job, "w1", lease.token, T0 + 2)
     assert snapshot(store, job) == before
 

@@ -183,8 +183,8 @@ class StoreMachine(RuleBasedStateMachine):
     ) -> tuple[type[Exception] | None, object]:
         """(exception class or None, detail) that the contract prescribes.
 
-        Detail: the expiry for LeaseExpired, the state for InvalidState, "repeat" for an
-        ack repeated with the completing token.
+        Detail: the expiry for LeaseExpired, "repeat" for an ack repeated with the
+        completing token.
         """
         job = self.jobs.get(job_id)
         if job is None:
@@ -201,7 +201,8 @@ class StoreMachine(RuleBasedStateMachine):
         if job.lease_end == "expired":
             return LeaseExpired, job.expired_at
         assert job.lease_end == "holder"
-        return InvalidState, job.state
+        # The holder's own ack, fail or release ended it: the token holds no lease now.
+        return StaleToken, None
 
     def draw_lease(self, data: st.DataObject) -> IssuedLease:
         """A lease to use: one held now, one whose expiry the clock has just reached (or
