@@ -12,6 +12,7 @@ connects again.
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
 from collections.abc import Sequence
@@ -76,6 +77,8 @@ class BlockingClient:
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply's fields, or raise its error."""
         with self._lock:
+            if self._sock is not None and not self._alive(self._sock):
+                self._drop()  # the server closed it while we were idle: nothing was lost
             if self._sock is None:
                 self._sock = self._connect()
             request_id = next(self._ids)
@@ -87,6 +90,19 @@ class BlockingClient:
                 self._drop()
                 raise ConnectionLost(f"{op}: {exc}") from None
         return reply_fields(reply)
+
+    @staticmethod
+    def _alive(sock: socket.socket) -> bool:
+        """False if the server has closed the connection (a pending EOF or reset).
+
+        Between requests nothing should be readable; if something is, peeking at it does
+        not block (a socket with a timeout would wait out its timeout on an empty peek).
+        """
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
 
     def _read_reply(self, request_id: int) -> dict[str, Any]:
         assert self._sock is not None

@@ -299,6 +299,8 @@ class _Call:
     op: str
     line: bytes
     worker_id: str | None = None
+    sent_on: int | None = None  # the connection it was last sent on, once fully sent
+    resent: bool = False
     orphaned: bool = False  # a lease whose caller gave up: release what it brings
     done: trio.Event = attrs.Factory(trio.Event)
     reply: Any = None
@@ -311,7 +313,13 @@ class _Call:
 
 
 class TcpTransport:
-    """One connection at a time, re-established on loss. Owned by ``open_client``."""
+    """One connection at a time, re-established on loss. Owned by ``open_client``.
+
+    A line that was not fully sent cannot have been acted on (the server acts on a line at
+    its newline), so a failed send always waits for the next connection and goes again.
+    A line that was sent but not answered when the connection dropped is resent only for
+    ack, renew and release; any other op raises ``ConnectionLost``.
+    """
 
     def __init__(
         self,
@@ -329,10 +337,16 @@ class TcpTransport:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Call] = {}
         self._stream: trio.SocketStream | None = None
-        self._connected = trio.Event()
+        self._generation = 0  # which connection _stream is
+        self._unread_generation = -1  # a connection whose later lines the server ignored
+        self._connected = trio.Event()  # set while _stream is usable
         self._send_lock = trio.Lock()
         self._closed = False
-        self._failure: RelayError | None = None  # set when reconnecting gave up
+        self._failure: RelayError | None = None  # set when the transport gave up
+        self._demand = trio.Event()  # a call after giving up: try to reconnect again
+        # Reconnection backoff; kept across connections that die at once (a server that
+        # refuses us with overloaded), reset by the first good reply.
+        self._backoff = RECONNECT_FIRST_S
         self.connections = 0  # how many times a connection was established
 
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -347,85 +361,125 @@ class TcpTransport:
             # A cancelled lease (a long-poll given up) may still be granted by the
             # server; the reader then releases those jobs instead of leaving them leased
             # until their leases expire.
-            call.orphaned = op == "lease"
+            call.orphaned = op == "lease" and call.sent_on is not None
             raise
         finally:
             if not call.orphaned:
                 self._pending.pop(request_id, None)
         if call.error is not None:
             raise call.error
-        return reply_fields(call.reply)
+        reply = call.reply
+        if call.resent and op == "release" and not reply.get("ok"):
+            # The first release may have taken effect before the connection dropped: the
+            # token then no longer holds the job, which is what a release is for.
+            code = (reply.get("error") or {}).get("code")
+            if code in ("stale_token", "lease_expired"):
+                return {"state": "ready"}
+        return reply_fields(reply)
 
     async def _send(self, call: _Call) -> None:
         while True:
             if self._failure is not None:
+                self._demand.set()  # the next call waits for a new reconnection
                 raise self._failure
             if self._closed:
                 raise ConnectionLost("the client is closed")
             await self._connected.wait()
-            stream = self._stream
+            stream, generation = self._stream, self._generation
+            if stream is None or self._failure is not None:
+                continue
             try:
                 async with self._send_lock:
-                    await stream.send_all(call.line)  # type: ignore[union-attr]
-                return
+                    await stream.send_all(call.line)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                if call.op not in RETRY_SAFE_OPS:
-                    raise ConnectionLost(f"{call.op}: the connection dropped") from None
-                # A retry-safe call waits for the next connection and goes again.
-                if self._stream is stream:
-                    self._connected = trio.Event()
+                if generation == self._generation:
+                    self._disconnected()
+                    await trio.aclose_forcefully(stream)  # the reader notices, reconnects
+                continue
+            call.sent_on = generation
+            return
+
+    def _disconnected(self) -> None:
+        # Senders wait on the current event; replace it only once it has been set, so
+        # that no sender is left waiting on an event that nobody will set.
+        if self._connected.is_set():
+            self._connected = trio.Event()
 
     async def first_connect(self) -> None:
         self._stream = await self._connect()
-        self.connections += 1
+        self._generation = self.connections = 1
         self._connected.set()
 
     async def _connect(self) -> trio.SocketStream:
         with trio.fail_after(self.connect_timeout):
             return await trio.open_tcp_stream(self.host, self.port)
 
+    def _give_up(self, error: RelayError) -> None:
+        self._failure = error
+        for call in list(self._pending.values()):
+            call.settle(error=error)
+        self._connected.set()  # wake every sender: each sees the failure
+
     async def run(self) -> None:
         """Read replies; on loss, settle what cannot be resent and reconnect. Until
         cancelled (or, without ``reconnect``, until the connection is lost)."""
         while True:
-            stream = self._stream
+            stream, generation = self._stream, self._generation
             assert stream is not None
             with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._read_replies(stream)
-            self._connected = trio.Event()
+            if self._generation == generation:
+                self._disconnected()
             await trio.aclose_forcefully(stream)
             resend = []
-            for call in list(self._pending.values()):
-                if call.op in RETRY_SAFE_OPS and self.reconnect:
+            unread = self._unread_generation == generation
+            for request_id, call in list(self._pending.items()):
+                if call.sent_on != generation or call.done.is_set():
+                    continue  # not sent yet: its sender waits for the next connection
+                if call.orphaned:
+                    del self._pending[request_id]
+                elif unread and self.reconnect:
+                    resend.append(call)  # the server never read it: not a repeat
+                elif call.op in RETRY_SAFE_OPS and self.reconnect:
+                    call.resent = True
                     resend.append(call)
                 else:
                     call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
             if not self.reconnect:
-                self._failure = ConnectionLost("the connection dropped")
+                self._give_up(ConnectionLost("the connection dropped"))
                 return
-            try:
-                self._stream = await self._reconnect()
-            except ConnectionLost as exc:
-                self._failure = exc
-                for call in list(self._pending.values()):
-                    call.settle(error=exc)
-                return
+            while True:
+                try:
+                    self._stream = await self._reconnect()
+                    break
+                except ConnectionLost as exc:
+                    # Fail what waits, then sleep until someone calls again: a worker
+                    # outliving a long outage reconnects once the server is back.
+                    self._give_up(exc)
+                    self._demand = trio.Event()
+                    await self._demand.wait()
+                    self._failure = None
+                    self._backoff = RECONNECT_FIRST_S
+                    self._disconnected()
+            self._failure = None
             self.connections += 1
+            self._generation += 1
             for call in resend:
                 if not call.done.is_set():
+                    call.sent_on = self._generation
                     with trio.move_on_after(self.connect_timeout):
                         await self._stream.send_all(call.line)
             self._connected.set()
 
     async def _reconnect(self) -> trio.SocketStream:
-        delay = RECONNECT_FIRST_S
         with trio.move_on_after(self.reconnect_timeout):
             while True:
+                await trio.sleep(self._backoff * random.uniform(0.5, 1.0))
+                self._backoff = min(self._backoff * 2, RECONNECT_CAP_S)
                 try:
                     return await self._connect()
                 except (OSError, trio.TooSlowError):
-                    await trio.sleep(delay * random.uniform(0.5, 1.0))
-                    delay = min(delay * 2, RECONNECT_CAP_S)
+                    pass
         raise ConnectionLost(
             f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
         )
@@ -439,21 +493,52 @@ class TcpTransport:
             buffer += data
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                reply = orjson.loads(line)
+                try:
+                    reply = orjson.loads(line)
+                    reply.get("id")
+                except (orjson.JSONDecodeError, AttributeError):
+                    self._give_up(
+                        RelayError(
+                            f"{self.host}:{self.port} does not answer as a relay-trio server"
+                        )
+                    )
+                    return
                 call = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
                 if call is not None and call.orphaned:
                     del self._pending[reply["id"]]
-                    await self._release(call.worker_id, reply.get("jobs") or [])
+                    await self._release(stream, call.worker_id, reply.get("jobs") or [])
                 elif call is not None:
+                    if reply.get("ok"):
+                        self._backoff = RECONNECT_FIRST_S
                     call.settle(reply)
                 elif reply.get("id") is None and reply.get("ok") is False:
-                    # A connection-level error (overloaded, frame_too_large): it applies
-                    # to everything in flight here, and the server closes the connection.
-                    error = reply_error(reply)
-                    for pending in list(self._pending.values()):
-                        pending.settle(error=error)
+                    self._connection_error(reply)
 
-    async def _release(self, worker_id: str | None, jobs: list[dict[str, Any]]) -> None:
+    def _connection_error(self, reply: dict[str, Any]) -> None:
+        """An error with no id (overloaded, frame_too_large): the server is closing this
+        connection and acts on nothing sent after it. Send nothing more on it."""
+        error = reply_error(reply)
+        generation = self._generation
+        self._disconnected()
+        unanswered = [
+            call for call in self._pending.values()
+            if not call.done.is_set() and not call.orphaned
+        ]  # fmt: skip
+        if error.code == "overloaded":
+            # Refused before anything was read: tell every waiting caller.
+            for call in unanswered:
+                call.settle(error=error)
+            return
+        # frame_too_large names no request: it is the longest line still unanswered. The
+        # lines after it were never read, so they are sent again on the next connection.
+        sent = [call for call in unanswered if call.sent_on == generation]
+        if sent:
+            max(sent, key=lambda call: len(call.line)).settle(error=error)
+        self._unread_generation = generation
+
+    async def _release(
+        self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
+    ) -> None:
         """Send a release for each job; nobody waits for the replies (their ids are not
         pending, so the reader drops them)."""
         for job in jobs:
@@ -464,12 +549,13 @@ class TcpTransport:
             }
             line = orjson.dumps({"op": "release", "id": next(self._ids), **fields}) + b"\n"
             async with self._send_lock:
-                await self._stream.send_all(line)  # type: ignore[union-attr]
+                await stream.send_all(line)
 
     async def aclose(self) -> None:
         self._closed = True
         for call in list(self._pending.values()):
             call.settle(error=ConnectionLost("the client is closed"))
+        self._connected.set()
         if self._stream is not None:
             await trio.aclose_forcefully(self._stream)
 

@@ -34,6 +34,7 @@ class LocalTransport:
         self._waiting: dict[int, list[Any]] = {}
         self.in_flight = 0
         self.closed = False
+        self.can_wait = True
         self.nursery = core.nursery  # the dispatcher's admin tasks (dead retry of a queue)
 
     # -- the dispatcher's Connection interface ----------------------------------------------
@@ -108,5 +109,6 @@ async def open_local(
             yield Client(transport)
         finally:
             transport.closed = True
+            transport.can_wait = False
             with trio.CancelScope(shield=True):
                 await core.drain(config.shutdown_timeout_ms / 1000)

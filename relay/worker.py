@@ -77,6 +77,12 @@ def _result_of(value: Any) -> Any:
     return value
 
 
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
 def _error_text(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -206,10 +212,12 @@ class Worker:
         try:
             try:
                 outcome, value = await self._execute(client, job)
-            except trio.Cancelled:
-                # Shutdown timeout or a second stop: hand the job back, then go.
-                with trio.CancelScope(shield=True):
-                    await self._settle(client, job, "cancelled", None)
+            except BaseException as exc:
+                # Shutdown timeout or a second stop: hand the job back, then go. (The
+                # renewal nursery delivers the cancellation as a group of Cancelled.)
+                if _is_cancellation(exc):
+                    with trio.CancelScope(shield=True):
+                        await self._settle(client, job, "cancelled", None)
                 raise
             with trio.CancelScope(shield=True):
                 await self._settle(client, job, outcome, value)

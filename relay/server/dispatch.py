@@ -43,7 +43,8 @@ DEAD_CHUNK = 1000
 
 class Connection(Protocol):
     nursery: trio.Nursery
-    closed: bool
+    closed: bool  # replies are dropped
+    can_wait: bool  # a long-poll may park for this connection
 
     def begin_request(self) -> None: ...
     def reply(self, data: bytes) -> None: ...
@@ -337,7 +338,7 @@ class Dispatcher:
                 not outcome
                 and isinstance(tag, PendingLease)
                 and self.leasing
-                and not connection.closed
+                and connection.can_wait
                 and not self.longpolls.closing
                 and tag.deadline > trio.current_time()
             ):

@@ -74,8 +74,8 @@ class LongPolls:
             self._lot.unpark_all()
 
     def drop(self, sink: ReplySink) -> None:
-        """Answer now every lease parked for ``sink``, whose connection has closed (the
-        answer is dropped there, but the request is accounted as finished)."""
+        """Answer now (with no jobs) every lease parked for ``sink``, whose client has
+        stopped sending or gone; the request is accounted as finished either way."""
         for _, _, entry in self._deadlines:
             if entry.active and entry.sink is sink:
                 self._unregister(entry)
@@ -106,7 +106,7 @@ class LongPolls:
         while True:
             while self._woken:
                 entry = self._woken.pop()
-                if getattr(entry.sink, "closed", False):
+                if not getattr(entry.sink, "can_wait", True):
                     entry.sink.deliver([(entry.tag, [])])  # nobody to lease for
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its

@@ -51,6 +51,10 @@ class Session:
         self.splitter = wire.LineSplitter(self.limits.max_frame_bytes)
         self.in_flight = 0  # requests taken, not yet answered
         self.closed = False
+        # While the client sends requests, a long-poll may wait for it. Once it has
+        # stopped (EOF, shutdown), parked leases are answered at once and none is
+        # claimed again: a job must not be leased to a client that has gone.
+        self.can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._out: list[bytes] = []
         self._sending = 0  # replies taken by the sender, not yet written
@@ -97,6 +101,8 @@ class Session:
                 nursery.start_soon(self._send_loop)
                 with self._reading:
                     await self._read_loop()
+                self.can_wait = False
+                self.dispatcher.longpolls.drop(self)
                 # The client sent its last request (or the server stops reading): write
                 # what is owed, then close.
                 with trio.move_on_after(self.limits.max_wait_ms / 1000 + DRAIN_GRACE_S):
@@ -107,6 +113,7 @@ class Session:
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = True
+            self.can_wait = False
             self.dispatcher.longpolls.drop(self)
             await trio.aclose_forcefully(self.stream)
 

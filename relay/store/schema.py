@@ -16,7 +16,13 @@ from urllib.parse import quote
 
 import sqlite_utils
 
-from relay.errors import DatabaseCorrupt, ForeignDatabase, NotADatabase, SchemaTooNew
+from relay.errors import (
+    DatabaseCorrupt,
+    ForeignDatabase,
+    NotADatabase,
+    SchemaTooNew,
+    StoreError,
+)
 
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
@@ -182,7 +188,10 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
     version = 0
     if not in_memory and os.path.exists(path):
         version = inspect_file(path)
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    except sqlite3.Error as exc:  # a missing directory, no permission...
+        raise StoreError(path, f"cannot be opened: {exc}") from exc
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         if not in_memory:
@@ -192,6 +201,9 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
         # The write connection sees the WAL as well: its version is the one to migrate from.
         version = max(version, conn.execute("PRAGMA user_version").fetchone()[0])
         _migrate(conn, version)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StoreError(path, f"cannot be initialised: {exc}") from exc
     except BaseException:
         conn.close()
         raise

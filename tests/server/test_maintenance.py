@@ -147,6 +147,7 @@ class Sink:
     def __init__(self) -> None:
         self.replies: list[tuple[Any, Any]] = []
         self.closed = False
+        self.can_wait = True
         self._delivered = trio.Event()
 
     def deliver(self, replies):
@@ -218,7 +219,7 @@ async def test_a_dropped_connection_leaves_nothing_parked(autojump_clock, store)
     gone, staying = Sink(), Sink()
     hub.park(lease_tag(), gone)
     hub.park(lease_tag(), staying)
-    gone.closed = True
+    gone.closed, gone.can_wait = True, False
     hub.drop(gone)
     assert hub.parked == 1
     assert len(gone.replies) == 1 and staying.replies == []

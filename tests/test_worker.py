@@ -1,0 +1,696 @@
+"""The pull worker (relay.Worker) against a real server over TCP and against open_local.
+
+Concurrency bound, async and sync handlers, results, retries and dead letters, per-queue
+handlers, lease renewal, a refused renewal (the handler is cancelled and nothing is acked),
+graceful and immediate stop, and a worker process killed with SIGKILL (its job runs again
+once the lease expires) or stopped with SIGTERM (its job is released at once).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from relay import (
+    Client,
+    JobState,
+    LeasedJob,
+    PermanentError,
+    Worker,
+    open_client,
+    open_local,
+)
+from relay.worker import WorkerStatistics
+
+from .worker_helpers import (
+    BOUND_S,
+    Server,
+    queue_counts,
+    start_server,
+    wait_for_state,
+    wait_until,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@attrs.define
+class Backend:
+    kind: str
+    target: Any  # what Worker takes: an address, or the local Client
+    client: Client  # for submitting and inspecting
+    server: Server | None = None
+
+
+@pytest.fixture
+async def tcp(tmp_path) -> AsyncIterator[Backend]:
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, str(tmp_path / "relay.db"))
+        async with open_client(server.address) as client:
+            yield Backend("tcp", server.address, client, server)
+        server.handle.shutdown()
+
+
+@pytest.fixture(params=["tcp", "local"])
+async def backend(request, tmp_path) -> AsyncIterator[Backend]:
+    if request.param == "tcp":
+        async with trio.open_nursery() as nursery:
+            server = await start_server(nursery, str(tmp_path / "relay.db"))
+            async with open_client(server.address) as client:
+                yield Backend("tcp", server.address, client, server)
+            server.handle.shutdown()
+    else:
+        async with open_local(str(tmp_path / "local.db")) as client:
+            yield Backend("local", client, client)
+
+
+@asynccontextmanager
+async def running(worker: Worker) -> AsyncIterator[Worker]:
+    """Run ``worker`` for the block; stop it (gracefully) and wait for it, bounded."""
+    with trio.fail_after(BOUND_S + worker.shutdown_timeout):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            try:
+                yield worker
+            finally:
+                worker.stop()
+
+
+def make_worker(target: Any, **options: Any) -> Worker:
+    options.setdefault("queues", ["q"])
+    options.setdefault("shutdown_timeout", 1.0)
+    return Worker(target, **options)
+
+
+async def wait_succeeded(client: Client, queue: str, n: int, within: float = BOUND_S) -> None:
+    async def done() -> bool:
+        return (await queue_counts(client, queue))["succeeded"] >= n
+
+    await wait_until(done, within, f"{n} succeeded jobs in {queue}")
+
+
+# -- concurrency, handlers, results ------------------------------------------------------------
+
+
+async def test_never_more_than_concurrency_jobs_run(backend):
+    ids = [r.job_id for r in await backend.client.submit_batch(
+        [{"queue": "q", "payload": i} for i in range(40)]
+    )]  # fmt: skip
+    now = 0
+    peak = 0
+    ran: list[int] = []
+
+    async def handler(job: LeasedJob) -> int:
+        nonlocal now, peak
+        now += 1
+        peak = max(peak, now)
+        try:
+            await trio.sleep(0.01)  # the work
+            return job.payload * 10
+        finally:
+            now -= 1
+            ran.append(job.payload)
+
+    worker = make_worker(backend.target, handler=handler, concurrency=4)
+    async with running(worker):
+        await wait_succeeded(backend.client, "q", 40)
+        assert worker.statistics().running <= 4
+    assert peak == 4
+    assert sorted(ran) == list(range(40))
+    stats = worker.statistics()
+    assert stats == WorkerStatistics(
+        running=0, concurrency=4, succeeded=40, failed=0, lost=0, released=0
+    )
+    counts = await queue_counts(backend.client, "q")
+    assert counts["succeeded"] == 40 and counts["ready"] == counts["leased"] == 0
+    for i in (0, 17, 39):
+        view = await backend.client.inspect(ids[i])
+        assert view.result == i * 10 and view.attempt == 1
+
+
+async def test_sync_handler_runs_in_a_thread_and_its_result_is_stored(backend):
+    submitted = await backend.client.submit("q", {"n": 21})
+    threads: list[threading.Thread] = []
+
+    def handler(job: LeasedJob) -> dict[str, Any]:
+        threads.append(threading.current_thread())
+        return {"double": job.payload["n"] * 2}
+
+    async with running(make_worker(backend.target, handler=handler)) as worker:
+        view = await wait_for_state(backend.client, submitted.job_id, "succeeded")
+        assert worker.statistics().succeeded == 1
+    assert view.result == {"double": 42}
+    assert threads and threads[0] is not threading.main_thread()
+
+
+async def test_sync_handlers_are_bounded_by_concurrency(backend):
+    await backend.client.submit_batch([{"queue": "q", "payload": i} for i in range(12)])
+    lock = threading.Lock()
+    now = 0
+    peak = 0
+    gate = threading.Event()
+
+    def handler(job: LeasedJob) -> None:
+        nonlocal now, peak
+        with lock:
+            now += 1
+            peak = max(peak, now)
+            if now == 3:
+                gate.set()
+        gate.wait(timeout=2)  # the first three meet here, proving they overlap
+        with lock:
+            now -= 1
+
+    async with running(make_worker(backend.target, handler=handler, concurrency=3)):
+        await wait_succeeded(backend.client, "q", 12)
+    assert peak == 3
+
+
+async def test_async_handler_result_and_none(backend):
+    first = await backend.client.submit("q", "a")
+    second = await backend.client.submit("q", "b")
+
+    async def handler(job: LeasedJob) -> Any:
+        return {"echo": job.payload} if job.payload == "a" else None
+
+    async with running(make_worker(backend.target, handler=handler)):
+        one = await wait_for_state(backend.client, first.job_id, "succeeded")
+        two = await wait_for_state(backend.client, second.job_id, "succeeded")
+    assert one.result == {"echo": "a"}
+    assert two.result is None
+
+
+async def test_non_json_return_value_is_stored_as_none_and_still_succeeds(backend):
+    submitted = await backend.client.submit("q", {})
+
+    async def handler(job: LeasedJob) -> Any:
+        return {"not json": object()}
+
+    async with running(make_worker(backend.target, handler=handler)) as worker:
+        view = await wait_for_state(backend.client, submitted.job_id, "succeeded", "dead")
+        assert worker.statistics().succeeded == 1
+    assert view.state == JobState.SUCCEEDED
+    assert view.result is None and view.errors == []
+
+
+async def test_handler_exception_retries_then_dead_with_the_error_text(backend):
+    submitted = await backend.client.submit(
+        "q", {}, retries=1, backoff={"kind": "fixed", "delay_ms": 100}
+    )
+    attempts: list[int] = []
+
+    async def handler(job: LeasedJob) -> None:
+        attempts.append(job.attempt)
+        raise ValueError(f"boom on attempt {job.attempt}")
+
+    async with running(make_worker(backend.target, handler=handler)) as worker:
+        view = await wait_for_state(backend.client, submitted.job_id, "dead")
+        await wait_until(
+            lambda: _async_true(worker.statistics().failed == 2), what="two failures reported"
+        )
+    assert attempts == [1, 2]
+    assert [(e.attempt, e.error) for e in view.errors] == [
+        (1, "ValueError: boom on attempt 1"),
+        (2, "ValueError: boom on attempt 2"),
+    ]
+    assert view.last_error == "ValueError: boom on attempt 2"
+    # The retry waited for the fixed backoff.
+    assert view.errors[1].at - view.errors[0].at >= 100
+
+
+async def _async_true(value: bool) -> bool:
+    return value
+
+
+async def test_permanent_error_is_dead_at_the_first_failure(backend):
+    submitted = await backend.client.submit("q", {}, retries=5)
+    calls = 0
+
+    def handler(job: LeasedJob) -> None:
+        nonlocal calls
+        calls += 1
+        raise PermanentError("bad payload")
+
+    async with running(make_worker(backend.target, handler=handler)):
+        view = await wait_for_state(backend.client, submitted.job_id, "dead")
+    assert calls == 1
+    assert view.attempt == 1 and view.max_attempts == 6
+    assert [(e.attempt, e.error) for e in view.errors] == [(1, "PermanentError: bad payload")]
+
+
+async def test_handlers_registry_routes_by_queue(backend):
+    a = await backend.client.submit("a", 1)
+    b = await backend.client.submit("b", 2)
+    seen: list[tuple[str, str]] = []
+
+    async def on_a(job: LeasedJob) -> str:
+        seen.append(("a", job.queue))
+        return f"a:{job.payload}"
+
+    def on_b(job: LeasedJob) -> str:
+        seen.append(("b", job.queue))
+        return f"b:{job.payload}"
+
+    worker = Worker(backend.target, handlers={"a": on_a, "b": on_b}, shutdown_timeout=1)
+    assert worker.queues == ["a", "b"]
+    async with running(worker):
+        va = await wait_for_state(backend.client, a.job_id, "succeeded")
+        vb = await wait_for_state(backend.client, b.job_id, "succeeded")
+    assert va.result == "a:1" and vb.result == "b:2"
+    assert sorted(seen) == [("a", "a"), ("b", "b")]
+
+
+async def test_queue_without_a_handler_goes_dead(backend):
+    orphan = await backend.client.submit("c", {}, retries=3)
+
+    async def on_a(job: LeasedJob) -> None:
+        return None
+
+    worker = Worker(backend.target, queues=["a", "c"], handlers={"a": on_a}, shutdown_timeout=1)
+    async with running(worker):
+        view = await wait_for_state(backend.client, orphan.job_id, "dead")
+    assert view.attempt == 1
+    assert "no handler for queue c" in (view.last_error or "")
+
+
+# -- renewal -----------------------------------------------------------------------------------
+
+
+async def test_renewal_keeps_a_long_job_alive_past_its_lease(backend):
+    submitted = await backend.client.submit("q", {})
+
+    async def handler(job: LeasedJob) -> str:
+        await trio.sleep(1.0)  # the work: over three times the 300 ms lease
+        return "done"
+
+    async with running(make_worker(backend.target, handler=handler, lease_ms=300)) as worker:
+        view = await wait_for_state(backend.client, submitted.job_id, "succeeded", "dead")
+        assert worker.statistics().lost == 0
+    assert view.state == JobState.SUCCEEDED
+    assert view.result == "done"
+    assert view.attempt == 1
+    assert view.errors == [], view.errors
+    assert view.last_error is None
+
+
+async def test_refused_renewal_cancels_the_handler_and_nothing_is_acked(backend):
+    submitted = await backend.client.submit("q", {})
+    started = trio.Event()
+    cancelled = trio.Event()
+    held: list[LeasedJob] = []
+    finished_normally = False
+
+    async def handler(job: LeasedJob) -> str:
+        nonlocal finished_normally
+        held.append(job)
+        started.set()
+        try:
+            await trio.sleep(30)
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+        finished_normally = True
+        return "should not be acked"
+
+    worker = make_worker(backend.target, handler=handler, lease_ms=300)
+    async with running(worker):
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        (job,) = held
+        # From outside: give the lease back with the worker's own token, and let another
+        # worker take the job. The worker's next renewal is refused.
+        await backend.client.release(job.job_id, worker.worker_id, job.token)
+        (taken,) = await backend.client.lease(["q"], "other", lease_ms=60_000)
+        assert taken.job_id == job.job_id
+        with trio.fail_after(3):
+            await cancelled.wait()
+        await wait_until(
+            lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
+        )
+        view = await backend.client.inspect(job.job_id)
+        assert view.state == JobState.LEASED and view.worker_id == "other"
+        stats = worker.statistics()
+        assert stats.succeeded == 0 and stats.failed == 0 and stats.released == 0
+    assert not finished_normally
+    # The new holder still owns the job.
+    await backend.client.ack(taken.job_id, "other", taken.token, "by other")
+    view = await backend.client.inspect(submitted.job_id)
+    assert view.state == JobState.SUCCEEDED and view.result == "by other"
+
+
+# -- stop --------------------------------------------------------------------------------------
+
+
+async def test_stop_cancels_a_slow_handler_after_the_timeout_and_releases_its_job(backend):
+    submitted = await backend.client.submit("q", {})
+    started = trio.Event()
+    cancelled = trio.Event()
+
+    async def handler(job: LeasedJob) -> None:
+        started.set()
+        try:
+            await trio.sleep(5)
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+
+    worker = make_worker(backend.target, handler=handler, shutdown_timeout=0.2, lease_ms=60_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        stopping = trio.current_time()
+        worker.stop()
+    elapsed = trio.current_time() - stopping
+    assert elapsed < 2.0, f"run() returned {elapsed:.2f}s after stop (timeout 0.2 s)"
+    assert cancelled.is_set()
+    view = await backend.client.inspect(submitted.job_id)
+    # Released, not left leased for the 60 s lease: ready, its attempt given back.
+    assert view.state == JobState.READY and view.attempt == 0
+    assert worker.statistics().released == 1 and worker.statistics().running == 0
+
+
+async def test_stop_lets_a_handler_that_finishes_in_time_be_acked(backend):
+    first = await backend.client.submit("q", 1)
+    second = await backend.client.submit("q", 2)
+    started = trio.Event()
+    proceed = trio.Event()
+    returned = trio.Event()
+
+    async def handler(job: LeasedJob) -> str:
+        started.set()
+        await proceed.wait()
+        return f"finished {job.payload}"
+
+    worker = make_worker(backend.target, handler=handler, shutdown_timeout=5, concurrency=1)
+
+    async def run() -> None:
+        await worker.run()
+        returned.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        worker.stop()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not returned.is_set()  # waits for the running job
+        proceed.set()
+        with trio.fail_after(BOUND_S):
+            await returned.wait()
+    view = await backend.client.inspect(first.job_id)
+    assert view.state == JobState.SUCCEEDED and view.result == "finished 1"
+    # Nothing more was leased after stop().
+    view = await backend.client.inspect(second.job_id)
+    assert view.state == JobState.READY and view.attempt == 0
+    assert worker.statistics().succeeded == 1
+
+
+async def test_second_stop_cancels_at_once_and_still_releases(backend):
+    submitted = await backend.client.submit("q", {})
+    started = trio.Event()
+
+    async def handler(job: LeasedJob) -> None:
+        started.set()
+        await trio.sleep(30)
+
+    worker = make_worker(backend.target, handler=handler, shutdown_timeout=30, lease_ms=60_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        worker.stop()
+        worker.stop()
+        stopping = trio.current_time()
+    assert trio.current_time() - stopping < 2.0
+    view = await backend.client.inspect(submitted.job_id)
+    assert view.state == JobState.READY and view.attempt == 0
+    assert worker.statistics().released == 1
+
+
+async def test_stop_while_idle_returns_promptly_and_leaves_jobs_alone(backend):
+    worker = make_worker(backend.target, handler=lambda job: None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.testing.wait_all_tasks_blocked()  # the long-poll lease is waiting
+        stopping = trio.current_time()
+        worker.stop()
+    assert trio.current_time() - stopping < 2.0
+    # A job submitted after the stop is not kept by the abandoned long-poll: whoever
+    # asks next gets it, as its first attempt.
+    submitted = await backend.client.submit("q", {})
+    with trio.fail_after(BOUND_S):
+        jobs = await backend.client.lease(["q"], "next", wait_ms=3_000)
+    assert [(j.job_id, j.attempt) for j in jobs] == [(submitted.job_id, 1)]
+
+
+# -- identity and statistics -------------------------------------------------------------------
+
+
+def test_worker_ids_are_unique_and_contain_the_pid():
+    workers = [Worker("127.0.0.1:1", queues=["q"], handler=lambda job: None) for _ in range(3)]
+    ids = [w.worker_id for w in workers]
+    assert len(set(ids)) == 3
+    for worker_id in ids:
+        assert str(os.getpid()) in worker_id.split(":"), worker_id
+    assert Worker("127.0.0.1:1", queues=["q"], handler=print, worker_id="mine").worker_id == "mine"
+
+
+def test_worker_arguments_are_checked():
+    with pytest.raises(ValueError):
+        Worker("127.0.0.1:1", queues=["q"])
+    with pytest.raises(ValueError):
+        Worker("127.0.0.1:1", queues=["q"], handler=print, handlers={"q": print})
+    with pytest.raises(ValueError):
+        Worker("127.0.0.1:1", queues=[], handler=print)
+    with pytest.raises(ValueError):
+        Worker("127.0.0.1:1", queues=["q"], handler=print, concurrency=0)
+
+
+async def test_statistics_while_running(backend):
+    await backend.client.submit("q", {})
+    started = trio.Event()
+    proceed = trio.Event()
+
+    async def handler(job: LeasedJob) -> None:
+        started.set()
+        await proceed.wait()
+
+    async with running(make_worker(backend.target, handler=handler, concurrency=2)) as worker:
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        assert worker.statistics() == WorkerStatistics(
+            running=1, concurrency=2, succeeded=0, failed=0, lost=0, released=0
+        )
+        proceed.set()
+        await wait_succeeded(backend.client, "q", 1)
+        await wait_until(lambda: _async_true(worker.statistics().succeeded == 1))
+        assert worker.statistics().running == 0
+
+
+# -- worker processes --------------------------------------------------------------------------
+
+WORKER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import trio
+
+    import relay
+
+    address, lease_ms, shutdown = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+
+
+    async def handler(job):
+        print("started", job.job_id, job.attempt, flush=True)
+        await trio.sleep_forever()
+
+
+    async def main():
+        worker = relay.Worker(
+            address, queues=["q"], handler=handler, concurrency=1, lease_ms=lease_ms,
+            shutdown_timeout=shutdown,
+        )
+        await relay.run_worker(worker)
+
+
+    trio.run(main)
+    """
+)
+
+
+@asynccontextmanager
+async def worker_process(
+    tmp_path: Path, address: str, lease_ms: int, shutdown: float
+) -> AsyncIterator[tuple[trio.Process, str]]:
+    """A worker process (a script using relay.Worker); yields it and the first
+    "started JOB_ID ATTEMPT" line its handler prints."""
+    script = tmp_path / "worker_script.py"
+    script.write_text(WORKER_SCRIPT)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(script), address, str(lease_ms), str(shutdown)],
+        stdout=subprocess.PIPE,
+        cwd=str(REPO),
+    )
+    try:
+        assert process.stdout is not None
+        buffer = b""
+        with trio.fail_after(BOUND_S):
+            while b"\n" not in buffer:
+                data = await process.stdout.receive_some(4096)
+                assert data, "the worker process exited before running a job"
+                buffer += data
+        yield process, buffer.partition(b"\n")[0].decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.fail_after(BOUND_S):
+            await process.wait()
+
+
+async def test_killed_worker_process_job_runs_again_after_the_lease_expires(tcp, tmp_path):
+    submitted = await tcp.client.submit("q", {"run": "twice"}, retries=3)
+    async with worker_process(tmp_path, tcp.target, lease_ms=500, shutdown=1) as (proc, line):
+        assert line == f"started {submitted.job_id} 1"
+        assert (await tcp.client.inspect(submitted.job_id)).state == JobState.LEASED
+        proc.kill()  # SIGKILL: no release, no ack
+        with trio.fail_after(BOUND_S):
+            await proc.wait()
+        assert proc.returncode == -9
+    killed = trio.current_time()
+
+    attempts: list[int] = []
+    picked_up = trio.Event()
+
+    async def handler(job: LeasedJob) -> str:
+        attempts.append(job.attempt)
+        picked_up.set()
+        return "second time lucky"
+
+    async with running(make_worker(tcp.target, handler=handler)):
+        with trio.fail_after(5):
+            await picked_up.wait()
+        view = await wait_for_state(tcp.client, submitted.job_id, "succeeded")
+    assert trio.current_time() - killed < 5
+    assert attempts == [2]
+    assert view.attempt == 2 and view.result == "second time lucky"
+    # It ran again because the lease expired (not because it was released).
+    assert [(e.attempt, e.error) for e in view.errors] == [(1, "lease expired")]
+
+
+async def test_sigterm_stops_a_worker_process_and_releases_its_job_at_once(tcp, tmp_path):
+    submitted = await tcp.client.submit("q", {})
+    async with worker_process(tmp_path, tcp.target, lease_ms=60_000, shutdown=0.2) as (
+        proc,
+        line,
+    ):
+        assert line == f"started {submitted.job_id} 1"
+        proc.terminate()  # SIGTERM: graceful stop
+        with trio.fail_after(BOUND_S):
+            await proc.wait()
+        assert proc.returncode == 0
+    # Released well before its 60 s lease: ready, attempt given back, no error recorded.
+    view = await tcp.client.inspect(submitted.job_id)
+    assert view.state == JobState.READY and view.attempt == 0 and view.errors == []
+
+
+# The `relay-trio worker` command (its default handler sleeps for payload["sleep_ms"]).
+
+RELAY_TRIO = Path(sys.executable).parent / "relay-trio"
+
+
+def _has_worker_command() -> bool:
+    if not RELAY_TRIO.exists():
+        return False
+    done = subprocess.run(
+        [str(RELAY_TRIO), "worker", "--help"], capture_output=True, timeout=30, check=False
+    )
+    return done.returncode == 0
+
+
+needs_worker_command = pytest.mark.skipif(
+    not _has_worker_command(), reason="no `relay-trio worker` command"
+)
+
+
+@asynccontextmanager
+async def cli_worker(address: str, *options: str) -> AsyncIterator[trio.Process]:
+    process = await trio.lowlevel.open_process(
+        [str(RELAY_TRIO), "worker", "--address", address, "--queue", "q", *options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=str(REPO),
+    )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.fail_after(BOUND_S):
+            await process.wait()
+
+
+async def _leased_by(client: Client, job_id: str, pid: int) -> bool:
+    view = await client.inspect(job_id)
+    return view.state == JobState.LEASED and str(pid) in (view.worker_id or "").split(":")
+
+
+@needs_worker_command
+async def test_killed_worker_command_job_runs_again_after_the_lease_expires(tcp):
+    submitted = await tcp.client.submit("q", {"sleep_ms": 60_000}, retries=3)
+    options = ("--concurrency", "1", "--lease-ms", "500")
+    async with cli_worker(tcp.target, *options) as proc:
+        await wait_until(
+            lambda: _leased_by(tcp.client, submitted.job_id, proc.pid),
+            what="the job leased by the worker process",
+        )
+        proc.kill()  # SIGKILL: no release, no ack
+        with trio.fail_after(BOUND_S):
+            await proc.wait()
+        assert proc.returncode == -9
+    killed = trio.current_time()
+    attempts: list[int] = []
+    picked_up = trio.Event()
+
+    async def handler(job: LeasedJob) -> str:
+        attempts.append(job.attempt)
+        picked_up.set()
+        return "ran again"
+
+    async with running(make_worker(tcp.target, handler=handler)):
+        with trio.fail_after(5):
+            await picked_up.wait()
+        view = await wait_for_state(tcp.client, submitted.job_id, "succeeded")
+    assert trio.current_time() - killed < 5
+    assert attempts == [2]
+    assert view.attempt == 2 and view.result == "ran again"
+    assert [(e.attempt, e.error) for e in view.errors] == [(1, "lease expired")]
+
+
+@needs_worker_command
+async def test_sigterm_to_the_worker_command_releases_its_job_at_once(tcp):
+    submitted = await tcp.client.submit("q", {"sleep_ms": 60_000})
+    options = ("--lease-ms", "60000", "--shutdown-timeout-ms", "200")
+    async with cli_worker(tcp.target, *options) as proc:
+        await wait_until(
+            lambda: _leased_by(tcp.client, submitted.job_id, proc.pid),
+            what="the job leased by the worker process",
+        )
+        proc.terminate()
+        with trio.fail_after(BOUND_S):
+            await proc.wait()
+        assert proc.returncode == 0
+    view = await tcp.client.inspect(submitted.job_id)
+    assert view.state == JobState.READY and view.attempt == 0 and view.errors == []
