@@ -1,27 +1,59 @@
-"""The relay-trio command line: arguments in, calls out. Rendering lives in cli/views.py."""
+"""The relay-trio command line: arguments in, calls out. Rendering lives in cli/views.py.
+
+Every command that talks to a server takes ``--address`` (env ``RELAY_ADDRESS``); the read
+commands take ``--json``. An expected failure (no server, a bad argument, an error reply)
+is one line on stderr, "relay-trio: ...", and a non-zero exit: 2 for usage errors, else 1.
+"""
 
 from __future__ import annotations
 
+import errno
+import functools
+import importlib
 import logging
+import operator
 import os
 import signal
+import socket
+import sqlite3
 import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import attrs
 import click
+import orjson
 import trio
+from cattrs.preconf.orjson import make_converter
+from rich.console import Console
 
+from cli import views
+from cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
 from relay import log as relay_log
 from relay import wire
-from relay.errors import StoreError
-from relay.server.serve import ServerConfig, ServerHandle, serve
+from relay.client import Client, open_client
+from relay.errors import RelayError, StoreError
+from relay.model import QUEUE_NAME_RE, WIRE_PRIORITIES
+from relay.server.core import ServerConfig
+from relay.worker import DEFAULT_LEASE_MS, Worker, run_worker
+
+if TYPE_CHECKING:
+    from relay.server.serve import ServerHandle
 
 log = logging.getLogger("relay.cli")
 
+T = TypeVar("T")
+
+PROG = "relay-trio"
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:7401"
 # Exit code when a second SIGINT/SIGTERM cuts the graceful shutdown short.
 EXIT_SECOND_SIGNAL = 130
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
+# A one-shot command gives up on its reply after this long. Generous: retrying or purging
+# a whole queue's dead jobs takes many transactions on a big queue.
+REPLY_TIMEOUT_S = 60.0
 
 
 def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
@@ -31,9 +63,163 @@ def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@click.group()
+# -- errors: one line on stderr -------------------------------------------------------------
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print "relay-trio: message" (on one line) to stderr and exit with ``code``."""
+    click.echo(f"{PROG}: {' '.join(message.split())}", err=True)
+    sys.exit(code)
+
+
+class RelayGroup(click.Group):
+    """A click group whose errors are one line on stderr, usage errors included (click's
+    own are three: usage, hint, error). The exit codes stay click's: 2 for usage, else 1."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # the help text, as click prints it
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            fail(exc.format_message() + hint, exc.exit_code)
+        except click.ClickException as exc:
+            fail(exc.format_message(), exc.exit_code)
+        except click.Abort as exc:
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                fail("interrupted", EXIT_INTERRUPTED)
+            fail("aborted")
+        except BrokenPipeError:
+            # The reader went away (`relay-trio stats | head`): nothing left to say.
+            sys.stderr.close()
+            os._exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside ``exc``, exception groups flattened (trio's nurseries group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a connection could not be made, without trio's "all attempts failed" wrapper."""
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    if isinstance(exc.__cause__, BaseExceptionGroup):
+        first = next(_leaves(exc.__cause__), None)
+        if isinstance(first, OSError):
+            exc = first
+    if isinstance(exc, socket.gaierror) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        return os.strerror(exc.errno)
+    return str(exc) or type(exc).__name__
+
+
+def _explain(exc: BaseException, address: str | None) -> click.ClickException | None:
+    """The one-line error for an expected failure, or None for anything else (a bug)."""
+    for leaf in _leaves(exc):
+        if isinstance(leaf, click.ClickException):
+            return leaf
+        if isinstance(leaf, StoreError):
+            return click.ClickException(f"refusing to open {leaf.path}: {leaf.problem}")
+        if isinstance(leaf, RelayError):
+            return click.ClickException(f"{leaf.code}: {leaf.message}")
+        if isinstance(leaf, sqlite3.Error):
+            # The embedded queue's database (demo): e.g. a directory that does not exist.
+            return click.ClickException(f"database error: {leaf}")
+        if address is not None and isinstance(leaf, orjson.JSONDecodeError):
+            # The client's reader got a line that is not JSON: another kind of server.
+            return click.ClickException(f"{address} does not answer as a relay-trio server: {leaf}")
+        if address is not None and isinstance(leaf, OSError | trio.TooSlowError):
+            return click.ClickException(f"cannot connect to {address}: {_reason(leaf)}")
+    return None
+
+
+def run(async_fn: Callable[..., Awaitable[T]], *args: Any, address: str | None = None) -> T:
+    """``trio.run``, with expected failures turned into one-line errors. With ``address``,
+    an OSError is a failure to reach the server there."""
+    try:
+        return trio.run(async_fn, *args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        problem = _explain(exc, address)
+        if problem is None:
+            raise
+        raise problem from None
+
+
+def call(address: str, action: Callable[[Client], Awaitable[T]]) -> T:
+    """Connect to the server at ``address``, run ``action`` with the client, disconnect.
+    A one-shot command does not reconnect: a dropped connection is an error at once."""
+
+    async def session() -> T:
+        async with open_client(address, reconnect=False) as client:
+            try:
+                with trio.fail_after(REPLY_TIMEOUT_S):
+                    return await action(client)
+            except trio.TooSlowError:
+                raise click.ClickException(
+                    f"no reply from {address} within {REPLY_TIMEOUT_S:.0f} s"
+                ) from None
+
+    return run(session, address=address)
+
+
+# -- output ---------------------------------------------------------------------------------
+
+_converter = make_converter()
+
+
+def print_json(value: Any) -> None:
+    """``value`` (an attrs result, or plain data) as indented JSON on stdout. Keys are the
+    result's fields in declaration order, every one present (None as null)."""
+    data = value if isinstance(value, dict) else _converter.unstructure(value)
+    click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+
+
+def console() -> Console:
+    return Console()
+
+
+# -- shared options -------------------------------------------------------------------------
+
+
+def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        parse_address(value)
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message) from None  # click names the option
+    return value
+
+
+address_option = click.option(
+    "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
+    callback=_check_address, metavar="HOST:PORT", help="The server (env RELAY_ADDRESS).",
+)  # fmt: skip
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+@click.group(cls=RelayGroup)
+@click.version_option(package_name="relay-trio", prog_name=PROG)
 def main() -> None:
-    """relay-trio: a durable job queue server with visible failure semantics."""
+    """relay-trio: a durable job queue server with visible failure semantics.
+
+    Start with `relay-trio demo` to see jobs run, retry and die in a few seconds.
+    """
 
 
 def _limit(name: str, default: int, text: str):
@@ -72,7 +258,25 @@ _LIMITS = wire.Limits()
     help="SQLite synchronous mode: full fsyncs every commit; normal may lose the last "
     "commits on power loss.",
 )  # fmt: skip
-def server(db: str, address: str, metrics_address: str, synchronous: str, **numbers: int) -> None:
+@click.option(
+    "--max-queue-depth", type=click.IntRange(min=1), default=None,
+    help="Unfinished jobs (pending, ready, leased, retrying) any queue may hold before "
+    "submit answers queue_full. Default: unbounded.",
+)  # fmt: skip
+@click.option(
+    "--queue-depth", "queue_depths", multiple=True, metavar="QUEUE=N",
+    callback=lambda ctx, param, value: _parse_depths(value),
+    help="The same for one queue (repeatable); overrides --max-queue-depth for it.",
+)  # fmt: skip
+def server(
+    db: str,
+    address: str,
+    metrics_address: str,
+    synchronous: str,
+    max_queue_depth: int | None,
+    queue_depths: dict[str, int],
+    **numbers: int,
+) -> None:
     """Run the server until SIGINT or SIGTERM (a second one exits at once)."""
     relay_log.configure()
     host, port = parse_address(address)
@@ -89,6 +293,8 @@ def server(db: str, address: str, metrics_address: str, synchronous: str, **numb
         metrics_port=metrics_port,
         limits=limits,
         synchronous=synchronous,
+        max_queue_depth=max_queue_depth,
+        queue_depths=queue_depths,
         **{k: v for k, v in numbers.items() if k not in limit_fields},
     )
     # serve() runs under a nursery, so a start-up failure arrives in an exception group.
@@ -106,7 +312,21 @@ def server(db: str, address: str, metrics_address: str, synchronous: str, **numb
         sys.exit(failure[0])
 
 
+def _parse_depths(values: tuple[str, ...]) -> dict[str, int]:
+    depths = {}
+    for value in values:
+        queue, sep, number = value.rpartition("=")
+        if not sep or not QUEUE_NAME_RE.fullmatch(queue) or not number.isdigit():
+            raise click.BadParameter(f"{value!r} is not QUEUE=N", param_hint="--queue-depth")
+        depths[queue] = int(number)
+    return depths
+
+
 async def _run_server(config: ServerConfig) -> None:
+    # Imported here: the TCP server (and its metrics endpoint) is the heaviest import, and
+    # no other command needs it.
+    from relay.server.serve import serve
+
     # The signal receiver is installed before serving, so a signal during start-up is
     # not lost: it stops the server as soon as it is up.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -128,3 +348,367 @@ async def _run_server(config: ServerConfig) -> None:
                     # SQLite's journal keeps the file consistent; nothing to flush here.
                     relay_log.event(log, logging.WARNING, "shutdown.forced", signal=name)
                     os._exit(EXIT_SECOND_SIGNAL)
+
+
+# -- worker ---------------------------------------------------------------------------------
+
+
+def _check_queues(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]):
+    for name in value:
+        if not QUEUE_NAME_RE.fullmatch(name):
+            raise click.BadParameter(f"{name!r}: a queue name is 1-128 characters of "
+                                     "[A-Za-z0-9._:-]")  # fmt: skip
+    return value
+
+
+def load_handler(spec: str) -> Callable[..., Any]:
+    """Import "package.module:function" (the function may be dotted: "module:Class.method").
+    The current directory is importable, as with ``python -m``."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise click.BadParameter(f"{spec!r} is not package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise click.BadParameter(
+            f"cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        handler = operator.attrgetter(attribute)(module)
+    except AttributeError:
+        raise click.BadParameter(f"module {module_name} has no {attribute}") from None
+    if not callable(handler):
+        raise click.BadParameter(f"{spec} is not callable")
+    return handler
+
+
+def _handler_option(ctx: click.Context, param: click.Parameter, value: str | None):
+    return None if value is None else load_handler(value)
+
+
+@main.command()
+@address_option
+@click.option(
+    "--queue", "queues", multiple=True, required=True, callback=_check_queues,
+    help="A queue to lease from; repeat for several.",
+)  # fmt: skip
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Slots: the most jobs run at once.",
+)  # fmt: skip
+@click.option(
+    "--shutdown-timeout-ms", type=click.IntRange(min=0), default=30_000, show_default=True,
+    help="At SIGINT/SIGTERM, how long running jobs may finish before they are released.",
+)  # fmt: skip
+@click.option(
+    "--lease-ms", type=click.IntRange(min=1), default=DEFAULT_LEASE_MS, show_default=True,
+    help="Lease length; the worker renews it about every third of it.",
+)  # fmt: skip
+@click.option(
+    "--handler", "handler", metavar="MODULE:FUNCTION", callback=_handler_option,
+    help="The function to run each job with (async or not). Default: the demo executor: "
+    'payload {"sleep_ms": N} sleeps, {"fail": true, "error": "..."} fails, anything else '
+    "succeeds.",
+)  # fmt: skip
+def worker(
+    address: str,
+    queues: tuple[str, ...],
+    concurrency: int,
+    shutdown_timeout_ms: int,
+    lease_ms: int,
+    handler: Callable[..., Any] | None,
+) -> None:
+    """Lease jobs from QUEUEs and run them until SIGINT or SIGTERM (graceful: running jobs
+    get the shutdown timeout; a second signal stops at once). Logs JSON lines on stderr."""
+    relay_log.configure()
+    worker = functools.partial(
+        Worker, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
+        lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000,
+    )  # fmt: skip
+    run(_work, address, worker, address=address)
+
+
+async def _work(address: str, make_worker: Callable[[Client], Worker]) -> None:
+    # The worker rides out server restarts, so its client reconnects (open_client's default).
+    async with open_client(address) as client:
+        hello = await client.hello("relay-trio worker")
+        worker = make_worker(client)
+        _check_worker_limits(worker, hello.limits)
+        await run_worker(worker)
+
+
+def _check_worker_limits(worker: Worker, limits: dict[str, int]) -> None:
+    """Refuse at start what every lease request would be refused for, instead of a worker
+    that logs the same bad_request forever."""
+    checks = (
+        ("--lease-ms", worker.lease_ms, "max_lease_ms"),
+        ("--concurrency", worker.concurrency, "max_batch"),
+        ("--queue", len(worker.queues), "max_queues_per_lease"),
+    )
+    for option, value, limit in checks:
+        top = limits.get(limit)
+        if top is not None and value > top:
+            raise click.BadParameter(
+                f"{value} is more than the server allows ({limit} = {top})", param_hint=option
+            )
+
+
+# -- submit ---------------------------------------------------------------------------------
+
+
+def _payload_option(ctx: click.Context, param: click.Parameter, value: str) -> Any:
+    text = click.get_text_stream("stdin").read() if value == "-" else value
+    if not text.strip():
+        raise click.BadParameter("empty; give a JSON value" + (" on stdin" if value == "-" else ""))
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}") from None
+
+
+BACKOFF_FORMS = "fixed:MS or exp:BASE:MAX[:nojitter]"
+
+
+def parse_backoff(text: str) -> dict[str, Any]:
+    """ "fixed:MS" or "exp:BASE:MAX[:nojitter]" as the wire's backoff object."""
+    kind, *numbers = text.split(":")
+    jitter = True
+    if kind in ("exp", "exponential") and numbers and numbers[-1] in ("jitter", "nojitter"):
+        jitter = numbers.pop() == "jitter"
+    if not all(n.isdigit() for n in numbers):
+        raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")
+    if kind == "fixed" and len(numbers) == 1:
+        return {"kind": "fixed", "delay_ms": int(numbers[0])}
+    if kind in ("exp", "exponential") and len(numbers) == 2:
+        base, top = map(int, numbers)
+        return {"kind": "exponential", "base_ms": base, "max_ms": top, "jitter": jitter}
+    raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")
+
+
+def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | None):
+    return None if value is None else parse_backoff(value)
+
+
+@main.command()
+@click.argument("queue")
+@click.option(
+    "--payload", required=True, callback=_payload_option, metavar="JSON",
+    help="The job's payload, any JSON value; '-' reads it from stdin.",
+)  # fmt: skip
+@click.option("--priority", type=click.Choice(WIRE_PRIORITIES), help="Default: normal.")
+@click.option(
+    "--retries", type=click.IntRange(min=0), help="Retries after the first attempt (default 3)."
+)
+@click.option("--delay-ms", type=click.IntRange(min=0), help="Run no sooner than this from now.")
+@click.option(
+    "--run-at", type=click.IntRange(min=0), metavar="MS", help="Run at this time (ms since epoch)."
+)
+@click.option(
+    "--backoff", callback=_backoff_option, metavar="SPEC",
+    help=f"Wait between retries: {BACKOFF_FORMS} (default exp:1000:300000).",
+)  # fmt: skip
+@click.option("--idempotency-key", metavar="KEY", help="Submit at most once per queue and key.")
+@address_option
+@json_option
+def submit(
+    queue: str,
+    payload: Any,
+    priority: str | None,
+    retries: int | None,
+    delay_ms: int | None,
+    run_at: int | None,
+    backoff: dict[str, Any] | None,
+    idempotency_key: str | None,
+    address: str,
+    as_json: bool,
+) -> None:
+    """Submit a job to QUEUE; print its id and state (and "duplicate" when the idempotency
+    key matched an earlier job)."""
+    if delay_ms is not None and run_at is not None:
+        raise click.UsageError("give --delay-ms or --run-at, not both")
+    result = call(address, lambda client: client.submit(
+        queue, payload, priority=priority, retries=retries, delay_ms=delay_ms, run_at=run_at,
+        backoff=backoff, idempotency_key=idempotency_key,
+    ))  # fmt: skip
+    if as_json:
+        print_json(result)
+    else:
+        click.echo(f"{result.job_id} {result.state}" + (" duplicate" if result.duplicate else ""))
+
+
+# -- inspect and stats ----------------------------------------------------------------------
+
+
+@main.command("inspect")
+@click.argument("job_id", metavar="JOB")
+@address_option
+@json_option
+def inspect_command(job_id: str, address: str, as_json: bool) -> None:
+    """Show one job: state, attempts, timings, errors, payload and result."""
+    job = call(address, lambda client: client.inspect(job_id))
+    if as_json:
+        print_json(job)
+    else:
+        console().print(views.job_panel(job))
+
+
+@main.command()
+@address_option
+@json_option
+def stats(address: str, as_json: bool) -> None:
+    """Jobs per queue and state, and the server's version, uptime and connections."""
+    result = call(address, lambda client: client.stats())
+    if as_json:
+        data = _converter.unstructure(result)
+        data["queues"] = dict(sorted(data["queues"].items()))
+        print_json(data)
+    else:
+        console().print(views.stats_table(result))
+
+
+# -- dead letters ---------------------------------------------------------------------------
+
+
+@main.group()
+def dead() -> None:
+    """Dead jobs: list them, retry them, purge them."""
+
+
+@dead.command("list")
+@click.option("--queue", help="Only this queue's dead jobs.")
+@click.option("--limit", type=click.IntRange(min=1), help="Jobs per page (default 100).")
+@click.option("--cursor", help="Where the previous page ended (its next_cursor).")
+@address_option
+@json_option
+def dead_list(
+    queue: str | None, limit: int | None, cursor: str | None, address: str, as_json: bool
+) -> None:
+    """List dead jobs, oldest first, a page at a time."""
+    page = call(address, lambda client: client.dead_list(queue, limit=limit, cursor=cursor))
+    if as_json:
+        print_json(page)
+    else:
+        console().print(views.dead_table(page))
+
+
+def _dead_target(job_id: str | None, queue: str | None, every: bool) -> dict[str, Any]:
+    """The selection of ``dead retry``/``dead purge``: one job, or a whole queue."""
+    if job_id is not None:
+        if queue is not None or every:
+            raise click.UsageError("give a JOB id, or --queue Q --all, not both")
+        return {"job_id": job_id}
+    if queue is None and not every:
+        raise click.UsageError("give a JOB id, or --queue Q --all")
+    if queue is None:
+        raise click.UsageError("--all needs --queue Q: one queue at a time")
+    if not every:
+        raise click.UsageError(f"--queue {queue} means every dead job of it: add --all")
+    return {"queue": queue, "all": True}
+
+
+def _dead_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = json_option(fn)
+    fn = address_option(fn)
+    fn = click.option("--all", "every", is_flag=True, help="Every dead job of --queue.")(fn)
+    fn = click.option("--queue", help="With --all: the queue whose dead jobs to take.")(fn)
+    return click.argument("job_id", metavar="[JOB]", required=False)(fn)
+
+
+@dead.command("retry")
+@_dead_options
+def dead_retry(
+    job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool
+) -> None:
+    """Make a dead job (or every dead job of a queue) ready again, with fresh attempts."""
+    target = _dead_target(job_id, queue, every)
+    count = call(address, lambda client: client.dead_retry(**target))
+    if as_json:
+        print_json({"count": count})
+    else:
+        click.echo(f"retried {_plural(count, 'dead job')}")
+
+
+@dead.command("purge")
+@_dead_options
+@click.option("--yes", is_flag=True, help="Do not ask before purging a whole queue.")
+def dead_purge(
+    job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool, yes: bool
+) -> None:
+    """Delete a dead job (or every dead job of a queue) for good."""
+    target = _dead_target(job_id, queue, every)
+    if every and not yes:
+        click.confirm(
+            f"Delete every dead job of queue {queue}? This cannot be undone", abort=True, err=True
+        )
+    count = call(address, lambda client: client.dead_purge(**target))
+    if as_json:
+        print_json({"count": count})
+    else:
+        click.echo(f"purged {_plural(count, 'dead job')}")
+
+
+# -- demo -----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--db", type=click.Path(dir_okay=False), metavar="PATH",
+    help="Keep the demo's queue in this SQLite file (default: a temporary file, deleted).",
+)  # fmt: skip
+@click.option(
+    "--jobs", type=click.IntRange(1, 10_000), default=60, show_default=True,
+    help="How many jobs to submit.",
+)  # fmt: skip
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=DEMO_CONCURRENCY, show_default=True,
+    help="The demo worker's slots.",
+)  # fmt: skip
+@click.option("--seed", type=int, help="Seed the job mix, for a repeatable run.")
+def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
+    """Watch jobs run, retry and die, in one process, in a few seconds.
+
+    Starts an embedded queue and a worker running the demo executor, submits a mix of
+    quick, slow, delayed and failing jobs of every priority, shows each state's count as
+    it changes, then the stats and the dead jobs.
+    """
+    relay_log.configure()
+    if "RELAY_LOG" not in os.environ:
+        # The demo's jobs die on purpose; their warnings would only garble the progress.
+        logging.getLogger("relay").setLevel(logging.ERROR)
+    out = console()
+    with tempfile.TemporaryDirectory(prefix="relay-trio-demo-") as tmp:
+        path = db or os.path.join(tmp, "demo.db")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise click.BadParameter(f"{db}: no such directory", param_hint="'--db'")
+        counts = demo_counts(jobs)
+        out.print(
+            f"[bold]relay-trio demo[/]: {jobs} jobs into an embedded queue ({path}), one "
+            f"worker with {concurrency} slots.\n"
+            f"  {counts['quick']} quick (email), {counts['slow']} slow (thumbnails), "
+            f"{counts['delayed']} delayed (reports), {counts['flaky']} failing once then "
+            f"retried (payments), {counts['doomed'] + counts['rejected']} failing for good "
+            "(payments, webhooks).",
+            highlight=False,
+        )
+        outcome = run(functools.partial(run_demo, out, path, jobs, concurrency=concurrency,
+                                        seed=seed))  # fmt: skip
+    out.print(views.stats_table(outcome.stats))
+    out.print(views.dead_table(outcome.dead))
+    totals = views.totals_by_state(outcome.stats)
+    if not outcome.finished:
+        fail(f"demo timed out after {outcome.seconds:.0f} s with "
+             f"{_plural(views.unfinished(outcome.stats), 'unfinished job')}")  # fmt: skip
+    out.print(
+        f"Done in {outcome.seconds:.1f} s: {totals['succeeded']} succeeded, "
+        f"{totals['dead']} dead (each dead job keeps its error history: "
+        "relay-trio inspect JOB).",
+        highlight=False,
+    )
+    if db is not None:
+        out.print(
+            f"The queue is kept in {db}: relay-trio server --db {db}, then relay-trio stats "
+            "or relay-trio dead list.",
+            highlight=False,
+        )

@@ -1,0 +1,396 @@
+"""Each command of the console script, run as a subprocess against a real server."""
+
+from __future__ import annotations
+
+import functools
+import re
+import signal
+import socket
+import subprocess
+import textwrap
+from pathlib import Path
+
+import orjson
+import trio
+
+from relay import JobState
+from relay.client import Client
+
+from .conftest import (
+    BOUND_S,
+    RELAY,
+    assert_one_line_error,
+    cli_env,
+    relay_trio,
+    relay_trio_sync,
+)
+
+WORKER = "test-worker"
+
+
+async def make_dead(client: Client, queue: str, error: str) -> str:
+    """A dead job: submitted, leased and failed as not retryable."""
+    submitted = await client.submit(queue, {"doomed": True})
+    (job,) = await client.lease([queue], WORKER)
+    assert job.job_id == submitted.job_id
+    await client.fail(job.job_id, WORKER, job.token, error, retryable=False)
+    return job.job_id
+
+
+async def wait_for_states(client: Client, job_ids: list[str], *states: JobState) -> None:
+    with trio.fail_after(BOUND_S):
+        while True:
+            jobs = [await client.inspect(job_id) for job_id in job_ids]
+            if all(job.state in states for job in jobs):
+                return
+            await trio.sleep(0.05)
+
+
+# -- submit, inspect, stats ---------------------------------------------------------------
+
+
+async def test_submit_prints_id_and_state_and_honours_every_option(address, client):
+    args = [
+        "submit",
+        "email",
+        "--payload",
+        '{"to": "ada@example.com"}',
+        "--priority",
+        "high",
+        "--retries",
+        "5",
+        "--backoff",
+        "exp:200:5000:nojitter",
+        "--idempotency-key",
+        "k1",
+    ]
+    first = await relay_trio(*args, address=address)
+    assert first.code == 0, first
+    job_id, state = first.stdout.split()
+    assert job_id.startswith("job_") and state == "ready"
+    again = await relay_trio(*args, address=address)
+    assert again.stdout.split() == [job_id, "ready", "duplicate"]
+
+    job = await client.inspect(job_id)
+    assert job.payload == {"to": "ada@example.com"}
+    assert job.priority == "high" and job.max_attempts == 6 and job.idempotency_key == "k1"
+
+
+async def test_submit_reads_the_payload_from_stdin_and_prints_json(address, client):
+    result = await relay_trio("submit", "reports", "--payload", "-", "--delay-ms", "60000",
+                              "--backoff", "fixed:250", "--json", address=address,
+                              stdin='{"report": [1, 2, 3]}\n')  # fmt: skip
+    assert result.code == 0, result
+    reply = result.json()
+    assert set(reply) == {"job_id", "state", "duplicate"}
+    assert reply["state"] == "pending" and reply["duplicate"] is False
+    job = await client.inspect(reply["job_id"])
+    assert job.payload == {"report": [1, 2, 3]} and job.state == JobState.PENDING
+
+
+async def test_inspect_shows_the_job_as_a_panel_and_as_json(address, client):
+    job_id = await make_dead(client, "payments", "card declined")
+    panel = await relay_trio("inspect", job_id, address=address)
+    assert panel.code == 0, panel
+    for fragment in (job_id, "dead", "payments", "normal", "1 of 4", "card declined",
+                     '"doomed": true', " UTC", WORKER):  # fmt: skip
+        assert fragment in panel.stdout, fragment
+
+    as_json = (await relay_trio("inspect", job_id, "--json", address=address)).json()
+    assert as_json["job_id"] == job_id and as_json["state"] == "dead"
+    assert as_json["errors"] == [
+        {"attempt": 1, "error": "card declined", "at": as_json["errors"][0]["at"]}
+    ]
+    # Stable keys: every field of the job, present or null.
+    assert {"result", "run_at", "lease_expires_at", "idempotency_key"} <= set(as_json)
+    assert as_json["result"] is None
+
+
+async def test_stats_shows_queues_by_state_with_totals(address, client):
+    for n in range(3):
+        await client.submit("email", {"n": n})
+    await client.submit("images", {"n": 0}, delay_ms=60_000)
+    await make_dead(client, "images", "boom")
+
+    table = await relay_trio("stats", address=address)
+    assert table.code == 0, table
+    lines = table.stdout.splitlines()
+    email = next(line for line in lines if "email" in line)
+    assert [w for w in email.split() if w.isdigit()] == ["0", "3", "0", "0", "0", "0", "3"]
+    images = next(line for line in lines if "images" in line)
+    assert [w for w in images.split() if w.isdigit()] == ["1", "0", "0", "0", "0", "1", "2"]
+    total = next(line for line in lines if "total" in line and "pending" not in line)
+    assert [w for w in total.split() if w.isdigit()] == ["1", "3", "0", "0", "0", "1", "5"]
+    assert "relay-trio 0.1.0" in table.stdout and "connection" in table.stdout
+
+    as_json = (await relay_trio("stats", "--json", address=address)).json()
+    assert list(as_json) == ["queues", "server"]
+    assert list(as_json["queues"]) == ["email", "images"]
+    assert as_json["queues"]["email"]["ready"] == 3 and as_json["queues"]["images"]["dead"] == 1
+    assert set(as_json["server"]) == {"version", "uptime_ms", "connections"}
+
+
+# -- dead letters -------------------------------------------------------------------------
+
+
+async def test_dead_list_retry_and_purge(address, client):
+    a1 = await make_dead(client, "alpha", "card declined")
+    a2 = await make_dead(client, "alpha", "x" * 200)
+    b1 = await make_dead(client, "beta", "410 Gone")
+
+    listed = await relay_trio("dead", "list", address=address)
+    assert listed.code == 0, listed
+    for job_id in (a1, a2, b1):
+        assert job_id in listed.stdout
+    assert "card declined" in listed.stdout and "410 Gone" in listed.stdout
+    assert "x" * 59 + "…" in listed.stdout and "x" * 60 not in listed.stdout
+
+    page = (await relay_trio("dead", "list", "--queue", "alpha", "--limit", "1", "--json",
+                             address=address)).json()  # fmt: skip
+    assert [job["job_id"] for job in page["jobs"]] == [a1]
+    assert page["next_cursor"] is not None
+    rest = (await relay_trio("dead", "list", "--queue", "alpha", "--cursor",
+                             page["next_cursor"], "--json", address=address)).json()  # fmt: skip
+    assert [job["job_id"] for job in rest["jobs"]] == [a2] and rest["next_cursor"] is None
+
+    retried = await relay_trio("dead", "retry", a1, address=address)
+    assert retried.stdout.strip() == "retried 1 dead job", retried
+    assert (await client.inspect(a1)).state == JobState.READY
+
+    # A whole queue is purged only once confirmed.
+    refused = await relay_trio("dead", "purge", "--queue", "alpha", "--all", address=address,
+                               stdin="n\n")  # fmt: skip
+    assert refused.code == 1 and "aborted" in refused.stderr, refused
+    assert (await client.inspect(a2)).state == JobState.DEAD
+    confirmed = await relay_trio("dead", "purge", "--queue", "beta", "--all", address=address,
+                                 stdin="y\n")  # fmt: skip
+    assert confirmed.stdout.strip() == "purged 1 dead job", confirmed
+    forced = await relay_trio("dead", "purge", "--queue", "alpha", "--all", "--yes", "--json",
+                              address=address)  # fmt: skip
+    assert forced.json() == {"count": 1}
+    empty = await relay_trio("dead", "list", address=address)
+    assert "no dead jobs" in empty.stdout
+
+
+async def test_dead_retry_and_purge_need_a_job_or_a_whole_queue(address):
+    async with trio.open_nursery() as nursery:
+        results = {}
+
+        async def run(name: str, *args: str) -> None:
+            results[name] = await relay_trio(*args, address=address)
+
+        nursery.start_soon(run, "nothing", "dead", "retry")
+        nursery.start_soon(run, "queue without all", "dead", "purge", "--queue", "q")
+        nursery.start_soon(run, "both", "dead", "retry", "job_x", "--queue", "q", "--all")
+    assert_one_line_error(results["nothing"], "give a JOB id", code=2)
+    assert_one_line_error(results["queue without all"], "--all", code=2)
+    assert_one_line_error(results["both"], "not both", code=2)
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def answer_http(stream: trio.SocketStream) -> None:
+    """A server of another kind: it answers a relay-trio request with an HTTP error."""
+    await stream.receive_some(65536)
+    await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    await stream.aclose()
+
+
+async def test_errors_are_one_line_with_a_non_zero_exit(address, nursery):
+    closed = f"127.0.0.1:{free_port()}"
+    (http,) = await nursery.start(
+        functools.partial(trio.serve_tcp, answer_http, 0, host="127.0.0.1")
+    )
+    other = f"127.0.0.1:{http.socket.getsockname()[1]}"
+    cases = {
+        "not a relay-trio server": (["stats"], other),
+        "unreachable": (["stats", "--address", closed], None),
+        "unreachable json": (["dead", "list", "--json"], closed),
+        "bad json": (["submit", "q", "--payload", "{oops"], address),
+        "bad json on stdin": (["submit", "q", "--payload", "-"], address),
+        "unknown job": (["inspect", "job_0000000000000001"], address),
+        "bad priority": (["submit", "q", "--payload", "1", "--priority", "urgent"], address),
+        "bad backoff": (["submit", "q", "--payload", "1", "--backoff", "linear:5"], address),
+        "bad address": (["stats", "--address", "nowhere"], None),
+        "server refuses": (["submit", "bad queue!", "--payload", "1"], address),
+        "no command": (["frobnicate"], None),
+        "demo db nowhere": (["demo", "--db", "/no/such/dir/demo.db"], None),
+    }
+    results = {}
+
+    async def run(name: str) -> None:
+        args, where = cases[name]
+        stdin = "{not json" if name == "bad json on stdin" else None
+        results[name] = await relay_trio(*args, address=where, stdin=stdin)
+
+    async with trio.open_nursery() as nursery:
+        for name in cases:
+            nursery.start_soon(run, name)
+
+    assert_one_line_error(results["unreachable"], f"cannot connect to {closed}", "refused")
+    assert_one_line_error(results["unreachable json"], f"cannot connect to {closed}")
+    assert_one_line_error(results["not a relay-trio server"], other, "not answer as a relay-trio")
+    assert_one_line_error(results["bad json"], "--payload", "not valid JSON", code=2)
+    assert_one_line_error(results["bad json on stdin"], "--payload", "not valid JSON", code=2)
+    assert_one_line_error(results["unknown job"], "not_found", "job_0000000000000001")
+    assert_one_line_error(results["bad priority"], "--priority", "urgent", code=2)
+    assert_one_line_error(results["bad backoff"], "--backoff", "fixed:MS", code=2)
+    assert_one_line_error(results["bad address"], "--address", "HOST:PORT", code=2)
+    assert_one_line_error(results["server refuses"], "bad_request", "queue")
+    assert_one_line_error(results["no command"], "frobnicate", code=2)
+    assert_one_line_error(results["demo db nowhere"], "--db", "no such directory", code=2)
+    for result in results.values():
+        assert result.stdout == ""
+
+
+# -- demo ---------------------------------------------------------------------------------
+
+
+def test_demo_runs_to_completion_and_prints_the_tables():
+    result = relay_trio_sync("demo", timeout=60)
+    assert result.code == 0, result
+    assert "Traceback" not in result.stderr
+    out = result.stdout
+    assert "Queues" in out and "Dead jobs" in out and "Done in" in out
+    for queue in ("email", "thumbnails", "reports", "payments", "webhooks"):
+        assert queue in out
+    # 60 jobs: the 6 flaky ones succeed on their retry; 4 doomed and 4 rejected end dead.
+    total = next(line for line in out.splitlines() if line.startswith("│ total"))
+    assert [w for w in total.split() if w.isdigit()] == ["0", "0", "0", "0", "52", "8", "60"]
+    assert "DemoFailure" in out and "52/60" in out and "8/60" in out
+    # The temporary database is gone.
+    (db,) = re.findall(r"\((/\S+demo\.db)\)", out)
+    assert not Path(db).exists() and not Path(db).parent.exists()
+
+
+# -- worker -------------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """``relay-trio worker`` running; its stderr (JSON log lines) collected by ``pump``."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.stderr = b""
+        self.started = trio.Event()
+
+    async def pump(self) -> None:
+        assert self.process.stderr is not None
+        while data := await self.process.stderr.receive_some(65536):
+            self.stderr += data
+            if b'"worker.started"' in self.stderr:
+                self.started.set()
+        self.started.set()  # it exited: whoever waits finds out from the exit code
+
+    def events(self) -> list[str]:
+        return [orjson.loads(line)["event"] for line in self.stderr.splitlines() if line]
+
+
+async def run_worker_until(address: str, args: list[str], body, env=None) -> WorkerProcess:
+    """Start a worker, wait until it leases, run ``body()``, SIGTERM it; return it exited."""
+    async with trio.open_nursery() as nursery:
+        process = await trio.lowlevel.open_process(
+            [str(RELAY), "worker", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, env=env or cli_env(address),
+        )  # fmt: skip
+        worker = WorkerProcess(process)
+        nursery.start_soon(worker.pump)
+        try:
+            with trio.fail_after(BOUND_S):
+                await worker.started.wait()
+            assert process.returncode is None, worker.stderr
+            await body()
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(BOUND_S):
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True), trio.move_on_after(BOUND_S):
+                    await process.wait()
+    return worker
+
+
+async def test_worker_runs_the_demo_executor_and_stops_on_sigterm(address, client):
+    ids: dict[str, str] = {}
+
+    async def body() -> None:
+        ids["quick"] = (await client.submit("work", {"hello": 1})).job_id
+        ids["slow"] = (await client.submit("other", {"sleep_ms": 200})).job_id
+        ids["failing"] = (await client.submit("work", {"fail": True, "error": "nope"},
+                                              retries=0)).job_id  # fmt: skip
+        await wait_for_states(client, list(ids.values()), JobState.SUCCEEDED, JobState.DEAD)
+
+    args = ["--queue", "work", "--queue", "other", "--concurrency", "4",
+            "--shutdown-timeout-ms", "2000", "--lease-ms", "10000"]  # fmt: skip
+    worker = await run_worker_until(address, args, body)
+    assert worker.process.returncode == 0, worker.stderr
+    assert "Traceback" not in worker.stderr.decode()
+    assert "worker.signal" in worker.events() and "worker.stopped" in worker.events()
+
+    assert (await client.inspect(ids["quick"])).state == JobState.SUCCEEDED
+    slow = await client.inspect(ids["slow"])
+    assert slow.state == JobState.SUCCEEDED and slow.result["slept_ms"] == 200
+    failing = await client.inspect(ids["failing"])
+    assert failing.state == JobState.DEAD and failing.last_error == "DemoFailure: nope"
+
+
+async def test_worker_runs_a_handler_imported_from_the_path(address, client, tmp_path):
+    (tmp_path / "myjobs.py").write_text(
+        textwrap.dedent("""
+        def double(job):
+            return {"doubled": job.payload["n"] * 2, "queue": job.queue}
+    """)
+    )
+    job_ids: list[str] = []
+
+    async def body() -> None:
+        for n in (1, 21):
+            job_ids.append((await client.submit("math", {"n": n})).job_id)
+        await wait_for_states(client, job_ids, JobState.SUCCEEDED, JobState.DEAD)
+
+    env = cli_env(address, PYTHONPATH=str(tmp_path))
+    worker = await run_worker_until(address, ["--queue", "math", "--handler", "myjobs:double"],
+                                    body, env=env)  # fmt: skip
+    assert worker.process.returncode == 0, worker.stderr
+    results = [(await client.inspect(job_id)).result for job_id in job_ids]
+    assert results == [{"doubled": 2, "queue": "math"}, {"doubled": 42, "queue": "math"}]
+
+
+async def test_worker_refuses_what_it_cannot_run(address):
+    unreachable = f"127.0.0.1:{free_port()}"
+    cases = {
+        "no module": ["--queue", "q", "--handler", "no_such_module_here:run"],
+        "no function": ["--queue", "q", "--handler", "json:no_such_function"],
+        "not module:function": ["--queue", "q", "--handler", "json"],
+        "lease too long": ["--queue", "q", "--lease-ms", str(10**12)],
+        "bad queue": ["--queue", "no spaces"],
+        "unreachable": ["--queue", "q", "--address", unreachable],
+    }
+    results = {}
+
+    async def run(name: str) -> None:
+        results[name] = await relay_trio("worker", *cases[name], address=address)
+
+    async with trio.open_nursery() as nursery:
+        for name in cases:
+            nursery.start_soon(run, name)
+    assert_one_line_error(results["no module"], "--handler", "no_such_module_here", code=2)
+    assert_one_line_error(results["no function"], "no_such_function", code=2)
+    assert_one_line_error(results["not module:function"], "module:function", code=2)
+    assert_one_line_error(results["lease too long"], "--lease-ms", "max_lease_ms", code=2)
+    assert_one_line_error(results["bad queue"], "--queue", code=2)
+    # The worker logs its start attempt as JSON; the failure is still one plain line.
+    unreachable_lines = [
+        line for line in results["unreachable"].stderr.splitlines() if not line.startswith("{")
+    ]
+    assert results["unreachable"].code == 1
+    assert unreachable_lines == [f"relay-trio: cannot connect to {unreachable}: Connection "
+                                 "refused"]  # fmt: skip

@@ -1,0 +1,111 @@
+"""The command line's pure helpers, in process: argument parsing and error translation."""
+
+from __future__ import annotations
+
+import random
+
+import click
+import pytest
+import trio
+
+from cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
+from cli.main import _explain, load_handler, parse_backoff
+from relay import LeasedJob, PermanentError
+from relay.errors import ConnectionLost, JobNotFound, NotADatabase
+
+
+def test_parse_backoff_forms():
+    assert parse_backoff("fixed:300") == {"kind": "fixed", "delay_ms": 300}
+    assert parse_backoff("exp:100:5000") == {
+        "kind": "exponential", "base_ms": 100, "max_ms": 5000, "jitter": True,
+    }  # fmt: skip
+    assert parse_backoff("exp:100:5000:nojitter")["jitter"] is False
+    assert parse_backoff("exponential:1:2:jitter")["jitter"] is True
+
+
+@pytest.mark.parametrize("text", ["fixed", "fixed:x", "fixed:1:2", "exp:1", "linear:5", ""])
+def test_parse_backoff_refuses_other_forms(text):
+    with pytest.raises(click.BadParameter, match="fixed:MS or exp:BASE:MAX"):
+        parse_backoff(text)
+
+
+def test_load_handler_imports_dotted_attributes():
+    assert load_handler("json:dumps").__name__ == "dumps"
+    assert load_handler("json:JSONDecoder.decode").__name__ == "decode"
+    with pytest.raises(click.BadParameter, match="cannot import"):
+        load_handler("no_such_module_xyz:run")
+    with pytest.raises(click.BadParameter, match="is not callable"):
+        load_handler("json:__name__")
+
+
+def refused() -> OSError:
+    """What trio.open_tcp_stream raises when nothing listens."""
+    error = OSError("all attempts to connect to 127.0.0.1:9 failed")
+    error.__cause__ = ExceptionGroup(
+        "attempts", [ConnectionRefusedError(111, "Error connecting to ...: refused")]
+    )
+    return error
+
+
+def test_explain_unwraps_exception_groups_into_one_line():
+    grouped = BaseExceptionGroup("nursery", [BaseExceptionGroup("inner", [refused()])])
+    assert _explain(grouped, "127.0.0.1:9").message == (
+        "cannot connect to 127.0.0.1:9: Connection refused"
+    )
+    assert _explain(trio.TooSlowError(), "h:1").message == "cannot connect to h:1: timed out"
+    assert _explain(ExceptionGroup("g", [JobNotFound("job_1")]), None).message == (
+        "not_found: no job job_1"
+    )
+    assert _explain(ConnectionLost("stats: dropped"), None).message == (
+        "connection_lost: stats: dropped"
+    )
+    assert _explain(NotADatabase("x.db", "not SQLite"), None).message == (
+        "refusing to open x.db: not SQLite"
+    )
+    # Without an address an OSError is not about connecting; and bugs stay bugs.
+    assert _explain(refused(), None) is None
+    assert _explain(ExceptionGroup("g", [KeyError("x")]), "h:1") is None
+
+
+@pytest.mark.parametrize("jobs", [1, 7, 60, 1000])
+def test_demo_mix_adds_up_and_uses_every_priority(jobs):
+    counts = demo_counts(jobs)
+    assert sum(counts.values()) == jobs and min(counts.values()) >= 0
+    mix = demo_jobs(jobs, random.Random(1))
+    assert len(mix) == jobs
+    if jobs >= 60:
+        assert {job.get("priority") for job in mix} == {"low", "normal", "high", "critical"}
+        assert {job["queue"] for job in mix} == {
+            "email", "thumbnails", "reports", "payments", "webhooks",
+        }  # fmt: skip
+
+
+def leased(payload, attempt: int = 1) -> LeasedJob:
+    return LeasedJob("job_1", "q", payload, "normal", attempt, 4, "token", 0)
+
+
+async def test_demo_handler_does_what_the_payload_says(autojump_clock):
+    started = trio.current_time()
+    assert await demo_handler(leased({"sleep_ms": 1500})) == {"attempt": 1, "slept_ms": 1500}
+    assert trio.current_time() - started == pytest.approx(1.5)
+    assert await demo_handler(leased([1, 2])) == {"attempt": 1, "slept_ms": 0}
+    assert await demo_handler(leased({"sleep_ms": "soon"})) == {"attempt": 1, "slept_ms": 0}
+    with pytest.raises(DemoFailure, match="card declined"):
+        await demo_handler(leased({"fail": True, "error": "card declined"}))
+    with pytest.raises(PermanentError, match="gone"):
+        await demo_handler(leased({"fail": True, "error": "gone", "retryable": False}))
+    # fail_attempts: fails that many attempts, then succeeds.
+    flaky = {"fail_attempts": 2, "error": "flaky"}
+    for attempt in (1, 2):
+        with pytest.raises(DemoFailure, match="flaky"):
+            await demo_handler(leased(flaky, attempt))
+    assert (await demo_handler(leased(flaky, 3)))["attempt"] == 3
+
+
+def test_queue_depths_parse_queue_equals_number():
+    from cli.main import _parse_depths
+
+    assert _parse_depths(("email=10", "a.b:c=0")) == {"email": 10, "a.b:c": 0}
+    for bad in ("email", "=5", "bad name=3", "email=-1", "email=x"):
+        with pytest.raises(click.BadParameter):
+            _parse_depths((bad,))
