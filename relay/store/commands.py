@@ -75,6 +75,11 @@ class Ack:
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_ack(self.job_id, self.worker_id, self.token, self.result, now)
 
+    @staticmethod
+    def apply_many(store: SqliteStore, now: int, commands: list[Ack]) -> list[Any]:
+        acks = [(c.job_id, c.worker_id, c.token, c.result) for c in commands]
+        return store.jobs_ack_many(acks, now)
+
 
 @attrs.frozen
 class Fail:

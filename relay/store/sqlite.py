@@ -112,6 +112,37 @@ class Changes:
             self.next_expiry_at = at
 
 
+_LEASE_ROW_SQL = (
+    "SELECT id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
+    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter "
+    "FROM jobs WHERE "
+)
+
+
+def _check_lease(
+    row: tuple | None, job_id: str, worker_id: str, token: str, now: int, operation: str
+) -> tuple | None:
+    """``row`` (from _LEASE_ROW_SQL) if the token and worker hold its unexpired lease;
+    None for an ack repeated with the completing token; else the refusal, raised."""
+    if row is None:
+        raise JobNotFound(job_id)
+    state, lease_token, lease_worker, expires_at = row[2], row[5], row[6], row[7]
+    if lease_token is None or token != lease_token or worker_id != lease_worker:
+        raise StaleToken(job_id)
+    if state == LEASED:
+        if now >= expires_at:
+            raise LeaseExpired(job_id, expires_at)
+        return row
+    if state == SUCCEEDED and operation == "ack":
+        return None
+    # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
+    # restart recovery): the token held the lease and it expired. The holder's own ack,
+    # fail or release clears it: the token no longer holds the current lease.
+    if expires_at is not None:
+        raise LeaseExpired(job_id, expires_at)
+    raise StaleToken(job_id)
+
+
 @functools.lru_cache(maxsize=64)
 def _claim_candidates_sql(queue_count: int) -> str:
     # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
@@ -407,29 +438,8 @@ class SqliteStore:
         key = parse_job_id(job_id)
         row = None
         if key is not None:
-            row = self._db.execute(
-                "SELECT id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
-                "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, "
-                "backoff_jitter FROM jobs WHERE id = ?",
-                (key,),
-            ).fetchone()
-        if row is None:
-            raise JobNotFound(job_id)
-        state, lease_token, lease_worker, expires_at = row[2], row[5], row[6], row[7]
-        if lease_token is None or token != lease_token or worker_id != lease_worker:
-            raise StaleToken(job_id)
-        if state == LEASED:
-            if now >= expires_at:
-                raise LeaseExpired(job_id, expires_at)
-            return row
-        if state == SUCCEEDED and operation == "ack":
-            return None
-        # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
-        # restart recovery): the token held the lease and it expired. The holder's own
-        # ack, fail or release clears it: the token no longer holds the current lease.
-        if expires_at is not None:
-            raise LeaseExpired(job_id, expires_at)
-        raise StaleToken(job_id)
+            row = self._db.execute(_LEASE_ROW_SQL + "id = ?", (key,)).fetchone()
+        return _check_lease(row, job_id, worker_id, token, now, operation)
 
     def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
         """Extend a held lease to now + ``lease_ms``; return the new expiry."""
@@ -454,6 +464,35 @@ class SqliteStore:
         )
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked")
+
+    def jobs_ack_many(
+        self, acks: Sequence[tuple[str, str, str, str | None]], now: int
+    ) -> list[None]:
+        """Ack many jobs (job_id, worker_id, token, result) with one read and one write.
+
+        All or nothing: if any ack would be refused, or one job appears twice, raises
+        (a ``RelayError`` or ValueError) having changed nothing; the caller then acks one
+        by one to give each its own answer.
+        """
+        keys = [parse_job_id(job_id) for job_id, *_ in acks]
+        if None in keys or len(set(keys)) != len(keys):
+            raise ValueError("not a run of distinct job ids")
+        marks = ", ".join("?" * len(keys))
+        rows = {row[0]: row for row in self._db.execute(_LEASE_ROW_SQL + f"id IN ({marks})", keys)}
+        updates = []
+        for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
+            row = _check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
+            if row is not None:  # None: an ack repeated with the completing token
+                updates.append((now, result, key, row[1]))
+        self._db.executemany(
+            "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = ?, "
+            "lease_expires_at = NULL WHERE id = ?",
+            [update[:3] for update in updates],
+        )
+        for *_, queue in updates:
+            self._move(queue, LEASED, SUCCEEDED)
+            self._count(queue, "acked")
+        return [None] * len(acks)
 
     def jobs_fail(
         self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int

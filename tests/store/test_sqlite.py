@@ -1330,3 +1330,51 @@ def test_claim_cost_does_not_grow_with_the_backlog(store):
     large, lease = claim_steps(T0 + 3)
     assert lease.priority == CRITICAL and store.job_inspect(lease.job_id).ready_at == T0
     assert small > 0 and large <= 1.5 * small, (small, large)
+
+
+# -- acks in one call (the writer's merged path) ----------------------------------------------
+
+
+def test_ack_many_completes_every_job_with_its_result(store):
+    jobs = [submit(store, T0) for _ in range(3)]
+    leases = store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0)
+    acks = [(lease.job_id, "w1", lease.token, f'{{"n":{i}}}') for i, lease in enumerate(leases)]
+    assert store.jobs_ack_many(acks, T0 + 1) == [None] * 3
+    for i, lease in enumerate(leases):
+        info = store.job_inspect(lease.job_id)
+        assert (info.state, info.result, info.finished_at) == ("succeeded", f'{{"n":{i}}}', T0 + 1)
+    assert store.queue_stats()["q"]["succeeded"] == 3 == len(jobs)
+    assert store.event_totals()[("q", "acked")] == 3
+
+
+def test_ack_many_accepts_an_ack_repeated_with_the_completing_token(store):
+    submit(store, T0)
+    submit(store, T0)
+    first, second = store.jobs_claim(["q"], "w1", 2, LEASE_MS, T0)
+    store.jobs_ack(first.job_id, "w1", first.token, None, T0 + 1)
+    acks = [(first.job_id, "w1", first.token, None), (second.job_id, "w1", second.token, None)]
+    store.jobs_ack_many(acks, T0 + 2)
+    assert store.queue_stats()["q"]["succeeded"] == 2
+    assert store.job_inspect(first.job_id).finished_at == T0 + 1  # the repeat changed nothing
+
+
+@pytest.mark.parametrize("bad", ["stale", "expired", "unknown", "duplicate"])
+def test_ack_many_refuses_the_whole_run_and_changes_nothing(store, bad):
+    for _ in range(2):
+        submit(store, T0)
+    good, other = store.jobs_claim(["q"], "w1", 2, LEASE_MS, T0)
+    acks = [(good.job_id, "w1", good.token, None)]
+    now = T0 + 1
+    if bad == "stale":
+        acks.append((other.job_id, "w1", "0" * 32, None))
+    elif bad == "expired":
+        acks.append((other.job_id, "w1", other.token, None))
+        now = other.lease_expires_at
+    elif bad == "unknown":
+        acks.append(("job_0000000000000001", "w1", other.token, None))
+    else:
+        acks.append(acks[0])
+    before = [snapshot(store, good.job_id), snapshot(store, other.job_id)]
+    with pytest.raises((StaleToken, LeaseExpired, JobNotFound, ValueError)):
+        store.jobs_ack_many(acks, now)
+    assert [snapshot(store, good.job_id), snapshot(store, other.job_id)] == before

@@ -372,3 +372,23 @@ async def test_a_failing_submit_in_a_merged_run_fails_alone(db_path):
     assert [isinstance(outcomes[i], QueueFull) for i in range(5)] == [False] * 3 + [True] * 2
     assert stats["q"]["ready"] == 3
     assert len(committed_ids(db_path)) == 3
+
+
+async def test_a_run_of_acks_with_a_stale_one_answers_each_on_its_own(db_path):
+    store = SqliteStore.open(db_path)
+    sink = Collect(3)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            await writer.execute(cmd.Submit((spec(), spec())))
+            first, second = await writer.execute(cmd.Claim(("q",), "w", 2, 30_000))
+            gate = await hold_writer(writer)
+            await writer.send(cmd.Ack(first.job_id, "w", first.token), sink, tag="first")
+            await writer.send(cmd.Ack(second.job_id, "w", "0" * 32), sink, tag="stale")
+            await writer.send(cmd.Ack(second.job_id, "w", second.token), sink, tag="second")
+            gate.release.set()
+            await sink.done.wait()
+            stats = await writer.execute(cmd.Stats())
+    out = sink.outcomes
+    assert out["first"] is None and out["second"] is None
+    assert isinstance(out["stale"], StaleToken)
+    assert stats["q"]["succeeded"] == 2
