@@ -56,6 +56,7 @@ class Priority(enum.IntEnum):
 
 
 WIRE_PRIORITIES = tuple(p.wire for p in Priority)
+PRIORITY_BY_WIRE = {p.wire: p for p in Priority}
 
 
 def effective_priority(base: int, ready_at: int, now: int) -> int:

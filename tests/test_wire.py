@@ -213,3 +213,54 @@ def test_job_fields_leave_out_what_is_unset():
         "ready_at": 5,
         "errors": [],
     }
+
+
+submit_values = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 2_000), st.text(max_size=6),
+    st.sampled_from(["q", "email", "bad name", "", "normal", "high", "urgent", "k" * 300]),
+    st.lists(st.integers(), max_size=2),
+)  # fmt: skip
+submit_dicts = st.dictionaries(
+    st.sampled_from(
+        ["queue", "payload", "priority", "retries", "delay_ms", "idempotency_key", "run_at",
+         "backoff", "op", "id", "extra"]
+    ),
+    submit_values,
+    max_size=8,
+).map(lambda d: {"queue": "q", "payload": 1, **d})  # fmt: skip
+
+
+@given(submit_dicts)
+def test_the_fast_submit_path_agrees_with_the_full_path(job):
+    """Whatever the fast path accepts, the full path accepts and turns into the same spec;
+    what it declines, the full path parses or refuses on its own."""
+    fast = wire.fast_submit_spec(job, LIMITS)
+    try:
+        full = wire.structure(job, wire.Submit).to_spec(LIMITS)
+    except BadRequest:
+        full = None
+    if fast is not None:
+        assert fast == full
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        {"queue": "q", "payload": {"a": [1]}},
+        {"op": "submit", "id": 3, "queue": "email", "payload": None, "priority": "high",
+         "retries": 0, "delay_ms": 500, "idempotency_key": "k"},
+    ],
+)  # fmt: skip
+def test_plain_submits_take_the_fast_path(job):
+    fast = wire.fast_submit_spec(job, LIMITS)
+    assert fast is not None
+    assert fast == wire.structure(job, wire.Submit).to_spec(LIMITS)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"backoff": {"kind": "fixed", "delay_ms": 5}}, {"run_at": 5}, {"unknown": 1},
+     {"retries": True}, {"priority": ["high"]}, {"queue": ["q"]}],
+)  # fmt: skip
+def test_anything_unusual_leaves_the_fast_path(extra):
+    assert wire.fast_submit_spec({"queue": "q", "payload": 1, **extra}, LIMITS) is None
