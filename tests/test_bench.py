@@ -1,0 +1,77 @@
+"""relay-bench keeps working: its quick run completes and its report is complete and
+plausible. (Speed is the benchmark's business, not the tests': no number is asserted.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from scripts import plot_bench
+
+BENCH = str(Path(sys.executable).parent / "relay-bench")
+EXPECTED = [
+    "submit, 1 producer(s) one-at-a-time",
+    "submit, 8 producer(s) one-at-a-time",
+    "submit, 32 producer(s) one-at-a-time",
+    "submit, 1 connection pipelining (window 64)",
+    "submit_batch of 100, 1 client(s)",
+    "submit_batch of 100, 4 client(s)",
+    "lease+ack, 8 processes, count 8, pipelined acks",
+    "lease+ack, relay.Worker concurrency 1",
+    "lease+ack, relay.Worker concurrency 4",
+    "lease+ack, relay.Worker concurrency 16",
+    "lease+ack, relay.Worker concurrency 64",
+    "lease+ack with 1,000 ready jobs (raw, count 8)",
+    "lease+ack with 20,000 ready jobs (raw, count 8)",
+]
+
+
+def test_quick_bench_reports_every_scenario(tmp_path):
+    out = tmp_path / "bench.json"
+    finished = subprocess.run(
+        [BENCH, "--quick", "--runs", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    report = orjson.loads(out.read_bytes())
+    results = report["results"]
+    scenarios = {(r["scenario"], r["sync"]) for r in results}
+    for name in EXPECTED:
+        assert (name, "full") in scenarios, name
+    for name in EXPECTED[:6]:  # the submit scenarios run with NORMAL too
+        assert (name, "normal") in scenarios, name
+    for r in results:
+        assert len(r["runs"]) == 1 and r["median"] > 0, r
+        if r["unit"] == "jobs/s":
+            # A real server ran: its memory was sampled and its writer committed batches.
+            assert 5 < r["peak_rss_mb"] < 2_000, r
+            assert r["mean_batch"] >= 1, r
+    latency = [r for r in results if r["unit"] == "ms"]
+    assert latency, "no latency scenario"
+    for r in latency:
+        extra = r["extra"]
+        for stage in ("start", "ack"):
+            p50, p90, p99, top = (extra[f"{stage}_{k}"] for k in ("p50_ms", "p90_ms",
+                                                                  "p99_ms", "max_ms"))  # fmt: skip
+            assert 0 < p50 <= p90 <= p99 <= top, extra
+        assert extra["start_p50_ms"] <= extra["ack_p50_ms"]
+    # The table was printed, too.
+    assert "relay-bench" in finished.stdout
+
+
+def test_plot_helpers_pick_the_scaling_curve_and_latencies():
+    results = [
+        {"scenario": "lease+ack, relay.Worker concurrency 16", "unit": "jobs/s",
+         "median": 30.0, "runs": [20.0, 30.0, 40.0], "extra": {}},
+        {"scenario": "lease+ack, relay.Worker concurrency 1", "unit": "jobs/s",
+         "median": 10.0, "runs": [10.0], "extra": {}},
+        {"scenario": "end-to-end latency at 2,000 jobs/s offered", "unit": "ms",
+         "median": 5.0, "runs": [5.0], "extra": {"ack_p99_ms": 5.0}},
+    ]  # fmt: skip
+    assert plot_bench.scaling_points(results) == [(1, 10.0, 10.0, 10.0), (16, 30.0, 20.0, 40.0)]
+    assert plot_bench.latency_rows(results) == [
+        ("end-to-end latency at 2,000 jobs/s offered", {"ack_p99_ms": 5.0})
+    ]
