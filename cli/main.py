@@ -702,8 +702,8 @@ def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
              f"{_plural(views.unfinished(outcome.stats), 'unfinished job')}")  # fmt: skip
     out.print(
         f"Done in {outcome.seconds:.1f} s: {totals['succeeded']} succeeded, "
-        f"{totals['dead']} dead (each dead job keeps its error history: "
-        "relay-trio inspect JOB).",
+        f"{totals['dead']} dead; each dead job keeps its error history"
+        + (" (see below)." if db is not None else " (--db PATH keeps the queue to look at)."),
         highlight=False,
     )
     if db is not None:
