@@ -217,13 +217,11 @@ def _payload(i: int) -> dict[str, Any]:
 # -- scenarios ------------------------------------------------------------------------------
 
 
-async def submit_one_at_a_time(address, producers: int, per_producer: int) -> float:
-    async def produce(conn: Conn) -> None:
-        for i in range(per_producer):
-            await conn.stream.send_all(conn.line("submit", queue="bench", payload=_payload(i)))
-            await conn.read_count(1)
-
-    conns = [await Conn.open(address) for _ in range(producers)]
+async def _timed_connections(
+    address, connections: int, produce: Callable[[Conn], Awaitable[None]]
+) -> float:
+    """Open ``connections``, run ``produce`` on each concurrently; the seconds it took."""
+    conns = [await Conn.open(address) for _ in range(connections)]
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for conn in conns:
@@ -231,7 +229,16 @@ async def submit_one_at_a_time(address, producers: int, per_producer: int) -> fl
     elapsed = time.perf_counter() - started
     for conn in conns:
         await conn.aclose()
-    return producers * per_producer / elapsed
+    return elapsed
+
+
+async def submit_one_at_a_time(address, producers: int, per_producer: int) -> float:
+    async def produce(conn: Conn) -> None:
+        for i in range(per_producer):
+            await conn.stream.send_all(conn.line("submit", queue="bench", payload=_payload(i)))
+            await conn.read_count(1)
+
+    return producers * per_producer / await _timed_connections(address, producers, produce)
 
 
 async def submit_pipelined(address, window: int, total: int) -> float:
@@ -265,15 +272,7 @@ async def submit_batches(address, clients: int, batch: int, batches: int) -> flo
             await conn.stream.send_all(conn.line("submit_batch", jobs=jobs))
             await conn.read_count(1)
 
-    conns = [await Conn.open(address) for _ in range(clients)]
-    started = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for conn in conns:
-            nursery.start_soon(produce, conn)
-    elapsed = time.perf_counter() - started
-    for conn in conns:
-        await conn.aclose()
-    return clients * batch * batches / elapsed
+    return clients * batch * batches / await _timed_connections(address, clients, produce)
 
 
 async def prefill(address, total: int, queue: str = "bench") -> None:
