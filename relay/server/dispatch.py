@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from relay import wire
-from relay.errors import InternalError, RelayError
+from relay.errors import InternalError, RelayError, ShuttingDown
 from relay.histogram import Histogram
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult
@@ -313,6 +313,7 @@ class Dispatcher:
         self, connection: Connection, tag: Pending, queue: str, chunk: Callable
     ) -> None:
         total = 0
+        data = wire.encode_error(tag.request_id, ShuttingDown("stopped before it finished"))
         try:
             while True:
                 n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
@@ -322,7 +323,10 @@ class Dispatcher:
             data = wire.encode_ok(tag.request_id, {"count": total})
         except RelayError as exc:
             data = wire.encode_error(tag.request_id, exc)
-        self._reply_now(connection, tag.op, tag.started, data)
+        finally:
+            # Also when cancelled (the connection closed): the request must be accounted
+            # as answered, or shutdown would wait for it until its deadline.
+            self._reply_now(connection, tag.op, tag.started, data)
 
     # -- outcomes ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from relay.errors import ShuttingDown
 from relay.store.commands import Claim
 from relay.store.sqlite import Changes
 from relay.store.writer import ReplySink, Writer
@@ -111,7 +112,10 @@ class LongPolls:
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its
                 # deadline), a job answers it.
-                await self._writer.send(entry.tag.claim(), entry.sink, entry.tag)
+                try:
+                    await self._writer.send(entry.tag.claim(), entry.sink, entry.tag)
+                except ShuttingDown:
+                    entry.sink.deliver([(entry.tag, [])])
             now = trio.current_time()
             while self._deadlines and (
                 self._deadlines[0][0] <= now or not self._deadlines[0][2].active

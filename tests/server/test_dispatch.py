@@ -1,0 +1,70 @@
+"""The dispatcher's accounting, with fakes for the writer and the connection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import trio
+
+from relay import wire
+from relay.server.dispatch import Dispatcher
+from relay.server.longpoll import LongPolls
+from relay.store import commands as cmd
+
+
+class BlockingWriter:
+    """Answers DeadRetryQueue with a full chunk once, then blocks forever."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.blocked = trio.Event()
+
+    async def execute(self, command: Any) -> Any:
+        assert isinstance(command, cmd.DeadRetryQueue)
+        self.calls += 1
+        if self.calls == 1:
+            return command.limit
+        self.blocked.set()
+        await trio.sleep_forever()
+
+    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
+        raise AssertionError("not used here")
+
+
+class FakeConnection:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.closed = False
+        self.can_wait = True
+        self.in_flight = 0
+        self.replies: list[dict[str, Any]] = []
+
+    def begin_request(self) -> None:
+        self.in_flight += 1
+
+    def reply(self, data: bytes) -> None:
+        self.in_flight -= 1
+        self.replies.append(orjson.loads(data))
+
+    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
+        raise AssertionError("not used here")
+
+
+async def test_a_whole_queue_retry_cut_short_is_still_answered_and_accounted():
+    writer = BlockingWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
+    async with trio.open_nursery() as connection_nursery:
+        connection = FakeConnection(connection_nursery)
+        line = orjson.dumps({"op": "dead_retry", "id": 7, "queue": "q", "all": True})
+        await dispatcher.dispatch(connection, line)
+        with trio.fail_after(5):
+            await writer.blocked.wait()
+        assert dispatcher.in_flight == 1
+        connection_nursery.cancel_scope.cancel()  # the connection closes mid-way
+    assert dispatcher.in_flight == 0
+    assert connection.in_flight == 0
+    (reply,) = connection.replies
+    assert reply["id"] == 7 and reply["error"]["code"] == "shutting_down"
+    with trio.fail_after(1):
+        await dispatcher.wait_idle()
