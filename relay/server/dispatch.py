@@ -59,6 +59,7 @@ class Pending:
     op: str
     started: float
     encode: Callable[[Any], dict[str, Any]]
+    queued: bool = False  # handed to the writer (or to an admin task): answered later
 
 
 @attrs.define(slots=True, eq=False)
@@ -176,7 +177,18 @@ class Dispatcher:
             op = frame.op if isinstance(frame.op, str) and frame.op in wire.REQUEST_TYPES else op
             request = wire.parse_request(frame, self.limits)
             handler = getattr(self, f"_op_{frame.op}")
-            await handler(connection, Pending(request_id, op, started, _no_fields), request)
+            tag = Pending(request_id, op, started, _no_fields)
+            try:
+                await handler(connection, tag, request)
+            except Exception:
+                raise  # answered just below
+            except BaseException:
+                if not tag.queued:
+                    # Cancelled while waiting for room in the writer (the connection is
+                    # closing): answered here, or it would stay in flight for ever.
+                    error = ShuttingDown("not queued: the connection is closing")
+                    self._reply_now(connection, op, started, wire.encode_error(request_id, error))
+                raise
         except RelayError as exc:
             self._reply_now(connection, op, started, wire.encode_error(request_id, exc))
         except Exception:
@@ -189,6 +201,7 @@ class Dispatcher:
     ) -> None:
         tag.encode = encode
         await self.writer.send(command, connection, tag)
+        tag.queued = True
 
     async def _op_hello(self, connection: Connection, tag: Pending, request: wire.Hello) -> None:
         fields = {
@@ -227,6 +240,7 @@ class Dispatcher:
             deadline=tag.started + request.wait_ms / 1000,
         )
         await self.writer.send(lease.claim(), connection, lease)
+        tag.queued = True
 
     async def _op_renew(self, connection: Connection, tag: Pending, request: wire.Renew) -> None:
         command = cmd.Renew(request.job_id, request.worker_id, request.token, request.lease_ms)
@@ -308,6 +322,7 @@ class Dispatcher:
         # so the connection keeps reading and the writer serves others between chunks.
         assert request.queue is not None
         connection.nursery.start_soon(self._dead_queue, connection, tag, request.queue, chunk)
+        tag.queued = True
 
     async def _dead_queue(
         self, connection: Connection, tag: Pending, queue: str, chunk: Callable

@@ -104,6 +104,10 @@ class Listener:
             await self._handle(stream, peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             event(log, logging.DEBUG, "connection.broken", peer=peer, error=repr(exc))
+        except Exception:
+            # One connection must never take the server down, whatever went wrong in it
+            # (an ExceptionGroup from its nursery included). Cancellation still passes.
+            log.exception("connection.crashed", extra={"fields": {"peer": peer}})
         finally:
             self.limiter.release_on_behalf_of(owner)
             event(log, logging.DEBUG, "connection.close", peer=peer)

@@ -139,7 +139,10 @@ class Session:
             while self._owed() >= max_in_flight:
                 await self._room_lot.park()
             with trio.move_on_after(self.idle_timeout) as idle:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
+                try:
+                    data = await self.stream.receive_some(RECEIVE_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # reset by the peer: as good as EOF (and it reads nothing more)
             if idle.cancelled_caught:
                 # Waiting on our own long-poll is not idleness; a half-sent line is.
                 if self.in_flight == 0 or self.splitter.buffered:

@@ -68,3 +68,23 @@ async def test_a_whole_queue_retry_cut_short_is_still_answered_and_accounted():
     assert reply["id"] == 7 and reply["error"]["code"] == "shutting_down"
     with trio.fail_after(1):
         await dispatcher.wait_idle()
+
+
+class FullWriter:
+    """A writer whose channel is full: send waits for ever."""
+
+    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
+        await trio.sleep_forever()
+
+
+async def test_a_request_cancelled_before_it_was_queued_is_answered_and_accounted():
+    writer = FullWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        connection = FakeConnection(nursery)
+        line = orjson.dumps({"op": "submit", "id": 9, "queue": "q", "payload": 1})
+        with trio.move_on_after(0.05):
+            await dispatcher.dispatch(connection, line)
+    assert dispatcher.in_flight == 0 and connection.in_flight == 0
+    (reply,) = connection.replies
+    assert reply["id"] == 9 and reply["error"]["code"] == "shutting_down"
