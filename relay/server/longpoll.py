@@ -90,6 +90,10 @@ class LongPolls:
                 self._unregister(entry)
                 entry.sink.deliver([(entry.tag, [])])
         self._deadlines.clear()
+        # Woken but not yet claimed again: answered now too, and never claimed.
+        woken, self._woken = self._woken, []
+        for entry in woken:
+            entry.sink.deliver([(entry.tag, [])])
         self._lot.unpark_all()
 
     def _unregister(self, entry: _Parked) -> None:
@@ -107,7 +111,7 @@ class LongPolls:
         while True:
             while self._woken:
                 entry = self._woken.pop()
-                if not getattr(entry.sink, "can_wait", True):
+                if self.closing or not getattr(entry.sink, "can_wait", True):
                     entry.sink.deliver([(entry.tag, [])])  # nobody to lease for
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its

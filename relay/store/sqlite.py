@@ -206,6 +206,12 @@ class SqliteStore:
         self._db.execute("BEGIN IMMEDIATE")
         self._journal = []
 
+    @property
+    def in_transaction(self) -> bool:
+        """False if SQLite itself rolled the transaction back (disk full, I/O error):
+        then nothing of it stands, and nothing more may run as if it did."""
+        return self._db.in_transaction
+
     @contextlib.contextmanager
     def command(self) -> Iterator[None]:
         """One command inside the transaction: on any exception its changes are undone."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -194,6 +195,9 @@ class _WriterThread:
         self.batch_done = trio.Event()
         self.crashed = False
         self.finished = trio.Event()
+        # Shielded: the feeder stops at the end of the channel, not when cancelled; only
+        # open_writer's shutdown deadline cancels it (a thread stuck on a dead disk).
+        self.feed_scope = trio.CancelScope(shield=True)
 
     # -- the trio side -----------------------------------------------------------------------
 
@@ -213,7 +217,7 @@ class _WriterThread:
         the next batch (group commit). Runs shielded: it stops only at the end of the
         channel or when the thread is gone, never with commands left behind.
         """
-        with trio.CancelScope(shield=True):
+        with self.feed_scope:
             while not self.crashed:
                 try:
                     first = await self.receive.receive()
@@ -262,10 +266,10 @@ class _WriterThread:
                     log.exception("a commit listener failed")
         self.batch_done.set()
 
-    def _stopped(self, in_hand: list[Envelope]) -> None:
+    def _stopped(self, in_hand: list[Envelope], crashed: bool) -> None:
         for envelope in in_hand:
             envelope.sink.deliver([(envelope.tag, InternalError("not committed: writer crashed"))])
-        if in_hand or self.crashed:
+        if in_hand or crashed:
             self.crashed = True
             self.batch_done.set()
         self.finished.set()
@@ -274,6 +278,7 @@ class _WriterThread:
 
     def run(self) -> None:
         batch: list[Envelope] = []  # taken from the inbox, not yet answered
+        crashed = False
         try:
             while (taken := self.inbox.get()) is not None:
                 batch = taken
@@ -284,14 +289,21 @@ class _WriterThread:
             log.warning("trio stopped before the writer channel was closed")
         except BaseException:
             log.exception("writer thread crashed")
-            self.crashed = True
+            crashed = True
         finally:
             try:
                 # Closing with a transaction open rolls it back: nothing of `batch` is kept.
                 self.store.close()
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
-                    self.token.run_sync_soon(self._stopped, batch)
+                    self.token.run_sync_soon(self._stopped, batch, crashed)
+
+    def _check_transaction(self) -> None:
+        # On some errors (SQLITE_FULL, IOERR, NOMEM) SQLite rolls back the whole
+        # transaction. Running on would commit each later command on its own (autocommit)
+        # while the batch is answered "not committed": stop the batch instead.
+        if not self.store.in_transaction:
+            raise sqlite3.OperationalError("SQLite rolled the transaction back")
 
     def _apply_one(self, command: Command, now: int) -> Any:
         try:
@@ -312,6 +324,7 @@ class _WriterThread:
             with self.store.command():
                 merged = merge(self.store, now, [envelope.command for envelope in run])
         except Exception:
+            self._check_transaction()
             return False
         outcomes.extend(merged)
         return True
@@ -336,6 +349,7 @@ class _WriterThread:
                         continue
                 for envelope in batch[i:j]:
                     outcomes.append(self._apply_one(envelope.command, now))
+                    self._check_transaction()
                 i = j
             changes = store.commit()
         except Exception as exc:
@@ -381,3 +395,4 @@ async def open_writer(
                 await thread_side.finished.wait()
             if scope.cancelled_caught:
                 log.error("writer thread did not stop within %.1f s", shutdown_timeout)
+                thread_side.feed_scope.cancel()  # leave the thread behind (daemon)

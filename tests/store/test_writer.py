@@ -392,3 +392,42 @@ async def test_a_run_of_acks_with_a_stale_one_answers_each_on_its_own(db_path):
     assert out["first"] is None and out["second"] is None
     assert isinstance(out["stale"], StaleToken)
     assert stats["q"]["succeeded"] == 2
+
+
+async def test_when_sqlite_rolls_back_the_transaction_nothing_of_the_batch_stands(db_path):
+    store = SqliteStore.open(db_path)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages + 40}")  # a nearly full disk
+    big = SubmitSpec("q", '"' + "x" * 400_000 + '"')
+    sink = Collect(4)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            gate = await hold_writer(writer)
+            await writer.send(cmd.Submit((spec(),)), sink, tag="before")
+            await writer.send(cmd.Ack("job_0000000000000001", "w", "t"), sink, tag="refused")
+            await writer.send(cmd.Submit((big,)), sink, tag="full")
+            await writer.send(cmd.Submit((spec(),)), sink, tag="after")
+            gate.release.set()
+            await sink.done.wait()
+            stats = await writer.execute(cmd.Stats())
+    outcomes = sink.outcomes
+    assert all(isinstance(o, InternalError) for o in outcomes.values()), outcomes
+    assert committed_ids(db_path) == set()
+    assert stats == {}
+
+
+async def test_the_writer_exit_keeps_its_deadline_when_the_thread_is_stuck(db_path):
+    import time
+
+    @attrs.frozen
+    class Stuck:
+        def apply(self, store: SqliteStore, now: int) -> None:
+            time.sleep(3)  # a disk that does not answer
+
+    store = SqliteStore.open(db_path)
+    sink = Collect(1)
+    started = trio.current_time()
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock(), shutdown_timeout=0.3) as writer:
+            await writer.send(Stuck(), sink)
+    assert trio.current_time() - started < 2.0
