@@ -348,6 +348,7 @@ class TcpTransport:
         # refuses us with overloaded), reset by the first good reply.
         self._backoff = RECONNECT_FIRST_S
         self.connections = 0  # how many times a connection was established
+        self.nursery: trio.Nursery | None = None  # open_client's, for release tasks
 
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         request_id = next(self._ids)
@@ -467,8 +468,11 @@ class TcpTransport:
             for call in resend:
                 if not call.done.is_set():
                     call.sent_on = self._generation
-                    with trio.move_on_after(self.connect_timeout):
-                        await self._stream.send_all(call.line)
+                    # No timeout here: a send cut short would leave half a line that the
+                    # next line would be glued to. A dead connection raises instead.
+                    with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        async with self._send_lock:
+                            await self._stream.send_all(call.line)
             self._connected.set()
 
     async def _reconnect(self) -> trio.SocketStream:
@@ -485,13 +489,18 @@ class TcpTransport:
         )
 
     async def _read_replies(self, stream: trio.SocketStream) -> None:
-        buffer = b""
+        buffer = bytearray()
         while True:
             data = await stream.receive_some(READ_BYTES)
             if not data:
                 return
             buffer += data
-            *lines, buffer = buffer.split(b"\n")
+            # Split only when a line ended: a long reply arriving in many reads is then
+            # gathered in linear time, not re-scanned on every read.
+            if b"\n" not in data:
+                continue
+            *lines, rest = buffer.split(b"\n")
+            buffer = bytearray(rest)
             for line in lines:
                 try:
                     reply = orjson.loads(line)
@@ -506,7 +515,11 @@ class TcpTransport:
                 call = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
                 if call is not None and call.orphaned:
                     del self._pending[reply["id"]]
-                    await self._release(stream, call.worker_id, reply.get("jobs") or [])
+                    # Sent by another task: the reader must never wait on the server, or
+                    # under backpressure neither side would move.
+                    jobs = reply.get("jobs") or []
+                    if jobs and self.nursery is not None:
+                        self.nursery.start_soon(self._release, stream, call.worker_id, jobs)
                 elif call is not None:
                     if reply.get("ok"):
                         self._backoff = RECONNECT_FIRST_S
@@ -540,7 +553,14 @@ class TcpTransport:
         self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
     ) -> None:
         """Send a release for each job; nobody waits for the replies (their ids are not
-        pending, so the reader drops them)."""
+        pending, so the reader drops them). If the connection is gone, the leases expire
+        instead."""
+        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send_releases(stream, worker_id, jobs)
+
+    async def _send_releases(
+        self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
+    ) -> None:
         for job in jobs:
             fields = {
                 "job_id": job.get("job_id"),
@@ -586,6 +606,7 @@ async def open_client(
     )  # fmt: skip
     await transport.first_connect()
     async with open_service_nursery() as nursery:
+        transport.nursery = nursery
         nursery.start_soon(transport.run)
         try:
             yield Client(transport)
