@@ -57,6 +57,9 @@ class Limits:
     max_backoff_ms: int = 7 * DAY_MS
     max_id_bytes: int = 256  # worker_id, token, idempotency_key, client name
     max_dead_list: int = 1000
+    # A lease or dead_list reply stops adding jobs once their texts reach this (at least
+    # one job is always given), so a reply stays near a frame's size whatever count asked.
+    max_reply_bytes: int = MiB
 
     def advertised(self) -> dict[str, int]:
         return {

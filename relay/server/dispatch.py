@@ -70,8 +70,10 @@ class PendingLease(Pending):
     lease_ms: int = 0
     deadline: float = 0.0
 
+    max_bytes: int | None = None
+
     def claim(self) -> cmd.Claim:
-        return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms)
+        return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes)
 
 
 def _submit_result(result: SubmitResult) -> dict[str, Any]:
@@ -238,6 +240,7 @@ class Dispatcher:
             count=request.count,
             lease_ms=request.lease_ms,
             deadline=tag.started + request.wait_ms / 1000,
+            max_bytes=self.limits.max_reply_bytes,
         )
         await self.writer.send(lease.claim(), connection, lease)
         tag.queued = True
@@ -293,7 +296,9 @@ class Dispatcher:
     async def _op_dead_list(
         self, connection: Connection, tag: Pending, request: wire.DeadList
     ) -> None:
-        command = cmd.DeadList(request.queue, request.limit, request.cursor)
+        command = cmd.DeadList(
+            request.queue, request.limit, request.cursor, self.limits.max_reply_bytes
+        )
         await self._send(connection, tag, command, _encode_dead_list)
 
     async def _op_dead_retry(

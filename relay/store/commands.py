@@ -49,9 +49,12 @@ class Claim:
     worker_id: str
     count: int
     lease_ms: int
+    max_bytes: int | None = None
 
     def apply(self, store: SqliteStore, now: int) -> Any:
-        return store.jobs_claim(self.queues, self.worker_id, self.count, self.lease_ms, now)
+        return store.jobs_claim(
+            self.queues, self.worker_id, self.count, self.lease_ms, now, self.max_bytes
+        )
 
 
 @attrs.frozen
@@ -168,9 +171,10 @@ class DeadList:
     queue: str | None
     limit: int
     cursor: str | None = None
+    max_bytes: int | None = None
 
     def apply(self, store: SqliteStore, now: int) -> Any:
-        return store.dead_list(self.queue, self.limit, self.cursor)
+        return store.dead_list(self.queue, self.limit, self.cursor, self.max_bytes)
 
 
 @attrs.frozen

@@ -52,6 +52,12 @@ RESTART_ERROR = "lease lost: the server restarted while the job was leased"
 # Bytes of randomness per lease token: 128 bits, as the contract requires.
 TOKEN_BYTES = 16
 
+# Error history entries shown per job (inspect, dead_list): the most recent ones. With
+# errors of at most 8 KiB, a job's history stays under 256 KiB in a reply.
+ERRORS_SHOWN = 32
+# What a job's fields other than its texts add to a reply, roughly: for byte budgets.
+REPLY_OVERHEAD_BYTES = 256
+
 # Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
 EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
 
@@ -141,6 +147,11 @@ def _check_lease(
     if expires_at is not None:
         raise LeaseExpired(job_id, expires_at)
     raise StaleToken(job_id)
+
+
+def _info_size(info: JobInfo) -> int:
+    texts = (info.payload, info.result or "", info.last_error or "")
+    return sum(map(len, texts)) + sum(len(e.error) for e in info.errors) + REPLY_OVERHEAD_BYTES
 
 
 @functools.lru_cache(maxsize=64)
@@ -382,12 +393,20 @@ class SqliteStore:
     # -- leases ----------------------------------------------------------------------------
 
     def jobs_claim(
-        self, queues: Sequence[str], worker_id: str, count: int, lease_ms: int, now: int
+        self,
+        queues: Sequence[str],
+        worker_id: str,
+        count: int,
+        lease_ms: int,
+        now: int,
+        max_bytes: int | None = None,
     ) -> list[Lease]:
         """Lease up to ``count`` ready jobs from ``queues``, best effective priority first.
 
         Each claim increments the attempt and issues a fresh random token. Within one
-        effective priority, the job that became ready first goes first.
+        effective priority, the job that became ready first goes first. With
+        ``max_bytes``, claiming stops once the payloads reach it (always at least one
+        job), so that one reply stays bounded whatever ``count`` asked for.
         """
         queues = list(dict.fromkeys(queues))
         if count <= 0 or not queues:
@@ -406,7 +425,10 @@ class SqliteStore:
         tokens = secrets.token_hex(TOKEN_BYTES * len(chosen))
         expires_at = now + lease_ms
         leases = []
+        size = 0
         for i, (key, _priority, _ready_at) in enumerate(chosen):
+            if max_bytes is not None and leases and size >= max_bytes:
+                break
             token = tokens[i * 2 * TOKEN_BYTES : (i + 1) * 2 * TOKEN_BYTES]
             queue, payload, priority, attempt, max_attempts = self._db.execute(
                 "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = ?, "
@@ -428,6 +450,7 @@ class SqliteStore:
             )
             self._move(queue, READY, LEASED)
             self._count(queue, "leased")
+            size += len(payload) + REPLY_OVERHEAD_BYTES
         self.changes.expiry(expires_at)
         return leases
 
@@ -679,10 +702,13 @@ class SqliteStore:
         errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
         if rows:
             marks = ", ".join("?" * len(rows))
+            # The most recent ERRORS_SHOWN entries of each job, oldest first: the history
+            # of a job with a thousand retries would not fit a reply.
             for key, attempt, error, at in self._db.execute(
-                f"SELECT job_id, attempt, error, at FROM job_errors WHERE job_id IN ({marks}) "
-                "ORDER BY rowid",
-                list(errors),
+                "SELECT job_id, attempt, error, at FROM (SELECT rowid AS seq, *, "
+                "row_number() OVER (PARTITION BY job_id ORDER BY rowid DESC) AS back "
+                f"FROM job_errors WHERE job_id IN ({marks})) WHERE back <= ? ORDER BY seq",
+                [*errors, ERRORS_SHOWN],
             ):
                 errors[key].append(ErrorEntry(attempt, error, at))
         infos = []
@@ -730,9 +756,13 @@ class SqliteStore:
         return {key: n for key, n in self._totals.items() if n}
 
     def dead_list(
-        self, queue: str | None, limit: int, cursor: str | None
+        self, queue: str | None, limit: int, cursor: str | None, max_bytes: int | None = None
     ) -> tuple[list[JobInfo], str | None]:
-        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page."""
+        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page.
+
+        With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
+        least one job); ``next_cursor`` then continues after the last job given.
+        """
         after = -1
         if cursor is not None:
             after = parse_job_id(cursor)
@@ -751,9 +781,15 @@ class SqliteStore:
                 (queue, after, limit + 1),
             ).fetchall()
         more = len(rows) > limit
-        rows = rows[:limit]
-        next_cursor = format_job_id(rows[-1][0]) if more else None
-        return self._job_infos(rows), next_cursor
+        infos = self._job_infos(rows[:limit])
+        if max_bytes is not None:
+            size = 0
+            for i, info in enumerate(infos):
+                size += _info_size(info)
+                if size >= max_bytes and i + 1 < len(infos):
+                    infos, more = infos[: i + 1], True
+                    break
+        return infos, (infos[-1].job_id if more else None)
 
     # -- dead letters ----------------------------------------------------------------------
 

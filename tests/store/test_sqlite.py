@@ -24,7 +24,13 @@ from relay.model import (
     SubmitSpec,
     parse_job_id,
 )
-from relay.store.sqlite import Changes, SqliteStore, StoreConfig, _claim_candidates_sql
+from relay.store.sqlite import (
+    ERRORS_SHOWN,
+    Changes,
+    SqliteStore,
+    StoreConfig,
+    _claim_candidates_sql,
+)
 from tests.conftest import T0
 
 LOW, NORMAL, HIGH, CRITICAL = (int(p) for p in Priority)
@@ -1378,3 +1384,40 @@ def test_ack_many_refuses_the_whole_run_and_changes_nothing(store, bad):
     with pytest.raises((StaleToken, LeaseExpired, JobNotFound, ValueError)):
         store.jobs_ack_many(acks, now)
     assert [snapshot(store, good.job_id), snapshot(store, other.job_id)] == before
+
+
+# -- replies stay bounded whatever a client asks for ------------------------------------------
+
+
+def test_claim_stops_at_its_byte_budget_but_always_gives_one_job(store):
+    big = '"' + "x" * 10_000 + '"'
+    for _ in range(10):
+        store.jobs_submit([spec("q", payload=big)], T0)
+    leases = store.jobs_claim(["q"], "w1", 10, LEASE_MS, T0, max_bytes=25_000)
+    assert len(leases) == 3  # 10 KB each: the third reaches the budget
+    assert store.queue_stats()["q"]["ready"] == 7
+    assert len(store.jobs_claim(["q"], "w1", 10, LEASE_MS, T0, max_bytes=1)) == 1
+
+
+def test_dead_list_pages_by_bytes_too_and_the_cursor_goes_on(store):
+    big = '"' + "x" * 10_000 + '"'
+    dead = [make_dead(store, T0, payload=big) for _ in range(5)]
+    seen, cursor = [], None
+    while True:
+        page, cursor = store.dead_list(None, 100, cursor, max_bytes=25_000)
+        assert 1 <= len(page) <= 3
+        seen += [info.job_id for info in page]
+        if cursor is None:
+            break
+    assert seen == dead
+
+
+def test_a_jobs_error_history_shows_its_most_recent_entries(store):
+    job = submit(store, T0, max_attempts=100, backoff=Backoff.fixed(0))
+    for n in range(40):
+        lease = claim_one(store, T0 + n)
+        store.jobs_fail(job, "w1", lease.token, f"failure {n + 1}", True, T0 + n)
+        store.jobs_promote_due(T0 + n, 10)
+    errors = store.job_inspect(job).errors
+    assert len(errors) == ERRORS_SHOWN
+    assert [e.error for e in errors] == [f"failure {n}" for n in range(9, 41)]
