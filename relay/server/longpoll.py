@@ -45,6 +45,7 @@ class LongPolls:
     def __init__(self, writer: Writer) -> None:
         self._writer = writer
         self._by_queue: dict[str, set[_Parked]] = {}
+        self._by_sink: dict[int, set[_Parked]] = {}  # id(sink): a closing connection's
         self._deadlines: list[tuple[float, int, _Parked]] = []
         self._order = itertools.count()
         self._woken: list[_Parked] = []
@@ -53,13 +54,14 @@ class LongPolls:
 
     @property
     def parked(self) -> int:
-        return sum(1 for _, _, p in self._deadlines if p.active)
+        return sum(map(len, self._by_sink.values()))
 
     def park(self, tag: LeaseTag, sink: ReplySink) -> None:
         """Register a lease that found nothing. Sync: called from a reply delivery."""
         entry = _Parked(tag, sink)
         for queue in tag.queues:
             self._by_queue.setdefault(queue, set()).add(entry)
+        self._by_sink.setdefault(id(sink), set()).add(entry)
         heapq.heappush(self._deadlines, (tag.deadline, next(self._order), entry))
         self._lot.unpark_all()  # the earliest deadline may have changed
 
@@ -77,10 +79,9 @@ class LongPolls:
     def drop(self, sink: ReplySink) -> None:
         """Answer now (with no jobs) every lease parked for ``sink``, whose client has
         stopped sending or gone; the request is accounted as finished either way."""
-        for _, _, entry in self._deadlines:
-            if entry.active and entry.sink is sink:
-                self._unregister(entry)
-                sink.deliver([(entry.tag, [])])
+        for entry in list(self._by_sink.get(id(sink), ())):
+            self._unregister(entry)
+            sink.deliver([(entry.tag, [])])
 
     def close(self) -> None:
         """Shutdown: answer every parked lease with no jobs, and park no more."""
@@ -98,6 +99,11 @@ class LongPolls:
 
     def _unregister(self, entry: _Parked) -> None:
         entry.active = False
+        mine = self._by_sink.get(id(entry.sink))
+        if mine is not None:
+            mine.discard(entry)
+            if not mine:
+                del self._by_sink[id(entry.sink)]
         for queue in entry.tag.queues:
             waiting = self._by_queue.get(queue)
             if waiting is not None:
