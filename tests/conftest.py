@@ -9,6 +9,10 @@ import pytest
 
 from relay.store.sqlite import SqliteStore, StoreConfig
 
+# Fixtures shared by the top-level test modules (a plugin's fixtures give way to any
+# conftest's of the same name, so tests/server and tests/cli keep their own `server`).
+pytest_plugins = ["tests.worker_helpers"]
+
 # A fixed instant (2026-01-01T00:00:00Z) to start test clocks from.
 T0 = 1_767_225_600_000
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -43,16 +43,6 @@ async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await trio.to_thread.run_sync(
             functools.partial(fn, *args, **kwargs), abandon_on_cancel=True
         )
-
-
-@pytest.fixture
-async def server(tmp_path) -> AsyncIterator[Server]:
-    async with trio.open_nursery() as nursery:
-        running = await start_server(nursery, str(tmp_path / "relay.db"))
-        try:
-            yield running
-        finally:
-            running.handle.shutdown()
 
 
 @pytest.fixture

@@ -68,16 +68,6 @@ def now_ms() -> int:
 
 
 @pytest.fixture
-async def server(tmp_path) -> AsyncIterator[Server]:
-    async with trio.open_nursery() as nursery:
-        running = await start_server(nursery, str(tmp_path / "relay.db"))
-        try:
-            yield running
-        finally:
-            running.handle.shutdown()
-
-
-@pytest.fixture
 async def client(server: Server) -> AsyncIterator[Client]:
     with trio.fail_after(BOUND_S):
         async with open_client(server.address) as c:

@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from relay.client import Client, JobView
@@ -96,6 +97,18 @@ async def start_server(
     with trio.fail_after(BOUND_S):
         handle = await nursery.start(run)
     return Server(handle, config, scope, done)
+
+
+@pytest.fixture
+async def server(tmp_path) -> AsyncIterator[Server]:
+    """A server for the client, blocking-client and worker tests (tests/server and
+    tests/cli have their own, on the line-level test client)."""
+    async with trio.open_nursery() as nursery:
+        running = await start_server(nursery, str(tmp_path / "relay.db"))
+        try:
+            yield running
+        finally:
+            running.handle.shutdown()
 
 
 # -- a TCP proxy that can lose things ----------------------------------------------------------
