@@ -7,8 +7,6 @@ over the depth, duplicates on a full queue; errors; orphaned long-polls.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -32,18 +30,14 @@ from relay import (
 )
 from relay.wire import Limits
 
-from .worker_helpers import BOUND_S, SpyTransport, queue_counts, wait_for_state, wait_until
-
-
-@asynccontextmanager
-async def running(worker: Worker) -> AsyncIterator[Worker]:
-    with trio.fail_after(BOUND_S + worker.shutdown_timeout):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            try:
-                yield worker
-            finally:
-                worker.stop()
+from .worker_helpers import (
+    BOUND_S,
+    SpyTransport,
+    queue_counts,
+    running,
+    wait_for_state,
+    wait_until,
+)
 
 
 @pytest.fixture(params=["memory", "file"])

@@ -38,6 +38,7 @@ from .worker_helpers import (
     BOUND_S,
     Server,
     queue_counts,
+    running,
     start_server,
     wait_for_state,
     wait_until,
@@ -74,18 +75,6 @@ async def backend(request, tmp_path) -> AsyncIterator[Backend]:
     else:
         async with open_local(str(tmp_path / "local.db")) as client:
             yield Backend("local", client, client)
-
-
-@asynccontextmanager
-async def running(worker: Worker) -> AsyncIterator[Worker]:
-    """Run ``worker`` for the block; stop it (gracefully) and wait for it, bounded."""
-    with trio.fail_after(BOUND_S + worker.shutdown_timeout):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            try:
-                yield worker
-            finally:
-                worker.stop()
 
 
 def make_worker(target: Any, **options: Any) -> Worker:
@@ -560,6 +549,27 @@ async def worker_process(
             await process.wait()
 
 
+async def assert_runs_again_after_expiry(tcp: Any, job_id: str, killed: float) -> None:
+    """A second worker gets the job of a killed one as attempt 2, promptly, and its history
+    shows the lease expired (it was not released)."""
+    attempts: list[int] = []
+    picked_up = trio.Event()
+
+    async def handler(job: LeasedJob) -> str:
+        attempts.append(job.attempt)
+        picked_up.set()
+        return "ran again"
+
+    async with running(make_worker(tcp.target, handler=handler)):
+        with trio.fail_after(5):
+            await picked_up.wait()
+        view = await wait_for_state(tcp.client, job_id, "succeeded")
+    assert trio.current_time() - killed < 5
+    assert attempts == [2]
+    assert view.attempt == 2 and view.result == "ran again"
+    assert [(e.attempt, e.error) for e in view.errors] == [(1, "lease expired")]
+
+
 async def test_killed_worker_process_job_runs_again_after_the_lease_expires(tcp, tmp_path):
     submitted = await tcp.client.submit("q", {"run": "twice"}, retries=3)
     async with worker_process(tmp_path, tcp.target, lease_ms=500, shutdown=1) as (proc, line):
@@ -569,25 +579,7 @@ async def test_killed_worker_process_job_runs_again_after_the_lease_expires(tcp,
         with trio.fail_after(BOUND_S):
             await proc.wait()
         assert proc.returncode == -9
-    killed = trio.current_time()
-
-    attempts: list[int] = []
-    picked_up = trio.Event()
-
-    async def handler(job: LeasedJob) -> str:
-        attempts.append(job.attempt)
-        picked_up.set()
-        return "second time lucky"
-
-    async with running(make_worker(tcp.target, handler=handler)):
-        with trio.fail_after(5):
-            await picked_up.wait()
-        view = await wait_for_state(tcp.client, submitted.job_id, "succeeded")
-    assert trio.current_time() - killed < 5
-    assert attempts == [2]
-    assert view.attempt == 2 and view.result == "second time lucky"
-    # It ran again because the lease expired (not because it was released).
-    assert [(e.attempt, e.error) for e in view.errors] == [(1, "lease expired")]
+    await assert_runs_again_after_expiry(tcp, submitted.job_id, killed=trio.current_time())
 
 
 async def test_sigterm_stops_a_worker_process_and_releases_its_job_at_once(tcp, tmp_path):
@@ -660,23 +652,7 @@ async def test_killed_worker_command_job_runs_again_after_the_lease_expires(tcp)
         with trio.fail_after(BOUND_S):
             await proc.wait()
         assert proc.returncode == -9
-    killed = trio.current_time()
-    attempts: list[int] = []
-    picked_up = trio.Event()
-
-    async def handler(job: LeasedJob) -> str:
-        attempts.append(job.attempt)
-        picked_up.set()
-        return "ran again"
-
-    async with running(make_worker(tcp.target, handler=handler)):
-        with trio.fail_after(5):
-            await picked_up.wait()
-        view = await wait_for_state(tcp.client, submitted.job_id, "succeeded")
-    assert trio.current_time() - killed < 5
-    assert attempts == [2]
-    assert view.attempt == 2 and view.result == "ran again"
-    assert [(e.attempt, e.error) for e in view.errors] == [(1, "lease expired")]
+    await assert_runs_again_after_expiry(tcp, submitted.job_id, killed=trio.current_time())
 
 
 @needs_worker_command

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -19,6 +20,7 @@ import trio
 
 from relay.client import Client, JobView
 from relay.server.serve import ServerConfig, ServerHandle, serve
+from relay.worker import Worker
 
 # Every network wait is bounded: a hang fails the test, never the run.
 BOUND_S = 10.0
@@ -97,6 +99,18 @@ async def start_server(
     with trio.fail_after(BOUND_S):
         handle = await nursery.start(run)
     return Server(handle, config, scope, done)
+
+
+@asynccontextmanager
+async def running(worker: Worker) -> AsyncIterator[Worker]:
+    """Run ``worker`` for the block; stop it (gracefully) and wait for it, bounded."""
+    with trio.fail_after(BOUND_S + worker.shutdown_timeout):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            try:
+                yield worker
+            finally:
+                worker.stop()
 
 
 @pytest.fixture
