@@ -14,7 +14,7 @@ The task tree (every task has one owner; read top to bottom)::
         └── transports nursery                cancelled at the end of the grace period
             ├── Listener.serve                TCP accept loop (own cancel scope:
             │   └── sessions nursery            stop_accepting closes it first)
-            │       └── Session.run  (xN)     reader task + sender task (+ a task per
+            │       └── Session.run  (xN)     reader, sender and watchdog tasks (+ a task per
             │                                 dead retry/purge of a whole queue)
             └── serve_metrics                 GET /metrics, GET /healthz
                 └── one task per HTTP exchange

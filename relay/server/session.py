@@ -1,9 +1,17 @@
-"""One client connection: bounded reads, dispatch, and replies written in batches.
+"""One client connection: bounded reads, dispatch, and replies written as they come.
 
-A session is two tasks in its own nursery, whatever its traffic: the reader (this task)
-splits frames and hands each to the dispatcher; the sender writes every reply that has
-accumulated in one ``send_all``. Replies arrive from the writer's hand-off through
-``deliver`` (sync), so the replies of one group commit go out together.
+A session is three tasks in its own nursery, whatever its traffic: the reader (this task)
+splits frames and hands each to the dispatcher; the sender writes the replies that the
+socket could not take at once; the watchdog closes the connection when it idles or stops
+reading its replies. Replies arrive from the writer's hand-off through ``deliver`` (sync),
+so the replies of one group commit go out together.
+
+Write-through: a reply is written to the socket at once (a non-blocking ``send`` from the
+trio thread) when nothing is queued before it; only what the kernel does not take goes to
+the sender task. The replies produced while the reader handles one received chunk, or by
+one ``deliver``, are written with one call. So a request costs no task switch and no
+timeout scope of its own: the watchdog checks two timestamps, the last read and the start
+of a pending send.
 
 Backpressure: at most ``max_in_flight`` requests may be unanswered or answered-but-unsent;
 at that point the reader stops reading, and TCP pushes back on the client.
@@ -12,6 +20,8 @@ at that point the reader stops reading, and TCP pushes back on the client.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from typing import Any
 
 import trio
@@ -32,6 +42,14 @@ DRAIN_GRACE_S = 5.0
 # read and discard so that the error line is not lost to a TCP reset (see _linger).
 LINGER_S = 1.0
 LINGER_BYTES = 4 * 1024 * 1024
+
+
+def _socket_fd(stream: trio.abc.Stream) -> int | None:
+    """The file descriptor to write replies through, or None (not a TCP socket stream)."""
+    sock = getattr(stream, "socket", None)
+    if sock is None or sock.type != socket.SOCK_STREAM:
+        return None
+    return sock.fileno()
 
 
 class Session:
@@ -56,11 +74,18 @@ class Session:
         # claimed again: a job must not be leased to a client that has gone.
         self.can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
-        self._out: list[bytes] = []
+        self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
+        self._out: list[bytes] = []  # reply bytes not yet written, in order
+        self._out_count = 0  # replies (whole or partly) in _out
         self._sending = 0  # replies taken by the sender, not yet written
+        self._holding = 0  # > 0 while replies are collected to be written together
         self._out_lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
         self._reading = trio.CancelScope()
+        # For the watchdog (trio clock): when the client last sent bytes, and since when
+        # a write has been waiting for the client to read (None: not waiting).
+        self._last_read = trio.current_time()
+        self._send_waiting_since: float | None = None
 
     # -- called by the dispatcher and the writer's hand-off (sync, trio thread) --------------
 
@@ -72,14 +97,54 @@ class Session:
         if self.closed:
             return
         self._out.append(data)
-        self._out_lot.unpark_all()
+        self._out_count += 1
+        if not self._holding:
+            self._flush()
 
     def deliver(self, replies: list[tuple[Any, Any]]) -> None:
         finish = self.dispatcher.finish
-        for tag, outcome in replies:
-            data = finish(self, tag, outcome)
-            if data is not None:
-                self.reply(data)
+        self._holding += 1
+        try:
+            for tag, outcome in replies:
+                data = finish(self, tag, outcome)
+                if data is not None:
+                    self.reply(data)
+        finally:
+            self._holding -= 1
+        if not self._holding:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write what is queued, without waiting; what the socket does not take now is
+        left to the sender task. Only while the sender is not itself writing: two writers
+        would interleave bytes."""
+        if self._sending or not self._out or self.closed:
+            return
+        if self._fd is not None:
+            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+            try:
+                written = os.write(self._fd, data)
+            except BlockingIOError:
+                written = 0
+            except OSError as exc:  # reset or closed by the peer
+                self._broken(exc)
+                return
+            if written == len(data):
+                self._out.clear()
+                self._out_count = 0
+                if self._room_lot:
+                    self._room_lot.unpark_all()
+                return
+            # The rest waits for the socket to drain: counted as one reply or more.
+            self._out[:] = [data[written:]]
+        self._out_lot.unpark_all()
+
+    def _broken(self, exc: BaseException) -> None:
+        event(log, logging.DEBUG, "connection.send_failed", peer=self.peer, error=repr(exc))
+        self.closed = True
+        self._out.clear()
+        self._out_count = 0
+        self.nursery.cancel_scope.cancel()
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -88,7 +153,7 @@ class Session:
         self._reading.cancel()
 
     def _owed(self) -> int:
-        return self.in_flight + len(self._out) + self._sending
+        return self.in_flight + self._out_count + self._sending
 
     async def run(self) -> None:
         """Serve the connection until the client leaves, idles out, or is cancelled.
@@ -99,6 +164,7 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self._send_loop)
+                nursery.start_soon(self._watchdog)
                 with self._reading:
                     await self._read_loop()
                 self.can_wait = False
@@ -138,23 +204,28 @@ class Session:
         while True:
             while self._owed() >= max_in_flight:
                 await self._room_lot.park()
-            with trio.move_on_after(self.idle_timeout) as idle:
-                try:
-                    data = await self.stream.receive_some(RECEIVE_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return  # reset by the peer: as good as EOF (and it reads nothing more)
-            if idle.cancelled_caught:
-                # Waiting on our own long-poll is not idleness; a half-sent line is.
-                if self.in_flight == 0 or self.splitter.buffered:
-                    event(log, logging.INFO, "connection.idle_timeout", peer=self.peer)
-                    return
-                continue
+            try:
+                data = await self.stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # reset by the peer: as good as EOF (and it reads nothing more)
             if not data:
                 return
-            for line in self.splitter.feed(data):
-                while self._owed() >= max_in_flight:
-                    await self._room_lot.park()
-                await self.dispatcher.dispatch(self, line)
+            self._last_read = trio.current_time()
+            # The replies of one chunk's requests are written together, after it.
+            self._holding += 1
+            try:
+                for line in self.splitter.feed(data):
+                    while self._owed() >= max_in_flight:
+                        self._holding -= 1
+                        self._flush()
+                        try:
+                            await self._room_lot.park()
+                        finally:
+                            self._holding += 1
+                    await self.dispatcher.dispatch(self, line)
+            finally:
+                self._holding -= 1
+            self._flush()
             if self.splitter.overflow:
                 error = FrameTooLarge(f"frame longer than {self.limits.max_frame_bytes} bytes")
                 self.begin_request()
@@ -163,22 +234,45 @@ class Session:
                 return
 
     async def _send_loop(self) -> None:
+        """Write what the socket did not take at once, waiting for it to drain."""
         try:
             while True:
                 while not self._out:
                     await self._out_lot.park()
                 data = b"".join(self._out)
-                self._sending = len(self._out)
+                self._sending = self._out_count
                 self._out.clear()
-                # A client that does not read its replies is closed, not waited for.
-                with trio.fail_after(self.idle_timeout):
-                    await self.stream.send_all(data)
+                self._out_count = 0
+                self._send_waiting_since = trio.current_time()
+                await self.stream.send_all(data)
+                self._send_waiting_since = None
                 self._sending = 0
                 self._room_lot.unpark_all()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
-            event(log, logging.DEBUG, "connection.send_failed", peer=self.peer, error=repr(exc))
-            self.closed = True
-            self.nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._broken(exc)
+
+    async def _watchdog(self) -> None:
+        """Close a connection that idles (no bytes from the client for ``idle_timeout``,
+        nothing of its own in flight, or a line left half-sent), or that has not read its
+        replies for ``idle_timeout``. Waiting on its own long-poll is not idleness."""
+        idle = self.idle_timeout
+        while True:
+            now = trio.current_time()
+            waiting = self._send_waiting_since
+            if waiting is not None and now - waiting >= idle:
+                event(log, logging.INFO, "connection.not_reading", peer=self.peer)
+                self._broken(trio.TooSlowError("the client did not read its replies"))
+                return
+            if now - self._last_read >= idle:
+                if self.in_flight == 0 or self.splitter.buffered:
+                    event(log, logging.INFO, "connection.idle_timeout", peer=self.peer)
+                    self._reading.cancel()
+                    return
+                self._last_read = now  # a long-poll of its own: look again later
+            wake = self._last_read + idle
+            if waiting is not None:
+                wake = min(wake, waiting + idle)
+            await trio.sleep_until(wake)
 
 
 class Sessions:
