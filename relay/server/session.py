@@ -42,6 +42,8 @@ DRAIN_GRACE_S = 5.0
 # read and discard so that the error line is not lost to a TCP reset (see _linger).
 LINGER_S = 1.0
 LINGER_BYTES = 4 * 1024 * 1024
+# The sender writes a backlog in pieces of this size; each one written counts as progress.
+SEND_PIECE_BYTES = 64 * 1024
 
 
 def _socket_fd(stream: trio.abc.Stream) -> int | None:
@@ -239,12 +241,15 @@ class Session:
             while True:
                 while not self._out:
                     await self._out_lot.park()
-                data = b"".join(self._out)
+                data = memoryview(b"".join(self._out))
                 self._sending = self._out_count
                 self._out.clear()
                 self._out_count = 0
-                self._send_waiting_since = trio.current_time()
-                await self.stream.send_all(data)
+                # In pieces, so that the watchdog sees progress: a client that reads a
+                # large backlog steadily is slow, not stalled.
+                for start in range(0, len(data), SEND_PIECE_BYTES):
+                    self._send_waiting_since = trio.current_time()
+                    await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
                 self._send_waiting_since = None
                 self._sending = 0
                 self._room_lot.unpark_all()
@@ -252,10 +257,12 @@ class Session:
             self._broken(exc)
 
     async def _watchdog(self) -> None:
-        """Close a connection that idles (no bytes from the client for ``idle_timeout``,
-        nothing of its own in flight, or a line left half-sent), or that has not read its
-        replies for ``idle_timeout``. Waiting on its own long-poll is not idleness."""
+        """Close a connection that has not taken any of its replies for ``idle_timeout``
+        ("not reading"), and stop reading from one that idles: no bytes from the client for
+        ``idle_timeout`` while nothing of its own is in flight or unsent, or with a line
+        left half-sent. Waiting on its own long-poll is not idleness."""
         idle = self.idle_timeout
+        reading = True
         while True:
             now = trio.current_time()
             waiting = self._send_waiting_since
@@ -263,13 +270,16 @@ class Session:
                 event(log, logging.INFO, "connection.not_reading", peer=self.peer)
                 self._broken(trio.TooSlowError("the client did not read its replies"))
                 return
-            if now - self._last_read >= idle:
-                if self.in_flight == 0 or self.splitter.buffered:
+            if reading and now - self._last_read >= idle:
+                if self.splitter.buffered or self._owed() == 0:
                     event(log, logging.INFO, "connection.idle_timeout", peer=self.peer)
+                    # The replies still owed are written (run() drains them, and this
+                    # task still closes a client that does not take them).
                     self._reading.cancel()
-                    return
-                self._last_read = now  # a long-poll of its own: look again later
-            wake = self._last_read + idle
+                    reading = False
+                else:
+                    self._last_read = now  # busy on its behalf: look again later
+            wake = self._last_read + idle if reading else now + idle
             if waiting is not None:
                 wake = min(wake, waiting + idle)
             await trio.sleep_until(wake)

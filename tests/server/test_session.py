@@ -1,0 +1,347 @@
+"""The session's write path and watchdog (relay/server/session.py), over real TCP sockets.
+
+Replies are written through at once when nothing is queued before them; what the socket
+does not take goes to the sender task. The watchdog closes a connection that idles or
+does not read its replies, but not one waiting on its own long-poll. Most tests here make
+replies larger than the socket buffers, so that partial writes, the sender task and the
+watchdog's ``not_reading`` branch are exercised, not only the write-through path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from relay import wire
+from tests.server.conftest import BOUND_S, LineClient, RunningServer
+from tests.server.test_protocol import (
+    W,
+    assert_error,
+    connected,
+    custom_server,
+    submit,
+    well_behaved_round,
+)
+
+# A job payload this large makes each inspect reply about as large: a few of them fill
+# the socket buffers of both ends on loopback.
+BIG = 200 * 1024
+
+
+def pipelined(requests: list[dict[str, Any]]) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in requests)
+
+
+async def open_raw(srv: RunningServer, rcvbuf: int = 4096) -> trio.socket.SocketType:
+    """A client socket with a small receive buffer, set before connecting so that the TCP
+    window is small from the start: a client that does not read blocks the server soon."""
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    with trio.fail_after(BOUND_S):
+        await sock.connect(srv.handle.address)
+    return sock
+
+
+async def connections(c: LineClient) -> int:
+    """Open client connections as the server counts them (``c`` itself included)."""
+    return (await c.ok("stats"))["server"]["connections"]
+
+
+async def stall_with_big_replies(
+    srv: RunningServer, good: LineClient, n: int = 40
+) -> trio.socket.SocketType:
+    """A raw client that pipelines ``n`` inspects of a BIG job (~8 MB of replies for 40)
+    and reads nothing."""
+    job_id = await submit(good, "big", "x" * BIG)
+    stalled = await open_raw(srv)
+    data = pipelined([{"op": "inspect", "id": i, "job_id": job_id} for i in range(n)])
+    with trio.fail_after(BOUND_S):
+        await stalled.send(data)  # a few KB: all of it fits in the socket buffers
+    return stalled
+
+
+@contextlib.contextmanager
+def session_events() -> Iterator[list[str]]:
+    """The events the session logs meanwhile (by name), whatever the logging config."""
+    events: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: events.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("relay.session")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield events
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+# -- a client that does not read its replies --------------------------------------------------
+
+
+async def test_client_not_reading_large_replies_does_not_disturb_others(tmp_path):
+    """While the server owes a non-reading client MBs, another client is served at once."""
+    async with (
+        custom_server(tmp_path, idle_timeout_ms=400) as srv,
+        connected(srv) as good,
+    ):
+        stalled = await stall_with_big_replies(srv, good)
+        try:
+            assert await connections(good) == 2
+            started = trio.current_time()
+            while trio.current_time() - started < 1.0:
+                with trio.fail_after(1):  # each round: no waiting on the stalled client
+                    await well_behaved_round(good, "good")
+                await trio.sleep(0.05)
+        finally:
+            stalled.close()
+        await well_behaved_round(good, "good")
+
+
+async def test_client_not_reading_large_replies_is_closed_within_bounds(tmp_path):
+    idle_s = 0.4
+    async with (
+        custom_server(tmp_path, idle_timeout_ms=int(idle_s * 1000)) as srv,
+        connected(srv) as good,
+    ):
+        stalled = await stall_with_big_replies(srv, good)
+        try:
+            assert await connections(good) == 2
+            started = trio.current_time()
+            closed_after: float | None = None
+            with trio.fail_after(idle_s + 2):
+                while closed_after is None:
+                    await well_behaved_round(good, "good")  # served normally meanwhile
+                    if await connections(good) == 1:
+                        closed_after = trio.current_time() - started
+                    else:
+                        await trio.sleep(0.05)
+            assert closed_after >= idle_s * 0.5, closed_after
+            # Reading at last, the stalled client gets part of its replies, then EOF.
+            received = 0
+            with trio.fail_after(BOUND_S):
+                while True:
+                    try:
+                        chunk = await stalled.recv(65536)
+                    except ConnectionResetError:
+                        break
+                    if not chunk:
+                        break
+                    received += len(chunk)
+            assert received < 40 * BIG, received
+        finally:
+            stalled.close()
+        await well_behaved_round(good, "good")
+
+
+async def test_client_sending_but_not_reading_is_closed_as_not_reading(tmp_path):
+    """Pings keep it from idling, but it reads none of its replies: ``not_reading``."""
+    idle_s = 0.4
+    with session_events() as events:
+        async with (
+            custom_server(tmp_path, idle_timeout_ms=int(idle_s * 1000)) as srv,
+            connected(srv) as good,
+        ):
+            stalled = await stall_with_big_replies(srv, good)
+            try:
+                started = trio.current_time()
+                closed_after: float | None = None
+                with trio.fail_after(idle_s + 2):
+                    while closed_after is None:
+                        with contextlib.suppress(OSError):  # reset once closed
+                            await stalled.send(b'{"op":"ping"}\n')
+                        await good.ok("ping")
+                        if await connections(good) == 1:
+                            closed_after = trio.current_time() - started
+                        else:
+                            await trio.sleep(idle_s / 4)
+                assert closed_after >= idle_s * 0.5, closed_after
+            finally:
+                stalled.close()
+            await well_behaved_round(good, "good")
+    assert "connection.not_reading" in events, events
+    assert "connection.idle_timeout" not in events, events
+
+
+async def test_client_reading_a_large_backlog_steadily_is_not_closed(tmp_path):
+    idle_s = 0.5
+    n = 20  # ~4 MB of replies, read at ~3 MB/s: more than one idle_timeout to read
+    async with (
+        custom_server(tmp_path, idle_timeout_ms=int(idle_s * 1000)) as srv,
+        connected(srv) as c,
+    ):
+        job_id = await submit(c, "big", "x" * BIG)
+        await c.send_raw(
+            pipelined([{"op": "inspect", "id": i, "job_id": job_id} for i in range(n)])
+        )
+        inspected = 0
+        pings = 0
+        buffer = b""
+
+        async def keep_sending() -> None:  # so that it is not idle either
+            for i in range(1000, 2000):
+                await c.send_raw(orjson.dumps({"op": "ping", "id": i}) + b"\n")
+                await trio.sleep(idle_s / 5)
+
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_sending)
+                while inspected < n:
+                    chunk = await c.stream.receive_some(32 * 1024)
+                    assert chunk, f"closed after {inspected} of {n} replies"
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        reply = orjson.loads(line)
+                        assert reply["ok"] is True, reply
+                        if reply["id"] < 1000:
+                            assert reply["id"] == inspected
+                            inspected += 1
+                        else:
+                            pings += 1
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+                # Still open: a last ping is answered (after the other pings' replies).
+                await c.send_raw(b'{"op":"ping","id":"last"}\n')
+                while b'"id":"last"' not in buffer:
+                    chunk = await c.stream.receive_some(32 * 1024)
+                    assert chunk, "closed after reading every reply"
+                    buffer += chunk
+        assert pings >= 1
+
+
+# -- ordering when replies go through the sender task ----------------------------------------
+
+
+async def send_in_groups(c: LineClient, requests: list[dict[str, Any]], size: int = 3) -> None:
+    for start in range(0, len(requests), size):
+        await c.send_raw(pipelined(requests[start : start + size]))
+        await trio.sleep(0.001)
+
+
+@pytest.mark.parametrize("max_in_flight", [256, 8])
+async def test_pipelined_large_replies_arrive_whole_and_in_order(tmp_path, max_in_flight):
+    """250 pipelined requests, ~16 MB of replies, read slowly at first: every reply comes
+    whole, once, as valid JSON. Those answered through the store (inspects, found or not)
+    come in request order; so do the pings (answered at once, they may overtake)."""
+    limits = wire.Limits(max_in_flight=max_in_flight)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        payloads = {tag: tag * (100 * 1024) for tag in "abc"}
+        jobs = {tag: await submit(c, "order", p) for tag, p in payloads.items()}
+        expected: dict[int, str | None] = {}  # request id -> payload tag, or "" (ping)
+        requests: list[dict[str, Any]] = []
+        for i in range(1000, 1250):
+            if i % 5 == 0:
+                requests.append({"op": "ping", "id": i})
+                expected[i] = ""
+            elif i % 7 == 0:
+                requests.append({"op": "inspect", "id": i, "job_id": "job_nope"})
+                expected[i] = None
+            else:
+                tag = "abc"[i % 3]
+                requests.append({"op": "inspect", "id": i, "job_id": jobs[tag]})
+                expected[i] = tag
+
+        lines: list[bytes] = []
+        buffer = b""
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                # Sent from its own task, a few at a time, so that replies keep coming
+                # while earlier ones are still being written (and with a small
+                # max_in_flight the server stops reading until replies are read).
+                nursery.start_soon(send_in_groups, c, requests)
+                while len(lines) < len(requests):
+                    chunk = await c.stream.receive_some(65536)
+                    assert chunk, f"EOF after {len(lines)} replies"
+                    buffer += chunk
+                    *complete, buffer = buffer.split(b"\n")
+                    lines.extend(complete)
+                    if len(lines) < 40:  # slow at first: the server's writes come out partial
+                        await trio.sleep(0.005)
+        assert buffer == b""
+
+        ids = []
+        for line in lines:
+            reply = orjson.loads(line)
+            ids.append(reply["id"])
+            tag = expected[reply["id"]]
+            if tag == "":
+                assert reply == {"id": reply["id"], "ok": True}
+            elif tag is None:
+                assert_error(reply, "not_found", reply["id"])
+            else:
+                assert reply["ok"] is True, reply
+                assert reply["job"]["job_id"] == jobs[tag]
+                assert reply["job"]["payload"] == payloads[tag]
+        assert sorted(ids) == sorted(expected), "a reply missing or duplicated"
+        pings = [i for i in ids if expected[i] == ""]
+        stored = [i for i in ids if expected[i] != ""]
+        assert pings == sorted(pings)
+        assert stored == sorted(stored)
+        # Nothing else is owed: the next request's reply is the next line.
+        request_id = await c.send("ping")
+        assert await c.read() == {"id": request_id, "ok": True}
+
+
+# -- the watchdog ------------------------------------------------------------------------------
+
+
+async def test_long_poll_longer_than_idle_timeout_is_not_idle(tmp_path):
+    async with custom_server(tmp_path, idle_timeout_ms=300) as srv, connected(srv) as c:
+        started = trio.current_time()
+        request_id = await c.send("lease", queues=["empty"], worker_id=W, wait_ms=1000)
+        reply = await c.read()  # not EOF at the idle timeout
+        waited = trio.current_time() - started
+        assert reply == {"id": request_id, "ok": True, "jobs": []}
+        assert waited >= 0.9, waited
+        await c.ok("ping")  # and still open after it
+
+
+async def test_long_poll_does_not_keep_a_half_sent_line_open(tmp_path):
+    """A parked long-poll is not idleness, but a line stalled half-way is."""
+    async with custom_server(tmp_path, idle_timeout_ms=300) as srv, connected(srv) as c:
+        started = trio.current_time()
+        await c.send("lease", queues=["empty"], worker_id=W, wait_ms=5000)
+        await c.send_raw(b'{"op":"ping","id":')
+        lines = []
+        with trio.fail_after(2):  # well before the long-poll's 5 s
+            while (line := await c.read_line()) is not None:
+                lines.append(orjson.loads(line))
+        closed_after = trio.current_time() - started
+        assert closed_after >= 0.25, closed_after
+        # The parked lease, if answered before closing, is answered with no job.
+        assert all(reply["jobs"] == [] for reply in lines), lines
+
+
+async def test_idle_connection_is_closed_and_a_pinging_one_is_not(tmp_path):
+    idle_s = 0.3
+    async with (
+        custom_server(tmp_path, idle_timeout_ms=int(idle_s * 1000)) as srv,
+        connected(srv) as idle,
+        connected(srv) as busy,
+    ):
+        started = trio.current_time()
+        idle_closed_after: list[float] = []
+
+        async def watch_idle() -> None:
+            assert await idle.at_eof()
+            idle_closed_after.append(trio.current_time() - started)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_idle)
+                while trio.current_time() - started < 4 * idle_s:
+                    await busy.ok("ping")
+                    await trio.sleep(idle_s / 3)
+        assert len(idle_closed_after) == 1
+        assert idle_s * 0.8 <= idle_closed_after[0] <= idle_s + 1.5, idle_closed_after
+        await busy.ok("ping")  # open past four idle timeouts
+        assert await connections(busy) == 1
