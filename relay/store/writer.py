@@ -13,10 +13,12 @@ undo the others, commits once, then hands all the outcomes back to trio in one c
 success is delivered only after its commit; if the commit fails, every command of the
 batch is answered with an error, because none of it is durable.
 
-The thread is a plain daemon thread owned by ``open_writer``. A feeder task hands it one
-batch at a time through a ``queue.SimpleQueue``; the thread posts each batch's outcomes back
-with the run's ``run_sync_soon`` and never waits on trio. A loaded writer costs one wake-up
-each way per batch, not per command.
+The thread is a plain daemon thread owned by ``open_writer``. A feeder task moves commands
+from the memory channel into a ``queue.SimpleQueue`` as they arrive; the thread takes
+everything waiting there as its next batch, and posts each batch's outcomes back with the
+run's ``run_sync_soon``, never waiting on trio. So the thread starts the next transaction as
+soon as it has committed one, while trio delivers the replies of the last: the fsync of
+one batch overlaps the delivery of the one before and the arrival of the one after.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class Envelope:
 
 @attrs.frozen
 class WriterStatistics:
-    queued: int  # commands waiting in the channel
+    queued: int  # commands sent and not yet answered (in the channel or the thread's hands)
     batches: int  # transactions committed
     commands: int  # commands in committed transactions
     failed_commits: int  # transactions that could not commit (their commands got errors)
@@ -108,6 +110,8 @@ class Writer:
         self._batches = 0
         self._commands = 0
         self._failed_commits = 0
+        # Commands handed to the thread and not yet answered (the feeder counts them).
+        self.handed = 0
         # Called in the trio thread after each commit's replies are delivered.
         self.commit_listeners: list[Callable[[Changes], None]] = []
 
@@ -147,7 +151,7 @@ class Writer:
 
     def statistics(self) -> WriterStatistics:
         return WriterStatistics(
-            queued=self._send.statistics().current_buffer_used,
+            queued=self._send.statistics().current_buffer_used + self.handed,
             batches=self._batches,
             commands=self._commands,
             failed_commits=self._failed_commits,
@@ -166,15 +170,15 @@ class Writer:
 
 
 class _WriterThread:
-    """Owns the store from start to close. Two halves: ``feed`` (a trio task) takes a batch
-    from the command channel and hands it over; ``run`` (the thread) executes it and hands
-    the outcomes back with ``run_sync_soon``.
+    """Owns the store from start to close. Two halves: ``feed`` (a trio task) moves commands
+    from the channel to the thread's inbox; ``run`` (the thread) executes all that waits
+    there as one batch and hands the outcomes back with ``run_sync_soon``.
 
     Why a feeder task rather than the thread pulling with ``trio.from_thread.run``: each
-    blocking round trip between the threads costs ~100 µs on a small VM, and a pull costs
-    one per batch (two when the channel is empty). Here the thread never waits on trio:
-    it blocks on a ``queue.SimpleQueue`` that the feeder fills, and posts its results
-    without waiting. One wake-up each way per batch is the least two threads can do.
+    blocking round trip between the threads costs ~100 µs on a small VM. Here the thread
+    never waits on trio: it blocks on a ``queue.SimpleQueue`` only when there is no work.
+    The feeder keeps at most ``2 * max_batch`` commands handed over and not yet answered;
+    beyond that, commands wait in the bounded channel, whose senders then wait in turn.
     """
 
     def __init__(
@@ -192,7 +196,8 @@ class _WriterThread:
         self.max_batch = max_batch
         self.token = trio.lowlevel.current_trio_token()
         self.inbox: queue.SimpleQueue[list[Envelope] | None] = queue.SimpleQueue()
-        self.batch_done = trio.Event()
+        self.max_handed = 2 * max_batch
+        self.room = trio.Event()  # set when answers free room below max_handed
         self.crashed = False
         self.finished = trio.Event()
         # Shielded: the feeder stops at the end of the channel, not when cancelled; only
@@ -211,28 +216,29 @@ class _WriterThread:
         return batch
 
     async def feed(self) -> None:
-        """Hand the thread one batch at a time until the channel is closed and drained.
-
-        While the thread works on a batch, new commands queue up in the channel: they form
-        the next batch (group commit). Runs shielded: it stops only at the end of the
-        channel or when the thread is gone, never with commands left behind.
-        """
+        """Hand the thread the commands queued in the channel until it is closed and
+        drained. Runs shielded: it stops only at the end of the channel or when the thread
+        is gone, never with commands left behind."""
         with self.feed_scope:
             while not self.crashed:
                 try:
                     first = await self.receive.receive()
                 except trio.EndOfChannel:
                     break
-                self.batch_done = trio.Event()
-                self.inbox.put([first, *self._take_nowait(self.max_batch - 1)])
-                await self.batch_done.wait()
+                while self.writer.handed >= self.max_handed and not self.crashed:
+                    self.room = trio.Event()
+                    await self.room.wait()
+                taken = [first, *self._take_nowait(self.max_handed - self.writer.handed - 1)]
+                if self.crashed:
+                    _refuse(taken)
+                    break
+                self.writer.handed += len(taken)
+                self.inbox.put(taken)
             if self.crashed:
                 # Answer what is still queued and refuse new commands, so that no sender
                 # waits forever for a thread that is gone.
                 while leftover := self._take_nowait(self.max_batch):
-                    for envelope in leftover:
-                        error = ShuttingDown("the store has stopped")
-                        envelope.sink.deliver([(envelope.tag, error)])
+                    _refuse(leftover)
                 self.receive.close()
             else:
                 self.inbox.put(None)  # the thread finishes, closes the store, and stops
@@ -245,6 +251,8 @@ class _WriterThread:
         seconds: float | None,
     ) -> None:
         self.writer._record(len(batch), seconds)
+        self.writer.handed -= len(batch)
+        self.room.set()
         by_sink: dict[int, tuple[ReplySink, list[tuple[Any, Any]]]] = {}
         for envelope, outcome in zip(batch, outcomes, strict=True):
             entry = by_sink.get(id(envelope.sink))
@@ -264,24 +272,49 @@ class _WriterThread:
                     listener(changes)
                 except Exception:
                     log.exception("a commit listener failed")
-        self.batch_done.set()
 
     def _stopped(self, in_hand: list[Envelope], crashed: bool) -> None:
+        # Also what was handed over but never taken, if the thread died first.
+        while True:
+            try:
+                waiting = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                in_hand += waiting
         for envelope in in_hand:
             envelope.sink.deliver([(envelope.tag, InternalError("not committed: writer crashed"))])
         if in_hand or crashed:
             self.crashed = True
-            self.batch_done.set()
+            self.room.set()
         self.finished.set()
 
     # -- the writer thread -------------------------------------------------------------------
 
     def run(self) -> None:
-        batch: list[Envelope] = []  # taken from the inbox, not yet answered
+        batch: list[Envelope] = []  # being executed
+        pending: list[Envelope] = []  # taken from the inbox, waiting for a transaction
+        more = True  # the feeder may still hand over commands
         crashed = False
         try:
-            while (taken := self.inbox.get()) is not None:
-                batch = taken
+            while True:
+                if not pending:
+                    # Blocks only when there is no work.
+                    taken = self.inbox.get() if more else None
+                    if taken is None:
+                        break
+                    pending = taken
+                # Everything else already waiting joins this transaction (group commit).
+                while more and len(pending) < self.max_batch:
+                    try:
+                        taken = self.inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if taken is None:
+                        more = False
+                    else:
+                        pending += taken
+                batch, pending = pending[: self.max_batch], pending[self.max_batch :]
                 outcomes, changes, seconds = self._execute(batch)
                 self.token.run_sync_soon(self._delivered, batch, outcomes, changes, seconds)
                 batch = []
@@ -296,7 +329,7 @@ class _WriterThread:
                 self.store.close()
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
-                    self.token.run_sync_soon(self._stopped, batch, crashed)
+                    self.token.run_sync_soon(self._stopped, batch + pending, crashed)
 
     def _check_transaction(self) -> None:
         # On some errors (SQLITE_FULL, IOERR, NOMEM) SQLite rolls back the whole
@@ -358,6 +391,11 @@ class _WriterThread:
             error = InternalError(f"not committed: {type(exc).__name__}: {exc}")
             return [error] * len(batch), None, None
         return outcomes, changes, time.perf_counter() - started
+
+
+def _refuse(envelopes: list[Envelope]) -> None:
+    for envelope in envelopes:
+        envelope.sink.deliver([(envelope.tag, ShuttingDown("the store has stopped"))])
 
 
 @asynccontextmanager

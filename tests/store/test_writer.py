@@ -109,7 +109,9 @@ async def test_queued_commands_share_one_transaction(db_path):
             gate.release.set()
             await sink.done.wait()
             after = writer.statistics()
-    assert before.queued == 50
+    # Fifty waiting (one of them perhaps already taken by the feeder, not yet handed
+    # over), and the gate in the thread's hands.
+    assert before.queued in (50, 51)
     # All fifty were waiting when the thread came back: one batch, one commit, one hand-off.
     assert len(sink.deliveries) == 1
     # Two transactions in all: the gate's, then the fifty submits together.
