@@ -9,9 +9,11 @@ the server for at most as many jobs as it has free slots (``lease count`` = free
 with a long-poll ``wait_ms``), and each job holds its slot from lease to ack. So a worker
 of concurrency N never holds more than N jobs.
 
-While a handler runs, its lease is renewed about every third of the lease. If a renewal is
-refused (the lease expired, or another worker holds the job now), the handler is cancelled
-and nothing is acked: the job belongs to someone else. A handler that returns is acked
+While a handler runs, its lease is renewed about every third of the lease, by one renewal
+task for the whole worker (it wakes at the earliest renewal due, at most four times per
+renewal interval, and renews every job due then, concurrently). If a renewal is refused
+(the lease expired, or another worker holds the job now), the handler is cancelled and
+nothing is acked: the job belongs to someone else. A handler that returns is acked
 with its return value as the result (when it is JSON-serialisable); one that raises is
 failed with the exception's text (``PermanentError``: not retryable). Synchronous handlers
 run in a worker thread, under the same slots.
@@ -88,6 +90,17 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+@attrs.define(eq=False)
+class _Running:
+    """A job whose handler runs: what the renewal task needs to keep or give up its lease."""
+
+    job: LeasedJob
+    scope: trio.CancelScope  # the handler's: cancelled when the lease is lost
+    renew_at: float
+    lost: bool = False
+    done: bool = False  # the handler has returned: a late renewal refusal means nothing
+
+
 @attrs.frozen
 class WorkerStatistics:
     running: int
@@ -140,8 +153,13 @@ class Worker:
         self._leasing = trio.CancelScope()
         self._jobs_scope = trio.CancelScope()
         self._stopping = False
-        self._running: dict[str, LeasedJob] = {}
+        self._running: dict[str, _Running] = {}
         self._slot_freed = trio.lowlevel.ParkingLot()  # the lease loop waits here
+        self._job_started = trio.lowlevel.ParkingLot()  # an idle renewal task waits here
+        # Seconds between renewals of one lease, and the least time between two passes
+        # of the renewal task (so a stream of short jobs does not wake it per job).
+        self._renew_interval = max(lease_ms / 3000, 0.01)
+        self._renew_granularity = self._renew_interval / 4
         self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
         self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
 
@@ -161,12 +179,13 @@ class Worker:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Work until ``stop()``. Owns its connection (unless given a client), one task per
-        running job and one renewal task per job; all end before this returns."""
-        async with self._client() as client:
+        running job and the renewal task; all end before this returns."""
+        async with self._client() as client, trio.open_nursery() as renewals:
             event(
                 log, logging.INFO, "worker.started", worker_id=self.worker_id,
                 queues=self.queues, concurrency=self.concurrency,
             )  # fmt: skip
+            renewals.start_soon(self._renew_loop, client)
             with self._jobs_scope:
                 async with trio.open_nursery() as jobs:
                     task_status.started()
@@ -175,6 +194,7 @@ class Worker:
                     # Leasing stopped: running jobs get the shutdown timeout, then are
                     # cancelled (and release their leases).
                     self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
+            renewals.cancel_scope.cancel()  # no job runs any more
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
     @asynccontextmanager
@@ -201,20 +221,60 @@ class Worker:
                 event(log, logging.WARNING, "worker.lease_failed", error=repr(exc))
                 await trio.sleep(LEASE_ERROR_BACKOFF_S)
                 continue
+            renew_at = trio.current_time() + self._renew_interval
             for job in leased:
                 owner = object()
                 self._slots.acquire_on_behalf_of_nowait(owner)
-                self._running[job.job_id] = job
+                self._running[job.job_id] = _Running(job, trio.CancelScope(), renew_at)
                 jobs.start_soon(self._run_job, client, job, owner, name=job.job_id)
+            if leased:
+                self._job_started.unpark_all()
+
+    async def _renew_loop(self, client: Client) -> None:
+        """Renew every running job's lease about every third of the lease."""
+        while True:
+            if not self._running:
+                await self._job_started.park()
+                continue
+            now = trio.current_time()
+            # Renew what falls due before the next pass, so no lease waits two passes.
+            horizon = now + self._renew_granularity
+            due = [r for r in self._running.values() if r.renew_at <= horizon]
+            if due:
+                for running in due:
+                    running.renew_at = now + self._renew_interval
+                async with trio.open_nursery() as nursery:
+                    for running in due:
+                        nursery.start_soon(self._renew, client, running)
+            # Jobs started later are due later: the earliest of those running now is next.
+            wake = min((r.renew_at for r in self._running.values()), default=now)
+            await trio.sleep_until(max(wake, now + self._renew_granularity))
+
+    async def _renew(self, client: Client, running: _Running) -> None:
+        job = running.job
+        try:
+            await client.renew(job.job_id, self.worker_id, job.token, lease_ms=self.lease_ms)
+        except (StaleToken, LeaseExpired, JobNotFound, ConnectionLost) as exc:
+            if running.done:
+                return  # acked or failed meanwhile: the token is spent, nothing is lost
+            # The job is someone else's now (or may be): stop working on it.
+            running.lost = True
+            event(log, logging.WARNING, "job.lease_lost", job_id=job.job_id, error=repr(exc))
+            running.scope.cancel()
+        except RelayError as exc:
+            # Overloaded, shutting down, internal: the lease may still hold; try again
+            # next pass (an expired one is refused then).
+            event(log, logging.WARNING, "job.renew_failed", job_id=job.job_id, error=repr(exc))
 
     async def _run_job(self, client: Client, job: LeasedJob, owner: object) -> None:
         started = trio.current_time()
+        running = self._running[job.job_id]
         try:
             try:
-                outcome, value = await self._execute(client, job)
+                outcome, value = await self._execute(running)
             except BaseException as exc:
-                # Shutdown timeout or a second stop: hand the job back, then go. (The
-                # renewal nursery delivers the cancellation as a group of Cancelled.)
+                # Shutdown timeout or a second stop: hand the job back, then go.
+                running.done = True
                 if _is_cancellation(exc):
                     with trio.CancelScope(shield=True):
                         await self._settle(client, job, "cancelled", None)
@@ -227,48 +287,22 @@ class Worker:
             self._slot_freed.unpark_all()
             self.durations.observe(trio.current_time() - started)
 
-    async def _execute(self, client: Client, job: LeasedJob) -> tuple[str, Any]:
-        """Run the handler under renewal. Returns (outcome, value): ("ok", result),
-        ("error", exception), ("lost", None) or ("cancelled", None)."""
+    async def _execute(self, running: _Running) -> tuple[str, Any]:
+        """Run the handler (the renewal task keeps its lease). Returns (outcome, value):
+        ("ok", result), ("error", exception), ("lost", None) or ("cancelled", None)."""
+        job = running.job
         handler = self._handlers.get(job.queue, self._default)
-        lost = False
         outcome: tuple[str, Any] = ("cancelled", None)
-        async with trio.open_nursery() as nursery:
-            handler_scope = trio.CancelScope()
-
-            async def renew() -> None:
-                nonlocal lost
-                interval = max(self.lease_ms / 3000, 0.01)
-                while True:
-                    await trio.sleep(interval)
-                    try:
-                        await client.renew(job.job_id, self.worker_id, job.token,
-                                           lease_ms=self.lease_ms)  # fmt: skip
-                    except (StaleToken, LeaseExpired, JobNotFound, ConnectionLost) as exc:
-                        # The job is someone else's now (or may be): stop working on it.
-                        lost = True
-                        event(
-                            log, logging.WARNING, "job.lease_lost", job_id=job.job_id,
-                            error=repr(exc),
-                        )  # fmt: skip
-                        handler_scope.cancel()
-                        return
-                    except RelayError as exc:
-                        # Overloaded, shutting down, internal: the lease may still hold;
-                        # try again next interval (an expired one is refused then).
-                        event(log, logging.WARNING, "job.renew_failed", job_id=job.job_id,
-                              error=repr(exc))  # fmt: skip
-
-            nursery.start_soon(renew)
-            with handler_scope:
-                try:
-                    if handler is None:
-                        raise PermanentError(f"no handler for queue {job.queue}")
-                    outcome = ("ok", await self._call(handler, job))
-                except Exception as exc:
-                    outcome = ("error", exc)
-            nursery.cancel_scope.cancel()
-        if lost:
+        with running.scope:
+            try:
+                if handler is None:
+                    raise PermanentError(f"no handler for queue {job.queue}")
+                outcome = ("ok", await self._call(handler, job))
+            except Exception as exc:
+                outcome = ("error", exc)
+        # From here on a refused renewal is about a token this job is done with.
+        running.done = True
+        if running.lost:
             return "lost", None
         return outcome
 

@@ -294,6 +294,35 @@ async def test_renewal_keeps_a_long_job_alive_past_its_lease(backend):
     assert view.last_error is None
 
 
+async def test_one_renewal_task_keeps_jobs_started_at_different_times_alive(backend):
+    # Jobs leased at different moments fall due for renewal at different moments; the
+    # worker's single renewal task must keep every one of them alive.
+    first = await backend.client.submit("q", {"n": 0})
+    started = trio.Event()
+
+    async def handler(job: LeasedJob) -> int:
+        started.set()
+        await trio.sleep(1.0)  # over three times the 300 ms lease
+        return job.payload["n"]
+
+    worker = make_worker(backend.target, handler=handler, lease_ms=300, concurrency=4)
+    async with running(worker):
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        later = []
+        for n in (1, 2, 3):
+            await trio.sleep(0.13)  # between renewal passes (100 ms apart at this lease)
+            later.append(await backend.client.submit("q", {"n": n}))
+        views = [
+            await wait_for_state(backend.client, s.job_id, "succeeded", "dead")
+            for s in (first, *later)
+        ]
+        assert worker.statistics().lost == 0
+    assert [v.state for v in views] == [JobState.SUCCEEDED] * 4
+    assert [v.result for v in views] == [0, 1, 2, 3]
+    assert [v.attempt for v in views] == [1] * 4
+
+
 async def test_refused_renewal_cancels_the_handler_and_nothing_is_acked(backend):
     submitted = await backend.client.submit("q", {})
     started = trio.Event()
