@@ -158,11 +158,25 @@ def _info_size(info: JobInfo) -> int:
 def _claim_candidates_sql(queue_count: int) -> str:
     # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
     # class's oldest ready jobs, so the cost is independent of the backlog.
+    # The payload length (for the reply bound) costs a row lookup per candidate, in C.
     part = (
-        "SELECT * FROM (SELECT id, priority, ready_at FROM jobs INDEXED BY jobs_ready "
-        "WHERE state = 'ready' AND queue = ? AND priority = ? ORDER BY ready_at, id LIMIT ?)"
+        "SELECT * FROM (SELECT id, priority, ready_at, length(payload) FROM jobs "
+        "INDEXED BY jobs_ready WHERE state = 'ready' AND queue = ? AND priority = ? "
+        "ORDER BY ready_at, id LIMIT ?)"
     )
     return " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_update_sql(job_count: int) -> str:
+    # One statement leases them all, each with its own token (column2 of the VALUES).
+    values = ", ".join(["(?, ?)"] * job_count)
+    return (
+        "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = v.column2, "
+        f"lease_worker = ?, lease_expires_at = ? FROM (VALUES {values}) AS v "
+        "WHERE jobs.id = v.column1 "
+        "RETURNING id, queue, payload, priority, attempt, max_attempts"
+    )
 
 
 class SqliteStore:
@@ -421,21 +435,27 @@ class SqliteStore:
         # Within one (queue, class) the oldest job also has the highest effective priority,
         # so the best `count` of all candidates are the best `count` jobs overall.
         candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
-        chosen = candidates[:count]
-        tokens = secrets.token_hex(TOKEN_BYTES * len(chosen))
-        expires_at = now + lease_ms
-        leases = []
+        chosen: list[int] = []
         size = 0
-        for i, (key, _priority, _ready_at) in enumerate(chosen):
-            if max_bytes is not None and leases and size >= max_bytes:
+        for key, _priority, _ready_at, length in candidates[:count]:
+            if max_bytes is not None and chosen and size >= max_bytes:
                 break
-            token = tokens[i * 2 * TOKEN_BYTES : (i + 1) * 2 * TOKEN_BYTES]
-            queue, payload, priority, attempt, max_attempts = self._db.execute(
-                "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = ?, "
-                "lease_worker = ?, lease_expires_at = ? WHERE id = ? "
-                "RETURNING queue, payload, priority, attempt, max_attempts",
-                (token, worker_id, expires_at, key),
-            ).fetchone()
+            chosen.append(key)
+            size += length + REPLY_OVERHEAD_BYTES
+        # One urandom call for all the tokens.
+        hex_digits = secrets.token_hex(TOKEN_BYTES * len(chosen))
+        width = 2 * TOKEN_BYTES
+        tokens = [hex_digits[i : i + width] for i in range(0, len(hex_digits), width)]
+        expires_at = now + lease_ms
+        params: list[object] = [worker_id, expires_at]  # the SET clause's, then VALUES
+        for key, token in zip(chosen, tokens, strict=True):
+            params += (key, token)
+        rows = self._db.execute(_claim_update_sql(len(chosen)), params).fetchall()
+        by_key = {row[0]: row for row in rows}
+        leases = []
+        per_queue: Counter[str] = Counter()
+        for key, token in zip(chosen, tokens, strict=True):
+            _, queue, payload, priority, attempt, max_attempts = by_key[key]
             leases.append(
                 Lease(
                     format_job_id(key),
@@ -448,9 +468,10 @@ class SqliteStore:
                     expires_at,
                 )
             )
-            self._move(queue, READY, LEASED)
-            self._count(queue, "leased")
-            size += len(payload) + REPLY_OVERHEAD_BYTES
+            per_queue[queue] += 1
+        for queue, n in per_queue.items():
+            self._move(queue, READY, LEASED, n)
+            self._count(queue, "leased", n)
         self.changes.expiry(expires_at)
         return leases
 
@@ -518,9 +539,9 @@ class SqliteStore:
             "lease_expires_at = NULL WHERE id = ?",
             [update[:3] for update in updates],
         )
-        for *_, queue in updates:
-            self._move(queue, LEASED, SUCCEEDED)
-            self._count(queue, "acked")
+        for queue, n in Counter(update[3] for update in updates).items():
+            self._move(queue, LEASED, SUCCEEDED, n)
+            self._count(queue, "acked", n)
         return [None] * len(acks)
 
     def jobs_fail(
