@@ -7,9 +7,9 @@ Every call sends one request and awaits its reply, matched by id; many calls may
 flight at once on the one connection. Error replies raise the exception of their code
 (``StaleToken``, ``LeaseExpired``, ``JobNotFound``, ``BadRequest``...), never an exception
 group. When the connection drops, a call in flight raises ``ConnectionLost`` (it may or
-may not have taken effect) — except ``ack``, ``renew`` and ``release``, which are safe to
-repeat and are sent again on the new connection. New calls wait for the reconnection, with
-exponential backoff bounded by ``reconnect_timeout``.
+may not have taken effect) — except ``ack``, ``ack_batch``, ``renew`` and ``release``,
+which are safe to repeat and are sent again on the new connection. New calls wait for the
+reconnection, with exponential backoff bounded by ``reconnect_timeout``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ READ_BYTES = 64 * 1024
 
 # Ops that are safe to send again after a reconnection: repeating them changes nothing
 # that the first one did not (a repeated ack with the completing token answers ok).
-RETRY_SAFE_OPS = frozenset({"ack", "renew", "release"})
+RETRY_SAFE_OPS = frozenset({"ack", "ack_batch", "renew", "release"})
 
 
 @attrs.frozen
@@ -215,6 +215,25 @@ class Client:
 
     async def ack(self, job_id: str, worker_id: str, token: str, result: Any = None) -> None:
         await self._call("ack", job_id=job_id, worker_id=worker_id, token=token, result=result)
+
+    async def ack_batch(
+        self, worker_id: str, acks: Sequence[tuple[str, str] | tuple[str, str, Any]]
+    ) -> list[RelayError | None]:
+        """Ack many jobs of ``worker_id`` in one request (``ack_batch``, an extension):
+        ``acks`` holds (job_id, token) or (job_id, token, result). Each ack has its own
+        outcome, in order: None when it succeeded, else the error that refused it (as
+        ``ack`` would have raised it). A malformed request raises."""
+        items = []
+        for job_id, token, *rest in acks:
+            item = {"job_id": job_id, "token": token}
+            if rest and rest[0] is not None:
+                item["result"] = rest[0]
+            items.append(item)
+        reply = await self._call("ack_batch", worker_id=worker_id, acks=items)
+        return [
+            None if r["ok"] else error_from_wire(r["error"]["code"], r["error"]["message"])
+            for r in reply["results"]
+        ]
 
     async def fail(
         self, job_id: str, worker_id: str, token: str, error: str, *, retryable: bool = True

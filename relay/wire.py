@@ -321,6 +321,24 @@ class Ack(LeaseRef):
 
 
 @attrs.frozen
+class AckItem:
+    """One ack of an ``ack_batch``: the worker is the batch's."""
+
+    job_id: str
+    token: str
+    result: Any = None
+
+
+@attrs.frozen
+class AckBatch:
+    """``ack_batch`` (an extension): many acks of one worker in one request. Parsed into
+    ``acks``: (job_id, worker_id, token, result text) per item, each checked like ``ack``."""
+
+    worker_id: str
+    acks: list[dict[str, Any]]
+
+
+@attrs.frozen
 class Fail(LeaseRef):
     error: str
     retryable: bool = True
@@ -404,6 +422,7 @@ REQUEST_TYPES: dict[str, type] = {
     "lease": LeaseRequest,
     "renew": Renew,
     "ack": Ack,
+    "ack_batch": AckBatch,
     "fail": Fail,
     "release": Release,
     "inspect": Inspect,
@@ -524,8 +543,36 @@ def parse_request(frame: Frame, limits: Limits) -> Any:
                 spec = structure(job, Submit, prefix).to_spec(limits, prefix)
             specs.append(spec)
         return tuple(specs)
+    if cls is AckBatch:
+        return _parse_ack_batch(request, limits)
     request.check(limits)
     return request
+
+
+# (job_id, worker_id, token, result text or None) per ack of an ack_batch.
+AckTuples = tuple[tuple[str, str, str, str | None], ...]
+
+
+def _parse_ack_batch(request: AckBatch, limits: Limits) -> AckTuples:
+    """(job_id, worker_id, token, result text or None) per ack, every one checked before
+    any is used: one bad item rejects the request, naming its index."""
+    check_text("worker_id", request.worker_id, limits.max_id_bytes)
+    items = request.acks
+    if not 1 <= len(items) <= limits.max_batch:
+        raise _bad("acks", f"must hold 1 to {limits.max_batch} acks, got {len(items)}")
+    acks: list[tuple[str, str, str, str | None]] = []
+    for i, item in enumerate(items):
+        prefix = f"acks[{i}]."
+        if not isinstance(item, dict):
+            raise _bad(f"acks[{i}]", "must be an object")
+        ack = structure(item, AckItem, prefix)
+        check_text(prefix + "job_id", ack.job_id, limits.max_id_bytes)
+        check_text(prefix + "token", ack.token, limits.max_id_bytes)
+        result = None
+        if ack.result is not None:
+            result = encode_json_value(prefix + "result", ack.result, limits.max_result_bytes)
+        acks.append((ack.job_id, request.worker_id, ack.token, result))
+    return tuple(acks)
 
 
 # -- replies --------------------------------------------------------------------------------

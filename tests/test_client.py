@@ -984,3 +984,90 @@ async def test_cancelled_long_poll_releases_what_it_is_granted_later(tmp_path):
                 job = await lease_one(producer, "orphan", worker="next")
                 assert job.job_id == submitted.job_id and job.attempt == 1
         server.handle.shutdown()
+
+
+# -- ack_batch (an extension op) ---------------------------------------------------------------
+
+
+async def test_ack_batch_returns_none_or_the_error_per_ack_in_order(client):
+    for i in range(4):
+        await client.submit("abq", {"i": i})
+    with trio.fail_after(BOUND_S):
+        first, second, done, ready = await client.lease(["abq"], "w", count=4)
+    await client.release(ready.job_id, "w", ready.token)
+    await client.ack(done.job_id, "w", done.token, "once")
+    outcomes = await client.ack_batch(
+        "w",
+        [
+            (first.job_id, first.token, {"r": [1, 2]}),
+            (second.job_id, "not-the-token"),
+            (done.job_id, done.token, "twice"),  # repeated with the completing token
+            ("job_0000000000000001", first.token),
+            (ready.job_id, ready.token),  # released: the token no longer holds a lease
+            (second.job_id, second.token, None),
+        ],
+    )
+    assert isinstance(outcomes, list) and len(outcomes) == 6
+    assert [outcomes[i] for i in (0, 2, 5)] == [None, None, None]
+    assert [type(outcomes[i]) for i in (1, 3, 4)] == [StaleToken, JobNotFound, StaleToken]
+    assert [outcomes[i].code for i in (1, 3, 4)] == ["stale_token", "not_found", "stale_token"]
+    assert all(isinstance(outcomes[i].message, str) and outcomes[i].message for i in (1, 3, 4))
+    assert (await client.inspect(first.job_id)).result == {"r": [1, 2]}
+    assert (await client.inspect(done.job_id)).result == "once"
+    view = await client.inspect(second.job_id)
+    assert view.state == JobState.SUCCEEDED and view.result is None
+    assert (await client.inspect(ready.job_id)).state == JobState.READY
+    counts = await queue_counts(client, "abq")
+    assert (counts["succeeded"], counts["leased"], counts["ready"]) == (3, 0, 1)
+
+
+async def test_ack_batch_refusals_of_another_worker_or_an_expired_lease(client):
+    await client.submit("abe", {})
+    await client.submit("abk", {})
+    expired = await lease_one(client, "abe", lease_ms=100)
+    kept = await lease_one(client, "abk", lease_ms=60_000)
+    # The reaper ends the short lease (observable: the job is ready again).
+    await wait_for_state(client, expired.job_id, "ready", within=5)
+    outcomes = await client.ack_batch("someone-else", [(kept.job_id, kept.token)])
+    assert [type(o) for o in outcomes] == [StaleToken]
+    outcomes = await client.ack_batch(
+        "w", [(expired.job_id, expired.token), (kept.job_id, kept.token, 7)]
+    )
+    assert type(outcomes[0]) is LeaseExpired and outcomes[0].code == "lease_expired"
+    assert outcomes[1] is None
+    assert (await client.inspect(kept.job_id)).result == 7
+    assert (await client.inspect(expired.job_id)).state == JobState.READY
+
+
+async def test_malformed_ack_batch_raises_bad_request_and_changes_nothing(client):
+    await client.submit("abm", {})
+    job = await lease_one(client, "abm")
+    with pytest.raises(BadRequest, match=r"^acks: "):
+        await client.ack_batch("w", [])
+    with pytest.raises(BadRequest, match=r"^acks\[1\]\.token: "):
+        await client.ack_batch("w", [(job.job_id, job.token), (job.job_id, "")])
+    with pytest.raises(BadRequest, match=r"^acks\[0\]\.result: "):
+        await client.ack_batch("w", [(job.job_id, job.token, "x" * Limits().max_result_bytes)])
+    with pytest.raises(BadRequest, match=r"^worker_id: "):
+        await client.ack_batch("", [(job.job_id, job.token)])
+    view = await client.inspect(job.job_id)
+    assert view.state == JobState.LEASED and view.result is None
+    assert await client.ack_batch("w", [(job.job_id, job.token)]) == [None]
+
+
+@pytest.mark.parametrize("lose", ["request", "reply"])
+async def test_ack_batch_in_flight_is_resent_and_answers_as_before(proxied, lose):
+    proxy, client, direct = proxied
+    await client.submit("rsnd", {})
+    await client.submit("rsnd", {})
+    with trio.fail_after(BOUND_S):
+        good, other = await client.lease(["rsnd"], "w", count=2, lease_ms=60_000)
+    acks = [(good.job_id, good.token, {"r": 1}), (other.job_id, "not-the-token")]
+    outcome = await _in_flight_then_cut(proxy, lambda: client.ack_batch("w", acks), lose=lose)
+    assert len(outcome) == 1 and isinstance(outcome[0], list), outcome
+    (results,) = outcome
+    assert results[0] is None and type(results[1]) is StaleToken, results
+    view = await direct.inspect(good.job_id)
+    assert view.state == JobState.SUCCEEDED and view.result == {"r": 1}
+    assert (await direct.inspect(other.job_id)).state == JobState.LEASED
+    assert client._transport.connections == 2

@@ -264,3 +264,142 @@ def test_plain_submits_take_the_fast_path(job):
 )  # fmt: skip
 def test_anything_unusual_leaves_the_fast_path(extra):
     assert wire.fast_submit_spec({"queue": "q", "payload": 1, **extra}, LIMITS) is None
+
+
+# -- ack_batch (an extension) -------------------------------------------------------------
+
+
+def test_ack_batch_parses_into_one_tuple_per_ack_in_order():
+    acks = parse(
+        op="ack_batch",
+        worker_id="w",
+        acks=[
+            {"job_id": "j1", "token": "t1"},
+            {"job_id": "j2", "token": "t2", "result": {"a": [1, None]}},
+            {"job_id": "j1", "token": "t3", "result": None, "unknown": 5},
+        ],
+    )
+    assert acks == (
+        ("j1", "w", "t1", None),
+        ("j2", "w", "t2", '{"a":[1,null]}'),
+        ("j1", "w", "t3", None),
+    )
+
+
+@given(result=json_values)
+def test_ack_batch_result_round_trips_through_the_store_text(result):
+    ((_, _, _, text),) = parse(
+        op="ack_batch", worker_id="w", acks=[{"job_id": "j", "token": "t", "result": result}]
+    )
+    assert (None if text is None else orjson.loads(text)) == result
+
+
+OK_ACK = {"job_id": "j", "token": "t"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"worker_id": "w"}, "acks"),
+        ({"worker_id": "w", "acks": "x"}, "acks"),
+        ({"worker_id": "w", "acks": {"job_id": "j", "token": "t"}}, "acks"),
+        ({"worker_id": "w", "acks": []}, "acks"),
+        ({"acks": [OK_ACK]}, "worker_id"),
+        ({"worker_id": "", "acks": [OK_ACK]}, "worker_id"),
+        ({"worker_id": 5, "acks": [OK_ACK]}, "worker_id"),
+        ({"worker_id": "w" * 257, "acks": [OK_ACK]}, "worker_id"),
+        ({"worker_id": "w", "acks": [OK_ACK, 5]}, "acks[1]"),
+        ({"worker_id": "w", "acks": [OK_ACK, None]}, "acks[1]"),
+        ({"worker_id": "w", "acks": [OK_ACK, ["j", "t"]]}, "acks[1]"),
+        ({"worker_id": "w", "acks": [OK_ACK, {"job_id": "j"}]}, "acks[1].token"),
+        ({"worker_id": "w", "acks": [{"token": "t"}, OK_ACK]}, "acks[0].job_id"),
+        ({"worker_id": "w", "acks": [OK_ACK, {"job_id": "j", "token": 5}]}, "acks[1].token"),
+        ({"worker_id": "w", "acks": [OK_ACK, {"job_id": 7, "token": "t"}]}, "acks[1].job_id"),
+        ({"worker_id": "w", "acks": [OK_ACK, {"job_id": "", "token": "t"}]}, "acks[1].job_id"),
+        ({"worker_id": "w", "acks": [OK_ACK, {"job_id": "j", "token": ""}]}, "acks[1].token"),
+        (
+            {"worker_id": "w", "acks": [OK_ACK, {"job_id": "j", "token": "t" * 257}]},
+            "acks[1].token",
+        ),
+        (
+            {"worker_id": "w", "acks": [OK_ACK, {"job_id": "j" * 257, "token": "t"}]},
+            "acks[1].job_id",
+        ),
+        # The first bad item is the one named.
+        ({"worker_id": "w", "acks": [OK_ACK, {"job_id": "j"}, 5]}, "acks[1].token"),
+    ],
+)
+def test_invalid_ack_batches_are_bad_requests_naming_the_field(fields, field):
+    with pytest.raises(BadRequest) as caught:
+        parse(op="ack_batch", **fields)
+    assert caught.value.field == field
+    assert caught.value.message.startswith(field + ": ")
+
+
+def test_ack_batch_holds_one_to_max_batch_acks():
+    limits = wire.Limits(max_batch=3)
+
+    def parse_acks(n: int):
+        acks = [{"job_id": f"j{i}", "token": "t"} for i in range(n)]
+        frame = wire.decode_frame(orjson.dumps({"op": "ack_batch", "worker_id": "w", "acks": acks}))
+        return wire.parse_request(frame, limits)
+
+    assert [job_id for job_id, *_ in parse_acks(3)] == ["j0", "j1", "j2"]
+    for n in (0, 4):
+        with pytest.raises(BadRequest) as caught:
+            parse_acks(n)
+        assert caught.value.field == "acks"
+
+
+def test_ack_batch_result_over_the_limit_is_refused_naming_its_ack():
+    limits = wire.Limits(max_result_bytes=10)
+
+    def parse_results(*results):
+        acks = [{"job_id": "j", "token": "t", "result": r} for r in results]
+        frame = wire.decode_frame(orjson.dumps({"op": "ack_batch", "worker_id": "w", "acks": acks}))
+        return wire.parse_request(frame, limits)
+
+    exact = "x" * 8  # 10 bytes encoded, with its quotes
+    assert [result for *_, result in parse_results(1, exact)] == ["1", '"xxxxxxxx"']
+    with pytest.raises(BadRequest) as caught:
+        parse_results(1, exact, "x" * 9)
+    assert caught.value.field == "acks[2].result"
+
+
+ack_item_values = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=12),
+    st.sampled_from(["", "j", "t" * 256, "t" * 257, "é" * 128, "é" * 129]),
+    st.lists(st.integers(-5, 5), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(0, 9)),
+)  # fmt: skip
+# A valid ack with up to two fields replaced and perhaps one left out.
+ack_items = st.builds(
+    lambda replaced, left_out: {
+        k: v for k, v in {"job_id": "j", "token": "t", **replaced}.items() if k not in left_out
+    },
+    st.dictionaries(st.sampled_from(["job_id", "token", "result", "extra"]), ack_item_values,
+                    max_size=2),
+    st.sets(st.sampled_from(["job_id", "token"]), max_size=1),
+)  # fmt: skip
+
+
+@given(ack_items)
+def test_each_ack_of_a_batch_is_checked_exactly_like_an_ack(item):
+    """An item is accepted as an ``ack`` with the same fields would be, with the same
+    result text; refused, it names the same field under ``acks[0].``."""
+    limits = wire.Limits(max_result_bytes=12)
+
+    def request(fields):
+        return wire.parse_request(wire.decode_frame(orjson.dumps(fields)), limits)
+
+    try:
+        ack = request({"op": "ack", "worker_id": "w", **item})
+        alone = (ack.job_id, "w", ack.token, ack.result_text(limits))
+    except BadRequest as exc:
+        alone = exc.field
+    try:
+        (batched,) = request({"op": "ack_batch", "worker_id": "w", "acks": [item]})
+    except BadRequest as exc:
+        assert exc.field is not None and exc.field.startswith("acks[0].")
+        batched = exc.field.removeprefix("acks[0].")
+    assert batched == alone

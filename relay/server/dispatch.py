@@ -92,6 +92,17 @@ def _encode_lease(leases: list[Lease]) -> dict[str, Any]:
     return {"jobs": [wire.lease_fields(lease) for lease in leases]}
 
 
+def _encode_ack_batch(outcomes: list[RelayError | None]) -> dict[str, Any]:
+    return {
+        "results": [
+            {"ok": True, "state": "succeeded"}
+            if outcome is None
+            else {"ok": False, "error": {"code": outcome.code, "message": outcome.message}}
+            for outcome in outcomes
+        ]
+    }
+
+
 def _encode_fail(outcome: FailOutcome) -> dict[str, Any]:
     fields: dict[str, Any] = {"state": str(outcome.state)}
     if outcome.retry_at is not None:
@@ -253,6 +264,11 @@ class Dispatcher:
         result = request.result_text(self.limits)
         command = cmd.Ack(request.job_id, request.worker_id, request.token, result)
         await self._send(connection, tag, command, lambda _: {"state": "succeeded"})
+
+    async def _op_ack_batch(
+        self, connection: Connection, tag: Pending, acks: wire.AckTuples
+    ) -> None:
+        await self._send(connection, tag, cmd.AckBatch(acks), _encode_ack_batch)
 
     async def _op_fail(self, connection: Connection, tag: Pending, request: wire.Fail) -> None:
         command = cmd.Fail(

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from relay.errors import RelayError
 from relay.model import SubmitSpec
 from relay.store.sqlite import SqliteStore
 
@@ -82,6 +83,29 @@ class Ack:
     def apply_many(store: SqliteStore, now: int, commands: list[Ack]) -> list[Any]:
         acks = [(c.job_id, c.worker_id, c.token, c.result) for c in commands]
         return store.jobs_ack_many(acks, now)
+
+
+@attrs.frozen
+class AckBatch:
+    """Many acks in one command, each with its own outcome (None, or the ``RelayError``
+    that refused it), exactly as if each had been its own ``Ack``, in order."""
+
+    acks: tuple[tuple[str, str, str, str | None], ...]  # job_id, worker_id, token, result
+
+    def apply(self, store: SqliteStore, now: int) -> list[Any]:
+        try:
+            with store.command():
+                return store.jobs_ack_many(self.acks, now)
+        except (RelayError, ValueError):
+            pass  # a refusal, or a job twice: each on its own below
+        outcomes: list[Any] = []
+        for job_id, worker_id, token, result in self.acks:
+            try:
+                with store.command():
+                    outcomes.append(store.jobs_ack(job_id, worker_id, token, result, now))
+            except RelayError as exc:
+                outcomes.append(exc)
+        return outcomes
 
 
 @attrs.frozen

@@ -1364,3 +1364,158 @@ async def test_huge_frame_on_default_limits_gets_frame_too_large(server, client)
         assert len(lines) == 1, lines
         assert_error(orjson.loads(lines[0]), "frame_too_large")
         await well_behaved_round(good, "good")
+
+
+# -- ack_batch (an extension) ---------------------------------------------------------------
+
+
+def ack_batch_codes(reply: dict[str, Any]) -> list[str]:
+    """Per ack, in order: "succeeded" or its error code; checks the shape of each result."""
+    assert reply["ok"] is True and set(reply) == {"id", "ok", "results"}, reply
+    codes = []
+    for result in reply["results"]:
+        if result["ok"] is True:
+            assert result == {"ok": True, "state": "succeeded"}, result
+            codes.append("succeeded")
+        else:
+            assert result["ok"] is False and set(result) == {"ok", "error"}, result
+            assert set(result["error"]) == {"code", "message"}, result
+            assert isinstance(result["error"]["message"], str) and result["error"]["message"]
+            codes.append(result["error"]["code"])
+    return codes
+
+
+def ack_of(job: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"job_id": job["job_id"], "token": job["token"], **fields}
+
+
+async def test_ack_batch_answers_each_ack_in_order_and_commits_the_accepted(client):
+    ids = [await submit(client, "ab", {"i": i}) for i in range(4)]
+    leased = (await client.ok("lease", queues=["ab"], worker_id=W, count=3))["jobs"]
+    assert [job["job_id"] for job in leased] == ids[:3]
+    held, refused, acked = leased
+    await client.ok("ack", **ack_of(acked), worker_id=W, result="once")
+    reply = await client.ok(
+        "ack_batch",
+        worker_id=W,
+        acks=[
+            ack_of(held, result={"n": 0}),
+            {"job_id": refused["job_id"], "token": "f" * len(refused["token"])},
+            ack_of(acked, result="twice"),  # a repeated ack with the completing token
+            {"job_id": "job_00000000deadbeef", "token": held["token"]},
+            {"job_id": "nope", "token": held["token"]},
+            {"job_id": ids[3], "token": held["token"]},  # ready, never leased
+        ],
+    )
+    assert ack_batch_codes(reply) == [
+        "succeeded", "stale_token", "succeeded", "not_found", "not_found", "stale_token",
+    ]  # fmt: skip
+    info = await inspect(client, held["job_id"])
+    assert (info["state"], info["result"]) == ("succeeded", {"n": 0})
+    assert isinstance(info["finished_at"], int) and "lease_expires_at" not in info
+    assert (await inspect(client, acked["job_id"]))["result"] == "once"
+    still = await inspect(client, refused["job_id"])
+    assert (still["state"], still["attempt"]) == ("leased", 1)
+    assert still["lease_expires_at"] == refused["lease_expires_at"]
+    assert (await inspect(client, ids[3]))["state"] == "ready"
+    counts = {**dict.fromkeys(STATES, 0), "ready": 1, "leased": 1, "succeeded": 2}
+    assert await queue_stats(client, "ab") == counts
+    # Another worker's batch cannot ack the refused job either; its holder's can.
+    other = await client.ok("ack_batch", worker_id="someone-else", acks=[ack_of(refused)])
+    assert ack_batch_codes(other) == ["stale_token"]
+    mine = await client.ok("ack_batch", worker_id=W, acks=[ack_of(refused)])
+    assert ack_batch_codes(mine) == ["succeeded"]
+    counts = {**dict.fromkeys(STATES, 0), "ready": 1, "succeeded": 3}
+    assert await queue_stats(client, "ab") == counts
+
+
+async def test_ack_batch_answers_lease_expired_for_that_ack_only(client):
+    expired_id = await submit(client, "abx", 1, retries=3)
+    kept_id = await submit(client, "aby", 2)
+    expired = await lease_one(client, "abx", lease_ms=1)
+    kept = await lease_one(client, "aby")
+    # Wait until the reaper has put the job back (the contract: within about 100 ms).
+    with trio.fail_after(5):
+        # Polls state the server exposes only through requests.
+        while (await inspect(client, expired_id))["state"] != "ready":  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    reply = await client.ok("ack_batch", worker_id=W, acks=[ack_of(expired), ack_of(kept)])
+    assert ack_batch_codes(reply) == ["lease_expired", "succeeded"]
+    assert (await inspect(client, kept_id))["state"] == "succeeded"
+    info = await inspect(client, expired_id)
+    assert (info["state"], info["last_error"]) == ("ready", "lease expired")
+    assert (await queue_stats(client, "abx"))["succeeded"] == 0
+
+
+async def test_ack_batch_with_a_job_twice_answers_as_two_acks_would(client):
+    await submit(client, "ab2", 1)
+    await submit(client, "ab2", 2)
+    first = await lease_one(client, "ab2")
+    second = await lease_one(client, "ab2")
+    wrong = {"job_id": second["job_id"], "token": "f" * len(second["token"])}
+    acks = [ack_of(first, result=1), ack_of(first, result=2), wrong, ack_of(second, result=3)]
+    reply = await client.ok("ack_batch", worker_id=W, acks=acks)
+    assert ack_batch_codes(reply) == ["succeeded", "succeeded", "stale_token", "succeeded"]
+    # The first ack completed the job; its repeat changed nothing.
+    assert (await inspect(client, first["job_id"]))["result"] == 1
+    assert (await inspect(client, second["job_id"]))["result"] == 3
+    counts = await queue_stats(client, "ab2")
+    assert (counts["succeeded"], counts["leased"]) == (2, 0)
+
+
+BAD_ACK_BATCHES: list[tuple[Any, str]] = [
+    # (the request's fields, given one good ack; the field the error must name)
+    (lambda good: {"worker_id": W, "acks": []}, "acks"),
+    (lambda good: {"worker_id": W}, "acks"),
+    (lambda good: {"worker_id": W, "acks": good}, "acks"),
+    (lambda good: {"acks": [good]}, "worker_id"),
+    (lambda good: {"worker_id": "", "acks": [good]}, "worker_id"),
+    (lambda good: {"worker_id": W, "acks": [good, "ack"]}, "acks[1]"),
+    (lambda good: {"worker_id": W, "acks": [good, {"job_id": good["job_id"]}]}, "acks[1].token"),
+    (lambda good: {"worker_id": W, "acks": [good, {"token": good["token"]}]}, "acks[1].job_id"),
+    (lambda good: {"worker_id": W, "acks": [good, {**good, "token": 5}]}, "acks[1].token"),
+    (lambda good: {"worker_id": W, "acks": [good, {**good, "job_id": ""}]}, "acks[1].job_id"),
+    (
+        lambda good: {
+            "worker_id": W,
+            "acks": [good, {**good, "result": "x" * wire.Limits().max_result_bytes}],
+        },
+        "acks[1].result",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    BAD_ACK_BATCHES,
+    ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_ACK_BATCHES)],
+)
+async def test_malformed_ack_batch_is_bad_request_naming_the_field_and_changes_nothing(
+    client, fields, field
+):
+    job_id = await submit(client, "abb")
+    job = await lease_one(client, "abb")
+    request_id = await client.send("ack_batch", **fields(ack_of(job)))
+    error = assert_error(await client.read(), "bad_request", request_id)
+    assert error["message"].startswith(field + ": "), error
+    info = await inspect(client, job_id)
+    assert (info["state"], info["lease_expires_at"]) == ("leased", job["lease_expires_at"])
+    assert "result" not in info
+    # The connection is still usable, and the good ack alone goes through.
+    reply = await client.ok("ack_batch", worker_id=W, acks=[ack_of(job)])
+    assert ack_batch_codes(reply) == ["succeeded"]
+
+
+async def test_ack_batch_holds_at_most_max_batch_acks(tmp_path):
+    async with custom_server(tmp_path, limits=wire.Limits(max_batch=3)) as srv, connected(srv) as c:
+        for i in range(3):
+            await submit(c, "abm", i)
+        jobs = (await c.ok("lease", queues=["abm"], worker_id=W, count=3))["jobs"]
+        acks = [ack_of(job) for job in jobs]
+        error = await c.error("ack_batch", worker_id=W, acks=[*acks, acks[0]])
+        assert error["code"] == "bad_request" and error["message"].startswith("acks: ")
+        assert (await queue_stats(c, "abm"))["leased"] == 3
+        reply = await c.ok("ack_batch", worker_id=W, acks=acks)
+        assert ack_batch_codes(reply) == ["succeeded"] * 3
+        counts = await queue_stats(c, "abm")
+        assert (counts["succeeded"], counts["leased"]) == (3, 0)

@@ -12,8 +12,9 @@ import re
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings, strategies
 
-from relay.errors import InvalidState, JobNotFound, LeaseExpired, StaleToken
+from relay.errors import InvalidState, JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.model import (
     Backoff,
     ErrorEntry,
@@ -24,6 +25,7 @@ from relay.model import (
     SubmitSpec,
     parse_job_id,
 )
+from relay.store import commands as cmd
 from relay.store.sqlite import (
     ERRORS_SHOWN,
     Changes,
@@ -1421,3 +1423,77 @@ def test_a_jobs_error_history_shows_its_most_recent_entries(store):
     errors = store.job_inspect(job).errors
     assert len(errors) == ERRORS_SHOWN
     assert [e.error for e in errors] == [f"failure {n}" for n in range(9, 41)]
+
+
+# -- ack_batch: each ack as if it were its own, in order --------------------------------------
+
+ACK_AT = T0 + 1_000
+WRONG_TOKEN = "0" * 32
+
+
+def _ack_scene(store: SqliteStore) -> list[tuple[str, str]]:
+    """(job_id, the token of its lease, if any) for: two held leases, a lease that ends at
+    ACK_AT, a job acked already, a ready job never leased, an unknown id, a malformed one."""
+    jobs = [submit(store, T0) for _ in range(5)]
+    held = [claim_one(store, T0), claim_one(store, T0)]
+    ending = claim_one(store, T0, lease_ms=ACK_AT - T0)
+    acked = claim_one(store, T0)
+    store.jobs_ack(acked.job_id, "w1", acked.token, '"early"', T0 + 1)
+    leases = [*held, ending, acked]
+    assert [lease.job_id for lease in leases] == jobs[:4]
+    return [(lease.job_id, lease.token) for lease in leases] + [
+        (jobs[4], WRONG_TOKEN),
+        ("job_0000000000000001", WRONG_TOKEN),
+        ("nope", WRONG_TOKEN),
+    ]
+
+
+def _outcome(outcome: object) -> tuple[type, str] | None:
+    return None if outcome is None else (type(outcome), str(outcome))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    strategies.lists(
+        strategies.tuples(
+            strategies.integers(0, 6),  # which job of the scene
+            strategies.booleans(),  # its lease's token, or a wrong one
+            strategies.sampled_from(["w1", "w2"]),
+            strategies.sampled_from([None, '"r"', '{"n":1}']),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_an_ack_batch_does_exactly_what_its_acks_one_by_one_would(items):
+    # Two fresh stores per example (the `store` fixture is one per test): the same scene in
+    # each, the batch as one command in one, the same acks one by one in the other.
+    batched, alone = (SqliteStore.open(":memory:", rng=random.Random(1)) for _ in range(2))
+    try:
+        scenes = [_ack_scene(s) for s in (batched, alone)]
+
+        def acks(scene: list[tuple[str, str]]) -> list[tuple[str, str, str, str | None]]:
+            return [
+                (scene[i][0], worker, scene[i][1] if held else WRONG_TOKEN, result)
+                for i, held, worker, result in items
+            ]
+
+        batched.begin()
+        with batched.command():  # as the writer runs every command
+            outcomes = cmd.AckBatch(tuple(acks(scenes[0]))).apply(batched, ACK_AT)
+        batched.commit()
+        expected: list[object] = []
+        for ack in acks(scenes[1]):
+            try:
+                expected.append(alone.jobs_ack(*ack, ACK_AT))
+            except RelayError as exc:
+                expected.append(exc)
+
+        assert [_outcome(o) for o in outcomes] == [_outcome(o) for o in expected]
+        for (job_id, _), (same_id, _) in zip(scenes[0][:5], scenes[1][:5], strict=True):
+            assert batched.job_inspect(job_id) == alone.job_inspect(same_id)
+        assert batched.queue_stats() == alone.queue_stats() == recount(batched)
+        assert batched.event_totals() == alone.event_totals()
+    finally:
+        batched.close()
+        alone.close()

@@ -14,7 +14,8 @@ import attrs
 import pytest
 import trio
 
-from relay.errors import InternalError, ShuttingDown, StaleToken
+from relay import wire
+from relay.errors import InternalError, JobNotFound, LeaseExpired, ShuttingDown, StaleToken
 from relay.model import JobState, SubmitSpec, parse_job_id
 from relay.store import commands as cmd
 from relay.store.sqlite import Changes, SqliteStore
@@ -433,3 +434,155 @@ async def test_the_writer_exit_keeps_its_deadline_when_the_thread_is_stuck(db_pa
         async with open_writer(store, clock=FakeClock(), shutdown_timeout=0.3) as writer:
             await writer.send(Stuck(), sink)
     assert trio.current_time() - started < 2.0
+
+
+# -- ack_batch: one command, an outcome per ack ------------------------------------------------
+
+
+def committed_states(path: str) -> dict[int, str]:
+    with sqlite3.connect(path) as conn:
+        return dict(conn.execute("SELECT id, state FROM jobs"))
+
+
+def kinds(outcomes: list[Any]) -> list[type | None]:
+    return [None if outcome is None else type(outcome) for outcome in outcomes]
+
+
+async def test_an_ack_batch_answers_each_ack_and_commits_only_the_accepted_ones(db_path):
+    store = SqliteStore.open(db_path)
+    clock = FakeClock()
+    unknown = "job_0000000000000001"
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=clock) as writer:
+            await writer.execute(cmd.Submit(tuple(spec(payload=str(i)) for i in range(5))))
+            a, b, c, d = await writer.execute(cmd.Claim(("q",), "w", 4, 30_000))
+            (short,) = await writer.execute(cmd.Claim(("q",), "w", 1, 1_000))
+            clock.now = T0 + 1_000  # the instant the short lease ends; the others hold on
+            refused = [b.job_id, c.job_id, short.job_id]
+            before = [await writer.execute(cmd.Inspect(job_id)) for job_id in refused]
+            batch = cmd.AckBatch((
+                (a.job_id, "w", a.token, '"a"'),
+                (b.job_id, "w", "0" * 32, None),
+                (c.job_id, "someone-else", c.token, None),
+                (short.job_id, "w", short.token, None),
+                (unknown, "w", a.token, None),
+                (d.job_id, "w", d.token, '{"n":4}'),
+            ))  # fmt: skip
+            outcomes = await writer.execute(batch)
+            after = [await writer.execute(cmd.Inspect(job_id)) for job_id in refused]
+            done = [await writer.execute(cmd.Inspect(x.job_id)) for x in (a, d)]
+            stats = await writer.execute(cmd.Stats())
+            totals = await writer.execute(cmd.EventTotals())
+    assert kinds(outcomes) == [None, StaleToken, StaleToken, LeaseExpired, JobNotFound, None]
+    assert [outcomes[1].job_id, outcomes[2].job_id] == [b.job_id, c.job_id]
+    assert (outcomes[3].job_id, outcomes[3].expired_at) == (short.job_id, T0 + 1_000)
+    assert outcomes[4].job_id == unknown
+    # The refused acks changed nothing; the accepted ones hold their own results.
+    assert after == before
+    assert [(i.state, i.result, i.finished_at, i.lease_expires_at) for i in done] == [
+        (JobState.SUCCEEDED, '"a"', T0 + 1_000, None),
+        (JobState.SUCCEEDED, '{"n":4}', T0 + 1_000, None),
+    ]
+    assert stats == {"q": {"pending": 0, "ready": 0, "leased": 3, "retrying": 0,
+                           "succeeded": 2, "dead": 0}}  # fmt: skip
+    assert totals[("q", "acked")] == 2
+    states = committed_states(db_path)
+    assert {job_id: states[parse_job_id(job_id)] for job_id in (a.job_id, d.job_id, *refused)} == {
+        a.job_id: "succeeded",
+        d.job_id: "succeeded",
+        b.job_id: "leased",
+        c.job_id: "leased",
+        short.job_id: "leased",
+    }
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected"),
+    [
+        (("held", "w"), ("held", "w"), [None, None]),  # the second is a repeated ack
+        (("wrong", "w"), ("held", "w"), [StaleToken, None]),
+        (("held", "w"), ("wrong", "w"), [None, StaleToken]),
+        (("held", "w"), ("held", "someone-else"), [None, StaleToken]),
+    ],
+)
+async def test_a_job_twice_in_an_ack_batch_answers_as_two_acks_in_order(
+    db_path, first, second, expected
+):
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            await writer.execute(cmd.Submit((spec(), spec())))
+            job, other = await writer.execute(cmd.Claim(("q",), "w", 2, 30_000))
+
+            def ack(which: tuple[str, str], result: str) -> tuple[str, str, str, str]:
+                token, worker = which
+                return (job.job_id, worker, job.token if token == "held" else "0" * 32, result)
+
+            batch = (ack(first, '"first"'), (other.job_id, "w", other.token, None),
+                     ack(second, '"second"'))  # fmt: skip
+            outcomes = await writer.execute(cmd.AckBatch(batch))
+            info = await writer.execute(cmd.Inspect(job.job_id))
+            stats = await writer.execute(cmd.Stats())
+            totals = await writer.execute(cmd.EventTotals())
+    assert kinds(outcomes) == [expected[0], None, expected[1]]
+    assert info.state == JobState.SUCCEEDED
+    # The ack that completed the job set the result; a repeat changes nothing.
+    assert info.result == ('"first"' if expected[0] is None else '"second"')
+    assert stats["q"]["succeeded"] == 2 and stats["q"]["leased"] == 0
+    assert totals[("q", "acked")] == 2  # each job moved to succeeded exactly once
+
+
+async def test_an_ack_batch_is_one_store_call_unless_an_ack_is_refused(db_path):
+    store = SqliteStore.open(db_path)
+    calls: list[str] = []
+    real_many, real_one = store.jobs_ack_many, store.jobs_ack
+
+    def counting_many(acks, now):
+        calls.append(f"many:{len(acks)}")
+        return real_many(acks, now)
+
+    def counting_one(*args):
+        calls.append("one")
+        return real_one(*args)
+
+    store.jobs_ack_many = counting_many  # type: ignore[method-assign]
+    store.jobs_ack = counting_one  # type: ignore[method-assign]
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            await writer.execute(cmd.Submit(tuple(spec() for _ in range(4))))
+            leases = await writer.execute(cmd.Claim(("q",), "w", 4, 30_000))
+            acks = [(lease.job_id, "w", lease.token, None) for lease in leases]
+            assert await writer.execute(cmd.AckBatch(tuple(acks[:2]))) == [None] * 2
+            assert calls == ["many:2"]
+            # One refusal: the whole run is undone, then each ack is answered on its own
+            # (the last one a repeat of an ack of the first batch).
+            calls.clear()
+            batch = (acks[2], (leases[3].job_id, "w", "0" * 32, None), acks[0])
+            outcomes = await writer.execute(cmd.AckBatch(batch))
+            stats = await writer.execute(cmd.Stats())
+            totals = await writer.execute(cmd.EventTotals())
+    assert calls == ["many:3", "one", "one", "one"]
+    assert kinds(outcomes) == [None, StaleToken, None]
+    assert (stats["q"]["succeeded"], stats["q"]["leased"]) == (3, 1)
+    assert totals[("q", "acked")] == 3
+    states = committed_states(db_path)
+    assert [states[parse_job_id(lease.job_id)] for lease in leases] == ["succeeded"] * 3 + [
+        "leased"
+    ]
+
+
+async def test_an_ack_batch_of_max_batch_acks_with_one_refused(db_path):
+    store = SqliteStore.open(db_path)
+    n = wire.Limits().max_batch
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            await writer.execute(cmd.Submit(tuple(spec() for _ in range(n))))
+            leases = await writer.execute(cmd.Claim(("q",), "w", n, 30_000))
+            acks = [(lease.job_id, "w", lease.token, None) for lease in leases]
+            acks[n // 2] = (leases[n // 2].job_id, "w", "0" * 32, None)
+            outcomes = await writer.execute(cmd.AckBatch(tuple(acks)))
+            stats = await writer.execute(cmd.Stats())
+    assert len(leases) == n
+    assert kinds(outcomes) == [None] * (n // 2) + [StaleToken] + [None] * (n - n // 2 - 1)
+    assert (stats["q"]["succeeded"], stats["q"]["leased"]) == (n - 1, 1)
+    assert committed_states(db_path)[parse_job_id(leases[n // 2].job_id)] == "leased"
