@@ -14,7 +14,8 @@ task for the whole worker (it wakes at the earliest renewal due, at most four ti
 renewal interval, and renews every job due then, concurrently). If a renewal is refused
 (the lease expired, or another worker holds the job now), the handler is cancelled and
 nothing is acked: the job belongs to someone else. A handler that returns is acked
-with its return value as the result (when it is JSON-serialisable); one that raises is
+with its return value as the result (when it is JSON-serialisable; the acks of jobs that
+finish while an ack request is in flight go together in one ``ack_batch``); one that raises is
 failed with the exception's text (``PermanentError``: not retryable). Synchronous handlers
 run in a worker thread, under the same slots.
 
@@ -40,7 +41,15 @@ import orjson
 import trio
 
 from relay.client import Client, LeasedJob, open_client
-from relay.errors import ConnectionLost, JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.errors import (
+    BadRequest,
+    ConnectionLost,
+    JobNotFound,
+    LeaseExpired,
+    RelayError,
+    StaleToken,
+    UnknownOp,
+)
 from relay.histogram import Histogram
 from relay.log import event
 
@@ -57,6 +66,8 @@ LEASE_ERROR_BACKOFF_S = 0.5
 # Bound on reporting a job's outcome (ack, fail, release): past it the lease expires and
 # the job runs again, which at-least-once delivery allows.
 SETTLE_TIMEOUT_S = 10.0
+# Most acks sent in one ack_batch (the server's default max_batch).
+MAX_ACK_BATCH = 1000
 
 
 class PermanentError(Exception):
@@ -99,6 +110,16 @@ class _Running:
     renew_at: float
     lost: bool = False
     done: bool = False  # the handler has returned: a late renewal refusal means nothing
+
+
+@attrs.define(eq=False)
+class _PendingAck:
+    """A finished job's ack, waiting for the ack task to send it with the others."""
+
+    job: LeasedJob
+    result: Any
+    sent: trio.Event = attrs.Factory(trio.Event)
+    error: RelayError | None = None  # why the server refused it (or could not be asked)
 
 
 @attrs.frozen
@@ -160,6 +181,9 @@ class Worker:
         # of the renewal task (so a stream of short jobs does not wake it per job).
         self._renew_interval = max(lease_ms / 3000, 0.01)
         self._renew_granularity = self._renew_interval / 4
+        self._acks: list[_PendingAck] = []  # finished jobs' acks, not yet sent
+        self._acks_queued = trio.lowlevel.ParkingLot()  # the ack task waits here
+        self._ack_batches = True  # cleared if the server does not know ack_batch
         self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
         self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
 
@@ -179,13 +203,14 @@ class Worker:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Work until ``stop()``. Owns its connection (unless given a client), one task per
-        running job and the renewal task; all end before this returns."""
-        async with self._client() as client, trio.open_nursery() as renewals:
+        running job, the renewal task and the ack task; all end before this returns."""
+        async with self._client() as client, trio.open_nursery() as helpers:
             event(
                 log, logging.INFO, "worker.started", worker_id=self.worker_id,
                 queues=self.queues, concurrency=self.concurrency,
             )  # fmt: skip
-            renewals.start_soon(self._renew_loop, client)
+            helpers.start_soon(self._renew_loop, client)
+            helpers.start_soon(self._ack_loop, client)
             with self._jobs_scope:
                 async with trio.open_nursery() as jobs:
                     task_status.started()
@@ -194,7 +219,7 @@ class Worker:
                     # Leasing stopped: running jobs get the shutdown timeout, then are
                     # cancelled (and release their leases).
                     self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
-            renewals.cancel_scope.cancel()  # no job runs any more
+            helpers.cancel_scope.cancel()  # no job runs or waits for its ack any more
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
     @asynccontextmanager
@@ -249,6 +274,50 @@ class Worker:
             # Jobs started later are due later: the earliest of those running now is next.
             wake = min((r.renew_at for r in self._running.values()), default=now)
             await trio.sleep_until(max(wake, now + self._renew_granularity))
+
+    async def _ack_loop(self, client: Client) -> None:
+        """Send the acks of finished jobs: all that are waiting, in one ``ack_batch``. One
+        request is in flight at a time, so acks that finish meanwhile form the next batch:
+        an idle worker acks at once, a busy one in batches that grow with the load."""
+        while True:
+            while not self._acks:
+                await self._acks_queued.park()
+            batch = self._acks[:MAX_ACK_BATCH]
+            del self._acks[:MAX_ACK_BATCH]
+            try:
+                await self._send_acks(client, batch)
+            finally:
+                for pending in batch:
+                    pending.sent.set()
+
+    async def _send_acks(self, client: Client, batch: list[_PendingAck]) -> None:
+        if len(batch) > 1 and self._ack_batches:
+            acks = [(p.job.job_id, p.job.token, p.result) for p in batch]
+            try:
+                outcomes = await client.ack_batch(self.worker_id, acks)
+            except UnknownOp:
+                self._ack_batches = False  # an older server: one ack per job from now on
+            except BadRequest:
+                pass  # one unacceptable result must not fail the others: one by one
+            except RelayError as exc:
+                for pending in batch:
+                    pending.error = exc
+                return
+            else:
+                for pending, outcome in zip(batch, outcomes, strict=True):
+                    pending.error = outcome
+                return
+
+        async def ack_one(pending: _PendingAck) -> None:
+            job = pending.job
+            try:
+                await client.ack(job.job_id, self.worker_id, job.token, pending.result)
+            except RelayError as exc:
+                pending.error = exc
+
+        async with trio.open_nursery() as nursery:
+            for pending in batch:
+                nursery.start_soon(ack_one, pending)
 
     async def _renew(self, client: Client, running: _Running) -> None:
         job = running.job
@@ -341,7 +410,12 @@ class Worker:
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]
     ) -> None:
         if outcome == "ok":
-            await client.ack(job.job_id, self.worker_id, job.token, _result_of(value))
+            pending = _PendingAck(job, _result_of(value))
+            self._acks.append(pending)
+            self._acks_queued.unpark_all()
+            await pending.sent.wait()
+            if pending.error is not None:
+                raise pending.error
             self._counts["succeeded"] += 1
             event(log, logging.DEBUG, "job.succeeded", **ids)
         elif outcome == "error":

@@ -274,6 +274,118 @@ async def test_queue_without_a_handler_goes_dead(backend):
     assert "no handler for queue c" in (view.last_error or "")
 
 
+# -- acks ----------------------------------------------------------------------------------------
+
+
+def record_acks(client: Client) -> list[tuple[str, int]]:
+    """Record each ack request the client sends: ("ack", 1) or ("ack_batch", n)."""
+    calls: list[tuple[str, int]] = []
+    ack, ack_batch = client.ack, client.ack_batch
+
+    async def one(*args: Any, **kwargs: Any) -> None:
+        calls.append(("ack", 1))
+        await ack(*args, **kwargs)
+
+    async def many(worker_id: str, acks: Any) -> Any:
+        calls.append(("ack_batch", len(acks)))
+        return await ack_batch(worker_id, acks)
+
+    client.ack, client.ack_batch = one, many  # type: ignore[method-assign]
+    return calls
+
+
+class Together:
+    """A handler whose jobs wait for each other: ``expect(n)`` jobs are held until all n
+    have arrived, then return together, each the value of ``results`` for its payload."""
+
+    def __init__(self, results: dict[int, Any]) -> None:
+        self.results = results
+        self.arrived = 0
+        self.expected = 0
+        self.all_in = trio.Event()
+
+    def expect(self, n: int) -> None:
+        self.arrived, self.expected, self.all_in = 0, n, trio.Event()
+
+    async def __call__(self, job: LeasedJob) -> Any:
+        self.arrived += 1
+        if self.arrived == self.expected:
+            self.all_in.set()
+        await self.all_in.wait()
+        return self.results[job.payload]
+
+
+async def submit_together(client: Client, together: Together, payloads: list[int]) -> list[str]:
+    together.expect(len(payloads))
+    submitted = await client.submit_batch([{"queue": "q", "payload": n} for n in payloads])
+    return [r.job_id for r in submitted]
+
+
+async def settled(worker: Worker, succeeded: int) -> None:
+    await wait_until(
+        lambda: _async_true(
+            worker.statistics().running == 0 and worker.statistics().succeeded == succeeded
+        ),
+        within=BOUND_S, what=f"{succeeded} acked and nothing running",
+    )  # fmt: skip
+
+
+async def test_jobs_that_finish_together_are_acked_in_one_request(tmp_path):
+    together = Together({n: n * 10 for n in range(8)})
+    async with open_local(str(tmp_path / "local.db")) as client:
+        calls = record_acks(client)
+        ids = await submit_together(client, together, list(range(8)))
+        worker = make_worker(client, handler=together, concurrency=8)
+        async with running(worker):
+            await settled(worker, 8)
+        assert calls == [("ack_batch", 8)]
+        views = [await client.inspect(job_id) for job_id in ids]
+        assert [v.state for v in views] == [JobState.SUCCEEDED] * 8
+        assert [v.result for v in views] == [n * 10 for n in range(8)]
+
+
+async def test_one_unacceptable_result_does_not_fail_the_others_acks(tmp_path):
+    too_large = "x" * (256 * 1024 + 1)  # over the server's max_result_bytes
+    together = Together({0: too_large, 1: "one", 2: "two"})
+    async with open_local(str(tmp_path / "local.db")) as client:
+        calls = record_acks(client)
+        ids = await submit_together(client, together, [0, 1, 2])
+        worker = make_worker(client, handler=together, concurrency=3)
+        async with running(worker):
+            await settled(worker, 2)
+        # The batch is refused as a whole; then each job is acked on its own.
+        assert calls == [("ack_batch", 3)] + [("ack", 1)] * 3
+        views = [await client.inspect(job_id) for job_id in ids]
+        assert [v.result for v in views[1:]] == ["one", "two"]
+        assert [v.state for v in views[1:]] == [JobState.SUCCEEDED] * 2
+        # The refused ack leaves its job leased: it runs again once the lease expires.
+        assert views[0].state == JobState.LEASED
+
+
+async def test_a_server_without_ack_batch_gets_one_ack_per_job(tmp_path):
+    from relay.errors import UnknownOp
+
+    together = Together({n: n for n in range(6)})
+    async with open_local(str(tmp_path / "local.db")) as client:
+        calls = record_acks(client)
+
+        async def unknown(worker_id: str, acks: Any) -> Any:
+            calls.append(("ack_batch", len(acks)))
+            raise UnknownOp("unknown op 'ack_batch'")
+
+        client.ack_batch = unknown  # type: ignore[method-assign]
+        worker = make_worker(client, handler=together, concurrency=4)
+        async with running(worker):
+            await submit_together(client, together, [0, 1, 2, 3])
+            await settled(worker, 4)
+            assert calls == [("ack_batch", 4)] + [("ack", 1)] * 4
+            # Once told, the worker does not ask again.
+            await submit_together(client, together, [4, 5])
+            await settled(worker, 6)
+        assert calls[5:] == [("ack", 1)] * 2
+        assert (await queue_counts(client, "q"))["succeeded"] == 6
+
+
 # -- renewal -----------------------------------------------------------------------------------
 
 
