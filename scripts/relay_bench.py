@@ -293,9 +293,11 @@ async def prefill(address, total: int, queue: str = "bench") -> None:
     await conn.aclose()
 
 
-async def consume_raw(address, total: int, count: int, queue: str = "bench") -> int:
-    """Lease up to ``count`` at a time and pipeline the acks; stop after ``total`` jobs or
-    when the queue is empty. Returns jobs done."""
+async def consume_raw(
+    address, total: int, count: int, queue: str = "bench", batch_acks: bool = False
+) -> int:
+    """Lease up to ``count`` at a time and pipeline the acks (or send them as one
+    ``ack_batch``); stop after ``total`` jobs or when the queue is empty. Returns jobs done."""
     conn = await Conn.open(address)
     worker = f"bench-{os.getpid()}-{id(conn)}"
     done = 0
@@ -304,23 +306,32 @@ async def consume_raw(address, total: int, count: int, queue: str = "bench") -> 
         jobs = reply["jobs"]
         if not jobs:
             break
-        acks = b"".join(
-            conn.line("ack", job_id=j["job_id"], worker_id=worker, token=j["token"]) for j in jobs
-        )
-        await conn.stream.send_all(acks)
-        await conn.read_count(len(jobs))
+        if batch_acks:
+            acks = [{"job_id": j["job_id"], "token": j["token"]} for j in jobs]
+            reply = await conn.call("ack_batch", worker_id=worker, acks=acks)
+            if not all(r["ok"] for r in reply["results"]):
+                raise RuntimeError(f"an ack was refused: {reply}")
+        else:
+            lines = b"".join(
+                conn.line("ack", job_id=j["job_id"], worker_id=worker, token=j["token"])
+                for j in jobs
+            )
+            await conn.stream.send_all(lines)
+            await conn.read_count(len(jobs))
         done += len(jobs)
     await conn.aclose()
     return done
 
 
-async def lease_ack_processes(address, processes: int, count: int, total: int) -> float:
+async def lease_ack_processes(
+    address, processes: int, count: int, total: int, batch_acks: bool = False
+) -> float:
     """``processes`` consumer processes, each leasing ``count`` per request. The clock
     starts when all of them are connected and told to go: process start-up (~1 s of
     imports on a small VM) is not part of the rate."""
     per = math.ceil(total / processes)
     args = [sys.executable, __file__, "_consume", f"{address[0]}:{address[1]}", str(per),
-            str(count)]  # fmt: skip
+            str(count), "batch" if batch_acks else "each"]  # fmt: skip
     consumers = [
         await trio.lowlevel.open_process(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         for _ in range(processes)
@@ -535,6 +546,11 @@ async def consume_scenarios(server: ServerProcess, sizes: Sizes, runs: int):
         lambda: lease_ack_processes(a, 8, 8, sizes.backlog),
         before_each=lambda: prefill(a, sizes.backlog),
     )  # fmt: skip
+    yield await measure(
+        server, "lease+ack, 8 processes, count 8, ack_batch", "jobs/s", runs,
+        lambda: lease_ack_processes(a, 8, 8, sizes.backlog, batch_acks=True),
+        before_each=lambda: prefill(a, sizes.backlog),
+    )  # fmt: skip
     for concurrency in (1, 4, 16, 64):
         yield await measure(
             server, f"lease+ack, relay.Worker concurrency {concurrency}", "jobs/s", runs,
@@ -663,7 +679,7 @@ def main(quick: bool, runs: int, sync_modes: str, json_path: str | None,
         }, option=orjson.OPT_INDENT_2))  # fmt: skip
 
 
-def _consume_main(address: str, per: str, count: str) -> None:
+def _consume_main(address: str, per: str, count: str, acks: str) -> None:
     """A consumer process: connect, say ready, wait for go, consume, print how many."""
     host, port = address.rsplit(":", 1)
 
@@ -673,13 +689,15 @@ def _consume_main(address: str, per: str, count: str) -> None:
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.readline)
         await conn.aclose()
-        return await consume_raw((host, int(port)), int(per), int(count))
+        return await consume_raw(
+            (host, int(port)), int(per), int(count), batch_acks=acks == "batch"
+        )
 
     print(trio.run(run), flush=True)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_consume":
-        _consume_main(*sys.argv[2:5])
+        _consume_main(*sys.argv[2:6])
     else:
         main()

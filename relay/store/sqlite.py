@@ -360,9 +360,9 @@ class SqliteStore:
                 keys.append((spec.queue, spec.idempotency_key, key, key_expires_at))
                 fresh_keys[(spec.queue, spec.idempotency_key)] = result
         self._check_depth(rows)
-        for row in rows:
-            self._move(row[1], None, row[2])
-            self._count(row[1], "submitted")
+        for (queue, state), n in Counter((row[1], row[2]) for row in rows).items():
+            self._move(queue, None, state, n)
+            self._count(queue, "submitted", n)
         if rows:
             self._db.executemany(
                 "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
