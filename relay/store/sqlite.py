@@ -199,7 +199,6 @@ class SqliteStore:
         last = conn.execute("SELECT value FROM meta WHERE key = 'last_job_id'").fetchone()
         top = conn.execute("SELECT max(id) FROM jobs").fetchone()[0]
         self._ids = JobIdGenerator(max(int(last[0]) if last else 0, top or 0))
-        self._ids_dirty = False
         self._counts: Counter[tuple[str, str]] = Counter()  # (queue, state) -> jobs
         self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
         self._load_counts()
@@ -253,18 +252,17 @@ class SqliteStore:
         self._db.execute("RELEASE command")
 
     def _save_last_id(self) -> None:
-        # Once per transaction, not per submit: the high-water mark of issued ids, so ids
-        # keep increasing after a restart even if the newest jobs were deleted.
+        # The high-water mark of issued ids, written only where jobs are deleted: with it,
+        # and max(id) of the jobs that remain, the generator starts above every id ever
+        # committed, also after a restart with the clock set back. (A submit needs no
+        # write of its own: its job is the max(id) until it is deleted.)
         self._db.execute(
             "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_job_id', ?)",
             (str(self._ids.last_id),),
         )
-        self._ids_dirty = False
 
     def commit(self) -> Changes:
         """Commit; return what changed and start collecting afresh."""
-        if self._ids_dirty:
-            self._save_last_id()
         self._db.execute("COMMIT")
         self._journal = None
         changes, self.changes = self.changes, Changes()
@@ -273,8 +271,9 @@ class SqliteStore:
     def rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
             self._db.execute("ROLLBACK")
-        # Ids issued in the rolled-back transaction stay used (the generator never goes
-        # back); a later commit records a high-water mark at least as high.
+        # Ids issued in the rolled-back transaction stay used in this process (the
+        # generator never goes back); none was committed or answered, so none needs
+        # remembering across a restart.
         if self._journal is not None:
             self._undo(0)
         self._journal = None
@@ -371,9 +370,6 @@ class SqliteStore:
                 "VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
-            self._ids_dirty = True
-            if self._journal is None:  # autocommit use: no commit() will write it
-                self._save_last_id()
         if keys:
             # An expired key for the same (queue, key) is replaced: its window has passed.
             self._db.executemany(
@@ -699,6 +695,9 @@ class SqliteStore:
 
     def _delete_jobs(self, rows: Iterable[tuple[int, str]], state: str) -> None:
         rows = list(rows)
+        if not rows:
+            return
+        self._save_last_id()
         keys = [(row[0],) for row in rows]
         self._db.executemany("DELETE FROM job_errors WHERE job_id = ?", keys)
         self._db.executemany("DELETE FROM idempotency_keys WHERE job_id = ?", keys)

@@ -216,6 +216,28 @@ def test_job_ids_keep_increasing_across_reopen_after_newest_job_was_purged(tmp_p
         store.close()
 
 
+def test_job_ids_keep_increasing_across_reopen_after_every_job_was_pruned(tmp_path):
+    # Pruning deletes the newest jobs too; max(id) is then gone, and only the high-water
+    # mark written by the deleting transaction keeps an id from coming back.
+    path = str(tmp_path / "relay.db")
+    config = StoreConfig()
+    store = SqliteStore.open(path, config, rng=random.Random(1))
+    newest = ""
+    for offset in (0, 5_000):
+        newest = submit(store, T0 + offset)
+        lease = claim_one(store, T0 + offset)
+        store.jobs_ack(newest, "w1", lease.token, None, T0 + offset)
+    assert store.jobs_prune(T0 + 5_000 + config.retention_ms + 1, 100) == 2
+    store.close()
+    store = SqliteStore.open(path, config, rng=random.Random(1))
+    try:
+        assert store.queue_stats() == {}
+        after_restart = submit(store, T0)  # the clock also went back
+        assert after_restart > newest
+    finally:
+        store.close()
+
+
 # -- idempotency -------------------------------------------------------------------------
 
 
