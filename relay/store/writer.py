@@ -369,6 +369,21 @@ class _WriterThread:
         outcomes: list[Any] = []
         try:
             store.begin()
+            if len(batch) == 1:
+                # Alone in its transaction, a command needs no savepoint: if it is
+                # refused, rolling the transaction back undoes exactly what it did.
+                command = batch[0].command
+                try:
+                    outcome = command.apply(store, now)
+                except RelayError as exc:
+                    store.rollback()
+                    return [exc], Changes(), time.perf_counter() - started
+                except Exception as exc:
+                    log.exception("command %r failed", type(command).__name__)
+                    store.rollback()
+                    error = InternalError(f"{type(exc).__name__}: {exc}")
+                    return [error], Changes(), time.perf_counter() - started
+                return [outcome], store.commit(), time.perf_counter() - started
             i = 0
             while i < len(batch):
                 kind = type(batch[i].command)

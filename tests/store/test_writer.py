@@ -150,6 +150,25 @@ async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
     }
 
 
+async def test_a_command_alone_in_its_batch_is_undone_when_it_fails(db_path):
+    # A batch of one runs without a savepoint; a refusal or a bug then rolls back the
+    # transaction, which must undo exactly that command, and the writer goes on.
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            with pytest.raises(InternalError, match="ZeroDivisionError"):
+                await writer.execute(WriteThenExplode())
+            with pytest.raises(JobNotFound):
+                await writer.execute(cmd.Ack("job_0000000000000001", "w", "bad"))
+            (kept,) = await writer.execute(cmd.Submit((spec(),)))
+            stats = await writer.execute(cmd.Stats())
+            statistics = writer.statistics()
+    assert committed_ids(db_path) == {parse_job_id(kept.job_id)}
+    assert stats == {"q": {"pending": 0, "ready": 1, "leased": 0, "retrying": 0,
+                           "succeeded": 0, "dead": 0}}  # fmt: skip
+    assert statistics.failed_commits == 0 and statistics.batches == 4
+
+
 async def test_replies_are_delivered_only_after_their_commit(db_path):
     store = SqliteStore.open(db_path)
     seen_committed: list[bool] = []
