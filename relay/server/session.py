@@ -8,10 +8,9 @@ so the replies of one group commit go out together.
 
 Write-through: a reply is written to the socket at once (a non-blocking ``send`` from the
 trio thread) when nothing is queued before it; only what the kernel does not take goes to
-the sender task. The replies produced while the reader handles one received chunk, or by
-one ``deliver``, are written with one call. So a request costs no task switch and no
-timeout scope of its own: the watchdog checks two timestamps, the last read and the start
-of a pending send.
+the sender task. The replies of one ``deliver`` (one commit) are written with one call.
+So a request costs no task switch and no timeout scope of its own: the watchdog checks two
+timestamps, the last read and the start of a pending send.
 
 Backpressure: at most ``max_in_flight`` requests may be unanswered or answered-but-unsent;
 at that point the reader stops reading, and TCP pushes back on the client.
@@ -80,7 +79,7 @@ class Session:
         self._out: list[bytes] = []  # reply bytes not yet written, in order
         self._out_count = 0  # replies (whole or partly) in _out
         self._sending = 0  # replies taken by the sender, not yet written
-        self._holding = 0  # > 0 while replies are collected to be written together
+        self._delivering = False  # True while deliver() collects one commit's replies
         self._out_lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
         self._reading = trio.CancelScope()
@@ -100,21 +99,22 @@ class Session:
             return
         self._out.append(data)
         self._out_count += 1
-        if not self._holding:
+        if not self._delivering:
             self._flush()
 
     def deliver(self, replies: list[tuple[Any, Any]]) -> None:
+        """The outcomes of one commit for this connection: their replies are written
+        together, with one call."""
         finish = self.dispatcher.finish
-        self._holding += 1
+        self._delivering = True
         try:
             for tag, outcome in replies:
                 data = finish(self, tag, outcome)
                 if data is not None:
                     self.reply(data)
         finally:
-            self._holding -= 1
-        if not self._holding:
-            self._flush()
+            self._delivering = False
+        self._flush()
 
     def _flush(self) -> None:
         """Write what is queued, without waiting; what the socket does not take now is
@@ -213,21 +213,10 @@ class Session:
             if not data:
                 return
             self._last_read = trio.current_time()
-            # The replies of one chunk's requests are written together, after it.
-            self._holding += 1
-            try:
-                for line in self.splitter.feed(data):
-                    while self._owed() >= max_in_flight:
-                        self._holding -= 1
-                        self._flush()
-                        try:
-                            await self._room_lot.park()
-                        finally:
-                            self._holding += 1
-                    await self.dispatcher.dispatch(self, line)
-            finally:
-                self._holding -= 1
-            self._flush()
+            for line in self.splitter.feed(data):
+                while self._owed() >= max_in_flight:
+                    await self._room_lot.park()
+                await self.dispatcher.dispatch(self, line)
             if self.splitter.overflow:
                 error = FrameTooLarge(f"frame longer than {self.limits.max_frame_bytes} bytes")
                 self.begin_request()

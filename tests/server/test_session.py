@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
 from tests.server.conftest import BOUND_S, LineClient, RunningServer
@@ -172,8 +173,8 @@ async def test_client_sending_but_not_reading_is_closed_as_not_reading(tmp_path)
 
 
 async def test_client_reading_a_large_backlog_steadily_is_not_closed(tmp_path):
-    idle_s = 0.5
-    n = 20  # ~4 MB of replies, read at ~3 MB/s: more than one idle_timeout to read
+    idle_s = 1.0  # generous: a loaded machine may pause this reader for a while
+    n = 30  # ~6 MB of replies, read at ~3 MB/s: more than one idle_timeout to read
     async with (
         custom_server(tmp_path, idle_timeout_ms=int(idle_s * 1000)) as srv,
         connected(srv) as c,
@@ -345,3 +346,50 @@ async def test_idle_connection_is_closed_and_a_pinging_one_is_not(tmp_path):
         assert idle_s * 0.8 <= idle_closed_after[0] <= idle_s + 1.5, idle_closed_after
         await busy.ok("ping")  # open past four idle timeouts
         assert await connections(busy) == 1
+
+
+# -- a reader stopped while it waits for the writer ------------------------------------------
+
+
+class FullWriter:
+    """A writer whose channel stays full: every send waits (as under heavy load)."""
+
+    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
+        await trio.sleep_forever()
+
+
+async def test_replies_are_written_when_reading_stops_in_the_middle_of_a_chunk():
+    # One chunk: a ping (answered at once), then a submit that waits for room in the
+    # writer's channel. Stopping the reader there (shutdown) answers the submit
+    # "shutting_down"; both replies must reach the client, promptly.
+    from relay.server.dispatch import Dispatcher
+    from relay.server.longpoll import LongPolls
+    from relay.server.session import Session
+
+    server_end, client_end = socket.socketpair()
+    server_stream = trio.SocketStream(trio.socket.from_stdlib_socket(server_end))
+    client = trio.SocketStream(trio.socket.from_stdlib_socket(client_end))
+    writer: Any = FullWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(max_wait_ms=3000), LongPolls(writer))
+    session = Session(server_stream, dispatcher, idle_timeout=60.0)
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            await client.send_all(
+                pipelined([
+                    {"op": "ping", "id": 1},
+                    {"op": "submit", "id": 2, "queue": "q", "payload": {}},
+                ])
+            )  # fmt: skip
+            await wait_all_tasks_blocked()
+            session.stop_reading()
+            data = b""
+            with trio.fail_after(1.0):  # not the drain's 3 s + grace
+                while data.count(b"\n") < 2:
+                    got = await client.receive_some(65536)
+                    assert got, f"closed with {data!r}"
+                    data += got
+            nursery.cancel_scope.cancel()
+    replies = {r["id"]: r for r in map(orjson.loads, data.splitlines())}
+    assert replies[1]["ok"] is True
+    assert replies[2]["error"]["code"] == "shutting_down"
