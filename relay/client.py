@@ -26,7 +26,7 @@ import orjson
 import trio
 from cattrs.preconf.orjson import make_converter
 
-from relay.errors import ConnectionLost, QueueFull, RelayError, error_from_wire
+from relay.errors import ConnectionLost, InternalError, QueueFull, RelayError, error_from_wire
 from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
 from relay.nursery import open_service_nursery
 
@@ -230,6 +230,8 @@ class Client:
                 item["result"] = rest[0]
             items.append(item)
         reply = await self._call("ack_batch", worker_id=worker_id, acks=items)
+        if len(reply["results"]) != len(items):
+            raise InternalError(f"ack_batch: {len(items)} acks, {len(reply['results'])} results")
         return [
             None if r["ok"] else error_from_wire(r["error"]["code"], r["error"]["message"])
             for r in reply["results"]

@@ -44,6 +44,7 @@ from relay.client import Client, LeasedJob, open_client
 from relay.errors import (
     BadRequest,
     ConnectionLost,
+    FrameTooLarge,
     JobNotFound,
     LeaseExpired,
     RelayError,
@@ -66,8 +67,13 @@ LEASE_ERROR_BACKOFF_S = 0.5
 # Bound on reporting a job's outcome (ack, fail, release): past it the lease expires and
 # the job runs again, which at-least-once delivery allows.
 SETTLE_TIMEOUT_S = 10.0
-# Most acks sent in one ack_batch (the server's default max_batch).
-MAX_ACK_BATCH = 1000
+# Most acks, and most bytes of results, sent in one ack_batch: well inside the server's
+# default max_batch (1000) and max_frame_bytes (1 MiB). A batch the server refuses anyway
+# (a smaller configured limit) is acked one by one.
+MAX_ACK_BATCH = 100
+MAX_ACK_BATCH_BYTES = 256 * 1024
+# What an ack costs in a request besides its result: ids, token, keys.
+ACK_OVERHEAD_BYTES = 128
 
 
 class PermanentError(Exception):
@@ -79,15 +85,15 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
-def _result_of(value: Any) -> Any:
-    """The handler's return value if it can be stored as JSON, else None."""
+def _result_of(value: Any) -> tuple[Any, int]:
+    """The handler's return value if it can be stored as JSON (else None), and the size
+    of its JSON text."""
     if value is None:
-        return None
+        return None, 0
     try:
-        orjson.dumps(value)
+        return value, len(orjson.dumps(value))
     except TypeError:
-        return None
-    return value
+        return None, 0
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -118,8 +124,10 @@ class _PendingAck:
 
     job: LeasedJob
     result: Any
+    size: int  # bytes of the result's JSON
     sent: trio.Event = attrs.Factory(trio.Event)
     error: RelayError | None = None  # why the server refused it (or could not be asked)
+    unsent: bool = False  # the ack task stopped first: the job acks on its own
 
 
 @attrs.frozen
@@ -174,7 +182,9 @@ class Worker:
         self._leasing = trio.CancelScope()
         self._jobs_scope = trio.CancelScope()
         self._stopping = False
-        self._running: dict[str, _Running] = {}
+        # Keyed by entry, not job id: a job whose lease expired under a slow run may be
+        # leased to this worker again while that run is still finishing.
+        self._running: set[_Running] = set()
         self._slot_freed = trio.lowlevel.ParkingLot()  # the lease loop waits here
         self._job_started = trio.lowlevel.ParkingLot()  # an idle renewal task waits here
         # Seconds between renewals of one lease, and the least time between two passes
@@ -184,6 +194,7 @@ class Worker:
         self._acks: list[_PendingAck] = []  # finished jobs' acks, not yet sent
         self._acks_queued = trio.lowlevel.ParkingLot()  # the ack task waits here
         self._ack_batches = True  # cleared if the server does not know ack_batch
+        self._acking = True  # cleared when the ack task ends: jobs then ack on their own
         self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
         self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
 
@@ -250,8 +261,9 @@ class Worker:
             for job in leased:
                 owner = object()
                 self._slots.acquire_on_behalf_of_nowait(owner)
-                self._running[job.job_id] = _Running(job, trio.CancelScope(), renew_at)
-                jobs.start_soon(self._run_job, client, job, owner, name=job.job_id)
+                running = _Running(job, trio.CancelScope(), renew_at)
+                self._running.add(running)
+                jobs.start_soon(self._run_job, client, running, owner, name=job.job_id)
             if leased:
                 self._job_started.unpark_all()
 
@@ -264,7 +276,7 @@ class Worker:
             now = trio.current_time()
             # Renew what falls due before the next pass, so no lease waits two passes.
             horizon = now + self._renew_granularity
-            due = [r for r in self._running.values() if r.renew_at <= horizon]
+            due = [r for r in self._running if r.renew_at <= horizon]
             if due:
                 for running in due:
                     running.renew_at = now + self._renew_interval
@@ -272,23 +284,53 @@ class Worker:
                     for running in due:
                         nursery.start_soon(self._renew, client, running)
             # Jobs started later are due later: the earliest of those running now is next.
-            wake = min((r.renew_at for r in self._running.values()), default=now)
+            wake = min((r.renew_at for r in self._running), default=now)
             await trio.sleep_until(max(wake, now + self._renew_granularity))
 
     async def _ack_loop(self, client: Client) -> None:
         """Send the acks of finished jobs: all that are waiting, in one ``ack_batch``. One
         request is in flight at a time, so acks that finish meanwhile form the next batch:
         an idle worker acks at once, a busy one in batches that grow with the load."""
-        while True:
-            while not self._acks:
-                await self._acks_queued.park()
-            batch = self._acks[:MAX_ACK_BATCH]
-            del self._acks[:MAX_ACK_BATCH]
-            try:
-                await self._send_acks(client, batch)
-            finally:
-                for pending in batch:
-                    pending.sent.set()
+        try:
+            while True:
+                while not self._acks:
+                    await self._acks_queued.park()
+                batch = self._take_acks()
+                try:
+                    with trio.move_on_after(SETTLE_TIMEOUT_S) as timeout:
+                        await self._send_acks(client, batch)
+                    if timeout.cancelled_caught:
+                        for pending in batch:
+                            pending.error = ConnectionLost("no answer to the acks in time")
+                except BaseException:
+                    # Cancelled mid-request: whether the server got it is unknown, so each
+                    # job sends its own ack (a repeated ack is answered ok).
+                    for pending in batch:
+                        pending.unsent = True
+                    raise
+                finally:
+                    for pending in batch:
+                        pending.sent.set()
+        finally:
+            self._acking = False
+            for pending in self._acks:
+                pending.unsent = True
+                pending.sent.set()
+            self._acks.clear()
+
+    def _take_acks(self) -> list[_PendingAck]:
+        """The oldest waiting acks, within MAX_ACK_BATCH and MAX_ACK_BATCH_BYTES (at
+        least one)."""
+        size = 0
+        n = 0
+        for pending in self._acks[:MAX_ACK_BATCH]:
+            size += pending.size + ACK_OVERHEAD_BYTES
+            if n and size > MAX_ACK_BATCH_BYTES:
+                break
+            n += 1
+        batch = self._acks[:n]
+        del self._acks[:n]
+        return batch
 
     async def _send_acks(self, client: Client, batch: list[_PendingAck]) -> None:
         if len(batch) > 1 and self._ack_batches:
@@ -297,7 +339,7 @@ class Worker:
                 outcomes = await client.ack_batch(self.worker_id, acks)
             except UnknownOp:
                 self._ack_batches = False  # an older server: one ack per job from now on
-            except BadRequest:
+            except (BadRequest, FrameTooLarge):
                 pass  # one unacceptable result must not fail the others: one by one
             except RelayError as exc:
                 for pending in batch:
@@ -335,9 +377,9 @@ class Worker:
             # next pass (an expired one is refused then).
             event(log, logging.WARNING, "job.renew_failed", job_id=job.job_id, error=repr(exc))
 
-    async def _run_job(self, client: Client, job: LeasedJob, owner: object) -> None:
+    async def _run_job(self, client: Client, running: _Running, owner: object) -> None:
         started = trio.current_time()
-        running = self._running[job.job_id]
+        job = running.job
         try:
             try:
                 outcome, value = await self._execute(running)
@@ -351,7 +393,7 @@ class Worker:
             with trio.CancelScope(shield=True):
                 await self._settle(client, job, outcome, value)
         finally:
-            del self._running[job.job_id]
+            self._running.discard(running)
             self._slots.release_on_behalf_of(owner)
             self._slot_freed.unpark_all()
             self.durations.observe(trio.current_time() - started)
@@ -410,12 +452,18 @@ class Worker:
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]
     ) -> None:
         if outcome == "ok":
-            pending = _PendingAck(job, _result_of(value))
-            self._acks.append(pending)
-            self._acks_queued.unpark_all()
-            await pending.sent.wait()
-            if pending.error is not None:
-                raise pending.error
+            result, size = _result_of(value)
+            on_its_own = not self._acking
+            if not on_its_own:
+                pending = _PendingAck(job, result, size)
+                self._acks.append(pending)
+                self._acks_queued.unpark_all()
+                await pending.sent.wait()
+                if pending.error is not None:
+                    raise pending.error
+                on_its_own = pending.unsent
+            if on_its_own:  # the ack task has stopped (the worker is being cancelled)
+                await client.ack(job.job_id, self.worker_id, job.token, result)
             self._counts["succeeded"] += 1
             event(log, logging.DEBUG, "job.succeeded", **ids)
         elif outcome == "error":

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -344,7 +345,10 @@ async def test_jobs_that_finish_together_are_acked_in_one_request(tmp_path):
         assert [v.result for v in views] == [n * 10 for n in range(8)]
 
 
-async def test_one_unacceptable_result_does_not_fail_the_others_acks(tmp_path):
+async def test_one_unacceptable_result_does_not_fail_the_others_acks(tmp_path, monkeypatch):
+    # The worker keeps a batch's results within MAX_ACK_BATCH_BYTES; lifted here, so that
+    # the one result the server refuses is in the same batch as the others.
+    monkeypatch.setattr("relay.worker.MAX_ACK_BATCH_BYTES", 10 * 1024 * 1024)
     too_large = "x" * (256 * 1024 + 1)  # over the server's max_result_bytes
     together = Together({0: too_large, 1: "one", 2: "two"})
     async with open_local(str(tmp_path / "local.db")) as client:
@@ -384,6 +388,86 @@ async def test_a_server_without_ack_batch_gets_one_ack_per_job(tmp_path):
             await settled(worker, 6)
         assert calls[5:] == [("ack", 1)] * 2
         assert (await queue_counts(client, "q"))["succeeded"] == 6
+
+
+async def test_acks_of_large_results_go_in_requests_that_fit_a_frame(tcp):
+    # Each result is within max_result_bytes (256 KiB), eight together are over the 1 MiB
+    # frame: one ack_batch of all eight would be refused and close the connection.
+    together = Together({n: "x" * (200 * 1024) for n in range(8)})
+    ids = await submit_together(tcp.client, together, list(range(8)))
+    worker = make_worker(tcp.target, handler=together, concurrency=8)
+    async with running(worker):
+        await settled(worker, 8)
+    views = [await tcp.client.inspect(job_id) for job_id in ids]
+    assert [v.state for v in views] == [JobState.SUCCEEDED] * 8
+    assert all(len(v.result) == 200 * 1024 for v in views)
+
+
+async def test_a_job_that_finishes_as_the_worker_is_cancelled_is_still_acked(tcp):
+    # Cancelled from outside (an application shutting down) just as a handler returns:
+    # the ack task is gone, so the job acks on its own, at once.
+    job = await tcp.client.submit("q", 1)
+    outer = trio.CancelScope()
+
+    async def handler(leased: LeasedJob) -> int:
+        outer.cancel()
+        return 42
+
+    worker = make_worker(tcp.client, handler=handler)  # the client outlives the worker
+    began = trio.current_time()
+    with trio.fail_after(BOUND_S), outer:
+        await worker.run()
+    assert trio.current_time() - began < 2  # not the 10 s settle timeout
+    view = await tcp.client.inspect(job.job_id)
+    assert view.state == JobState.SUCCEEDED and view.result == 42
+
+
+def _server_in_thread(db: str) -> tuple[str, threading.Event, threading.Thread]:
+    """A server on its own thread and event loop, so that the test's loop may block."""
+    addresses: list[str] = []
+    started, stop = threading.Event(), threading.Event()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            server = await start_server(nursery, db)
+            addresses.append(server.address)
+            started.set()
+            await trio.to_thread.run_sync(stop.wait)
+            server.handle.shutdown()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert started.wait(BOUND_S)
+    return addresses[0], stop, thread
+
+
+async def test_a_job_leased_again_to_the_same_worker_keeps_its_two_runs_apart(tmp_path):
+    # The first run blocks the worker's event loop past its lease; the server hands the
+    # job out again, to this same worker, while the first run is still finishing. The
+    # second run must be renewed and settled as its own (the first's ack is refused).
+    address, stop, thread = _server_in_thread(str(tmp_path / "relay.db"))
+    try:
+        async with open_client(address) as client:
+            job = await client.submit("q", 1)
+            attempts: list[int] = []
+
+            async def handler(leased: LeasedJob) -> int:
+                attempts.append(leased.attempt)
+                if leased.attempt == 1:
+                    time.sleep(1.0)  # noqa: ASYNC251 (blocks the loop: no renewal meanwhile)
+                else:
+                    await trio.sleep(0.6)  # past the lease: lives on renewals
+                return leased.attempt
+
+            worker = make_worker(address, handler=handler, concurrency=2, lease_ms=500)
+            async with running(worker):
+                view = await wait_for_state(client, job.job_id, "succeeded", "dead")
+            assert view.state == JobState.SUCCEEDED
+            assert view.result == view.attempt == 2
+            assert attempts == [1, 2]
+    finally:
+        stop.set()
+        thread.join(BOUND_S)
 
 
 # -- renewal -----------------------------------------------------------------------------------
