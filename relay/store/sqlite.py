@@ -150,17 +150,19 @@ def _check_lease(
 
 
 def _info_size(info: JobInfo) -> int:
-    texts = (info.payload, info.result or "", info.last_error or "")
-    return sum(map(len, texts)) + sum(len(e.error) for e in info.errors) + REPLY_OVERHEAD_BYTES
+    """Roughly the bytes of ``info`` in a reply (its texts in UTF-8, plus the rest)."""
+    texts = [info.payload, info.result or "", info.last_error or ""]
+    texts += [entry.error for entry in info.errors]
+    return sum(len(text.encode()) for text in texts) + REPLY_OVERHEAD_BYTES
 
 
 @functools.lru_cache(maxsize=64)
 def _claim_candidates_sql(queue_count: int) -> str:
     # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
     # class's oldest ready jobs, so the cost is independent of the backlog.
-    # The payload length (for the reply bound) costs a row lookup per candidate, in C.
+    # The payload's size in bytes (for the reply bound) costs a row lookup per candidate.
     part = (
-        "SELECT * FROM (SELECT id, priority, ready_at, length(payload) FROM jobs "
+        "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) FROM jobs "
         "INDEXED BY jobs_ready WHERE state = 'ready' AND queue = ? AND priority = ? "
         "ORDER BY ready_at, id LIMIT ?)"
     )

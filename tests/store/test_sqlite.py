@@ -1423,6 +1423,21 @@ def test_claim_stops_at_its_byte_budget_but_always_gives_one_job(store):
     assert len(store.jobs_claim(["q"], "w1", 10, LEASE_MS, T0, max_bytes=1)) == 1
 
 
+def test_byte_budgets_count_bytes_not_characters(store):
+    # 4,000 characters, 12,000 bytes in UTF-8 (as on the wire): the budget is in bytes.
+    wide = '"' + "\u20ac" * 4_000 + '"'
+    for _ in range(5):
+        store.jobs_submit([spec("q", payload=wide)], T0)
+    leases = store.jobs_claim(["q"], "w1", 5, LEASE_MS, T0, max_bytes=20_000)
+    assert len(leases) == 2  # counting characters would have given 5
+    for lease in leases:
+        store.jobs_fail(lease.job_id, "w1", lease.token, "fatal", False, T0)
+    page, cursor = store.dead_list(None, 100, None, max_bytes=20_000)
+    assert len(page) == 2 and cursor is None  # the two dead jobs: both fit one page
+    page, cursor = store.dead_list(None, 100, None, max_bytes=12_000)
+    assert len(page) == 1 and cursor is not None
+
+
 def test_dead_list_pages_by_bytes_too_and_the_cursor_goes_on(store):
     big = '"' + "x" * 10_000 + '"'
     dead = [make_dead(store, T0, payload=big) for _ in range(5)]
