@@ -387,11 +387,9 @@ class Worker:
                 # Shutdown timeout or a second stop: hand the job back, then go.
                 running.done = True
                 if _is_cancellation(exc):
-                    with trio.CancelScope(shield=True):
-                        await self._settle(client, job, "cancelled", None)
+                    await self._settle(client, job, "cancelled", None)
                 raise
-            with trio.CancelScope(shield=True):
-                await self._settle(client, job, outcome, value)
+            await self._settle(client, job, outcome, value)
         finally:
             self._running.discard(running)
             self._slots.release_on_behalf_of(owner)
@@ -433,20 +431,27 @@ class Worker:
         return result
 
     async def _settle(self, client: Client, job: LeasedJob, outcome: str, value: Any) -> None:
-        """Ack, fail or release. Called shielded, so it has its own deadline: past it the
-        lease simply expires and the job runs again (at-least-once)."""
+        """Ack, fail or release, shielded from cancellation (a stopping worker still
+        reports what it finished) but within its own deadline: past it the lease simply
+        expires and the job runs again (at-least-once). One scope does both."""
         ids = {"job_id": job.job_id, "queue": job.queue, "attempt": job.attempt}
         if outcome == "lost":
             self._counts["lost"] += 1
             return
-        try:
-            with trio.fail_after(SETTLE_TIMEOUT_S):
+        error: BaseException | None = None
+        deadline = trio.current_time() + SETTLE_TIMEOUT_S
+        with trio.CancelScope(shield=True, deadline=deadline) as scope:
+            try:
                 await self._report(client, job, outcome, value, ids)
-        except (RelayError, trio.TooSlowError) as exc:
+            except RelayError as exc:
+                error = exc
+        if scope.cancelled_caught:
+            error = trio.TooSlowError(f"no answer within {SETTLE_TIMEOUT_S} s")
+        if error is not None:
             # The lease is gone or the server unreachable: the job will be leased again
             # after its lease expires.
-            event(log, logging.WARNING, "job.settle_failed", outcome=outcome, error=repr(exc),
-                  **ids)  # fmt: skip
+            event(log, logging.WARNING, "job.settle_failed", outcome=outcome,
+                  error=repr(error), **ids)  # fmt: skip
 
     async def _report(
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]
