@@ -68,8 +68,9 @@ LEASE_ERROR_BACKOFF_S = 0.5
 # the job runs again, which at-least-once delivery allows.
 SETTLE_TIMEOUT_S = 10.0
 # Most acks, and most bytes of results, sent in one ack_batch: well inside the server's
-# default max_batch (1000) and max_frame_bytes (1 MiB). A batch the server refuses anyway
-# (a smaller configured limit) is acked one by one.
+# default max_batch (1000) and max_frame_bytes (1 MiB), and lowered to a quarter of the
+# frame and to max_batch if the server advertises less. A batch the server refuses anyway
+# is acked one by one.
 MAX_ACK_BATCH = 100
 MAX_ACK_BATCH_BYTES = 256 * 1024
 # What an ack costs in a request besides its result: ids, token, keys.
@@ -194,6 +195,11 @@ class Worker:
         self._acks: list[_PendingAck] = []  # finished jobs' acks, not yet sent
         self._acks_queued = trio.lowlevel.ParkingLot()  # the ack task waits here
         self._ack_batches = True  # cleared if the server does not know ack_batch
+        # Acks and result bytes per ack_batch: the defaults, lowered to what the server
+        # advertises when the worker starts.
+        self._ack_batch_max = MAX_ACK_BATCH
+        self._ack_batch_bytes = MAX_ACK_BATCH_BYTES
+        self._lease_max = concurrency  # jobs per lease request: the server's max_batch too
         self._acking = True  # cleared when the ack task ends: jobs then ack on their own
         self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
         self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
@@ -220,6 +226,7 @@ class Worker:
                 log, logging.INFO, "worker.started", worker_id=self.worker_id,
                 queues=self.queues, concurrency=self.concurrency,
             )  # fmt: skip
+            await self._fit_to_server(client)
             helpers.start_soon(self._renew_loop, client)
             helpers.start_soon(self._ack_loop, client)
             with self._jobs_scope:
@@ -245,7 +252,7 @@ class Worker:
         while True:
             while self._slots.available_tokens == 0:
                 await self._slot_freed.park()
-            free = int(self._slots.available_tokens)
+            free = min(int(self._slots.available_tokens), self._lease_max)
             try:
                 # If this wait is cancelled (stop), the client releases whatever the
                 # server leases to it after all.
@@ -287,6 +294,21 @@ class Worker:
             wake = min((r.renew_at for r in self._running), default=now)
             await trio.sleep_until(max(wake, now + self._renew_granularity))
 
+    async def _fit_to_server(self, client: Client) -> None:
+        """Keep leases and ack batches within the limits the server advertises (``hello``):
+        a lease of more than its max_batch would be refused. Without an answer, the
+        defaults hold, and a batch the server refuses is acked one by one."""
+        try:
+            with trio.move_on_after(SETTLE_TIMEOUT_S):
+                limits = (await client.hello()).limits
+                most = max(1, limits.get("max_batch", MAX_ACK_BATCH))
+                self._lease_max = min(self.concurrency, most)
+                self._ack_batch_max = min(MAX_ACK_BATCH, most)
+                frame = limits.get("max_frame_bytes", 4 * MAX_ACK_BATCH_BYTES)
+                self._ack_batch_bytes = max(1, min(MAX_ACK_BATCH_BYTES, frame // 4))
+        except RelayError as exc:
+            event(log, logging.INFO, "worker.hello_failed", error=repr(exc))
+
     async def _ack_loop(self, client: Client) -> None:
         """Send the acks of finished jobs: all that are waiting, in one ``ack_batch``. One
         request is in flight at a time, so acks that finish meanwhile form the next batch:
@@ -319,13 +341,12 @@ class Worker:
             self._acks.clear()
 
     def _take_acks(self) -> list[_PendingAck]:
-        """The oldest waiting acks, within MAX_ACK_BATCH and MAX_ACK_BATCH_BYTES (at
-        least one)."""
+        """The oldest waiting acks, within the batch's count and bytes (at least one)."""
         size = 0
         n = 0
-        for pending in self._acks[:MAX_ACK_BATCH]:
+        for pending in self._acks[: self._ack_batch_max]:
             size += pending.size + ACK_OVERHEAD_BYTES
-            if n and size > MAX_ACK_BATCH_BYTES:
+            if n and size > self._ack_batch_bytes:
                 break
             n += 1
         batch = self._acks[:n]

@@ -346,9 +346,15 @@ async def test_jobs_that_finish_together_are_acked_in_one_request(tmp_path):
 
 
 async def test_one_unacceptable_result_does_not_fail_the_others_acks(tmp_path, monkeypatch):
-    # The worker keeps a batch's results within MAX_ACK_BATCH_BYTES; lifted here, so that
-    # the one result the server refuses is in the same batch as the others.
+    # The worker keeps a batch's results within MAX_ACK_BATCH_BYTES and a quarter of the
+    # server's frame; lifted here, so that the one result the server refuses is in the
+    # same batch as the others.
     monkeypatch.setattr("relay.worker.MAX_ACK_BATCH_BYTES", 10 * 1024 * 1024)
+
+    async def keep_defaults(self: Worker, client: Client) -> None:
+        pass
+
+    monkeypatch.setattr(Worker, "_fit_to_server", keep_defaults)
     too_large = "x" * (256 * 1024 + 1)  # over the server's max_result_bytes
     together = Together({0: too_large, 1: "one", 2: "two"})
     async with open_local(str(tmp_path / "local.db")) as client:
@@ -388,6 +394,25 @@ async def test_a_server_without_ack_batch_gets_one_ack_per_job(tmp_path):
             await settled(worker, 6)
         assert calls[5:] == [("ack", 1)] * 2
         assert (await queue_counts(client, "q"))["succeeded"] == 6
+
+
+async def test_leases_and_ack_batches_keep_within_the_servers_max_batch(tmp_path):
+    # A server that takes at most 3 jobs per request: a worker of 8 slots must lease and
+    # ack in threes (a lease of 8 would be refused, every time).
+    from relay import wire
+
+    together = Together({n: n for n in range(8)})
+    async with open_local(str(tmp_path / "local.db"), limits=wire.Limits(max_batch=3)) as client:
+        calls = record_acks(client)
+        together.expect(8)
+        for n in range(8):
+            await client.submit("q", n)
+        worker = make_worker(client, handler=together, concurrency=8)
+        async with running(worker):
+            await settled(worker, 8)
+        assert calls and all(op == "ack_batch" and n <= 3 for op, n in calls), calls
+        assert sum(n for _, n in calls) == 8
+        assert (await queue_counts(client, "q"))["succeeded"] == 8
 
 
 async def test_acks_of_large_results_go_in_requests_that_fit_a_frame(tcp):
