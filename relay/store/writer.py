@@ -338,9 +338,11 @@ class _WriterThread:
         if not self.store.in_transaction:
             raise sqlite3.OperationalError("SQLite rolled the transaction back")
 
-    def _apply_one(self, command: Command, now: int) -> Any:
+    def _apply_one(self, command: Command, now: int, *, savepoint: bool = True) -> Any:
+        """The command's result, or the error it ends with (its changes then undone by
+        its savepoint; without one, the caller rolls the transaction back)."""
         try:
-            with self.store.command():
+            with self.store.command() if savepoint else contextlib.nullcontext():
                 return command.apply(self.store, now)
         except RelayError as exc:
             return exc
@@ -370,19 +372,12 @@ class _WriterThread:
         try:
             store.begin()
             if len(batch) == 1:
-                # Alone in its transaction, a command needs no savepoint: if it is
-                # refused, rolling the transaction back undoes exactly what it did.
-                command = batch[0].command
-                try:
-                    outcome = command.apply(store, now)
-                except RelayError as exc:
+                # Alone in its transaction, a command needs no savepoint: if it fails,
+                # rolling the transaction back undoes exactly what it did.
+                outcome = self._apply_one(batch[0].command, now, savepoint=False)
+                if isinstance(outcome, RelayError):
                     store.rollback()
-                    return [exc], Changes(), time.perf_counter() - started
-                except Exception as exc:
-                    log.exception("command %r failed", type(command).__name__)
-                    store.rollback()
-                    error = InternalError(f"{type(exc).__name__}: {exc}")
-                    return [error], Changes(), time.perf_counter() - started
+                    return [outcome], Changes(), time.perf_counter() - started
                 return [outcome], store.commit(), time.perf_counter() - started
             i = 0
             while i < len(batch):
