@@ -287,9 +287,14 @@ class Worker:
             if due:
                 for running in due:
                     running.renew_at = now + self._renew_interval
-                async with trio.open_nursery() as nursery:
-                    for running in due:
-                        nursery.start_soon(self._renew, client, running)
+                # A pass waits at most one interval: a renewal still unanswered then is
+                # given up, and sent again when it falls due next.
+                with trio.move_on_after(self._renew_interval) as slow:
+                    async with trio.open_nursery() as nursery:
+                        for running in due:
+                            nursery.start_soon(self._renew, client, running)
+                if slow.cancelled_caught:
+                    event(log, logging.WARNING, "worker.renewals_unanswered", jobs=len(due))
             # Jobs started later are due later: the earliest of those running now is next.
             wake = min((r.renew_at for r in self._running), default=now)
             await trio.sleep_until(max(wake, now + self._renew_granularity))

@@ -544,6 +544,36 @@ async def test_one_renewal_task_keeps_jobs_started_at_different_times_alive(back
     assert [v.attempt for v in views] == [1] * 4
 
 
+async def test_an_unanswered_renewal_does_not_hold_up_the_others(tmp_path):
+    # The first renewal of one job never gets an answer; the renewal task gives it up
+    # after one interval and goes on, so both jobs keep their leases to the end.
+    async with open_local(str(tmp_path / "local.db")) as client:
+        first, second = await client.submit_batch([{"queue": "q", "payload": n} for n in (0, 1)])
+        renew = client.renew
+        hung: list[str] = []
+
+        async def renew_or_hang(job_id: str, *args: Any, **kwargs: Any) -> int:
+            if not hung:
+                hung.append(job_id)
+                await trio.sleep_forever()
+            return await renew(job_id, *args, **kwargs)
+
+        client.renew = renew_or_hang  # type: ignore[method-assign]
+
+        async def handler(job: LeasedJob) -> int:
+            await trio.sleep(1.0)  # over three times the 300 ms lease
+            return job.payload
+
+        worker = make_worker(client, handler=handler, lease_ms=300, concurrency=2)
+        async with running(worker):
+            views = [
+                await wait_for_state(client, s.job_id, "succeeded", "dead") for s in (first, second)
+            ]
+        assert hung
+        assert [(v.state, v.attempt) for v in views] == [(JobState.SUCCEEDED, 1)] * 2
+        assert worker.statistics().lost == 0
+
+
 async def test_refused_renewal_cancels_the_handler_and_nothing_is_acked(backend):
     submitted = await backend.client.submit("q", {})
     started = trio.Event()
