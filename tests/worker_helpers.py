@@ -116,7 +116,7 @@ async def running(worker: Worker) -> AsyncIterator[Worker]:
 @pytest.fixture
 async def server(tmp_path) -> AsyncIterator[Server]:
     """A server for the client, blocking-client and worker tests (tests/server and
-    tests/cli have their own, on the line-level test client)."""
+    tests/cli share another, tests.server.conftest.line_server, for the line client)."""
     async with trio.open_nursery() as nursery:
         running = await start_server(nursery, str(tmp_path / "relay.db"))
         try:

@@ -21,7 +21,8 @@ import trio
 
 from relay import open_client
 from relay.client import Client
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer
+from tests.server.conftest import line_server as line_server  # the `server` fixture
 
 RELAY = Path(sys.executable).parent / "relay-trio"
 # A command that talks to a local server finishes in about a second (most of it imports).
@@ -94,16 +95,6 @@ def assert_one_line_error(result: Result, *fragments: str, code: int = 1) -> Non
     assert lines[0].startswith("relay-trio: "), lines
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
-
-
-@pytest.fixture
-async def server(tmp_path) -> AsyncIterator[RunningServer]:
-    async with trio.open_nursery() as nursery:
-        running = await start_server(nursery, str(tmp_path / "relay.db"))
-        try:
-            yield running
-        finally:
-            running.handle.shutdown()
 
 
 @pytest.fixture

@@ -101,8 +101,9 @@ async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> Runn
     return RunningServer(handle, config, nursery)
 
 
-@pytest.fixture
-async def server(tmp_path) -> AsyncIterator[RunningServer]:
+@pytest.fixture(name="server")
+async def line_server(tmp_path) -> AsyncIterator[RunningServer]:
+    """A server for the tests of tests/server and tests/cli (which imports this)."""
     async with trio.open_nursery() as nursery:
         running = await start_server(nursery, str(tmp_path / "relay.db"))
         try:
