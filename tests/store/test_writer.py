@@ -84,6 +84,18 @@ async def hold_writer(writer: Writer) -> Gate:
     return gate
 
 
+async def one_batch(writer: Writer, commands: list[tuple[Any, Any]]) -> Collect:
+    """Queue ``commands`` ((tag, command) pairs) behind a held writer thread, so that they
+    form its next batch, and wait until every one is answered."""
+    gate = await hold_writer(writer)
+    sink = Collect(len(commands))
+    for tag, command in commands:
+        await writer.send(command, sink, tag=tag)
+    gate.release.set()
+    await sink.done.wait()
+    return sink
+
+
 def spec(queue: str = "q", **kw: Any) -> SubmitSpec:
     return SubmitSpec(queue, kw.pop("payload", "{}"), **kw)
 
@@ -126,14 +138,12 @@ async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
     store = SqliteStore.open(db_path)
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
-            gate = await hold_writer(writer)
-            sink = Collect(4)
-            await writer.send(cmd.Submit((spec(payload="1"),)), sink, tag="a")
-            await writer.send(cmd.Ack("job_0000000000000001", "w", "bad"), sink, tag="stale")
-            await writer.send(WriteThenExplode(), sink, tag="explode")
-            await writer.send(cmd.Submit((spec(payload="2"),)), sink, tag="b")
-            gate.release.set()
-            await sink.done.wait()
+            sink = await one_batch(writer, [
+                ("a", cmd.Submit((spec(payload="1"),))),
+                ("stale", cmd.Ack("job_0000000000000001", "w", "bad")),
+                ("explode", WriteThenExplode()),
+                ("b", cmd.Submit((spec(payload="2"),))),
+            ])  # fmt: skip
             stats = await writer.execute(cmd.Stats())
     out = sink.outcomes
     assert out["a"][0].state == JobState.READY
@@ -203,12 +213,7 @@ async def test_a_failed_commit_answers_every_command_with_an_error(db_path):
     store.commit = commit_once_failing  # type: ignore[method-assign]
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
-            gate = await hold_writer(writer)
-            sink = Collect(3)
-            for i in range(3):
-                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
-            gate.release.set()
-            await sink.done.wait()
+            sink = await one_batch(writer, [(i, cmd.Submit((spec(),))) for i in range(3)])
             stats = await writer.execute(cmd.Stats())
             failed = writer.statistics().failed_commits
     assert all(isinstance(o, InternalError) for o in sink.outcomes.values())
@@ -361,14 +366,10 @@ async def test_a_run_of_submits_becomes_one_store_call(db_path):
         return real_submit(specs, now)
 
     store.jobs_submit = counting_submit  # type: ignore[method-assign]
-    sink = Collect(10)
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
-            gate = await hold_writer(writer)
-            for i in range(10):
-                await writer.send(cmd.Submit((spec(payload=str(i)), spec())), sink, tag=i)
-            gate.release.set()
-            await sink.done.wait()
+            submits = [(i, cmd.Submit((spec(payload=str(i)), spec()))) for i in range(10)]
+            sink = await one_batch(writer, submits)
     assert calls == [20]
     outcomes = sink.outcomes
     assert [len(outcomes[i]) for i in range(10)] == [2] * 10
@@ -381,14 +382,9 @@ async def test_a_failing_submit_in_a_merged_run_fails_alone(db_path):
     from relay.store.sqlite import StoreConfig
 
     store = SqliteStore.open(db_path, StoreConfig(max_depth=3))
-    sink = Collect(5)
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
-            gate = await hold_writer(writer)
-            for i in range(5):
-                await writer.send(cmd.Submit((spec(),)), sink, tag=i)
-            gate.release.set()
-            await sink.done.wait()
+            sink = await one_batch(writer, [(i, cmd.Submit((spec(),))) for i in range(5)])
             stats = await writer.execute(cmd.Stats())
     outcomes = sink.outcomes
     assert [isinstance(outcomes[i], QueueFull) for i in range(5)] == [False] * 3 + [True] * 2
@@ -398,17 +394,15 @@ async def test_a_failing_submit_in_a_merged_run_fails_alone(db_path):
 
 async def test_a_run_of_acks_with_a_stale_one_answers_each_on_its_own(db_path):
     store = SqliteStore.open(db_path)
-    sink = Collect(3)
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
             await writer.execute(cmd.Submit((spec(), spec())))
             first, second = await writer.execute(cmd.Claim(("q",), "w", 2, 30_000))
-            gate = await hold_writer(writer)
-            await writer.send(cmd.Ack(first.job_id, "w", first.token), sink, tag="first")
-            await writer.send(cmd.Ack(second.job_id, "w", "0" * 32), sink, tag="stale")
-            await writer.send(cmd.Ack(second.job_id, "w", second.token), sink, tag="second")
-            gate.release.set()
-            await sink.done.wait()
+            sink = await one_batch(writer, [
+                ("first", cmd.Ack(first.job_id, "w", first.token)),
+                ("stale", cmd.Ack(second.job_id, "w", "0" * 32)),
+                ("second", cmd.Ack(second.job_id, "w", second.token)),
+            ])  # fmt: skip
             stats = await writer.execute(cmd.Stats())
     out = sink.outcomes
     assert out["first"] is None and out["second"] is None
@@ -421,16 +415,14 @@ async def test_when_sqlite_rolls_back_the_transaction_nothing_of_the_batch_stand
     pages = store._db.execute("PRAGMA page_count").fetchone()[0]
     store._db.execute(f"PRAGMA max_page_count = {pages + 40}")  # a nearly full disk
     big = SubmitSpec("q", '"' + "x" * 400_000 + '"')
-    sink = Collect(4)
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
-            gate = await hold_writer(writer)
-            await writer.send(cmd.Submit((spec(),)), sink, tag="before")
-            await writer.send(cmd.Ack("job_0000000000000001", "w", "t"), sink, tag="refused")
-            await writer.send(cmd.Submit((big,)), sink, tag="full")
-            await writer.send(cmd.Submit((spec(),)), sink, tag="after")
-            gate.release.set()
-            await sink.done.wait()
+            sink = await one_batch(writer, [
+                ("before", cmd.Submit((spec(),))),
+                ("refused", cmd.Ack("job_0000000000000001", "w", "t")),
+                ("full", cmd.Submit((big,))),
+                ("after", cmd.Submit((spec(),))),
+            ])  # fmt: skip
             stats = await writer.execute(cmd.Stats())
     outcomes = sink.outcomes
     assert all(isinstance(o, InternalError) for o in outcomes.values()), outcomes
