@@ -808,12 +808,8 @@ async def worker_process(
     "started JOB_ID ATTEMPT" line its handler prints."""
     script = tmp_path / "worker_script.py"
     script.write_text(WORKER_SCRIPT)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, str(script), address, str(lease_ms), str(shutdown)],
-        stdout=subprocess.PIPE,
-        cwd=str(REPO),
-    )
-    try:
+    command = [sys.executable, str(script), address, str(lease_ms), str(shutdown)]
+    async with reaped(command, stdout=subprocess.PIPE) as process:
         assert process.stdout is not None
         buffer = b""
         with trio.fail_after(BOUND_S):
@@ -822,6 +818,15 @@ async def worker_process(
                 assert data, "the worker process exited before running a job"
                 buffer += data
         yield process, buffer.partition(b"\n")[0].decode()
+
+
+@asynccontextmanager
+async def reaped(command: list[str], **options: Any) -> AsyncIterator[trio.Process]:
+    """A child process, run from the repository; killed (if still running) and waited
+    for, bounded, when the block ends."""
+    process = await trio.lowlevel.open_process(command, cwd=str(REPO), **options)
+    try:
+        yield process
     finally:
         if process.returncode is None:
             process.kill()
@@ -899,19 +904,9 @@ needs_worker_command = pytest.mark.skipif(
 
 @asynccontextmanager
 async def cli_worker(address: str, *options: str) -> AsyncIterator[trio.Process]:
-    process = await trio.lowlevel.open_process(
-        [str(RELAY_TRIO), "worker", "--address", address, "--queue", "q", *options],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=str(REPO),
-    )
-    try:
+    command = [str(RELAY_TRIO), "worker", "--address", address, "--queue", "q", *options]
+    async with reaped(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:
         yield process
-    finally:
-        if process.returncode is None:
-            process.kill()
-        with trio.fail_after(BOUND_S):
-            await process.wait()
 
 
 async def _leased_by(client: Client, job_id: str, pid: int) -> bool:
