@@ -86,15 +86,16 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
-def _result_of(value: Any) -> tuple[Any, int]:
-    """The handler's return value if it can be stored as JSON (else None), and the size
-    of its JSON text."""
+def _result_of(value: Any) -> tuple[orjson.Fragment | None, int]:
+    """The handler's return value as JSON, if it can be stored as JSON (else None), and
+    its size. Encoded once: the ack request embeds the fragment as it is."""
     if value is None:
         return None, 0
     try:
-        return value, len(orjson.dumps(value))
+        text = orjson.dumps(value)
     except TypeError:
         return None, 0
+    return orjson.Fragment(text), len(text)
 
 
 def _is_cancellation(exc: BaseException) -> bool:
