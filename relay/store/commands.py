@@ -35,7 +35,7 @@ class Submit:
 
     @staticmethod
     def apply_many(store: SqliteStore, now: int, commands: list[Submit]) -> list[Any]:
-        # One executemany for the whole run; then each command gets its own slice.
+        # One insert for the whole run; then each command gets its own slice.
         results = store.jobs_submit([spec for c in commands for spec in c.specs], now)
         outcomes, start = [], 0
         for c in commands:
@@ -56,6 +56,11 @@ class Claim:
         return store.jobs_claim(
             self.queues, self.worker_id, self.count, self.lease_ms, now, self.max_bytes
         )
+
+    @staticmethod
+    def apply_many(store: SqliteStore, now: int, commands: list[Claim]) -> list[Any]:
+        claims = [(c.queues, c.worker_id, c.count, c.lease_ms, c.max_bytes) for c in commands]
+        return store.jobs_claim_many(claims, now)
 
 
 @attrs.frozen
@@ -93,16 +98,16 @@ class AckBatch:
     acks: tuple[tuple[str, str, str, str | None], ...]  # job_id, worker_id, token, result
 
     def apply(self, store: SqliteStore, now: int) -> list[Any]:
+        # No savepoints: an ack, or a run of them, that is refused raises before it writes
+        # anything (see relay/store/sqlite.py), so a refusal leaves nothing to undo.
         try:
-            with store.command():
-                return store.jobs_ack_many(self.acks, now)
+            return store.jobs_ack_many(self.acks, now)
         except (RelayError, ValueError):
             pass  # a refusal, or a job twice: each on its own below
         outcomes: list[Any] = []
         for job_id, worker_id, token, result in self.acks:
             try:
-                with store.command():
-                    outcomes.append(store.jobs_ack(job_id, worker_id, token, result, now))
+                outcomes.append(store.jobs_ack(job_id, worker_id, token, result, now))
             except RelayError as exc:
                 outcomes.append(exc)
         return outcomes

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
+import orjson
 
 from relay.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
 from relay.model import (
@@ -67,6 +68,10 @@ _JOB_COLUMNS = (
     "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
     "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
 )
+
+
+# The arguments of one claim: queues, worker id, count, lease ms, reply budget in bytes.
+ClaimArgs = tuple[Sequence[str], str, int, int, int | None]
 
 
 @attrs.frozen
@@ -118,11 +123,35 @@ class Changes:
             self.next_expiry_at = at
 
 
-_LEASE_ROW_SQL = (
-    "SELECT id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
-    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter "
-    "FROM jobs WHERE "
+# "id IN" this, bound to a JSON array of ids: any number of ids with one parameter.
+_JSON_IDS = "(SELECT value FROM json_each(?))"
+_INSERT_JOBS = (
+    "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
+    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
+    "run_at, idempotency_key) VALUES {values}"
 )
+_INSERT_JOBS_ROW = "(?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_KEYS = (
+    "INSERT OR REPLACE INTO idempotency_keys (queue, key, job_id, expires_at) VALUES {values}"
+)
+
+_LEASE_COLUMNS = (
+    "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
+    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter"
+)
+_LEASE_ROWS_SQL = (
+    f"SELECT json_group_array(json_array({_LEASE_COLUMNS})) FROM jobs WHERE id IN {_JSON_IDS}"
+)
+_ACK_UPDATE = (
+    "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = v.column2, "
+    "lease_expires_at = NULL FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+)
+_INSERT_ERRORS = "INSERT INTO job_errors (job_id, attempt, error, at) VALUES {values}"
+_REAP_READY = (
+    "UPDATE jobs SET state = 'ready', ready_at = v.column2, last_error = ? "
+    "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+)
+_LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
 
 
 def _check_lease(
@@ -156,29 +185,71 @@ def _info_size(info: JobInfo) -> int:
     return sum(len(text.encode()) for text in texts) + REPLY_OVERHEAD_BYTES
 
 
+# Few steps, not one per row. Python's sqlite3 releases the GIL around every sqlite3_step,
+# and the writer thread must then take it back from the trio thread: on a busy two-core
+# machine that wait is tens of microseconds each time (an executemany of 4 rows took about
+# 45 µs a row inside the server, against 7 µs alone). So the paths that touch many rows do
+# it in a handful of steps however many rows there are: writes are one multi-row statement
+# per chunk of rows, and reads of many rows come back as one row of JSON.
+ROWS_PER_STATEMENT = 256  # a power of two: chunks are powers of two (few distinct SQL texts)
+
+
+def _chunks(rows: Sequence[tuple]) -> Iterator[Sequence[tuple]]:
+    """``rows`` in chunks of a power-of-two length, largest first, at most
+    ROWS_PER_STATEMENT each: 100 rows are 64 + 32 + 4."""
+    start = 0
+    while start < len(rows):
+        n = min(ROWS_PER_STATEMENT, 1 << ((len(rows) - start).bit_length() - 1))
+        yield rows[start : start + n]
+        start += n
+
+
+@functools.lru_cache(maxsize=128)
+def _values_sql(template: str, row: str, n: int) -> str:
+    return template.format(values=", ".join([row] * n))
+
+
+def _execute_rows(
+    db: sqlite3.Connection, template: str, row: str, rows: Sequence[tuple], head: tuple = ()
+) -> None:
+    """Run ``template`` with ``{values}`` replaced by ``row`` once per row, a chunk of rows
+    per statement; each statement binds ``head``, then the chunk's values in order."""
+    for chunk in _chunks(rows):
+        params = list(head)
+        for values in chunk:
+            params += values
+        db.execute(_values_sql(template, row, len(chunk)), params)
+
+
+def _json_rows(db: sqlite3.Connection, sql: str, params: Sequence[object] = ()) -> list[list]:
+    """The rows of ``sql``, a ``SELECT json_group_array(json_array(...))``: one step."""
+    return orjson.loads(db.execute(sql, params).fetchone()[0])
+
+
 @functools.lru_cache(maxsize=64)
 def _claim_candidates_sql(queue_count: int) -> str:
     # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
     # class's oldest ready jobs, so the cost is independent of the backlog.
     # The payload's size in bytes (for the reply bound) costs a row lookup per candidate.
     part = (
-        "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) FROM jobs "
-        "INDEXED BY jobs_ready WHERE state = 'ready' AND queue = ? AND priority = ? "
+        "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) AS size "
+        "FROM jobs INDEXED BY jobs_ready WHERE state = 'ready' AND queue = ? AND priority = ? "
         "ORDER BY ready_at, id LIMIT ?)"
     )
-    return " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
+    parts = " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
+    return f"SELECT json_group_array(json_array(id, priority, ready_at, size)) FROM ({parts})"
 
 
-@functools.lru_cache(maxsize=64)
-def _claim_update_sql(job_count: int) -> str:
-    # One statement leases them all, each with its own token (column2 of the VALUES).
-    values = ", ".join(["(?, ?)"] * job_count)
-    return (
-        "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = v.column2, "
-        f"lease_worker = ?, lease_expires_at = ? FROM (VALUES {values}) AS v "
-        "WHERE jobs.id = v.column1 "
-        "RETURNING id, queue, payload, priority, attempt, max_attempts"
-    )
+# One statement leases a chunk of jobs, each with its own token, worker and expiry.
+_CLAIM_UPDATE = (
+    "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = v.column2, "
+    "lease_worker = v.column3, lease_expires_at = v.column4 FROM (VALUES {values}) AS v "
+    "WHERE jobs.id = v.column1"
+)
+_CLAIMED_ROWS_SQL = (
+    "SELECT json_group_array(json_array(id, queue, payload, priority, attempt, max_attempts)) "
+    f"FROM jobs WHERE id IN {_JSON_IDS}"
+)
 
 
 class SqliteStore:
@@ -237,6 +308,11 @@ class SqliteStore:
         """False if SQLite itself rolled the transaction back (disk full, I/O error):
         then nothing of it stands, and nothing more may run as if it did."""
         return self._db.in_transaction
+
+    def write_mark(self) -> tuple[int, int]:
+        """Where the transaction's writes stand (rows changed, counter moves): equal marks
+        before and after a call mean that it wrote nothing."""
+        return self._db.total_changes, len(self._journal or ())
 
     @contextlib.contextmanager
     def command(self) -> Iterator[None]:
@@ -364,21 +440,9 @@ class SqliteStore:
         for (queue, state), n in Counter((row[1], row[2]) for row in rows).items():
             self._move(queue, None, state, n)
             self._count(queue, "submitted", n)
-        if rows:
-            self._db.executemany(
-                "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
-                "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, "
-                "ready_at, run_at, idempotency_key) "
-                "VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
-        if keys:
-            # An expired key for the same (queue, key) is replaced: its window has passed.
-            self._db.executemany(
-                "INSERT OR REPLACE INTO idempotency_keys (queue, key, job_id, expires_at) "
-                "VALUES (?, ?, ?, ?)",
-                keys,
-            )
+        _execute_rows(self._db, _INSERT_JOBS, _INSERT_JOBS_ROW, rows)
+        # An expired key for the same (queue, key) is replaced: its window has passed.
+        _execute_rows(self._db, _INSERT_KEYS, "(?, ?, ?, ?)", keys)
         return results
 
     def _check_depth(self, rows: list[tuple]) -> None:
@@ -420,58 +484,78 @@ class SqliteStore:
         ``max_bytes``, claiming stops once the payloads reach it (always at least one
         job), so that one reply stays bounded whatever ``count`` asked for.
         """
-        queues = list(dict.fromkeys(queues))
-        if count <= 0 or not queues:
-            return []
-        params: list[object] = []
-        for queue in queues:
-            for priority in _PRIORITIES_HIGH_FIRST:
-                params += (queue, priority, count)
-        candidates = self._db.execute(_claim_candidates_sql(len(queues)), params).fetchall()
-        if not candidates:
-            return []
-        # Within one (queue, class) the oldest job also has the highest effective priority,
-        # so the best `count` of all candidates are the best `count` jobs overall.
-        candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
-        chosen: list[int] = []
-        size = 0
-        for key, _priority, _ready_at, length in candidates[:count]:
-            if max_bytes is not None and chosen and size >= max_bytes:
-                break
-            chosen.append(key)
-            size += length + REPLY_OVERHEAD_BYTES
+        return self.jobs_claim_many([(queues, worker_id, count, lease_ms, max_bytes)], now)[0]
+
+    def jobs_claim_many(self, claims: Sequence[ClaimArgs], now: int) -> list[list[Lease]]:
+        """Many claims (each the arguments of ``jobs_claim``) with three statements in all.
+
+        The outcome is that of making the claims one after the other: grouped by their set
+        of queues, the groups in the order they first appear (among the claims that ask
+        for at least one job), the claims of a group in the order given; each takes the
+        best jobs the ones before it left.
+        """
+        chosen: list[list[tuple[int, int]]] = [[] for _ in claims]  # (key, size) per claim
+        taken: set[int] = set()
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
+            if count > 0 and queues:
+                groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
+        for queues, members in groups.items():
+            # Enough candidates for every member even if earlier groups (other claims on
+            # some of these queues) took some of them.
+            wanted = sum(claims[i][2] for i in members) + len(taken)
+            params: list[object] = []
+            for queue in queues:
+                for priority in _PRIORITIES_HIGH_FIRST:
+                    params += (queue, priority, wanted)
+            candidates = _json_rows(self._db, _claim_candidates_sql(len(queues)), params)
+            # Within one (queue, class) the oldest job also has the highest effective
+            # priority, so the best of all candidates are the best jobs overall.
+            candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
+            available = (c for c in candidates if c[0] not in taken)
+            for i in members:
+                count, max_bytes = claims[i][2], claims[i][4]
+                mine, size = chosen[i], 0
+                for key, _priority, _ready_at, length in available:
+                    mine.append((key, length))
+                    taken.add(key)
+                    size += length + REPLY_OVERHEAD_BYTES
+                    if len(mine) == count or (max_bytes is not None and size >= max_bytes):
+                        break
+        if not taken:
+            return [[] for _ in claims]
         # One urandom call for all the tokens.
-        hex_digits = secrets.token_hex(TOKEN_BYTES * len(chosen))
+        hex_digits = secrets.token_hex(TOKEN_BYTES * len(taken))
         width = 2 * TOKEN_BYTES
-        tokens = [hex_digits[i : i + width] for i in range(0, len(hex_digits), width)]
-        expires_at = now + lease_ms
-        params: list[object] = [worker_id, expires_at]  # the SET clause's, then VALUES
-        for key, token in zip(chosen, tokens, strict=True):
-            params += (key, token)
-        rows = self._db.execute(_claim_update_sql(len(chosen)), params).fetchall()
+        tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
+        # Per claim: (key, token, worker, expiry) of each job it leases.
+        granted = [
+            [(key, next(tokens), claim[1], now + claim[3]) for key, _size in mine]
+            for claim, mine in zip(claims, chosen, strict=True)
+        ]
+        updates = [update for mine in granted for update in mine]
+        _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
+        rows = _json_rows(self._db, _CLAIMED_ROWS_SQL, (orjson.dumps(list(taken)),))
         by_key = {row[0]: row for row in rows}
-        leases = []
         per_queue: Counter[str] = Counter()
-        for key, token in zip(chosen, tokens, strict=True):
-            _, queue, payload, priority, attempt, max_attempts = by_key[key]
-            leases.append(
-                Lease(
-                    format_job_id(key),
-                    queue,
-                    payload,
-                    priority,
-                    attempt,
-                    max_attempts,
-                    token,
-                    expires_at,
-                )
-            )
-            per_queue[queue] += 1
+        results: list[list[Lease]] = []
+        for mine in granted:
+            leases = []
+            for key, token, _worker, expires_at in mine:
+                _, queue, payload, priority, attempt, max_attempts = by_key[key]
+                leases.append(
+                    Lease(
+                        format_job_id(key), queue, payload, priority, attempt, max_attempts,
+                        token, expires_at,
+                    )
+                )  # fmt: skip
+                per_queue[queue] += 1
+                self.changes.expiry(expires_at)
+            results.append(leases)
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
-        self.changes.expiry(expires_at)
-        return leases
+        return results
 
     def _held_lease(
         self, job_id: str, worker_id: str, token: str, now: int, operation: str
@@ -525,19 +609,17 @@ class SqliteStore:
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
         if None in keys or len(set(keys)) != len(keys):
             raise ValueError("not a run of distinct job ids")
-        marks = ", ".join("?" * len(keys))
-        rows = {row[0]: row for row in self._db.execute(_LEASE_ROW_SQL + f"id IN ({marks})", keys)}
+        found = _json_rows(self._db, _LEASE_ROWS_SQL, (orjson.dumps(keys),))
+        rows = {row[0]: row for row in found}
         updates = []
+        queues = []
         for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
             row = _check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
             if row is not None:  # None: an ack repeated with the completing token
-                updates.append((now, result, key, row[1]))
-        self._db.executemany(
-            "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = ?, "
-            "lease_expires_at = NULL WHERE id = ?",
-            [update[:3] for update in updates],
-        )
-        for queue, n in Counter(update[3] for update in updates).items():
+                updates.append((key, result))
+                queues.append(row[1])
+        _execute_rows(self._db, _ACK_UPDATE, "(?, ?)", updates, (now,))
+        for queue, n in Counter(queues).items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n)
         return [None] * len(acks)
@@ -587,10 +669,7 @@ class SqliteStore:
         self.changes.ready_queues.add(row[1])
 
     def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
-        self._db.execute(
-            "INSERT INTO job_errors (job_id, attempt, error, at) VALUES (?, ?, ?, ?)",
-            (key, attempt, error, now),
-        )
+        _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", [(key, attempt, error, now)])
 
     # -- time-driven transitions -------------------------------------------------------------
 
@@ -599,15 +678,17 @@ class SqliteStore:
 
         A promoted job counts as ready from its due time, not from when this pass ran.
         """
-        rows = self._db.execute(
-            "SELECT id, queue, state FROM jobs "
-            "WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
+        rows = _json_rows(
+            self._db,
+            "SELECT json_group_array(json_array(id, queue, state)) FROM (SELECT id, queue, "
+            "state FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? "
+            "ORDER BY run_at LIMIT ?)",
             (now, limit),
-        ).fetchall()
+        )
         if rows:
-            self._db.executemany(
-                "UPDATE jobs SET state = 'ready', ready_at = run_at WHERE id = ?",
-                [(row[0],) for row in rows],
+            self._db.execute(
+                f"UPDATE jobs SET state = 'ready', ready_at = run_at WHERE id IN {_JSON_IDS}",
+                (orjson.dumps([row[0] for row in rows]),),
             )
         for _key, queue, state in rows:
             self._move(queue, state, READY)
@@ -620,31 +701,37 @@ class SqliteStore:
         A job with attempts left becomes ready (from its expiry time); one without becomes
         dead with the error "lease expired". The old token keeps answering lease_expired.
         """
-        rows = self._db.execute(
-            "SELECT id, queue, attempt, max_attempts, lease_expires_at FROM jobs "
-            "WHERE state = 'leased' AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?",
+        rows = _json_rows(
+            self._db,
+            "SELECT json_group_array(json_array(id, queue, attempt, max_attempts, "
+            "lease_expires_at)) FROM (SELECT * FROM jobs WHERE state = 'leased' "
+            "AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?)",
             (now, limit),
-        ).fetchall()
+        )
         reaped = []
+        ready: list[tuple[int, int]] = []  # (id, expired at): ready again from its expiry
+        dead: list[int] = []
         for key, queue, attempt, max_attempts, expired_at in rows:
-            self._record_error(key, attempt, LEASE_EXPIRED_ERROR, now)
             self._count(queue, "expired")
             if attempt < max_attempts:
-                self._db.execute(
-                    "UPDATE jobs SET state = 'ready', ready_at = ?, last_error = ? WHERE id = ?",
-                    (expired_at, LEASE_EXPIRED_ERROR, key),
-                )
+                ready.append((key, expired_at))
                 state = READY
                 self.changes.ready_queues.add(queue)
             else:
-                self._db.execute(
-                    "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ? WHERE id = ?",
-                    (now, LEASE_EXPIRED_ERROR, key),
-                )
+                dead.append(key)
                 state = DEAD
                 self._count(queue, "dead")
             self._move(queue, LEASED, state)
             reaped.append(Reaped(format_job_id(key), queue, state, attempt))
+        errors = [(key, attempt, LEASE_EXPIRED_ERROR, now) for key, _, attempt, *_ in rows]
+        _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", errors)
+        _execute_rows(self._db, _REAP_READY, "(?, ?)", ready, (LEASE_EXPIRED_ERROR,))
+        if dead:
+            self._db.execute(
+                "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ? "
+                f"WHERE id IN {_JSON_IDS}",
+                (now, LEASE_EXPIRED_ERROR, orjson.dumps(dead)),
+            )
         return reaped
 
     def leases_recover(self, now: int) -> int:
@@ -688,10 +775,12 @@ class SqliteStore:
             "(SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
             (now, limit),
         )
-        rows = self._db.execute(
-            "SELECT id, queue FROM jobs WHERE state = 'succeeded' AND finished_at < ? LIMIT ?",
+        rows = _json_rows(
+            self._db,
+            "SELECT json_group_array(json_array(id, queue)) FROM (SELECT id, queue FROM jobs "
+            "WHERE state = 'succeeded' AND finished_at < ? LIMIT ?)",
             (now - self.config.retention_ms, limit),
-        ).fetchall()
+        )
         self._delete_jobs(rows, SUCCEEDED)
         return len(rows)
 
@@ -700,10 +789,10 @@ class SqliteStore:
         if not rows:
             return
         self._save_last_id()
-        keys = [(row[0],) for row in rows]
-        self._db.executemany("DELETE FROM job_errors WHERE job_id = ?", keys)
-        self._db.executemany("DELETE FROM idempotency_keys WHERE job_id = ?", keys)
-        self._db.executemany("DELETE FROM jobs WHERE id = ?", keys)
+        keys = (orjson.dumps([row[0] for row in rows]),)
+        self._db.execute(f"DELETE FROM job_errors WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(f"DELETE FROM idempotency_keys WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(f"DELETE FROM jobs WHERE id IN {_JSON_IDS}", keys)
         for _key, queue in rows:
             self._move(queue, state, None)
 
@@ -836,20 +925,21 @@ class SqliteStore:
     def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
         """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
         while it returns ``limit``: each call is one bounded piece of work."""
-        rows = self._db.execute(
-            "SELECT id, queue FROM jobs INDEXED BY jobs_dead_queue "
-            "WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?",
+        rows = _json_rows(
+            self._db,
+            "SELECT json_group_array(json_array(id, queue)) FROM (SELECT id, queue FROM jobs "
+            "INDEXED BY jobs_dead_queue WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?)",
             (queue, limit),
-        ).fetchall()
+        )
         self._revive(rows, now)
         return len(rows)
 
     def _revive(self, rows: list[tuple[int, str]], now: int) -> None:
-        self._db.executemany(
+        self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = 0, ready_at = ?, run_at = NULL, "
             "finished_at = NULL, lease_token = NULL, lease_worker = NULL, "
-            "lease_expires_at = NULL WHERE id = ?",
-            [(now, key) for key, _queue in rows],
+            f"lease_expires_at = NULL WHERE id IN {_JSON_IDS}",
+            (now, orjson.dumps([key for key, _queue in rows])),
         )
         for _key, queue in rows:
             self._move(queue, DEAD, READY)
@@ -863,10 +953,11 @@ class SqliteStore:
 
     def dead_purge_queue(self, queue: str, limit: int) -> int:
         """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
-        rows = self._db.execute(
-            "SELECT id, queue FROM jobs INDEXED BY jobs_dead_queue "
-            "WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?",
+        rows = _json_rows(
+            self._db,
+            "SELECT json_group_array(json_array(id, queue)) FROM (SELECT id, queue FROM jobs "
+            "INDEXED BY jobs_dead_queue WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?)",
             (queue, limit),
-        ).fetchall()
+        )
         self._delete_jobs(rows, DEAD)
         return len(rows)

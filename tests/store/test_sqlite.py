@@ -1534,3 +1534,80 @@ def test_an_ack_batch_does_exactly_what_its_acks_one_by_one_would(items):
     finally:
         batched.close()
         alone.close()
+
+
+# -- many claims at once (the writer merges a run of lease requests) ---------------------
+
+QUEUE_SETS = [("a",), ("b",), ("a", "b"), ("b", "a")]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    jobs=strategies.lists(
+        strategies.tuples(
+            strategies.sampled_from(["a", "b"]),
+            strategies.sampled_from([LOW, NORMAL, HIGH, CRITICAL]),
+            strategies.integers(0, 3),  # submitted at T0 + this many minutes
+            strategies.integers(0, 600),  # payload length
+        ),
+        max_size=14,
+    ),
+    claims=strategies.lists(
+        strategies.tuples(
+            strategies.sampled_from(QUEUE_SETS),
+            strategies.integers(0, 4),  # count
+            strategies.sampled_from([None, 1, 700, 1500]),  # reply budget in bytes
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_many_claims_at_once_lease_what_the_same_claims_one_by_one_would(jobs, claims):
+    # The documented order: claims on the same queue set in the order given, the sets in
+    # the order they first appear among the claims that ask for a job; each claim takes
+    # the best jobs the ones before it left.
+    merged, alone = (SqliteStore.open(":memory:", rng=random.Random(1)) for _ in range(2))
+    now = T0 + 10 * MINUTE
+    try:
+        for store in (merged, alone):
+            for queue, priority, minute, length in sorted(jobs, key=lambda job: job[2]):
+                submit(store, T0 + minute * MINUTE, queue, priority=priority,
+                       payload='"' + "x" * length + '"')  # fmt: skip
+        args = [(list(queues), f"w{i}", count, LEASE_MS + i, budget)
+                for i, (queues, count, budget) in enumerate(claims)]  # fmt: skip
+        got = merged.jobs_claim_many(args, now)
+
+        first_seen: dict[tuple[str, ...], int] = {}
+        for queues, count, _budget in claims:
+            if count > 0:
+                first_seen.setdefault(tuple(dict.fromkeys(queues)), len(first_seen))
+
+        def place(i: int) -> tuple[int, int]:
+            return first_seen.get(tuple(dict.fromkeys(claims[i][0])), 0), i
+
+        order = sorted(range(len(claims)), key=place)
+        expected: dict[int, list[Lease]] = {}
+        for i in order:
+            queues, worker, count, lease_ms, budget = args[i]
+            expected[i] = alone.jobs_claim(queues, worker, count, lease_ms, now, budget)
+
+        def shape(lease: Lease) -> tuple:
+            return (lease.job_id, lease.queue, lease.payload, lease.priority, lease.attempt,
+                    lease.max_attempts, lease.lease_expires_at)  # fmt: skip
+
+        assert [[shape(x) for x in leases] for leases in got] == [
+            [shape(x) for x in expected[i]] for i in range(len(claims))
+        ]
+        leased = [lease.job_id for leases in got for lease in leases]
+        assert len(leased) == len(set(leased))
+        assert merged.queue_stats() == alone.queue_stats() == recount(merged)
+        assert merged.event_totals() == alone.event_totals()
+        # Each lease is held by its own claim's worker, with the token it was given.
+        for i, leases in enumerate(got):
+            for lease in leases:
+                info = merged.job_inspect(lease.job_id)
+                assert (info.state, info.worker_id) == (LEASED, f"w{i}")
+                merged.jobs_ack(lease.job_id, f"w{i}", lease.token, None, now + 1)
+    finally:
+        merged.close()
+        alone.close()
