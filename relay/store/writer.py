@@ -29,7 +29,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -338,11 +338,11 @@ class _WriterThread:
         if not self.store.in_transaction:
             raise sqlite3.OperationalError("SQLite rolled the transaction back")
 
-    def _apply_one(self, command: Command, now: int, *, savepoint: bool = True) -> Any:
+    def _apply_one(self, command: Command, now: int) -> Any:
         """The command's result, or the error it ends with (its changes then undone by
-        its savepoint; without one, the caller rolls the transaction back)."""
+        its savepoint)."""
         try:
-            with self.store.command() if savepoint else contextlib.nullcontext():
+            with self.store.command():
                 return command.apply(self.store, now)
         except RelayError as exc:
             return exc
@@ -364,36 +364,67 @@ class _WriterThread:
         outcomes.extend(merged)
         return True
 
+    def _apply_fast(self, batch: list[Envelope], now: int) -> list[Any] | None:
+        """The batch's outcomes, run without savepoints; None if a command failed in a way
+        that may have left part of its change behind (the caller then starts over).
+
+        Why: SAVEPOINT and RELEASE are statements, and each statement costs the thread a
+        wait for the GIL. They are only needed when a command fails halfway, and a refusal
+        never does: the store refuses before it writes (relay/store/sqlite.py). That is
+        checked here, not assumed: a refusal after which the transaction has written rows
+        or moved counters sends the batch to the careful path, as does any other error.
+        """
+        store = self.store
+        outcomes: list[Any] = []
+        for merge, run in _runs(batch):
+            if merge is not None:
+                mark = store.write_mark()
+                try:
+                    outcomes += merge(store, now, [envelope.command for envelope in run])
+                    continue
+                except (RelayError, ValueError):
+                    # A refusal in the run (or a job twice in one run of acks): each of
+                    # its commands on its own, for its own answer.
+                    if store.write_mark() != mark:
+                        return None
+                except Exception:
+                    return None
+            for envelope in run:
+                mark = store.write_mark()
+                try:
+                    outcomes.append(envelope.command.apply(store, now))
+                except RelayError as exc:
+                    if store.write_mark() != mark:
+                        return None
+                    outcomes.append(exc)
+                except Exception:
+                    return None
+        return outcomes
+
+    def _apply_careful(self, batch: list[Envelope], now: int) -> list[Any]:
+        """The batch's outcomes, each command (or merged run) in its own savepoint, so that
+        a failure undoes exactly that command's changes."""
+        outcomes: list[Any] = []
+        for merge, run in _runs(batch):
+            if merge is not None and self._apply_merged(merge, run, now, outcomes):
+                continue
+            for envelope in run:
+                outcomes.append(self._apply_one(envelope.command, now))
+                self._check_transaction()
+        return outcomes
+
     def _execute(self, batch: list[Envelope]) -> tuple[list[Any], Changes | None, float | None]:
         store = self.store
         started = time.perf_counter()
         now = self.clock()
-        outcomes: list[Any] = []
         try:
             store.begin()
-            if len(batch) == 1:
-                # Alone in its transaction, a command needs no savepoint: if it fails,
-                # rolling the transaction back undoes exactly what it did.
-                outcome = self._apply_one(batch[0].command, now, savepoint=False)
-                if isinstance(outcome, RelayError):
-                    store.rollback()
-                    return [outcome], Changes(), time.perf_counter() - started
-                return [outcome], store.commit(), time.perf_counter() - started
-            i = 0
-            while i < len(batch):
-                kind = type(batch[i].command)
-                j = i + 1
-                merge = getattr(kind, "apply_many", None)
-                if merge is not None:
-                    while j < len(batch) and type(batch[j].command) is kind:
-                        j += 1
-                    if j - i > 1 and self._apply_merged(merge, batch[i:j], now, outcomes):
-                        i = j
-                        continue
-                for envelope in batch[i:j]:
-                    outcomes.append(self._apply_one(envelope.command, now))
-                    self._check_transaction()
-                i = j
+            outcomes = self._apply_fast(batch, now)
+            if outcomes is None:
+                # Start over, carefully: nothing of the first pass stands.
+                store.rollback()
+                store.begin()
+                outcomes = self._apply_careful(batch, now)
             changes = store.commit()
         except Exception as exc:
             log.exception("transaction of %d commands failed; none is committed", len(batch))
@@ -401,6 +432,21 @@ class _WriterThread:
             error = InternalError(f"not committed: {type(exc).__name__}: {exc}")
             return [error] * len(batch), None, None
         return outcomes, changes, time.perf_counter() - started
+
+
+def _runs(batch: list[Envelope]) -> Iterator[tuple[Callable | None, list[Envelope]]]:
+    """The batch in runs: consecutive commands of one class that has ``apply_many`` come
+    as one run with that method; every other command comes alone, with None."""
+    i = 0
+    while i < len(batch):
+        kind = type(batch[i].command)
+        merge = getattr(kind, "apply_many", None)
+        j = i + 1
+        if merge is not None:
+            while j < len(batch) and type(batch[j].command) is kind:
+                j += 1
+        yield (merge if j - i > 1 else None), batch[i:j]
+        i = j
 
 
 def _refuse(envelopes: list[Envelope]) -> None:

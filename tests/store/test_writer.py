@@ -1,4 +1,4 @@
-"""The writer thread: group commit, savepoints, replies after commit, shutdown.
+"""The writer thread: group commit, the two passes, replies after commit, shutdown.
 
 These tests run real threads and a real SQLite file, so they use trio's real clock with
 ``fail_after`` bounds; the store's own time comes from an injected clock.
@@ -73,6 +73,16 @@ class WriteThenExplode:
     def apply(self, store: SqliteStore, now: int) -> None:
         store.jobs_submit([SubmitSpec("explode", "1")], now)
         raise ZeroDivisionError("boom")
+
+
+@attrs.frozen
+class WriteThenRefuse:
+    """Inserts a job, then refuses: a refusal that breaks the store's rule of refusing
+    before writing anything."""
+
+    def apply(self, store: SqliteStore, now: int) -> None:
+        store.jobs_submit([SubmitSpec("refuse", "1")], now)
+        raise StaleToken("job_0000000000000001")
 
 
 async def hold_writer(writer: Writer) -> Gate:
@@ -160,9 +170,53 @@ async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
     }
 
 
+async def test_a_refusal_that_wrote_first_is_undone_and_the_others_stand(db_path):
+    # The first pass runs without savepoints, trusting that a refusal writes nothing; it
+    # checks that, and a refusal that did write sends the batch to the careful pass.
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            sink = await one_batch(writer, [
+                ("a", cmd.Submit((spec(payload="1"),))),
+                ("refuse", WriteThenRefuse()),
+                ("b", cmd.Submit((spec(payload="2"),))),
+            ])  # fmt: skip
+            stats = await writer.execute(cmd.Stats())
+    out = sink.outcomes
+    assert isinstance(out["refuse"], StaleToken)
+    assert committed_ids(db_path) == {
+        parse_job_id(out["a"][0].job_id),
+        parse_job_id(out["b"][0].job_id),
+    }
+    assert set(stats) == {"q"} and stats["q"]["ready"] == 2
+
+
+async def test_a_batch_that_fails_nowhere_runs_without_savepoints(db_path):
+    store = SqliteStore.open(db_path)
+    statements: list[str] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            await writer.execute(cmd.Submit((spec(), spec())))
+            first, second = await writer.execute(cmd.Claim(("q",), "w", 2, 30_000))
+            store._db.set_trace_callback(statements.append)
+            sink = await one_batch(writer, [
+                ("submit", cmd.Submit((spec(),))),
+                ("ack1", cmd.Ack(first.job_id, "w", first.token)),
+                ("ack2", cmd.Ack(second.job_id, "w", second.token)),
+                ("stale", cmd.Ack(second.job_id, "w", "0" * 32)),
+                ("claim", cmd.Claim(("q",), "w", 1, 30_000)),
+            ])  # fmt: skip
+            store._db.set_trace_callback(None)
+    out = sink.outcomes
+    assert out["ack1"] is None and out["ack2"] is None
+    assert isinstance(out["stale"], StaleToken)
+    assert [lease.job_id for lease in out["claim"]] == [out["submit"][0].job_id]
+    assert statements and not [s for s in statements if "SAVEPOINT" in s or "RELEASE" in s]
+
+
 async def test_a_command_alone_in_its_batch_is_undone_when_it_fails(db_path):
-    # A batch of one runs without a savepoint; a refusal or a bug then rolls back the
-    # transaction, which must undo exactly that command, and the writer goes on.
+    # A bug in a command rolls the first pass back; the careful pass undoes exactly that
+    # command with its savepoint, and the writer goes on.
     store = SqliteStore.open(db_path)
     with trio.fail_after(BOUND_S):
         async with open_writer(store, clock=FakeClock()) as writer:
