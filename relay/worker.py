@@ -263,6 +263,10 @@ class Worker:
                 )  # fmt: skip
             except RelayError as exc:
                 event(log, logging.WARNING, "worker.lease_failed", error=repr(exc))
+                if isinstance(exc, BadRequest):
+                    # A lease this worker made within the limits it read is refused: the
+                    # server may have restarted with smaller ones. Read them again.
+                    await self._fit_to_server(client)
                 await trio.sleep(LEASE_ERROR_BACKOFF_S)
                 continue
             renew_at = trio.current_time() + self._renew_interval

@@ -415,6 +415,27 @@ async def test_leases_and_ack_batches_keep_within_the_servers_max_batch(tmp_path
         assert (await queue_counts(client, "q"))["succeeded"] == 8
 
 
+async def test_a_worker_reads_the_limits_again_when_its_lease_is_refused(tmp_path):
+    # As after a restart of the server with a smaller max_batch: the worker read 1000 at
+    # start, so its leases of 8 are refused until it reads the limits again.
+    from relay import wire
+
+    async with open_local(str(tmp_path / "local.db")) as client:
+        dispatcher = client._transport._core.dispatcher  # type: ignore[attr-defined]
+
+        async def handler(job: LeasedJob) -> None:
+            return None
+
+        worker = make_worker(client, handler=handler, concurrency=8, wait_ms=20)
+        async with running(worker):
+            dispatcher.limits = wire.Limits(max_batch=3)
+            calls = record_acks(client)
+            for n in range(8):
+                await client.submit("q", n)
+            await wait_succeeded(client, "q", 8)
+        assert calls and all(n <= 3 for _, n in calls), calls
+
+
 async def test_acks_of_large_results_go_in_requests_that_fit_a_frame(tcp):
     # Each result is within max_result_bytes (256 KiB), eight together are over the 1 MiB
     # frame: one ack_batch of all eight would be refused and close the connection.
