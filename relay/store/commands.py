@@ -13,7 +13,7 @@ import attrs
 
 from relay.errors import RelayError
 from relay.model import SubmitSpec
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite import ClaimArgs, SqliteStore
 
 
 class Command(Protocol):
@@ -21,9 +21,15 @@ class Command(Protocol):
 
 
 # A command class may also offer ``apply_many(store, now, commands) -> outcomes``: the
-# writer then runs a run of consecutive commands of that class in one call and one
-# savepoint. If that raises, the writer runs them one by one instead, so each command
-# still gets its own outcome: merging is only ever an optimisation.
+# writer then runs a run of consecutive commands of that class in one call. If that
+# raises, the writer runs them one by one instead, so each command still gets its own
+# outcome. Merging gives each command the answer it would have had alone, in some order
+# of the run: for submits and acks the order given; for leases, grouped by queue set
+# (see SqliteStore.jobs_claim_many), a valid order for requests that were concurrent.
+
+# The reply budgets that one merged call of leases may add up to: bounds the memory and
+# the size of the one JSON row that reads the leased jobs back.
+CLAIM_RUN_BYTES = 16 * 1024 * 1024
 
 
 @attrs.frozen
@@ -59,8 +65,19 @@ class Claim:
 
     @staticmethod
     def apply_many(store: SqliteStore, now: int, commands: list[Claim]) -> list[Any]:
-        claims = [(c.queues, c.worker_id, c.count, c.lease_ms, c.max_bytes) for c in commands]
-        return store.jobs_claim_many(claims, now)
+        # In pieces whose reply budgets add up to at most CLAIM_RUN_BYTES, one after the
+        # other (a claim without a budget counts as that much on its own).
+        outcomes: list[Any] = []
+        piece: list[ClaimArgs] = []
+        budget = 0
+        for c in commands:
+            size = CLAIM_RUN_BYTES if c.max_bytes is None else c.max_bytes
+            if piece and budget + size > CLAIM_RUN_BYTES:
+                outcomes += store.jobs_claim_many(piece, now)
+                piece, budget = [], 0
+            piece.append((c.queues, c.worker_id, c.count, c.lease_ms, c.max_bytes))
+            budget += size
+        return outcomes + store.jobs_claim_many(piece, now)
 
 
 @attrs.frozen
@@ -100,10 +117,14 @@ class AckBatch:
     def apply(self, store: SqliteStore, now: int) -> list[Any]:
         # No savepoints: an ack, or a run of them, that is refused raises before it writes
         # anything (see relay/store/sqlite.py), so a refusal leaves nothing to undo.
+        mark = store.write_mark()
         try:
             return store.jobs_ack_many(self.acks, now)
         except (RelayError, ValueError):
-            pass  # a refusal, or a job twice: each on its own below
+            # A refusal, or a job twice: each on its own below. (Any other failure, and
+            # one that has written, is the writer's to handle.)
+            if store.write_mark() != mark:
+                raise
         outcomes: list[Any] = []
         for job_id, worker_id, token, result in self.acks:
             try:

@@ -3,12 +3,13 @@
 ``SqliteStore`` is the store interface (see docs/architecture.md): each method takes the
 current time ``now`` (milliseconds) from its caller, so tests drive time explicitly and a
 future PostgreSQL store can offer the same methods. Methods do not commit: the writer
-(relay/store/writer.py) groups many of them into one transaction with ``begin``,
-``command`` (a savepoint each) and ``commit``. Called outside ``begin``, each statement
-commits on its own, which is what the synchronous unit tests do.
+(relay/store/writer.py) groups many of them into one transaction with ``begin`` and
+``commit`` (and ``command``, a savepoint, when it must run them carefully). Called outside
+``begin``, each statement commits on its own, which is what the synchronous unit tests do.
 
 Every method that refuses (``RelayError``) does so before it writes anything, so a refused
-command never leaves a partial change behind, even without its savepoint.
+command never leaves a partial change behind, even without a savepoint; the writer checks
+this with ``write_mark``.
 """
 
 from __future__ import annotations
@@ -221,6 +222,11 @@ def _execute_rows(
         db.execute(_values_sql(template, row, len(chunk)), params)
 
 
+def _json_ids(keys: Iterable[int]) -> str:
+    """Job ids as the text of a JSON array, the parameter of ``_JSON_IDS``."""
+    return orjson.dumps(list(keys)).decode()
+
+
 def _json_rows(db: sqlite3.Connection, sql: str, params: Sequence[object] = ()) -> list[list]:
     """The rows of ``sql``, a ``SELECT json_group_array(json_array(...))``: one step."""
     return orjson.loads(db.execute(sql, params).fetchone()[0])
@@ -232,12 +238,14 @@ def _claim_candidates_sql(queue_count: int) -> str:
     # class's oldest ready jobs, so the cost is independent of the backlog.
     # The payload's size in bytes (for the reply bound) costs a row lookup per candidate.
     part = (
-        "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) AS size "
-        "FROM jobs INDEXED BY jobs_ready WHERE state = 'ready' AND queue = ? AND priority = ? "
-        "ORDER BY ready_at, id LIMIT ?)"
+        "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) AS size, "
+        "queue FROM jobs INDEXED BY jobs_ready "
+        "WHERE state = 'ready' AND queue = ? AND priority = ? ORDER BY ready_at, id LIMIT ?)"
     )
     parts = " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
-    return f"SELECT json_group_array(json_array(id, priority, ready_at, size)) FROM ({parts})"
+    return (
+        f"SELECT json_group_array(json_array(id, priority, ready_at, size, queue)) FROM ({parts})"
+    )
 
 
 # One statement leases a chunk of jobs, each with its own token, worker and expiry.
@@ -312,6 +320,8 @@ class SqliteStore:
     def write_mark(self) -> tuple[int, int]:
         """Where the transaction's writes stand (rows changed, counter moves): equal marks
         before and after a call mean that it wrote nothing."""
+        # (total_changes counts a statement once it has finished; the store leaves no
+        # statement unfinished, e.g. no RETURNING cursor, when a method returns or raises.)
         return self._db.total_changes, len(self._journal or ())
 
     @contextlib.contextmanager
@@ -494,16 +504,17 @@ class SqliteStore:
         for at least one job), the claims of a group in the order given; each takes the
         best jobs the ones before it left.
         """
-        chosen: list[list[tuple[int, int]]] = [[] for _ in claims]  # (key, size) per claim
+        chosen: list[list[int]] = [[] for _ in claims]  # the keys each claim leases
         taken: set[int] = set()
+        taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
         groups: dict[tuple[str, ...], list[int]] = {}
         for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
             if count > 0 and queues:
                 groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
         for queues, members in groups.items():
-            # Enough candidates for every member even if earlier groups (other claims on
-            # some of these queues) took some of them.
-            wanted = sum(claims[i][2] for i in members) + len(taken)
+            # Enough candidates for every member, even if earlier groups (claims on some of
+            # these queues among others) took some of them.
+            wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
             params: list[object] = []
             for queue in queues:
                 for priority in _PRIORITIES_HIGH_FIRST:
@@ -516,9 +527,10 @@ class SqliteStore:
             for i in members:
                 count, max_bytes = claims[i][2], claims[i][4]
                 mine, size = chosen[i], 0
-                for key, _priority, _ready_at, length in available:
-                    mine.append((key, length))
+                for key, _priority, _ready_at, length, queue in available:
+                    mine.append(key)
                     taken.add(key)
+                    taken_from[queue] += 1
                     size += length + REPLY_OVERHEAD_BYTES
                     if len(mine) == count or (max_bytes is not None and size >= max_bytes):
                         break
@@ -530,12 +542,12 @@ class SqliteStore:
         tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
         # Per claim: (key, token, worker, expiry) of each job it leases.
         granted = [
-            [(key, next(tokens), claim[1], now + claim[3]) for key, _size in mine]
+            [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
             for claim, mine in zip(claims, chosen, strict=True)
         ]
         updates = [update for mine in granted for update in mine]
         _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
-        rows = _json_rows(self._db, _CLAIMED_ROWS_SQL, (orjson.dumps(list(taken)),))
+        rows = _json_rows(self._db, _CLAIMED_ROWS_SQL, (_json_ids(taken),))
         by_key = {row[0]: row for row in rows}
         per_queue: Counter[str] = Counter()
         results: list[list[Lease]] = []
@@ -609,7 +621,7 @@ class SqliteStore:
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
         if None in keys or len(set(keys)) != len(keys):
             raise ValueError("not a run of distinct job ids")
-        found = _json_rows(self._db, _LEASE_ROWS_SQL, (orjson.dumps(keys),))
+        found = _json_rows(self._db, _LEASE_ROWS_SQL, (_json_ids(keys),))
         rows = {row[0]: row for row in found}
         updates = []
         queues = []
@@ -688,7 +700,7 @@ class SqliteStore:
         if rows:
             self._db.execute(
                 f"UPDATE jobs SET state = 'ready', ready_at = run_at WHERE id IN {_JSON_IDS}",
-                (orjson.dumps([row[0] for row in rows]),),
+                (_json_ids([row[0] for row in rows]),),
             )
         for _key, queue, state in rows:
             self._move(queue, state, READY)
@@ -704,7 +716,8 @@ class SqliteStore:
         rows = _json_rows(
             self._db,
             "SELECT json_group_array(json_array(id, queue, attempt, max_attempts, "
-            "lease_expires_at)) FROM (SELECT * FROM jobs WHERE state = 'leased' "
+            "lease_expires_at)) FROM (SELECT id, queue, attempt, max_attempts, "
+            "lease_expires_at FROM jobs WHERE state = 'leased' "
             "AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?)",
             (now, limit),
         )
@@ -730,7 +743,7 @@ class SqliteStore:
             self._db.execute(
                 "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ? "
                 f"WHERE id IN {_JSON_IDS}",
-                (now, LEASE_EXPIRED_ERROR, orjson.dumps(dead)),
+                (now, LEASE_EXPIRED_ERROR, _json_ids(dead)),
             )
         return reaped
 
@@ -789,7 +802,7 @@ class SqliteStore:
         if not rows:
             return
         self._save_last_id()
-        keys = (orjson.dumps([row[0] for row in rows]),)
+        keys = (_json_ids([row[0] for row in rows]),)
         self._db.execute(f"DELETE FROM job_errors WHERE job_id IN {_JSON_IDS}", keys)
         self._db.execute(f"DELETE FROM idempotency_keys WHERE job_id IN {_JSON_IDS}", keys)
         self._db.execute(f"DELETE FROM jobs WHERE id IN {_JSON_IDS}", keys)
@@ -939,7 +952,7 @@ class SqliteStore:
             "UPDATE jobs SET state = 'ready', attempt = 0, ready_at = ?, run_at = NULL, "
             "finished_at = NULL, lease_token = NULL, lease_worker = NULL, "
             f"lease_expires_at = NULL WHERE id IN {_JSON_IDS}",
-            (now, orjson.dumps([key for key, _queue in rows])),
+            (now, _json_ids([key for key, _queue in rows])),
         )
         for _key, queue in rows:
             self._move(queue, DEAD, READY)

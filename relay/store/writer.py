@@ -3,13 +3,14 @@
 Data flows one way::
 
     trio task --Envelope--> memory channel --> writer thread: BEGIN IMMEDIATE
-                                                 SAVEPOINT / command.apply / RELEASE  (each)
+                                                 command.apply (each; runs merged)
                                                COMMIT
     trio task <--deliver(replies)-- trio thread <-- one hand-off per batch
 
 Group commit: the thread takes every envelope already queued (up to ``max_batch``) and runs
-them in one transaction, one savepoint per command so that one command's error does not
-undo the others, commits once, then hands all the outcomes back to trio in one call. A
+them in one transaction, commits once, then hands all the outcomes back to trio in one
+call. One command's error does not undo the others: a refusal writes nothing, and after
+any other failure the batch runs again with a savepoint per command (``_execute``). A
 success is delivered only after its commit; if the commit fails, every command of the
 batch is answered with an error, because none of it is durable.
 
@@ -388,6 +389,7 @@ class _WriterThread:
                     if store.write_mark() != mark:
                         return None
                 except Exception:
+                    log.warning("a merged run failed; the batch runs again", exc_info=True)
                     return None
             for envelope in run:
                 mark = store.write_mark()
@@ -398,6 +400,7 @@ class _WriterThread:
                         return None
                     outcomes.append(exc)
                 except Exception:
+                    log.warning("a command failed; the batch runs again", exc_info=True)
                     return None
         return outcomes
 

@@ -1611,3 +1611,26 @@ def test_many_claims_at_once_lease_what_the_same_claims_one_by_one_would(jobs, c
     finally:
         merged.close()
         alone.close()
+
+
+def test_a_claim_reads_no_more_candidates_for_what_claims_on_other_queues_took(monkeypatch):
+    import relay.store.sqlite as sqlite_module
+
+    store = SqliteStore.open(":memory:")
+    store.jobs_submit([spec("a")] * 300 + [spec("b")] * 10, T0)
+    reads: list[int] = []
+    real = sqlite_module._json_rows
+
+    def counting(db, sql, params=()):
+        rows = real(db, sql, params)
+        if "jobs_ready" in sql:
+            reads.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(sqlite_module, "_json_rows", counting)
+    claims = [(["a"], "w1", 100, LEASE_MS, None), (["a"], "w2", 100, LEASE_MS, None),
+              (["b"], "w3", 1, LEASE_MS, None)]  # fmt: skip
+    got = store.jobs_claim_many(claims, T0 + 1)
+    assert [len(leases) for leases in got] == [100, 100, 1]
+    # The claims on "a" took 200 jobs of "a"; the claim on "b" needs one candidate.
+    assert reads == [200, 1]
