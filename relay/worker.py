@@ -9,6 +9,11 @@ the server for at most as many jobs as it has free slots (``lease count`` = free
 with a long-poll ``wait_ms``), and each job holds its slot from lease to ack. So a worker
 of concurrency N never holds more than N jobs.
 
+A job has a task of its own while its handler runs. A handler that returns hands its ack to
+the worker's ack task, and the job's task ends there; the ack task frees the slot once the
+ack is answered (a job costs no wake-up after its ack). Until then the job still holds its
+slot and its lease is still renewed.
+
 While a handler runs, its lease is renewed about every third of the lease, by one renewal
 task for the whole worker (it wakes at the earliest renewal due, at most four times per
 renewal interval, and renews every job due then, concurrently). If a renewal is refused
@@ -98,6 +103,12 @@ def _result_of(value: Any) -> tuple[orjson.Fragment | None, int]:
     return orjson.Fragment(text), len(text)
 
 
+def _is_coroutine_handler(handler: Handler) -> bool:
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004
+    )
+
+
 def _is_cancellation(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_cancellation(e) for e in exc.exceptions)
@@ -122,14 +133,15 @@ class _Running:
 
 @attrs.define(eq=False)
 class _PendingAck:
-    """A finished job's ack, waiting for the ack task to send it with the others."""
+    """A finished job's ack, waiting for the ack task to send it with the others. Until
+    it is answered the job keeps its slot, and its lease is renewed."""
 
-    job: LeasedJob
+    running: _Running
+    owner: object  # holds the job's slot
+    started: float  # when the job was leased (trio clock)
     result: Any
     size: int  # bytes of the result's JSON
-    sent: trio.Event = attrs.Factory(trio.Event)
     error: RelayError | None = None  # why the server refused it (or could not be asked)
-    unsent: bool = False  # the ack task stopped first: the job acks on its own
 
 
 @attrs.frozen
@@ -194,7 +206,9 @@ class Worker:
         self._renew_interval = max(lease_ms / 3000, 0.01)
         self._renew_granularity = self._renew_interval / 4
         self._acks: list[_PendingAck] = []  # finished jobs' acks, not yet sent
+        self._acks_sending: list[_PendingAck] = []  # the ack request in flight
         self._acks_queued = trio.lowlevel.ParkingLot()  # the ack task waits here
+        self._acks_answered = trio.lowlevel.ParkingLot()  # a stopping worker waits here
         self._ack_batches = True  # cleared if the server does not know ack_batch
         # Acks and result bytes per ack_batch: the defaults, lowered to what the server
         # advertises when the worker starts.
@@ -202,6 +216,12 @@ class Worker:
         self._ack_batch_bytes = MAX_ACK_BATCH_BYTES
         self._lease_max = concurrency  # jobs per lease request: the server's max_batch too
         self._acking = True  # cleared when the ack task ends: jobs then ack on their own
+        # Which handlers are coroutine functions, decided once rather than per job.
+        self._is_async = {
+            id(h): _is_coroutine_handler(h)
+            for h in (handler, *self._handlers.values())
+            if h is not None
+        }
         self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
         self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
 
@@ -238,7 +258,11 @@ class Worker:
                     # Leasing stopped: running jobs get the shutdown timeout, then are
                     # cancelled (and release their leases).
                     self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
-            helpers.cancel_scope.cancel()  # no job runs or waits for its ack any more
+            # No job runs any more; the acks of the last ones may still be on their way.
+            with trio.move_on_after(SETTLE_TIMEOUT_S):
+                while self._acking and (self._acks or self._acks_sending):
+                    await self._acks_answered.park()
+            helpers.cancel_scope.cancel()
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
     @asynccontextmanager
@@ -322,33 +346,73 @@ class Worker:
     async def _ack_loop(self, client: Client) -> None:
         """Send the acks of finished jobs: all that are waiting, in one ``ack_batch``. One
         request is in flight at a time, so acks that finish meanwhile form the next batch:
-        an idle worker acks at once, a busy one in batches that grow with the load."""
+        an idle worker acks at once, a busy one in batches that grow with the load.
+
+        The ack task settles the jobs it acks: once an ack is answered it frees the job's
+        slot and ends its renewals, so a job's own task ends as soon as its ack is queued
+        (no wake-up per job). Cancelled (the worker stops or fails), it still sends what is
+        queued or was in flight, shielded, within its own deadline, as each job's task
+        would have; a repeated ack is answered ok.
+        """
         try:
             while True:
                 while not self._acks:
                     await self._acks_queued.park()
-                batch = self._take_acks()
-                try:
-                    with trio.move_on_after(SETTLE_TIMEOUT_S) as timeout:
-                        await self._send_acks(client, batch)
-                    if timeout.cancelled_caught:
-                        for pending in batch:
-                            pending.error = ConnectionLost("no answer to the acks in time")
-                except BaseException:
-                    # Cancelled mid-request: whether the server got it is unknown, so each
-                    # job sends its own ack (a repeated ack is answered ok).
+                batch = self._acks_sending = self._take_acks()
+                with trio.move_on_after(SETTLE_TIMEOUT_S) as timeout:
+                    await self._send_acks(client, batch)
+                if timeout.cancelled_caught:
                     for pending in batch:
-                        pending.unsent = True
-                    raise
-                finally:
-                    for pending in batch:
-                        pending.sent.set()
+                        pending.error = ConnectionLost("no answer to the acks in time")
+                self._acks_sending = []
+                self._settled(batch)
         finally:
             self._acking = False
-            for pending in self._acks:
-                pending.unsent = True
-                pending.sent.set()
-            self._acks.clear()
+            leftovers = self._acks_sending + self._acks
+            self._acks_sending = []
+            if leftovers:
+                await self._send_leftovers(client, leftovers)
+
+    async def _send_leftovers(self, client: Client, leftovers: list[_PendingAck]) -> None:
+        deadline = trio.current_time() + SETTLE_TIMEOUT_S
+        self._acks = leftovers  # _take_acks cuts them into batches within the limits
+        try:
+            with trio.CancelScope(shield=True, deadline=deadline):
+                while self._acks:
+                    batch = self._acks_sending = self._take_acks()
+                    for pending in batch:
+                        pending.error = None  # whatever a cut-short request said
+                    await self._send_acks(client, batch)
+                    self._acks_sending = []
+                    self._settled(batch)
+        finally:
+            # Past the deadline: not acked; each lease expires and the job runs again.
+            unanswered = self._acks_sending + self._acks
+            self._acks_sending, self._acks = [], []
+            for pending in unanswered:
+                pending.error = ConnectionLost(f"no answer within {SETTLE_TIMEOUT_S} s")
+            self._settled(unanswered)
+
+    def _settled(self, batch: list[_PendingAck]) -> None:
+        """The acks of ``batch`` are answered (or given up): count, log, free the slots."""
+        for pending in batch:
+            job = pending.running.job
+            ids = {"job_id": job.job_id, "queue": job.queue, "attempt": job.attempt}
+            if pending.error is None:
+                self._counts["succeeded"] += 1
+                event(log, logging.DEBUG, "job.succeeded", **ids)
+            else:
+                event(log, logging.WARNING, "job.settle_failed", outcome="ok",
+                      error=repr(pending.error), **ids)  # fmt: skip
+            self._finish(pending.running, pending.owner, pending.started)
+        self._acks_answered.unpark_all()
+
+    def _finish(self, running: _Running, owner: object, started: float) -> None:
+        """The job is settled: no more renewals, and its slot is free."""
+        self._running.discard(running)
+        self._slots.release_on_behalf_of(owner)
+        self._slot_freed.unpark_all()
+        self.durations.observe(trio.current_time() - started)
 
     def _take_acks(self) -> list[_PendingAck]:
         """The oldest waiting acks, within the batch's count and bytes (at least one)."""
@@ -365,7 +429,7 @@ class Worker:
 
     async def _send_acks(self, client: Client, batch: list[_PendingAck]) -> None:
         if len(batch) > 1 and self._ack_batches:
-            acks = [(p.job.job_id, p.job.token, p.result) for p in batch]
+            acks = [(p.running.job.job_id, p.running.job.token, p.result) for p in batch]
             try:
                 outcomes = await client.ack_batch(self.worker_id, acks)
             except UnknownOp:
@@ -382,7 +446,7 @@ class Worker:
                 return
 
         async def ack_one(pending: _PendingAck) -> None:
-            job = pending.job
+            job = pending.running.job
             try:
                 await client.ack(job.job_id, self.worker_id, job.token, pending.result)
             except RelayError as exc:
@@ -411,6 +475,7 @@ class Worker:
     async def _run_job(self, client: Client, running: _Running, owner: object) -> None:
         started = trio.current_time()
         job = running.job
+        handed_over = False  # to the ack task, which then finishes the job
         try:
             try:
                 outcome, value = await self._execute(running)
@@ -420,12 +485,16 @@ class Worker:
                 if _is_cancellation(exc):
                     await self._settle(client, job, "cancelled", None)
                 raise
+            if outcome == "ok" and self._acking:
+                result, size = _result_of(value)
+                self._acks.append(_PendingAck(running, owner, started, result, size))
+                self._acks_queued.unpark_all()
+                handed_over = True
+                return
             await self._settle(client, job, outcome, value)
         finally:
-            self._running.discard(running)
-            self._slots.release_on_behalf_of(owner)
-            self._slot_freed.unpark_all()
-            self.durations.observe(trio.current_time() - started)
+            if not handed_over:
+                self._finish(running, owner, started)
 
     async def _execute(self, running: _Running) -> tuple[str, Any]:
         """Run the handler (the renewal task keeps its lease). Returns (outcome, value):
@@ -447,9 +516,7 @@ class Worker:
         return outcome
 
     async def _call(self, handler: Handler, job: LeasedJob) -> Any:
-        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-            getattr(handler, "__call__", None)  # noqa: B004
-        ):
+        if self._is_async[id(handler)]:
             return await handler(job)  # type: ignore[misc]
         # A thread cannot be interrupted. On cancellation (lease lost, shutdown timeout)
         # stop waiting for it: it runs on to its end, its result ignored, nothing acked.
@@ -487,19 +554,9 @@ class Worker:
     async def _report(
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]
     ) -> None:
-        if outcome == "ok":
-            result, size = _result_of(value)
-            on_its_own = not self._acking
-            if not on_its_own:
-                pending = _PendingAck(job, result, size)
-                self._acks.append(pending)
-                self._acks_queued.unpark_all()
-                await pending.sent.wait()
-                if pending.error is not None:
-                    raise pending.error
-                on_its_own = pending.unsent
-            if on_its_own:  # the ack task has stopped (the worker is being cancelled)
-                await client.ack(job.job_id, self.worker_id, job.token, result)
+        if outcome == "ok":  # the ack task has stopped (the worker is being cancelled)
+            result, _ = _result_of(value)
+            await client.ack(job.job_id, self.worker_id, job.token, result)
             self._counts["succeeded"] += 1
             event(log, logging.DEBUG, "job.succeeded", **ids)
         elif outcome == "error":

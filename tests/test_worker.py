@@ -451,7 +451,7 @@ async def test_acks_of_large_results_go_in_requests_that_fit_a_frame(tcp):
 
 async def test_a_job_that_finishes_as_the_worker_is_cancelled_is_still_acked(tcp):
     # Cancelled from outside (an application shutting down) just as a handler returns:
-    # the ack task is gone, so the job acks on its own, at once.
+    # the ack task, cancelled too, still sends what was queued (shielded), at once.
     job = await tcp.client.submit("q", 1)
     outer = trio.CancelScope()
 
@@ -466,6 +466,77 @@ async def test_a_job_that_finishes_as_the_worker_is_cancelled_is_still_acked(tcp
     assert trio.current_time() - began < 2  # not the 10 s settle timeout
     view = await tcp.client.inspect(job.job_id)
     assert view.state == JobState.SUCCEEDED and view.result == 42
+
+
+class HeldAcks:
+    """Wraps a client's ``ack``: the first call waits until ``release`` (or for ever,
+    with ``forever``), as an ack whose answer is slow to come; later calls go through."""
+
+    def __init__(self, client: Client, *, forever: bool = False) -> None:
+        self.calls = 0
+        self.held = trio.Event()
+        self.release = trio.Event()
+        self.forever = forever
+        self._ack = client.ack
+        client.ack = self.ack  # type: ignore[method-assign]
+
+    async def ack(self, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.held.set()
+            if self.forever:
+                await trio.sleep_forever()
+            await self.release.wait()
+        await self._ack(*args, **kwargs)
+
+
+async def test_a_finished_job_keeps_its_slot_and_lease_until_its_ack_is_answered(tmp_path):
+    async with open_local(str(tmp_path / "local.db")) as client:
+        first, second = await client.submit("q", 1), await client.submit("q", 2)
+        acks = HeldAcks(client)
+        started: list[int] = []
+
+        async def handler(job: LeasedJob) -> int:
+            started.append(job.payload)
+            return job.payload
+
+        worker = make_worker(client, handler=handler, concurrency=1, lease_ms=300)
+        async with running(worker):
+            with trio.fail_after(BOUND_S):
+                await acks.held.wait()
+            # Three leases long: only renewals keep the first job's lease alive.
+            await trio.sleep(1.0)
+            assert started == [1]  # its slot is still taken: the second job waits
+            assert worker.statistics().running == 1
+            acks.release.set()
+            await settled(worker, 2)
+        assert started == [1, 2]
+        assert worker.statistics().lost == 0
+        for job in (first, second):
+            view = await client.inspect(job.job_id)
+            assert view.state == JobState.SUCCEEDED and view.attempt == 1, view
+
+
+async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):
+    async with open_local(str(tmp_path / "local.db")) as client:
+        job = await client.submit("q", 1)
+        acks = HeldAcks(client, forever=True)  # the first ack is never answered
+        worker = make_worker(client, handler=lambda leased: 7)
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                outer = trio.CancelScope()
+
+                async def run_until_cancelled() -> None:
+                    with outer:
+                        await worker.run()
+
+                nursery.start_soon(run_until_cancelled)
+                await acks.held.wait()
+                outer.cancel()  # the application stops while the ack is in flight
+        assert acks.calls == 2
+        view = await client.inspect(job.job_id)
+        assert view.state == JobState.SUCCEEDED and view.result == 7
+        assert worker.statistics().succeeded == 1 and worker.statistics().running == 0
 
 
 def _server_in_thread(db: str) -> tuple[str, threading.Event, threading.Thread]:
