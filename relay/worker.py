@@ -50,6 +50,7 @@ from relay.errors import (
     BadRequest,
     ConnectionLost,
     FrameTooLarge,
+    InternalError,
     JobNotFound,
     LeaseExpired,
     RelayError,
@@ -109,6 +110,13 @@ def _is_coroutine_handler(handler: Handler) -> bool:
     )
 
 
+def _give_up(acks: list[_PendingAck], error: RelayError) -> None:
+    """The acks of ``acks`` still unanswered end with ``error``."""
+    for pending in acks:
+        if not pending.answered:
+            pending.error, pending.answered = error, True
+
+
 def _is_cancellation(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_cancellation(e) for e in exc.exceptions)
@@ -128,7 +136,9 @@ class _Running:
     scope: trio.CancelScope  # the handler's: cancelled when the lease is lost
     renew_at: float
     lost: bool = False
-    done: bool = False  # the handler has returned: a late renewal refusal means nothing
+    # The handler has returned: a renewal refusal no longer cancels anything. (If its
+    # ack is still pending, that ack is refused too, and logged as settle_failed.)
+    done: bool = False
 
 
 @attrs.define(eq=False)
@@ -142,6 +152,7 @@ class _PendingAck:
     result: Any
     size: int  # bytes of the result's JSON
     error: RelayError | None = None  # why the server refused it (or could not be asked)
+    answered: bool = False  # the server's answer (or a final error) has come
 
 
 @attrs.frozen
@@ -216,6 +227,9 @@ class Worker:
         self._ack_batch_bytes = MAX_ACK_BATCH_BYTES
         self._lease_max = concurrency  # jobs per lease request: the server's max_batch too
         self._acking = True  # cleared when the ack task ends: jobs then ack on their own
+        # Set when a graceful stop begins: the latest moment for the last acks, the bound
+        # a job had before (its handler's shutdown timeout, then its settle timeout).
+        self._settle_by: float | None = None
         # Which handlers are coroutine functions, decided once rather than per job.
         self._is_async = {
             id(h): _is_coroutine_handler(h)
@@ -258,10 +272,12 @@ class Worker:
                     # Leasing stopped: running jobs get the shutdown timeout, then are
                     # cancelled (and release their leases).
                     self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
+                    self._settle_by = self._jobs_scope.deadline + SETTLE_TIMEOUT_S
             # No job runs any more; the acks of the last ones may still be on their way.
-            with trio.move_on_after(SETTLE_TIMEOUT_S):
-                while self._acking and (self._acks or self._acks_sending):
-                    await self._acks_answered.park()
+            if self._settle_by is not None:
+                with trio.move_on_at(self._settle_by):
+                    while self._acking and (self._acks or self._acks_sending):
+                        await self._acks_answered.park()
             helpers.cancel_scope.cancel()
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
@@ -350,38 +366,49 @@ class Worker:
 
         The ack task settles the jobs it acks: once an ack is answered it frees the job's
         slot and ends its renewals, so a job's own task ends as soon as its ack is queued
-        (no wake-up per job). Cancelled (the worker stops or fails), it still sends what is
-        queued or was in flight, shielded, within its own deadline, as each job's task
-        would have; a repeated ack is answered ok.
+        (no wake-up per job). An ack unanswered within the settle timeout is given up.
+        Cancelled, it still sends what is queued or was in flight, shielded, within the
+        settle timeout and never past a graceful stop's bound (``_settle_by``); a repeated
+        ack is answered ok. What a cut-short request already got answered is not sent
+        again, and after a bug (not a cancellation) nothing is: it would meet the bug again.
         """
+        failure: BaseException | None = None
         try:
             while True:
                 while not self._acks:
                     await self._acks_queued.park()
                 batch = self._acks_sending = self._take_acks()
-                with trio.move_on_after(SETTLE_TIMEOUT_S) as timeout:
+                with trio.move_on_after(SETTLE_TIMEOUT_S):
                     await self._send_acks(client, batch)
-                if timeout.cancelled_caught:
-                    for pending in batch:
-                        pending.error = ConnectionLost("no answer to the acks in time")
+                _give_up(batch, ConnectionLost("no answer to the acks in time"))
                 self._acks_sending = []
                 self._settled(batch)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             self._acking = False
             leftovers = self._acks_sending + self._acks
-            self._acks_sending = []
-            if leftovers:
+            self._acks_sending, self._acks = [], []
+            # What the cut-short request got answered is settled; the rest goes again.
+            self._settled([p for p in leftovers if p.answered])
+            leftovers = [p for p in leftovers if not p.answered]
+            if leftovers and failure is not None and not _is_cancellation(failure):
+                # A bug, not a stop: sending again would meet it again.
+                _give_up(leftovers, InternalError(f"the ack task failed: {failure!r}"))
+                self._settled(leftovers)
+            elif leftovers:
                 await self._send_leftovers(client, leftovers)
 
     async def _send_leftovers(self, client: Client, leftovers: list[_PendingAck]) -> None:
         deadline = trio.current_time() + SETTLE_TIMEOUT_S
+        if self._settle_by is not None:
+            deadline = min(deadline, self._settle_by)
         self._acks = leftovers  # _take_acks cuts them into batches within the limits
         try:
             with trio.CancelScope(shield=True, deadline=deadline):
                 while self._acks:
                     batch = self._acks_sending = self._take_acks()
-                    for pending in batch:
-                        pending.error = None  # whatever a cut-short request said
                     await self._send_acks(client, batch)
                     self._acks_sending = []
                     self._settled(batch)
@@ -389,8 +416,7 @@ class Worker:
             # Past the deadline: not acked; each lease expires and the job runs again.
             unanswered = self._acks_sending + self._acks
             self._acks_sending, self._acks = [], []
-            for pending in unanswered:
-                pending.error = ConnectionLost(f"no answer within {SETTLE_TIMEOUT_S} s")
+            _give_up(unanswered, ConnectionLost("no answer to the acks in time"))
             self._settled(unanswered)
 
     def _settled(self, batch: list[_PendingAck]) -> None:
@@ -438,11 +464,11 @@ class Worker:
                 pass  # one unacceptable result must not fail the others: one by one
             except RelayError as exc:
                 for pending in batch:
-                    pending.error = exc
+                    pending.error, pending.answered = exc, True
                 return
             else:
                 for pending, outcome in zip(batch, outcomes, strict=True):
-                    pending.error = outcome
+                    pending.error, pending.answered = outcome, True
                 return
 
         async def ack_one(pending: _PendingAck) -> None:
@@ -451,6 +477,7 @@ class Worker:
                 await client.ack(job.job_id, self.worker_id, job.token, pending.result)
             except RelayError as exc:
                 pending.error = exc
+            pending.answered = True
 
         async with trio.open_nursery() as nursery:
             for pending in batch:
@@ -462,7 +489,9 @@ class Worker:
             await client.renew(job.job_id, self.worker_id, job.token, lease_ms=self.lease_ms)
         except (StaleToken, LeaseExpired, JobNotFound, ConnectionLost) as exc:
             if running.done:
-                return  # acked or failed meanwhile: the token is spent, nothing is lost
+                # Settled meanwhile (the token is spent), or its ack is on its way (and
+                # will be refused and logged): there is no handler left to stop.
+                return
             # The job is someone else's now (or may be): stop working on it.
             running.lost = True
             event(log, logging.WARNING, "job.lease_lost", job_id=job.job_id, error=repr(exc))

@@ -33,6 +33,7 @@ from relay import (
     open_client,
     open_local,
 )
+from relay import worker as worker_module
 from relay.worker import WorkerStatistics
 
 from .worker_helpers import (
@@ -537,6 +538,34 @@ async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):
         view = await client.inspect(job.job_id)
         assert view.state == JobState.SUCCEEDED and view.result == 7
         assert worker.statistics().succeeded == 1 and worker.statistics().running == 0
+
+
+async def test_a_graceful_stop_waits_for_an_unanswered_ack_no_longer_than_before(
+    tmp_path, monkeypatch
+):
+    # A job finishes as the worker is stopped, and its ack is never answered: the stop
+    # is bounded by one settle timeout, as when each job waited for its own ack (not a
+    # wait for the acks and then a second one to send them again).
+    monkeypatch.setattr(worker_module, "SETTLE_TIMEOUT_S", 1.0)
+    async with open_local(str(tmp_path / "local.db")) as client:
+        job = await client.submit("q", 1)
+        acks = HeldAcks(client, forever=True)
+        stopped_at: list[float] = []
+
+        async def handler(leased: LeasedJob) -> int:
+            worker.stop()
+            stopped_at.append(trio.current_time())
+            return 1
+
+        worker = make_worker(client, handler=handler, shutdown_timeout=5.0)
+        with trio.fail_after(BOUND_S):
+            await worker.run()
+        took = trio.current_time() - stopped_at[0]
+        assert 1.0 <= took < 1.5, took
+        assert acks.calls == 1  # given up, not sent again past the bound
+        stats = worker.statistics()
+        assert stats.running == 0 and stats.succeeded == 0
+        assert (await client.inspect(job.job_id)).state == JobState.LEASED
 
 
 def _server_in_thread(db: str) -> tuple[str, threading.Event, threading.Thread]:
