@@ -421,24 +421,32 @@ class Worker:
 
     def _settled(self, batch: list[_PendingAck]) -> None:
         """The acks of ``batch`` are answered (or given up): count, log, free the slots."""
+        debug = log.isEnabledFor(logging.DEBUG)
+        now = trio.current_time()
         for pending in batch:
             job = pending.running.job
-            ids = {"job_id": job.job_id, "queue": job.queue, "attempt": job.attempt}
             if pending.error is None:
                 self._counts["succeeded"] += 1
-                event(log, logging.DEBUG, "job.succeeded", **ids)
+                if debug:
+                    event(log, logging.DEBUG, "job.succeeded", job_id=job.job_id,
+                          queue=job.queue, attempt=job.attempt)  # fmt: skip
             else:
                 event(log, logging.WARNING, "job.settle_failed", outcome="ok",
-                      error=repr(pending.error), **ids)  # fmt: skip
-            self._finish(pending.running, pending.owner, pending.started)
+                      error=repr(pending.error), job_id=job.job_id, queue=job.queue,
+                      attempt=job.attempt)  # fmt: skip
+            self._release(pending.running, pending.owner, now - pending.started)
+        self._slot_freed.unpark_all()  # once for the batch: the lease loop asks for them all
         self._acks_answered.unpark_all()
 
     def _finish(self, running: _Running, owner: object, started: float) -> None:
-        """The job is settled: no more renewals, and its slot is free."""
+        """A job its own task settled: no more renewals, and its slot is free."""
+        self._release(running, owner, trio.current_time() - started)
+        self._slot_freed.unpark_all()
+
+    def _release(self, running: _Running, owner: object, duration: float) -> None:
         self._running.discard(running)
         self._slots.release_on_behalf_of(owner)
-        self._slot_freed.unpark_all()
-        self.durations.observe(trio.current_time() - started)
+        self.durations.observe(duration)
 
     def _take_acks(self) -> list[_PendingAck]:
         """The oldest waiting acks, within the batch's count and bytes (at least one)."""
