@@ -568,6 +568,52 @@ async def test_a_graceful_stop_waits_for_an_unanswered_ack_no_longer_than_before
         assert (await client.inspect(job.job_id)).state == JobState.LEASED
 
 
+async def test_acks_answered_before_a_cancellation_are_not_sent_again(tmp_path):
+    # One ack per job (a server without ack_batch); the worker is cancelled while one of
+    # two acks has its answer and the other has not: only the unanswered one goes again.
+    from relay.errors import UnknownOp
+
+    together = Together({n: n for n in range(2)})
+    async with open_local(str(tmp_path / "local.db")) as client:
+
+        async def unknown(worker_id: str, acks: Any) -> Any:
+            raise UnknownOp("unknown op 'ack_batch'")
+
+        client.ack_batch = unknown  # type: ignore[method-assign]
+        real_ack = client.ack
+        sent: dict[str, int] = {}
+        answered, slow = trio.Event(), trio.Event()
+
+        async def ack(job_id: str, *args: Any, **kwargs: Any) -> None:
+            sent[job_id] = sent.get(job_id, 0) + 1
+            if job_id == ids[1] and sent[job_id] == 1:
+                slow.set()
+                await trio.sleep_forever()  # this answer never comes
+            await real_ack(job_id, *args, **kwargs)
+            if job_id == ids[0]:
+                answered.set()
+
+        client.ack = ack  # type: ignore[method-assign]
+        ids = await submit_together(client, together, [0, 1])
+        worker = make_worker(client, handler=together, concurrency=2)
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                outer = trio.CancelScope()
+
+                async def run_until_cancelled() -> None:
+                    with outer:
+                        await worker.run()
+
+                nursery.start_soon(run_until_cancelled)
+                await answered.wait()
+                await slow.wait()
+                outer.cancel()
+        assert sent == {ids[0]: 1, ids[1]: 2}
+        stats = worker.statistics()
+        assert stats.succeeded == 2 and stats.running == 0
+        assert (await queue_counts(client, "q"))["succeeded"] == 2
+
+
 def _server_in_thread(db: str) -> tuple[str, threading.Event, threading.Thread]:
     """A server on its own thread and event loop, so that the test's loop may block."""
     addresses: list[str] = []
