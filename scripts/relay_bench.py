@@ -20,6 +20,7 @@ import math
 import os
 import re
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -515,10 +516,36 @@ class Sizes:
     claims: int
     depths: tuple[int, ...]
     latency_s: float
+    baseline_commits: int
 
 
-FULL = Sizes(1000, 40_000, 200, 40_000, 5_000, (1_000, 100_000, 1_000_000), 10.0)
-QUICK = Sizes(150, 4_000, 20, 3_000, 2_000, (1_000, 20_000), 2.0)
+FULL = Sizes(1000, 40_000, 200, 40_000, 5_000, (1_000, 100_000, 1_000_000), 10.0, 400)
+QUICK = Sizes(150, 4_000, 20, 3_000, 2_000, (1_000, 20_000), 2.0, 50)
+
+
+def commit_baseline_us(db_dir: str, commits: int) -> float:
+    """The median time of a single-row transaction of SQLite alone (WAL, FULL), on the
+    file system the benchmark's servers use: this disk's fsync, against which the
+    one-at-a-time rows of a run can be read (it drifts on a shared VM)."""
+    path = os.path.join(db_dir, f"baseline-{time.monotonic_ns()}.db")
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+        times = []
+        for _ in range(commits):
+            started = time.perf_counter()
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT INTO t (v) VALUES (?)", ("x" * 100,))
+            db.execute("COMMIT")
+            times.append(time.perf_counter() - started)
+    finally:
+        db.close()
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.remove(path + suffix)
+    return statistics.median(times) * 1e6
 
 
 async def submit_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync: str):
@@ -667,13 +694,19 @@ def main(quick: bool, runs: int, sync_modes: str, json_path: str | None,
     sizes = QUICK if quick else FULL
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="relay-bench-") as db_dir:
+        before = commit_baseline_us(db_dir, sizes.baseline_commits)
         results = trio.run(run_all, sizes, runs, syncs, address, db_dir, console)
+        after = commit_baseline_us(db_dir, sizes.baseline_commits)
     render(results, console)
     console.print(f"{len(results)} scenarios in {time.monotonic() - started:.0f} s; "
-                  f"machine: {os.cpu_count()} cpus")  # fmt: skip
+                  f"machine: {os.cpu_count()} cpus; a single-row FULL commit of SQLite "
+                  f"alone here: {before:.0f} us before, {after:.0f} us after")  # fmt: skip
     if json_path:
         Path(json_path).write_bytes(orjson.dumps({
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "machine": {
+                "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                "sqlite_commit_us": {"before": before, "after": after},
+            },
             "quick": quick, "runs": runs,
             "results": [attrs.asdict(r) | {"median": r.median} for r in results],
         }, option=orjson.OPT_INDENT_2))  # fmt: skip

@@ -37,6 +37,9 @@ def test_quick_bench_reports_every_scenario(tmp_path):
     )  # fmt: skip
     assert finished.returncode == 0, finished.stderr[-2000:]
     report = orjson.loads(out.read_bytes())
+    # The disk baseline, before and after: an fsync'd commit takes some time, not hours.
+    commit_us = report["machine"]["sqlite_commit_us"]
+    assert all(1 < commit_us[when] < 1_000_000 for when in ("before", "after")), commit_us
     results = report["results"]
     scenarios = {(r["scenario"], r["sync"]) for r in results}
     for name in EXPECTED:
