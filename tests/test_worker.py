@@ -491,6 +491,22 @@ class HeldAcks:
         await self._ack(*args, **kwargs)
 
 
+@asynccontextmanager
+async def run_cancellable(worker: Worker) -> AsyncIterator[trio.CancelScope]:
+    """Run ``worker`` in a scope the block may cancel, as an application shutting down
+    would; leaving the block waits (bounded) until ``run`` has returned."""
+    outer = trio.CancelScope()
+
+    async def run() -> None:
+        with outer:
+            await worker.run()
+
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            yield outer
+
+
 async def test_a_finished_job_keeps_its_slot_and_lease_until_its_ack_is_answered(tmp_path):
     async with open_local(str(tmp_path / "local.db")) as client:
         first, second = await client.submit("q", 1), await client.submit("q", 2)
@@ -523,17 +539,9 @@ async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):
         job = await client.submit("q", 1)
         acks = HeldAcks(client, forever=True)  # the first ack is never answered
         worker = make_worker(client, handler=lambda leased: 7)
-        with trio.fail_after(BOUND_S):
-            async with trio.open_nursery() as nursery:
-                outer = trio.CancelScope()
-
-                async def run_until_cancelled() -> None:
-                    with outer:
-                        await worker.run()
-
-                nursery.start_soon(run_until_cancelled)
-                await acks.held.wait()
-                outer.cancel()  # the application stops while the ack is in flight
+        async with run_cancellable(worker) as outer:
+            await acks.held.wait()
+            outer.cancel()  # the application stops while the ack is in flight
         assert acks.calls == 2
         view = await client.inspect(job.job_id)
         assert view.state == JobState.SUCCEEDED and view.result == 7
@@ -596,18 +604,10 @@ async def test_acks_answered_before_a_cancellation_are_not_sent_again(tmp_path):
         client.ack = ack  # type: ignore[method-assign]
         ids = await submit_together(client, together, [0, 1])
         worker = make_worker(client, handler=together, concurrency=2)
-        with trio.fail_after(BOUND_S):
-            async with trio.open_nursery() as nursery:
-                outer = trio.CancelScope()
-
-                async def run_until_cancelled() -> None:
-                    with outer:
-                        await worker.run()
-
-                nursery.start_soon(run_until_cancelled)
-                await answered.wait()
-                await slow.wait()
-                outer.cancel()
+        async with run_cancellable(worker) as outer:
+            await answered.wait()
+            await slow.wait()
+            outer.cancel()
         assert sent == {ids[0]: 1, ids[1]: 2}
         stats = worker.statistics()
         assert stats.succeeded == 2 and stats.running == 0
