@@ -368,9 +368,10 @@ class Worker:
         slot and ends its renewals, so a job's own task ends as soon as its ack is queued
         (no wake-up per job). An ack unanswered within the settle timeout is given up.
         Cancelled, it still sends what is queued or was in flight, shielded, within the
-        settle timeout and never past a graceful stop's bound (``_settle_by``); a repeated
-        ack is answered ok. What a cut-short request already got answered is not sent
-        again, and after a bug (not a cancellation) nothing is: it would meet the bug again.
+        settle timeout and never past a graceful stop's bound (``_settle_by``), renewing
+        those jobs' leases meanwhile; a repeated ack is answered ok. What a cut-short
+        request already got answered is not sent again, and after a bug (not a
+        cancellation) nothing is: it would meet the bug again.
         """
         failure: BaseException | None = None
         try:
@@ -407,11 +408,16 @@ class Worker:
         self._acks = leftovers  # _take_acks cuts them into batches within the limits
         try:
             with trio.CancelScope(shield=True, deadline=deadline):
-                while self._acks:
-                    batch = self._acks_sending = self._take_acks()
-                    await self._send_acks(client, batch)
-                    self._acks_sending = []
-                    self._settled(batch)
+                async with trio.open_nursery() as renewing:
+                    # The renewal task went with the rest of the worker: these jobs still
+                    # hold their leases until their acks are answered, so renew them here.
+                    renewing.start_soon(self._renew_loop, client)
+                    while self._acks:
+                        batch = self._acks_sending = self._take_acks()
+                        await self._send_acks(client, batch)
+                        self._acks_sending = []
+                        self._settled(batch)
+                    renewing.cancel_scope.cancel()
         finally:
             # Past the deadline: not acked; each lease expires and the job runs again.
             unanswered = self._acks_sending + self._acks

@@ -550,6 +550,39 @@ async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):
         assert worker.statistics().succeeded == 1 and worker.statistics().running == 0
 
 
+async def test_acks_sent_again_after_a_cancellation_keep_their_leases_alive(tmp_path):
+    # Cancelled from outside while its ack is in flight; the ack sent again is slow to be
+    # answered, for three leases: the job's lease must be renewed all the while.
+    async with open_local(str(tmp_path / "local.db")) as client:
+        job = await client.submit("q", 1)
+        real_ack = client.ack
+        calls = 0
+        first_sent, again_sent, answer = trio.Event(), trio.Event(), trio.Event()
+
+        async def ack(*args: Any, **kwargs: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                first_sent.set()
+                await trio.sleep_forever()  # cut short by the cancellation
+            again_sent.set()
+            await answer.wait()
+            await real_ack(*args, **kwargs)
+
+        client.ack = ack  # type: ignore[method-assign]
+        worker = make_worker(client, handler=lambda leased: 5, lease_ms=300)
+        async with run_cancellable(worker) as outer:
+            await first_sent.wait()
+            outer.cancel()
+            await again_sent.wait()
+            await trio.sleep(1.0)  # three leases long
+            answer.set()
+        assert calls == 2
+        view = await client.inspect(job.job_id)
+        assert view.state == JobState.SUCCEEDED and view.attempt == 1, view
+        assert worker.statistics().succeeded == 1
+
+
 async def test_a_graceful_stop_waits_for_an_unanswered_ack_no_longer_than_before(
     tmp_path, monkeypatch
 ):
