@@ -227,6 +227,28 @@ def _json_ids(keys: Iterable[int]) -> str:
     return orjson.dumps(list(keys)).decode()
 
 
+def _json_select(columns: str, rest: str) -> str:
+    """``SELECT {columns} {rest}`` as one row of JSON, for ``_json_rows``."""
+    return f"SELECT json_group_array(json_array({columns})) FROM (SELECT {columns} {rest})"
+
+
+_DUE_ROWS_SQL = _json_select(
+    "id, queue, state",
+    "FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
+)
+_EXPIRED_ROWS_SQL = _json_select(
+    "id, queue, attempt, max_attempts, lease_expires_at",
+    "FROM jobs WHERE state = 'leased' AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?",
+)
+_SUCCEEDED_BEFORE_SQL = _json_select(
+    "id, queue", "FROM jobs WHERE state = 'succeeded' AND finished_at < ? LIMIT ?"
+)
+_DEAD_OF_QUEUE_SQL = _json_select(
+    "id, queue",
+    "FROM jobs INDEXED BY jobs_dead_queue WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?",
+)
+
+
 def _json_rows(db: sqlite3.Connection, sql: str, params: Sequence[object] = ()) -> list[list]:
     """The rows of ``sql``, a ``SELECT json_group_array(json_array(...))``: one step."""
     return orjson.loads(db.execute(sql, params).fetchone()[0])
@@ -551,7 +573,7 @@ class SqliteStore:
         by_key = {row[0]: row for row in rows}
         per_queue: Counter[str] = Counter()
         results: list[list[Lease]] = []
-        for mine in granted:
+        for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
                 _, queue, payload, priority, attempt, max_attempts = by_key[key]
@@ -562,7 +584,8 @@ class SqliteStore:
                     )
                 )  # fmt: skip
                 per_queue[queue] += 1
-                self.changes.expiry(expires_at)
+            if leases:
+                self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
             results.append(leases)
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
@@ -690,13 +713,7 @@ class SqliteStore:
 
         A promoted job counts as ready from its due time, not from when this pass ran.
         """
-        rows = _json_rows(
-            self._db,
-            "SELECT json_group_array(json_array(id, queue, state)) FROM (SELECT id, queue, "
-            "state FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? "
-            "ORDER BY run_at LIMIT ?)",
-            (now, limit),
-        )
+        rows = _json_rows(self._db, _DUE_ROWS_SQL, (now, limit))
         if rows:
             self._db.execute(
                 f"UPDATE jobs SET state = 'ready', ready_at = run_at WHERE id IN {_JSON_IDS}",
@@ -713,14 +730,7 @@ class SqliteStore:
         A job with attempts left becomes ready (from its expiry time); one without becomes
         dead with the error "lease expired". The old token keeps answering lease_expired.
         """
-        rows = _json_rows(
-            self._db,
-            "SELECT json_group_array(json_array(id, queue, attempt, max_attempts, "
-            "lease_expires_at)) FROM (SELECT id, queue, attempt, max_attempts, "
-            "lease_expires_at FROM jobs WHERE state = 'leased' "
-            "AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?)",
-            (now, limit),
-        )
+        rows = _json_rows(self._db, _EXPIRED_ROWS_SQL, (now, limit))
         reaped = []
         ready: list[tuple[int, int]] = []  # (id, expired at): ready again from its expiry
         dead: list[int] = []
@@ -788,12 +798,7 @@ class SqliteStore:
             "(SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
             (now, limit),
         )
-        rows = _json_rows(
-            self._db,
-            "SELECT json_group_array(json_array(id, queue)) FROM (SELECT id, queue FROM jobs "
-            "WHERE state = 'succeeded' AND finished_at < ? LIMIT ?)",
-            (now - self.config.retention_ms, limit),
-        )
+        rows = _json_rows(self._db, _SUCCEEDED_BEFORE_SQL, (now - self.config.retention_ms, limit))
         self._delete_jobs(rows, SUCCEEDED)
         return len(rows)
 
@@ -938,12 +943,7 @@ class SqliteStore:
     def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
         """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
         while it returns ``limit``: each call is one bounded piece of work."""
-        rows = _json_rows(
-            self._db,
-            "SELECT json_group_array(json_array(id, queue)) FROM (SELECT id, queue FROM jobs "
-            "INDEXED BY jobs_dead_queue WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?)",
-            (queue, limit),
-        )
+        rows = _json_rows(self._db, _DEAD_OF_QUEUE_SQL, (queue, limit))
         self._revive(rows, now)
         return len(rows)
 
@@ -966,11 +966,6 @@ class SqliteStore:
 
     def dead_purge_queue(self, queue: str, limit: int) -> int:
         """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
-        rows = _json_rows(
-            self._db,
-            "SELECT json_group_array(json_array(id, queue)) FROM (SELECT id, queue FROM jobs "
-            "INDEXED BY jobs_dead_queue WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?)",
-            (queue, limit),
-        )
+        rows = _json_rows(self._db, _DEAD_OF_QUEUE_SQL, (queue, limit))
         self._delete_jobs(rows, DEAD)
         return len(rows)

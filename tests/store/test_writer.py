@@ -115,6 +115,17 @@ def db_path(tmp_path) -> str:
     return str(tmp_path / "relay.db")
 
 
+async def batch_then_stats(db_path: str, commands: list[tuple[Any, Any]]) -> tuple[dict, dict]:
+    """Run ``commands`` as one batch of a fresh writer on ``db_path``: their outcomes by
+    tag, and the queue counts afterwards."""
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            sink = await one_batch(writer, commands)
+            stats = await writer.execute(cmd.Stats())
+    return sink.outcomes, stats
+
+
 def committed_ids(path: str) -> set[int]:
     with sqlite3.connect(path) as conn:
         return {row[0] for row in conn.execute("SELECT id FROM jobs")}
@@ -145,17 +156,12 @@ async def test_queued_commands_share_one_transaction(db_path):
 
 
 async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
-    store = SqliteStore.open(db_path)
-    with trio.fail_after(BOUND_S):
-        async with open_writer(store, clock=FakeClock()) as writer:
-            sink = await one_batch(writer, [
-                ("a", cmd.Submit((spec(payload="1"),))),
-                ("stale", cmd.Ack("job_0000000000000001", "w", "bad")),
-                ("explode", WriteThenExplode()),
-                ("b", cmd.Submit((spec(payload="2"),))),
-            ])  # fmt: skip
-            stats = await writer.execute(cmd.Stats())
-    out = sink.outcomes
+    out, stats = await batch_then_stats(db_path, [
+        ("a", cmd.Submit((spec(payload="1"),))),
+        ("stale", cmd.Ack("job_0000000000000001", "w", "bad")),
+        ("explode", WriteThenExplode()),
+        ("b", cmd.Submit((spec(payload="2"),))),
+    ])  # fmt: skip
     assert out["a"][0].state == JobState.READY
     assert out["b"][0].state == JobState.READY
     assert isinstance(out["stale"], Exception) and out["stale"].code == "not_found"
@@ -173,16 +179,11 @@ async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
 async def test_a_refusal_that_wrote_first_is_undone_and_the_others_stand(db_path):
     # The first pass runs without savepoints, trusting that a refusal writes nothing; it
     # checks that, and a refusal that did write sends the batch to the careful pass.
-    store = SqliteStore.open(db_path)
-    with trio.fail_after(BOUND_S):
-        async with open_writer(store, clock=FakeClock()) as writer:
-            sink = await one_batch(writer, [
-                ("a", cmd.Submit((spec(payload="1"),))),
-                ("refuse", WriteThenRefuse()),
-                ("b", cmd.Submit((spec(payload="2"),))),
-            ])  # fmt: skip
-            stats = await writer.execute(cmd.Stats())
-    out = sink.outcomes
+    out, stats = await batch_then_stats(db_path, [
+        ("a", cmd.Submit((spec(payload="1"),))),
+        ("refuse", WriteThenRefuse()),
+        ("b", cmd.Submit((spec(payload="2"),))),
+    ])  # fmt: skip
     assert isinstance(out["refuse"], StaleToken)
     assert committed_ids(db_path) == {
         parse_job_id(out["a"][0].job_id),
