@@ -1,7 +1,7 @@
 """relay-bench: throughput, latency and memory of a relay-trio server, measured honestly.
 
     relay-bench                 # full run (a few minutes), server started on a temp db
-    relay-bench --quick         # reduced sizes, under 30 s
+    relay-bench --quick         # reduced sizes, one run each: under 30 s
     relay-bench --json out.json --address 127.0.0.1:7400   # against a running server
 
 Each scenario runs ``--runs`` times; the table shows the median with min and max. The
@@ -520,7 +520,7 @@ class Sizes:
 
 
 FULL = Sizes(1000, 40_000, 200, 40_000, 5_000, (1_000, 100_000, 1_000_000), 10.0, 400)
-QUICK = Sizes(150, 4_000, 20, 3_000, 2_000, (1_000, 20_000), 2.0, 50)
+QUICK = Sizes(150, 4_000, 20, 3_000, 1_000, (1_000, 20_000), 2.0, 50)
 
 
 def commit_baseline_us(db_dir: str, commits: int) -> float:
@@ -612,7 +612,11 @@ async def run_all(
 
     def note(result: Result) -> None:
         results.append(result)
-        console.log(f"{result.scenario} [{result.sync}]: {result.median:,.1f} {result.unit}")
+        console.print(
+            f"{time.strftime('%H:%M:%S')} {result.scenario} [{result.sync}]: "
+            f"{result.median:,.1f} {result.unit}",
+            highlight=False, soft_wrap=True,
+        )  # fmt: skip
 
     for sync in syncs:
         with _server(sync, address, db_dir) as server:
@@ -653,11 +657,10 @@ def render(results: list[Result], console: Console) -> None:
     for column in ("scenario", "sync", "median", "min-max", "unit", "peak RSS MB", "batch"):
         table.add_column(column, justify="left" if column == "scenario" else "right")
     for r in results:
-        spread = f"{min(r.runs):,.0f}-{max(r.runs):,.0f}" if r.runs else "-"
+        digits = 1 if r.unit == "ms" else 0
+        spread = f"{min(r.runs):,.{digits}f}-{max(r.runs):,.{digits}f}" if len(r.runs) > 1 else "-"
         if r.unit == "ms":
-            detail = ", ".join(f"{k}={v:.1f}" for k, v in r.extra.items())
             table.add_row(r.scenario, r.sync, f"{r.median:.1f}", spread, "p99 ms", "-", "-")
-            table.add_row(f"  {detail}", "", "", "", "", "", "")
             continue
         table.add_row(
             r.scenario, r.sync, f"{r.median:,.0f}", spread, r.unit,
@@ -665,11 +668,38 @@ def render(results: list[Result], console: Console) -> None:
             "-" if r.mean_batch is None else f"{r.mean_batch:.1f}",
         )  # fmt: skip
     console.print(table)
+    latencies = [r for r in results if r.unit == "ms"]
+    if latencies:
+        console.print(_latency_table(latencies))
+
+
+def _latency_table(latencies: list[Result]) -> Table:
+    """Each latency scenario's percentiles (medians across runs), to the handler's start
+    and to the committed ack."""
+    table = Table(title="end-to-end latency, ms (submit sent -> handler start / ack committed)")
+    table.add_column("offered", justify="left")
+    for stage in ("start", "ack"):
+        for q in ("p50", "p90", "p99", "max"):
+            table.add_column(f"{stage} {q}", justify="right")
+    for r in latencies:
+        rate = r.scenario.removeprefix("end-to-end latency at ")
+        cells = [
+            f"{r.extra[f'{stage}_{q}_ms']:.1f}"
+            for stage in ("start", "ack")
+            for q in ("p50", "p90", "p99", "max")
+        ]
+        table.add_row(rate, *cells)
+    return table
 
 
 @click.command()
-@click.option("--quick", is_flag=True, help="Reduced sizes: under 30 s.")
-@click.option("--runs", type=click.IntRange(1, 20), default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Reduced sizes, one run each: under 30 s.")
+@click.option(
+    "--runs",
+    type=click.IntRange(1, 20),
+    default=None,
+    help="Runs of each scenario  [default: 3; 1 with --quick]",
+)
 @click.option(
     "--sync",
     "sync_modes",
@@ -686,10 +716,13 @@ def render(results: list[Result], console: Console) -> None:
     help="Also write the results as JSON here.",
 )
 @click.option("--address", default=None, help="Target a running server instead.")
-def main(quick: bool, runs: int, sync_modes: str, json_path: str | None,
+def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
          address: str | None) -> None:  # fmt: skip
     """Measure a relay-trio server: submit, lease+ack, latency, claim cost, memory."""
-    console = Console(stderr=False)
+    if runs is None:
+        runs = 1 if quick else 3
+    # Not a terminal (a file, a CI log): wide enough that no scenario name wraps.
+    console = Console(width=None if sys.stdout.isatty() else 120)
     syncs = ("full", "normal") if sync_modes == "both" else (sync_modes,)
     sizes = QUICK if quick else FULL
     started = time.monotonic()
