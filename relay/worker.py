@@ -110,6 +110,10 @@ def _is_coroutine_handler(handler: Handler) -> bool:
     )
 
 
+# Refusals that mean the worker's lease on the job has ended.
+_LEASE_GONE = (StaleToken, LeaseExpired, JobNotFound)
+
+
 def _give_up(acks: list[_PendingAck], error: RelayError) -> None:
     """The acks of ``acks`` still unanswered end with ``error``."""
     for pending in acks:
@@ -137,7 +141,7 @@ class _Running:
     renew_at: float
     lost: bool = False
     # The handler has returned: a renewal refusal no longer cancels anything. (If its
-    # ack is still pending, that ack is refused too, and logged as settle_failed.)
+    # ack is still pending, that ack is refused too, and counted as lost.)
     done: bool = False
 
 
@@ -436,6 +440,14 @@ class Worker:
                 if debug:
                     event(log, logging.DEBUG, "job.succeeded", job_id=job.job_id,
                           queue=job.queue, attempt=job.attempt)  # fmt: skip
+            elif isinstance(pending.error, _LEASE_GONE):
+                # The handler finished, but the lease had ended before the ack came
+                # (expired, or taken by the server): the job runs again, as for a handler
+                # cancelled by a refused renewal.
+                self._counts["lost"] += 1
+                event(log, logging.WARNING, "job.lease_lost", outcome="ok",
+                      error=repr(pending.error), job_id=job.job_id, queue=job.queue,
+                      attempt=job.attempt)  # fmt: skip
             else:
                 event(log, logging.WARNING, "job.settle_failed", outcome="ok",
                       error=repr(pending.error), job_id=job.job_id, queue=job.queue,
@@ -501,10 +513,10 @@ class Worker:
         job = running.job
         try:
             await client.renew(job.job_id, self.worker_id, job.token, lease_ms=self.lease_ms)
-        except (StaleToken, LeaseExpired, JobNotFound, ConnectionLost) as exc:
+        except (*_LEASE_GONE, ConnectionLost) as exc:
             if running.done:
                 # Settled meanwhile (the token is spent), or its ack is on its way (and
-                # will be refused and logged): there is no handler left to stop.
+                # will be refused, and counted then): there is no handler left to stop.
                 return
             # The job is someone else's now (or may be): stop working on it.
             running.lost = True

@@ -536,6 +536,36 @@ async def test_a_finished_job_keeps_its_slot_and_lease_until_its_ack_is_answered
             assert view.state == JobState.SUCCEEDED and view.attempt == 1, view
 
 
+async def test_an_ack_refused_because_the_lease_ended_counts_the_job_as_lost(tmp_path):
+    async with open_local(str(tmp_path / "local.db")) as client:
+        await client.submit("q", 1)
+        acks = HeldAcks(client)
+        held: list[LeasedJob] = []
+
+        async def handler(job: LeasedJob) -> str:
+            held.append(job)
+            return "too late"
+
+        worker = make_worker(client, handler=handler, concurrency=1, lease_ms=300)
+        async with running(worker):
+            with trio.fail_after(BOUND_S):
+                await acks.held.wait()
+            # While the ack waits, the lease ends (given back with the worker's own token)
+            # and another worker takes the job.
+            (job,) = held
+            await client.release(job.job_id, worker.worker_id, job.token)
+            (taken,) = await client.lease(["q"], "other", lease_ms=60_000)
+            acks.release.set()
+            await wait_until(
+                lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
+            )
+            assert worker.statistics().succeeded == 0
+            assert worker.statistics().running == 0  # its slot is free again
+        view = await client.inspect(job.job_id)
+        assert view.state == JobState.LEASED and view.worker_id == "other"
+        assert taken.job_id == job.job_id
+
+
 async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):
     async with open_local(str(tmp_path / "local.db")) as client:
         job = await client.submit("q", 1)
