@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import pytest
@@ -21,6 +21,8 @@ import trio
 from relay.client import Client, JobView
 from relay.server.serve import ServerConfig, ServerHandle, serve
 from relay.worker import Worker
+
+S = TypeVar("S")  # a running server of some test suite's kind
 
 # Every network wait is bounded: a hang fails the test, never the run.
 BOUND_S = 10.0
@@ -113,16 +115,23 @@ async def running(worker: Worker) -> AsyncIterator[Worker]:
                 worker.stop()
 
 
-@pytest.fixture
-async def server(tmp_path) -> AsyncIterator[Server]:
-    """A server for the client, blocking-client and worker tests (tests/server and
-    tests/cli share another, tests.server.conftest.line_server, for the line client)."""
+@asynccontextmanager
+async def serving(start: Callable[[trio.Nursery, str], Awaitable[S]], db: str) -> AsyncIterator[S]:
+    """A server that ``start`` starts on ``db`` for the block; shut down gracefully after."""
     async with trio.open_nursery() as nursery:
-        running = await start_server(nursery, str(tmp_path / "relay.db"))
+        running = await start(nursery, db)
         try:
             yield running
         finally:
             running.handle.shutdown()
+
+
+@pytest.fixture
+async def server(tmp_path) -> AsyncIterator[Server]:
+    """A server for the client, blocking-client and worker tests (tests/server and
+    tests/cli share another, tests.server.conftest.line_server, for the line client)."""
+    async with serving(start_server, str(tmp_path / "relay.db")) as running:
+        yield running
 
 
 # -- a TCP proxy that can lose things ----------------------------------------------------------

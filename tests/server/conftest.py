@@ -13,6 +13,7 @@ import trio
 
 from relay import wire
 from relay.server.serve import ServerConfig, ServerHandle, serve
+from tests.worker_helpers import serving
 
 # Every network wait in these tests is bounded; a hang fails the test, never the run.
 BOUND_S = 10
@@ -104,12 +105,8 @@ async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> Runn
 @pytest.fixture(name="server")
 async def line_server(tmp_path) -> AsyncIterator[RunningServer]:
     """A server for the tests of tests/server and tests/cli (which imports this)."""
-    async with trio.open_nursery() as nursery:
-        running = await start_server(nursery, str(tmp_path / "relay.db"))
-        try:
-            yield running
-        finally:
-            running.handle.shutdown()
+    async with serving(start_server, str(tmp_path / "relay.db")) as running:
+        yield running
 
 
 @pytest.fixture

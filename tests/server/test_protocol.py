@@ -8,6 +8,7 @@ asserts what the contract says, not what the implementation happens to do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import time
@@ -20,6 +21,7 @@ import trio
 
 from relay import wire
 from tests.server.conftest import LineClient, RunningServer, start_server
+from tests.worker_helpers import serving
 
 STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
 ADVERTISED_LIMITS = {
@@ -74,12 +76,9 @@ def now_ms() -> int:
 @contextlib.asynccontextmanager
 async def custom_server(tmp_path, **overrides: Any) -> AsyncIterator[RunningServer]:
     """A server with its own limits / timeouts, shut down at the end of the block."""
-    async with trio.open_nursery() as nursery:
-        running = await start_server(nursery, str(tmp_path / "custom.db"), **overrides)
-        try:
-            yield running
-        finally:
-            running.handle.shutdown()
+    start = functools.partial(start_server, **overrides)
+    async with serving(start, str(tmp_path / "custom.db")) as running:
+        yield running
 
 
 @contextlib.asynccontextmanager
