@@ -12,6 +12,10 @@ the sender task. The replies of one ``deliver`` (one commit) are written with on
 So a request costs no task switch and no timeout scope of its own: the watchdog checks two
 timestamps, the last read and the start of a pending send.
 
+Read-through, the other way: after a short read the reader waits for the socket before it
+reads again, and after a full one it reads at once (``_receive``), so a client that sends
+one request at a time costs one read per request, not a failing read and then a read.
+
 Backpressure: at most ``max_in_flight`` requests may be unanswered or answered-but-unsent;
 at that point the reader stops reading, and TCP pushes back on the client.
 """
@@ -76,6 +80,7 @@ class Session:
         self.can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
+        self._full_read = False  # the last read filled its buffer: more is likely waiting
         self._out: list[bytes] = []  # reply bytes not yet written, in order
         self._out_count = 0  # replies (whole or partly) in _out
         self._sending = 0  # replies taken by the sender, not yet written
@@ -207,7 +212,7 @@ class Session:
             while self._owed() >= max_in_flight:
                 await self._room_lot.park()
             try:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
+                data = await self._receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # reset by the peer: as good as EOF (and it reads nothing more)
             if not data:
@@ -223,6 +228,32 @@ class Session:
                 self.reply(wire.encode_error(None, error))
                 event(log, logging.INFO, "connection.frame_too_large", peer=self.peer)
                 return
+
+    async def _receive(self) -> bytes:
+        """The client's next bytes (b"" at EOF).
+
+        After a short read (a client that waits for its replies) wait for the socket
+        first, then read once; after a full read (a pipelining client) read at once. A
+        stream's ``receive_some`` tries the read first every time, and for a one-at-a-time
+        client that first try is a failing system call per request: one more release and
+        retake of the GIL while the writer thread wants it."""
+        fd = self._fd
+        if fd is None:
+            return await self.stream.receive_some(RECEIVE_BYTES)
+        if self._full_read:
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.wait_readable(fd)
+        while True:
+            try:
+                data = os.read(fd, RECEIVE_BYTES)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError from exc
+            self._full_read = len(data) == RECEIVE_BYTES
+            return data
 
     async def _send_loop(self) -> None:
         """Write what the socket did not take at once, waiting for it to drain."""

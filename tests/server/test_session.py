@@ -292,6 +292,40 @@ async def test_pipelined_large_replies_arrive_whole_and_in_order(tmp_path, max_i
         assert await c.read() == {"id": request_id, "ok": True}
 
 
+# -- the read path -----------------------------------------------------------------------------
+
+
+async def test_requests_in_full_reads_then_one_at_a_time_are_all_answered_in_order(tmp_path):
+    """The reader reads at once after a full read and waits first after a short one: a
+    burst of ~1 MB of pipelined submits (many full reads, and pauses at max_in_flight),
+    then requests one at a time, then one line split across two sends, all answered."""
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        burst = [
+            {"op": "submit", "id": i, "queue": "read", "payload": "p" * 400} for i in range(2500)
+        ]
+        data = pipelined(burst)
+        assert len(data) > 16 * 64 * 1024
+        ids: list[int] = []
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(c.send_raw, data)
+                while len(ids) < len(burst):
+                    reply = await c.read()
+                    assert reply["ok"] is True, reply
+                    ids.append(reply["id"])
+        assert ids == [r["id"] for r in burst]
+        for _ in range(20):
+            assert (await c.ok("ping"))["ok"] is True
+        line = orjson.dumps({"op": "submit", "id": "split", "queue": "read", "payload": 1})
+        await c.send_raw(line[:10])
+        await wait_all_tasks_blocked()  # the server has read the first part, waits for more
+        await c.send_raw(line[10:] + b"\n")
+        reply = await c.read()
+        assert reply["id"] == "split" and reply["ok"] is True, reply
+        stats = (await c.ok("stats"))["queues"]["read"]
+        assert stats["ready"] == len(burst) + 1
+
+
 # -- the watchdog ------------------------------------------------------------------------------
 
 
