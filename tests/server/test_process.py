@@ -256,6 +256,84 @@ async def test_sigkill_while_submitting_loses_no_acknowledged_job(tmp_path):
         conn.close()
 
 
+async def test_sigkill_while_leasing_and_acking_loses_no_acknowledged_ack(tmp_path):
+    """Killed with acks in the pipeline: after a restart every job whose ack was answered
+    ok has succeeded, every other job is ready again (its lease given back), the tokens
+    issued before the crash change nothing, and all the jobs can still be finished."""
+    db = tmp_path / "relay.db"
+    total, kill_after = 800, 300
+    leased: dict[str, str] = {}  # job id -> token, for every job leased before the kill
+    acked: set[str] = set()  # jobs whose ack was answered ok
+
+    async with server_process(db) as server:
+        client = await server.connect()
+        jobs = [{"queue": "crash", "payload": {"n": i}} for i in range(total)]
+        for start in range(0, total, 100):
+            await client.ok("submit_batch", jobs=jobs[start : start + 100])
+        # Leased and never acked: these are sure to hold live leases at the crash.
+        held = (await client.ok("lease", queues=["crash"], worker_id="w", count=16))["jobs"]
+        leased.update({job["job_id"]: job["token"] for job in held})
+        with trio.fail_after(BOUND_S * 2):
+            while len(acked) < kill_after:
+                reply = await client.ok(
+                    "lease", queues=["crash"], worker_id="w", count=32, lease_ms=60_000
+                )
+                batch = reply["jobs"]
+                assert batch, "the queue ran dry before the kill"
+                leased.update({job["job_id"]: job["token"] for job in batch})
+                acks = [
+                    {"op": "ack", "job_id": job["job_id"], "worker_id": "w", "token": job["token"]}
+                    for job in batch
+                ]
+
+                def on_reply(i: int, reply: dict[str, Any], batch=batch) -> None:
+                    assert reply["ok"] is True, reply
+                    acked.add(batch[i]["job_id"])
+                    if len(acked) == kill_after:
+                        server.process.kill()  # SIGKILL, with acks still in the pipeline
+
+                await pipeline(client, acks, on_reply)
+        assert await server.wait(BOUND_S) == -signal.SIGKILL
+        await client.aclose()
+    assert kill_after <= len(acked) <= len(leased) - len(held)
+    assert len(leased) < total
+
+    async with server_process(db) as server:
+        client = await server.connect()
+        stats = (await client.ok("stats"))["queues"]["crash"]
+        assert stats["succeeded"] >= len(acked), stats
+        assert stats["succeeded"] + stats["ready"] == total, stats
+        for job_id in acked:
+            job = (await client.ok("inspect", job_id=job_id))["job"]
+            assert job["state"] == "succeeded", job
+        # A job leased but not acked before the crash: its old token changes nothing.
+        for job_id in [job["job_id"] for job in held]:
+            error = await client.error("ack", job_id=job_id, worker_id="w", token=leased[job_id])
+            assert error["code"] in ("stale_token", "lease_expired"), error
+            job = (await client.ok("inspect", job_id=job_id))["job"]
+            assert job["state"] == "ready", job
+        # Nothing was lost: every remaining job can be leased and finished.
+        with trio.fail_after(BOUND_S * 2):
+            while True:
+                reply = await client.ok("lease", queues=["crash"], worker_id="v", count=100)
+                if not reply["jobs"]:
+                    break
+                acks = [{"job_id": job["job_id"], "token": job["token"]} for job in reply["jobs"]]
+                reply = await client.ok("ack_batch", worker_id="v", acks=acks)
+                assert all(r["ok"] for r in reply["results"]), reply
+        stats = (await client.ok("stats"))["queues"]["crash"]
+        assert stats["succeeded"] == total, stats
+        await client.aclose()
+        server.process.send_signal(signal.SIGTERM)
+        assert await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3) == 0
+
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    finally:
+        conn.close()
+
+
 # -- refused databases --------------------------------------------------------------------
 
 
