@@ -202,6 +202,23 @@ async def test_second_signal_exits_at_once_with_130(tmp_path):
 # -- crash safety -------------------------------------------------------------------------
 
 
+async def stop_gracefully(server: ServerProcess, client: LineClient) -> None:
+    """Close ``client``, then SIGTERM: the server exits 0 within its shutdown timeout."""
+    await client.aclose()
+    server.process.send_signal(signal.SIGTERM)
+    assert await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3) == 0
+
+
+def intact_crash_jobs(db: Path) -> int:
+    """The jobs of queue ``crash`` in ``db``, once ``PRAGMA integrity_check`` passes."""
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        return conn.execute("SELECT count(*) FROM jobs WHERE queue = 'crash'").fetchone()[0]
+    finally:
+        conn.close()
+
+
 async def test_sigkill_while_submitting_loses_no_acknowledged_job(tmp_path):
     db = tmp_path / "relay.db"
     total, kill_after = 2000, 1000
@@ -243,17 +260,9 @@ async def test_sigkill_while_submitting_loses_no_acknowledged_job(tmp_path):
         assert len(found) == len(acknowledged)
         for i, job in found.items():
             assert job["payload"] == {"n": i} and job["state"] == "ready", job
-        await client.aclose()
-        server.process.send_signal(signal.SIGTERM)
-        assert await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3) == 0
+        await stop_gracefully(server, client)
 
-    conn = sqlite3.connect(db)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-        (count,) = conn.execute("SELECT count(*) FROM jobs WHERE queue = 'crash'").fetchone()
-        assert len(acknowledged) <= count <= total
-    finally:
-        conn.close()
+    assert len(acknowledged) <= intact_crash_jobs(db) <= total
 
 
 async def test_sigkill_while_leasing_and_acking_loses_no_acknowledged_ack(tmp_path):
@@ -323,15 +332,9 @@ async def test_sigkill_while_leasing_and_acking_loses_no_acknowledged_ack(tmp_pa
                 assert all(r["ok"] for r in reply["results"]), reply
         stats = (await client.ok("stats"))["queues"]["crash"]
         assert stats["succeeded"] == total, stats
-        await client.aclose()
-        server.process.send_signal(signal.SIGTERM)
-        assert await server.wait(SHUTDOWN_TIMEOUT_MS / 1000 + 3) == 0
+        await stop_gracefully(server, client)
 
-    conn = sqlite3.connect(db)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-    finally:
-        conn.close()
+    assert intact_crash_jobs(db) == total
 
 
 # -- refused databases --------------------------------------------------------------------
