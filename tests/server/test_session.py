@@ -21,7 +21,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
-from tests.server.conftest import BOUND_S, LineClient, RunningServer
+from relay.server.session import RECEIVE_BYTES
+from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
 from tests.server.test_protocol import (
     W,
     assert_error,
@@ -324,6 +325,52 @@ async def test_requests_in_full_reads_then_one_at_a_time_are_all_answered_in_ord
         assert reply["id"] == "split" and reply["ok"] is True, reply
         stats = (await c.ok("stats"))["queues"]["read"]
         assert stats["ready"] == len(burst) + 1
+
+
+async def test_a_full_read_then_nothing_more_waits_for_the_next_request(tmp_path):
+    """Exactly one full read's worth of requests: the reader reads again at once, finds
+    nothing (EAGAIN), and must wait for the socket rather than take that as the end."""
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        lines: list[bytes] = []
+        size = 0
+        while size < RECEIVE_BYTES - 100:
+            lines.append(orjson.dumps({"op": "ping", "id": len(lines)}) + b"\n")
+            size += len(lines[-1])
+        last = orjson.dumps({"op": "ping", "id": -1, "pad": ""}) + b"\n"
+        lines.append(last.replace(b'""', b'"' + b"p" * (RECEIVE_BYTES - size - len(last)) + b'"'))
+        data = b"".join(lines)
+        assert len(data) == RECEIVE_BYTES
+        await c.send_raw(data)
+        for line in lines:
+            assert await c.read() == {"id": orjson.loads(line)["id"], "ok": True}
+        await wait_all_tasks_blocked()  # the server's reader waits for more
+        assert (await c.ok("ping"))["ok"] is True
+
+
+async def test_half_closed_client_gets_every_reply_then_eof(tmp_path):
+    async with custom_server(tmp_path) as srv:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with sock, trio.fail_after(BOUND_S):
+            await sock.connect(srv.handle.address)
+            await sock.send(pipelined([{"op": "ping", "id": i} for i in range(500)]))
+            sock.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := await sock.recv(65536):
+                data += chunk
+        assert [orjson.loads(line)["id"] for line in data.splitlines()] == list(range(500))
+
+
+async def test_shutdown_reaches_every_reader_waiting_for_its_socket(tmp_path):
+    async with trio.open_nursery() as nursery:
+        srv = await start_server(nursery, str(tmp_path / "relay.db"))
+        clients = [await srv.connect() for _ in range(30)]
+        for c in clients:
+            await c.ok("ping")
+        await wait_all_tasks_blocked()
+        with trio.fail_after(1):  # each reader is woken at once, not at its idle timeout
+            srv.handle.shutdown()
+            for c in clients:
+                assert await c.at_eof()
 
 
 # -- the watchdog ------------------------------------------------------------------------------
