@@ -21,7 +21,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
-from relay.server.session import RECEIVE_BYTES
+from relay.server.dispatch import Dispatcher
+from relay.server.session import RECEIVE_BYTES, SLICE_LINES
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
 from tests.server.test_protocol import (
     W,
@@ -371,6 +372,53 @@ async def test_shutdown_reaches_every_reader_waiting_for_its_socket(tmp_path):
             srv.handle.shutdown()
             for c in clients:
                 assert await c.at_eof()
+
+
+async def test_a_read_of_many_cheap_requests_is_dispatched_in_slices(tmp_path, monkeypatch):
+    """1,000 pings in one read: the reader lets other tasks run at least every SLICE_LINES
+    lines, rather than once for the whole read (a ping flood held others for ~170 ms)."""
+    trace: list[str] = []  # "d": a line dispatched; "o": another task ran
+    dispatch = Dispatcher.dispatch
+
+    async def traced(self: Dispatcher, connection: Any, line: bytes) -> None:
+        trace.append("d")
+        await dispatch(self, connection, line)
+
+    monkeypatch.setattr(Dispatcher, "dispatch", traced)
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        reading = True
+
+        async def other_task() -> None:
+            while reading:
+                trace.append("o")
+                await trio.lowlevel.checkpoint()
+
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other_task)
+                await c.send_raw(pipelined([{"op": "ping", "id": i} for i in range(1000)]))
+                for i in range(1000):
+                    assert await c.read() == {"id": i, "ok": True}
+                reading = False
+    slices = [len(run) for run in "".join(trace).split("o") if run]
+    assert sum(slices) == 1000
+    # trio may run the reader last in one batch of tasks and first in the next, so two of
+    # its slices can meet in the trace; one read of all the lines would make 1,000.
+    assert max(slices) <= 2 * SLICE_LINES, slices
+
+
+async def test_replies_held_within_a_read_do_not_stall_it_at_max_in_flight(tmp_path):
+    """Replies given at once are written together, but count as owed until written: a
+    read of more of them than max_in_flight must still be answered in full."""
+    limits = wire.Limits(max_in_flight=8)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        requests = [
+            {"op": "ping", "id": i} if i % 3 else {"op": "no_such_op", "id": i} for i in range(100)
+        ]
+        await c.send_raw(pipelined(requests))
+        for i in range(100):
+            reply = await c.read()
+            assert reply["id"] == i and reply["ok"] is bool(i % 3), reply
 
 
 # -- the watchdog ------------------------------------------------------------------------------
