@@ -91,7 +91,10 @@ class Session:
         self._out_count = 0  # replies (whole or partly) in _out
         self._sending = 0  # replies taken by the sender, not yet written
         self._delivering = False  # True while deliver() collects one commit's replies
-        self._holding = False  # True while the reader dispatches a read's lines
+        # The reader, while it dispatches a read's lines: the replies it gives itself are
+        # held until the slice ends; those of other tasks (a whole-queue dead_retry's, say)
+        # are written at once, as the reader may be waiting meanwhile.
+        self._holder: trio.lowlevel.Task | None = None
         self._out_lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
         self._reading = trio.CancelScope()
@@ -111,7 +114,8 @@ class Session:
             return
         self._out.append(data)
         self._out_count += 1
-        if not (self._delivering or self._holding):
+        holder = self._holder
+        if not self._delivering and (holder is None or holder is not trio.lowlevel.current_task()):
             self._flush()
 
     def deliver(self, replies: list[tuple[Any, Any]]) -> None:
@@ -236,13 +240,14 @@ class Session:
     async def _dispatch_all(self, lines: Iterable[bytes]) -> None:
         """Dispatch the complete lines of one read, in order.
 
-        Replies given at once (ping, hello, errors) are held and written together: every
-        ``SLICE_LINES`` lines, before waiting for room, and at the end. Every
-        ``SLICE_LINES`` lines the reader also yields, so a client that pipelines thousands
-        of cheap requests in one read does not keep the others waiting for all of them.
+        The replies the reader gives at once (ping, hello, errors) are held and written
+        together: every ``SLICE_LINES`` lines, before waiting for room, and at the end.
+        Every ``SLICE_LINES`` lines the reader also yields, so a client that pipelines
+        thousands of cheap requests in one read does not keep the others waiting for all
+        of them.
         """
         max_in_flight = self.limits.max_in_flight
-        self._holding = True
+        self._holder = trio.lowlevel.current_task()
         try:
             for n, line in enumerate(lines, 1):
                 if self._owed() >= max_in_flight:
@@ -254,7 +259,7 @@ class Session:
                     self._flush()
                     await trio.lowlevel.checkpoint()
         finally:
-            self._holding = False
+            self._holder = None
             self._flush()
 
     async def _receive(self) -> bytes:

@@ -421,6 +421,25 @@ async def test_replies_held_within_a_read_do_not_stall_it_at_max_in_flight(tmp_p
             assert reply["id"] == i and reply["ok"] is bool(i % 3), reply
 
 
+async def test_a_reply_from_another_task_is_written_while_the_reader_waits_for_room(tmp_path):
+    """A whole-queue dead_retry is answered by a task of its own, not by the reader: its
+    reply must go out at once even while the reader, mid-read, waits at max_in_flight
+    (only the reader's own replies are held)."""
+    limits = wire.Limits(max_in_flight=1)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        await c.send_raw(
+            pipelined(
+                [
+                    {"op": "dead_retry", "id": "retry", "queue": "q", "all": True},
+                    {"op": "ping", "id": "ping"},
+                ]
+            )
+        )
+        with trio.fail_after(BOUND_S):
+            assert await c.read() == {"id": "retry", "ok": True, "count": 0}
+            assert await c.read() == {"id": "ping", "ok": True}
+
+
 # -- the watchdog ------------------------------------------------------------------------------
 
 
