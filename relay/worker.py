@@ -141,7 +141,7 @@ class _Running:
     renew_at: float
     lost: bool = False
     # The handler has returned: a renewal refusal no longer cancels anything. (If its
-    # ack is still pending, that ack is refused too, and counted as lost.)
+    # ack, fail or release is still to come, that is refused too, and counted as lost.)
     done: bool = False
 
 
@@ -440,18 +440,8 @@ class Worker:
                 if debug:
                     event(log, logging.DEBUG, "job.succeeded", job_id=job.job_id,
                           queue=job.queue, attempt=job.attempt)  # fmt: skip
-            elif isinstance(pending.error, _LEASE_GONE):
-                # The handler finished, but the lease had ended before the ack came
-                # (expired, or taken by the server): the job runs again, as for a handler
-                # cancelled by a refused renewal.
-                self._counts["lost"] += 1
-                event(log, logging.WARNING, "job.lease_lost", outcome="ok",
-                      error=repr(pending.error), job_id=job.job_id, queue=job.queue,
-                      attempt=job.attempt)  # fmt: skip
             else:
-                event(log, logging.WARNING, "job.settle_failed", outcome="ok",
-                      error=repr(pending.error), job_id=job.job_id, queue=job.queue,
-                      attempt=job.attempt)  # fmt: skip
+                self._not_settled(job, "ok", pending.error)
             self._release(pending.running, pending.owner, now - pending.started)
         self._slot_freed.unpark_all()  # once for the batch: the lease loop asks for them all
         self._acks_answered.unpark_all()
@@ -601,10 +591,19 @@ class Worker:
         if scope.cancelled_caught:
             error = trio.TooSlowError(f"no answer within {SETTLE_TIMEOUT_S} s")
         if error is not None:
-            # The lease is gone or the server unreachable: the job will be leased again
-            # after its lease expires.
-            event(log, logging.WARNING, "job.settle_failed", outcome=outcome,
-                  error=repr(error), **ids)  # fmt: skip
+            self._not_settled(job, outcome, error)
+
+    def _not_settled(self, job: LeasedJob, outcome: str, error: BaseException) -> None:
+        """Log (and count) an ack, fail or release the server did not take. Refused because
+        the lease had ended (expired, or taken by the server): the job is lost to this
+        worker and runs again, as for a handler cancelled by a refused renewal. Otherwise
+        (no answer, the server unreachable or overloaded) it runs again once its lease
+        expires."""
+        name = "job.lease_lost" if isinstance(error, _LEASE_GONE) else "job.settle_failed"
+        if name == "job.lease_lost":
+            self._counts["lost"] += 1
+        event(log, logging.WARNING, name, outcome=outcome, error=repr(error),
+              job_id=job.job_id, queue=job.queue, attempt=job.attempt)  # fmt: skip
 
     async def _report(
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]

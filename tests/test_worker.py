@@ -566,6 +566,36 @@ async def test_an_ack_refused_because_the_lease_ended_counts_the_job_as_lost(tmp
         assert taken.job_id == job.job_id
 
 
+async def test_a_fail_refused_because_the_lease_ended_counts_the_job_as_lost(backend):
+    await backend.client.submit("q", {})
+    started = trio.Event()
+    go = trio.Event()
+    held: list[LeasedJob] = []
+
+    async def handler(job: LeasedJob) -> None:
+        held.append(job)
+        started.set()
+        await go.wait()
+        raise ValueError("too late")
+
+    # A long lease: no renewal comes (and notices) before the handler fails.
+    worker = make_worker(backend.target, handler=handler, lease_ms=60_000)
+    async with running(worker):
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+        (job,) = held
+        await backend.client.release(job.job_id, worker.worker_id, job.token)
+        (taken,) = await backend.client.lease(["q"], "other", lease_ms=60_000)
+        assert taken.job_id == job.job_id
+        go.set()
+        await wait_until(
+            lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
+        )
+        assert worker.statistics().failed == 0
+    view = await backend.client.inspect(job.job_id)
+    assert view.state == JobState.LEASED and view.worker_id == "other" and not view.errors
+
+
 async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):
     async with open_local(str(tmp_path / "local.db")) as client:
         job = await client.submit("q", 1)
