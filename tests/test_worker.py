@@ -469,6 +469,15 @@ async def test_a_job_that_finishes_as_the_worker_is_cancelled_is_still_acked(tcp
     assert view.state == JobState.SUCCEEDED and view.result == 42
 
 
+async def take_away(client: Client, worker: Worker, job: LeasedJob) -> LeasedJob:
+    """From outside: give ``job``'s lease back with the worker's own token, and let another
+    worker ("other") take the job. Returns the other's lease."""
+    await client.release(job.job_id, worker.worker_id, job.token)
+    (taken,) = await client.lease(["q"], "other", lease_ms=60_000)
+    assert taken.job_id == job.job_id
+    return taken
+
+
 class HeldAcks:
     """Wraps a client's ``ack``: the first ``held`` calls (one by default) wait until
     ``release`` (or for ever, with ``forever``), as acks whose answers are slow to come;
@@ -553,8 +562,7 @@ async def test_an_ack_refused_because_the_lease_ended_counts_the_job_as_lost(tmp
             # While the ack waits, the lease ends (given back with the worker's own token)
             # and another worker takes the job.
             (job,) = held
-            await client.release(job.job_id, worker.worker_id, job.token)
-            (taken,) = await client.lease(["q"], "other", lease_ms=60_000)
+            await take_away(client, worker, job)
             acks.release.set()
             await wait_until(
                 lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
@@ -563,7 +571,6 @@ async def test_an_ack_refused_because_the_lease_ended_counts_the_job_as_lost(tmp
             assert worker.statistics().running == 0  # its slot is free again
         view = await client.inspect(job.job_id)
         assert view.state == JobState.LEASED and view.worker_id == "other"
-        assert taken.job_id == job.job_id
 
 
 async def test_a_fail_refused_because_the_lease_ended_counts_the_job_as_lost(backend):
@@ -584,9 +591,7 @@ async def test_a_fail_refused_because_the_lease_ended_counts_the_job_as_lost(bac
         with trio.fail_after(BOUND_S):
             await started.wait()
         (job,) = held
-        await backend.client.release(job.job_id, worker.worker_id, job.token)
-        (taken,) = await backend.client.lease(["q"], "other", lease_ms=60_000)
-        assert taken.job_id == job.job_id
+        await take_away(backend.client, worker, job)
         go.set()
         await wait_until(
             lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
@@ -860,11 +865,7 @@ async def test_refused_renewal_cancels_the_handler_and_nothing_is_acked(backend)
         with trio.fail_after(BOUND_S):
             await started.wait()
         (job,) = held
-        # From outside: give the lease back with the worker's own token, and let another
-        # worker take the job. The worker's next renewal is refused.
-        await backend.client.release(job.job_id, worker.worker_id, job.token)
-        (taken,) = await backend.client.lease(["q"], "other", lease_ms=60_000)
-        assert taken.job_id == job.job_id
+        taken = await take_away(backend.client, worker, job)  # the next renewal is refused
         with trio.fail_after(3):
             await cancelled.wait()
         await wait_until(
