@@ -382,12 +382,7 @@ class Worker:
             while True:
                 while not self._acks:
                     await self._acks_queued.park()
-                batch = self._acks_sending = self._take_acks()
-                with trio.move_on_after(SETTLE_TIMEOUT_S):
-                    await self._send_acks(client, batch)
-                _give_up(batch, ConnectionLost("no answer to the acks in time"))
-                self._acks_sending = []
-                self._settled(batch)
+                await self._ack_next(client)
         except BaseException as exc:
             failure = exc
             raise
@@ -417,10 +412,7 @@ class Worker:
                     # hold their leases until their acks are answered, so renew them here.
                     renewing.start_soon(self._renew_loop, client)
                     while self._acks:
-                        batch = self._acks_sending = self._take_acks()
-                        await self._send_acks(client, batch)
-                        self._acks_sending = []
-                        self._settled(batch)
+                        await self._ack_next(client)
                     renewing.cancel_scope.cancel()
         finally:
             # Past the deadline: not acked; each lease expires and the job runs again.
@@ -428,6 +420,17 @@ class Worker:
             self._acks_sending, self._acks = [], []
             _give_up(unanswered, ConnectionLost("no answer to the acks in time"))
             self._settled(unanswered)
+
+    async def _ack_next(self, client: Client) -> None:
+        """Send the oldest waiting acks as one batch and settle them once answered; an
+        ack unanswered within the settle timeout is given up. Cancelled meanwhile, the
+        batch stays in ``_acks_sending`` for the caller."""
+        batch = self._acks_sending = self._take_acks()
+        with trio.move_on_after(SETTLE_TIMEOUT_S):
+            await self._send_acks(client, batch)
+        _give_up(batch, ConnectionLost("no answer to the acks in time"))
+        self._acks_sending = []
+        self._settled(batch)
 
     def _settled(self, batch: list[_PendingAck]) -> None:
         """The acks of ``batch`` are answered (or given up): count, log, free the slots."""
@@ -599,11 +602,12 @@ class Worker:
         worker and runs again, as for a handler cancelled by a refused renewal. Otherwise
         (no answer, the server unreachable or overloaded) it runs again once its lease
         expires."""
-        name = "job.lease_lost" if isinstance(error, _LEASE_GONE) else "job.settle_failed"
-        if name == "job.lease_lost":
+        lost = isinstance(error, _LEASE_GONE)
+        if lost:
             self._counts["lost"] += 1
-        event(log, logging.WARNING, name, outcome=outcome, error=repr(error),
-              job_id=job.job_id, queue=job.queue, attempt=job.attempt)  # fmt: skip
+        event(log, logging.WARNING, "job.lease_lost" if lost else "job.settle_failed",
+              outcome=outcome, error=repr(error), job_id=job.job_id, queue=job.queue,
+              attempt=job.attempt)  # fmt: skip
 
     async def _report(
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]

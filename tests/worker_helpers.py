@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import pytest
@@ -22,7 +22,12 @@ from relay.client import Client, JobView
 from relay.server.serve import ServerConfig, ServerHandle, serve
 from relay.worker import Worker
 
-S = TypeVar("S")  # a running server of some test suite's kind
+
+class _Running(Protocol):
+    handle: ServerHandle
+
+
+S = TypeVar("S", bound=_Running)  # a running server of some test suite's kind
 
 # Every network wait is bounded: a hang fails the test, never the run.
 BOUND_S = 10.0
