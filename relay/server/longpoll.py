@@ -22,6 +22,10 @@ from relay.store.commands import Claim
 from relay.store.sqlite import Changes
 from relay.store.writer import ReplySink, Writer
 
+# How many entries for leases no longer parked the deadline heap may hold beyond twice
+# the parked ones before it is rebuilt (a rebuild is linear, so it is kept rare).
+COMPACT_SLACK = 1024
+
 
 class LeaseTag(Protocol):
     """What a parked lease must tell the hub (the dispatcher's tag for a lease request)."""
@@ -50,19 +54,27 @@ class LongPolls:
         self._order = itertools.count()
         self._woken: list[_Parked] = []
         self._lot = trio.lowlevel.ParkingLot()
+        self._parked = 0
         self.closing = False
 
     @property
     def parked(self) -> int:
-        return sum(map(len, self._by_sink.values()))
+        return self._parked
 
     def park(self, tag: LeaseTag, sink: ReplySink) -> None:
         """Register a lease that found nothing. Sync: called from a reply delivery."""
         entry = _Parked(tag, sink)
+        self._parked += 1
         for queue in tag.queues:
             self._by_queue.setdefault(queue, set()).add(entry)
         self._by_sink.setdefault(id(sink), set()).add(entry)
         heapq.heappush(self._deadlines, (tag.deadline, next(self._order), entry))
+        if len(self._deadlines) > 2 * self.parked + COMPACT_SLACK:
+            # Leases answered before their deadline (woken, dropped, ended) leave their
+            # entries behind until that deadline; a busy long-poll consumer would pile
+            # them up for max_wait_ms, so keep only the live ones.
+            self._deadlines = [item for item in self._deadlines if item[2].active]
+            heapq.heapify(self._deadlines)
         self._lot.unpark_all()  # the earliest deadline may have changed
 
     def on_commit(self, changes: Changes) -> None:
@@ -75,6 +87,9 @@ class LongPolls:
                 woke = True
         if woke:
             self._lot.unpark_all()
+
+    def parked_for(self, sink: ReplySink) -> bool:
+        return id(sink) in self._by_sink
 
     def drop(self, sink: ReplySink) -> None:
         """Answer now (with no jobs) every lease parked for ``sink``, whose client has
@@ -99,6 +114,7 @@ class LongPolls:
 
     def _unregister(self, entry: _Parked) -> None:
         entry.active = False
+        self._parked -= 1
         mine = self._by_sink.get(id(entry.sink))
         if mine is not None:
             mine.discard(entry)

@@ -86,6 +86,7 @@ class Session:
         self.can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
+        self._socket = stream.socket if self._fd is not None else None  # type: ignore[attr-defined]
         self._full_read = False  # the last read filled its buffer: more is likely waiting
         self._out: list[bytes] = []  # reply bytes not yet written, in order
         self._out_count = 0  # replies (whole or partly) in _out
@@ -97,6 +98,9 @@ class Session:
         self._holder: trio.lowlevel.Task | None = None
         self._out_lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
+        # The reader's watch for the client's next bytes while it waits for room: cancelled
+        # when room is made (see _wait_for_room).
+        self._room_watch: trio.CancelScope | None = None
         self._reading = trio.CancelScope()
         # For the watchdog (trio clock): when the client last sent bytes, and since when
         # a write has been waiting for the client to read (None: not waiting).
@@ -128,6 +132,9 @@ class Session:
                 data = finish(self, tag, outcome)
                 if data is not None:
                     self.reply(data)
+                else:
+                    # A long-poll parked: a reader waiting for room now watches too.
+                    self._room_lot.unpark_all()
         finally:
             self._delivering = False
         self._flush()
@@ -150,8 +157,7 @@ class Session:
             if written == len(data):
                 self._out.clear()
                 self._out_count = 0
-                if self._room_lot:
-                    self._room_lot.unpark_all()
+                self._wake_reader()
                 return
             # The rest waits for the socket to drain: counted as one reply or more.
             self._out[:] = [data[written:]]
@@ -220,8 +226,8 @@ class Session:
     async def _read_loop(self) -> None:
         max_in_flight = self.limits.max_in_flight
         while True:
-            while self._owed() >= max_in_flight:
-                await self._room_lot.park()
+            if self._owed() >= max_in_flight:
+                await self._wait_for_room(line_waiting=False)
             try:
                 data = await self._receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -251,9 +257,7 @@ class Session:
         try:
             for n, line in enumerate(lines, 1):
                 if self._owed() >= max_in_flight:
-                    self._flush()  # held replies count as owed: write them first
-                    while self._owed() >= max_in_flight:
-                        await self._room_lot.park()
+                    await self._wait_for_room(line_waiting=True)
                 await self.dispatcher.dispatch(self, line)
                 if n % SLICE_LINES == 0:
                     self._flush()
@@ -261,6 +265,50 @@ class Session:
         finally:
             self._holder = None
             self._flush()
+
+    async def _wait_for_room(self, line_waiting: bool) -> None:
+        """Wait until fewer than ``max_in_flight`` requests are owed.
+
+        The connection's own parked long-polls may be what fills it, for up to
+        ``max_wait_ms``. Meanwhile the reader still watches for the client to stop sending
+        (EOF) or to go (a reset), which it could not see otherwise: the parked leases are
+        then answered at once, as at any EOF, and no job is leased to a client that has
+        gone. Requests sent meanwhile stay unread until there is room (backpressure), so
+        the watch ends at the client's first byte, as it does when a line is waiting.
+        """
+        longpolls = self.dispatcher.longpolls
+        watch = not line_waiting and self._socket is not None
+        self._flush()  # held replies count as owed: write them first
+        while self._owed() >= self.limits.max_in_flight:
+            if watch and longpolls.parked_for(self):
+                watch = await self._watch_for_goodbye()
+            else:
+                await self._room_lot.park()
+
+    async def _watch_for_goodbye(self) -> bool:
+        """Wait for room or for the client's next bytes. On EOF or a reset, answer the
+        parked long-polls. Returns whether to go on watching."""
+        assert self._socket is not None
+        with trio.CancelScope() as self._room_watch:
+            try:
+                more = await self._socket.recv(1, socket.MSG_PEEK)  # waits until readable
+            except OSError:  # reset by the peer
+                more = b""
+            finally:
+                self._room_watch = None
+            if more:
+                return False  # requests: they wait for room, unread
+            self.can_wait = False
+            self.dispatcher.longpolls.drop(self)
+            return False
+        return True  # room was made
+
+    def _wake_reader(self) -> None:
+        """Room was made: the reader, if it waits for room, looks again."""
+        if self._room_lot:
+            self._room_lot.unpark_all()
+        if self._room_watch is not None:
+            self._room_watch.cancel()
 
     async def _receive(self) -> bytes:
         """The client's next bytes (b"" at EOF).
@@ -305,7 +353,7 @@ class Session:
                     await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
                 self._send_waiting_since = None
                 self._sending = 0
-                self._room_lot.unpark_all()
+                self._wake_reader()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._broken(exc)
 

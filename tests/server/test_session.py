@@ -29,6 +29,7 @@ from tests.server.test_protocol import (
     assert_error,
     connected,
     custom_server,
+    queue_stats,
     submit,
     well_behaved_round,
 )
@@ -438,6 +439,60 @@ async def test_a_reply_from_another_task_is_written_while_the_reader_waits_for_r
         with trio.fail_after(BOUND_S):
             assert await c.read() == {"id": "retry", "ok": True, "count": 0}
             assert await c.read() == {"id": "ping", "ok": True}
+
+
+# -- long-polls at max_in_flight -----------------------------------------------------------------
+
+
+def parked_leases(n: int, wait_ms: int = 30_000) -> bytes:
+    return pipelined(
+        [
+            {"op": "lease", "id": i, "queues": ["lp"], "worker_id": W, "wait_ms": wait_ms}
+            for i in range(n)
+        ]
+    )
+
+
+async def test_long_polls_filling_max_in_flight_end_at_once_when_the_client_half_closes(
+    tmp_path,
+):
+    """A reader waiting for room must still see the client stop sending: its parked
+    long-polls are then answered at once, as with fewer of them (not at their wait)."""
+    limits = wire.Limits(max_in_flight=4)
+    async with custom_server(tmp_path, limits=limits) as srv:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with sock, trio.fail_after(5):  # the leases wait 30 s
+            await sock.connect(srv.handle.address)
+            await sock.send(parked_leases(4))
+            await wait_all_tasks_blocked()  # all four parked; the reader waits for room
+            sock.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := await sock.recv(65536):
+                data += chunk
+        replies = [orjson.loads(line) for line in data.splitlines()]
+        assert sorted(r["id"] for r in replies) == [0, 1, 2, 3]
+        assert all(r["ok"] and r["jobs"] == [] for r in replies), replies
+
+
+async def test_no_job_is_leased_to_a_client_gone_while_its_long_polls_fill_max_in_flight(
+    tmp_path,
+):
+    limits = wire.Limits(max_in_flight=4)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with trio.fail_after(BOUND_S):
+            await sock.connect(srv.handle.address)
+            await sock.send(parked_leases(4))
+            await wait_all_tasks_blocked()  # read and sent to the writer
+            await c.ok("stats")  # the writer answered them before this: they are parked
+            # Close with a reset (SO_LINGER 0), as a killed or vanished client may.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            sock.close()
+            await wait_all_tasks_blocked()  # the server has seen it go (in this process)
+            assert await connections(c) == 1
+        await submit(c, queue="lp")
+        counts = await queue_stats(c, "lp")
+        assert (counts["ready"], counts["leased"]) == (1, 0), counts
 
 
 # -- the watchdog ------------------------------------------------------------------------------
