@@ -123,7 +123,11 @@ def check_text(field: str, value: str, max_bytes: int, *, empty_ok: bool = False
 
 def encode_json_value(field: str, value: Any, max_bytes: int) -> str:
     """The JSON text of ``value``, checked against ``max_bytes`` encoded."""
-    text = orjson.dumps(value)
+    try:
+        text = orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        # orjson reads 1,024 levels of nesting but writes at most 254.
+        raise _bad(field, f"nested too deeply to store ({exc})") from None
     if len(text) > max_bytes:
         raise _bad(field, f"{len(text)} bytes encoded, more than {max_bytes}")
     return text.decode("utf-8")
@@ -166,9 +170,11 @@ class WireBackoff:
             check_range(f"{field}.delay_ms", self.delay_ms, 0, top)
             return Backoff.fixed(self.delay_ms)
         if self.kind == "exponential":
-            base = 1_000 if self.base_ms is None else self.base_ms
-            cap = 300_000 if self.max_ms is None else self.max_ms
+            base = DEFAULT_BACKOFF.base_ms if self.base_ms is None else self.base_ms
+            cap = DEFAULT_BACKOFF.max_ms if self.max_ms is None else self.max_ms
             check_range(f"{field}.base_ms", base, 1, top)
+            if self.max_ms is None and base > cap:
+                raise _bad(f"{field}.max_ms", f"required when base_ms is over its default {cap}")
             check_range(f"{field}.max_ms", cap, base, top)
             return Backoff("exponential", base, cap, self.jitter)
         raise _bad(f"{field}.kind", 'must be "fixed" or "exponential"')
@@ -251,7 +257,10 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
                                  or len(key.encode()) > limits.max_id_bytes))
     ):  # fmt: skip
         return None
-    payload = orjson.dumps(job["payload"])
+    try:
+        payload = orjson.dumps(job["payload"])
+    except orjson.JSONEncodeError:
+        return None  # nested too deeply: the full path says so
     if len(payload) > limits.max_payload_bytes:
         return None
     return SubmitSpec(queue, payload.decode(), priority, delay_ms, None, retries + 1,

@@ -161,6 +161,43 @@ def test_payload_over_the_limit_is_refused():
         wire.parse_request(frame, limits)
 
 
+# Deeper than orjson writes (254 levels), within what it reads (1,024).
+DEEP = b"[" * 300 + b"]" * 300
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        (b'{"op":"submit","queue":"q","payload":%s}', "payload"),
+        (b'{"op":"submit","queue":"q","backoff":{"kind":"fixed"},"payload":%s}', "payload"),
+        (b'{"op":"submit_batch","jobs":[{"queue":"q","payload":1},{"queue":"q","payload":%s}]}',
+         "jobs[1].payload"),
+        (b'{"op":"ack","job_id":"j","worker_id":"w","token":"t","result":%s}', "result"),
+        (b'{"op":"ack_batch","worker_id":"w","acks":[{"job_id":"j","token":"t","result":%s}]}',
+         "acks[0].result"),
+    ],
+)  # fmt: skip
+def test_json_nested_too_deeply_to_store_is_a_bad_request_naming_the_field(line, field):
+    """Not an internal error: the value is the client's, and it is refused before use."""
+    frame = wire.decode_frame(line % DEEP)
+    with pytest.raises(BadRequest) as caught:
+        request = wire.parse_request(frame, wire.Limits())
+        if isinstance(request, wire.Ack):
+            request.result_text(wire.Limits())
+    assert caught.value.field == field
+    assert "nested too deeply" in caught.value.message
+
+
+def test_a_base_over_the_default_max_asks_for_max_ms_rather_than_misreport_it():
+    backoff = {"kind": "exponential", "base_ms": 600_000}
+    with pytest.raises(BadRequest) as caught:
+        parse(op="submit", queue="q", payload=1, backoff=backoff)
+    assert caught.value.field == "backoff.max_ms"
+    assert "required when base_ms is over its default 300000" in caught.value.message
+    spec = parse(op="submit", queue="q", payload=1, backoff={**backoff, "max_ms": 600_000})
+    assert (spec.backoff.base_ms, spec.backoff.max_ms) == (600_000, 600_000)
+
+
 def test_unknown_op_is_its_own_error():
     with pytest.raises(UnknownOp):
         parse(op="explode")
