@@ -13,6 +13,7 @@ import importlib
 import logging
 import operator
 import os
+import resource
 import signal
 import socket
 import sqlite3
@@ -285,6 +286,7 @@ def server(
         metrics_host, metrics_port = parse_address(metrics_address, "--metrics-address")
     limit_fields = {f.name for f in attrs.fields(wire.Limits)}
     limits = wire.Limits(**{k: v for k, v in numbers.items() if k in limit_fields})
+    raise_open_files_limit(limits.max_connections)
     config = ServerConfig(
         db=db,
         host=host,
@@ -310,6 +312,30 @@ def server(
     if failure is not None:
         click.echo(failure[1], err=True)
         sys.exit(failure[0])
+
+
+# File descriptors the server needs besides its client connections: the database and its
+# WAL, the listeners, up to 32 metrics connections, trio's wake-up pipe, and some spare.
+SPARE_FILES = 128
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Raise the soft limit on open files (often 1,024) toward the hard one, so that
+    ``max_connections`` connections can be accepted: past the limit accept() fails, and
+    a client over it would wait in the backlog rather than be told it is overloaded."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + SPARE_FILES
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if new > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        relay_log.event(
+            logging.getLogger("relay.server"), logging.WARNING, "server.open_files_limit",
+            limit=new, max_connections=max_connections,
+            hint="raise the hard limit (ulimit -Hn) or lower --max-connections",
+        )  # fmt: skip
 
 
 def _parse_depths(values: tuple[str, ...]) -> dict[str, int]:

@@ -32,6 +32,10 @@ log = logging.getLogger("relay.metrics")
 # An HTTP exchange (request in, response out) must finish within this, or is dropped.
 HTTP_TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 16 * 1024
+# HTTP connections at once. A scraper needs one or two; without a cap, a flood of clients
+# that connect and stall would hold file descriptors (each for up to HTTP_TIMEOUT_S) that
+# the job listener needs. One over the cap is closed at once.
+MAX_HTTP_CONNECTIONS = 32
 
 # store event name -> (metric name without _total, help)
 EVENT_METRICS = {
@@ -107,12 +111,23 @@ async def serve_metrics(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve /metrics and /healthz until cancelled (one request per connection)."""
+    """Serve /metrics and /healthz until cancelled (one request per connection, at most
+    ``MAX_HTTP_CONNECTIONS`` at once)."""
+    limiter = trio.CapacityLimiter(MAX_HTTP_CONNECTIONS)
 
     async def handle(stream: trio.SocketStream) -> None:
-        with trio.move_on_after(HTTP_TIMEOUT_S):
-            await _exchange(stream, gather)
-        await trio.aclose_forcefully(stream)
+        try:
+            limiter.acquire_nowait()
+        except trio.WouldBlock:
+            event(log, logging.WARNING, "metrics.refused", reason="max_http_connections")
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            with trio.move_on_after(HTTP_TIMEOUT_S):
+                await _exchange(stream, gather)
+            await trio.aclose_forcefully(stream)
+        finally:
+            limiter.release()
 
     await trio.serve_listeners(handle, listeners, task_status=task_status)
 

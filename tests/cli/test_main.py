@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import resource
 
 import click
 import pytest
 import trio
 
 from cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
-from cli.main import _explain, load_handler, parse_backoff
+from cli.main import SPARE_FILES, _explain, load_handler, parse_backoff, raise_open_files_limit
 from relay import LeasedJob, PermanentError
 from relay.errors import ConnectionLost, JobNotFound, NotADatabase
 
@@ -109,3 +110,38 @@ def test_queue_depths_parse_queue_equals_number():
     for bad in ("email", "=5", "bad name=3", "email=-1", "email=x"):
         with pytest.raises(click.BadParameter):
             _parse_depths((bad,))
+
+
+class FakeLimits:
+    """getrlimit / setrlimit of RLIMIT_NOFILE, without touching the process."""
+
+    def __init__(self, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+        self.set_to: list[tuple[int, int]] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(resource, "getrlimit", lambda _: (self.soft, self.hard))
+        monkeypatch.setattr(resource, "setrlimit", lambda _, limits: self.set_to.append(limits))
+
+
+def test_server_raises_a_low_open_files_limit_to_fit_max_connections(monkeypatch):
+    limits = FakeLimits(soft=1024, hard=65536)
+    limits.install(monkeypatch)
+    raise_open_files_limit(1024)
+    assert limits.set_to == [(1024 + SPARE_FILES, 65536)]
+
+
+def test_server_leaves_a_high_enough_open_files_limit(monkeypatch):
+    limits = FakeLimits(soft=1024 + SPARE_FILES, hard=65536)
+    limits.install(monkeypatch)
+    raise_open_files_limit(1024)
+    assert limits.set_to == []
+
+
+def test_server_warns_when_the_hard_limit_is_below_max_connections(monkeypatch, caplog):
+    limits = FakeLimits(soft=256, hard=512)
+    limits.install(monkeypatch)
+    with caplog.at_level("WARNING", logger="relay.server"):
+        raise_open_files_limit(1024)
+    assert limits.set_to == [(512, 512)]
+    assert [r.getMessage() for r in caplog.records] == ["server.open_files_limit"]

@@ -12,7 +12,9 @@ from typing import Any
 
 import orjson
 import trio
+from trio.testing import wait_all_tasks_blocked
 
+from relay.server.metrics import MAX_HTTP_CONNECTIONS
 from relay.store.sqlite import SqliteStore
 
 from .conftest import BOUND_S, LineClient, RunningServer, start_server
@@ -355,6 +357,27 @@ async def test_metrics_endpoint_healthz_and_unknown_path(server: RunningServer):
     assert status == 200
     status, _ = await http_get(server.handle.metrics_address, "/nope")
     assert status == 404
+
+
+async def test_metrics_connections_over_the_cap_are_closed_at_once(server: RunningServer):
+    """Stalled HTTP clients cannot pile up file descriptors: one over the cap is closed
+    without an answer, and the endpoint serves again once they are gone."""
+    address = server.handle.metrics_address
+    assert address is not None
+    with trio.fail_after(BOUND_S):
+        stalled = [await trio.open_tcp_stream(*address) for _ in range(MAX_HTTP_CONNECTIONS)]
+        for stream in stalled:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\n")  # and nothing more
+        await wait_all_tasks_blocked()
+        extra = await trio.open_tcp_stream(*address)
+        await extra.send_all(b"GET /healthz HTTP/1.1\r\nHost: relay\r\n\r\n")
+        assert await extra.receive_some(65536) == b""  # closed, unanswered
+        await extra.aclose()
+        for stream in stalled:
+            await stream.aclose()
+        await wait_all_tasks_blocked()
+    status, _ = await http_get(address, "/healthz")
+    assert status == 200
 
 
 # -- shutdown and restart -----------------------------------------------------------------
