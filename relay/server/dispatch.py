@@ -24,6 +24,7 @@ from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult
 from relay.server.longpoll import LongPolls
 from relay.store import commands as cmd
+from relay.store.sqlite import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
 from relay.store.writer import Writer
 
 log = logging.getLogger("relay.dispatch")
@@ -47,8 +48,17 @@ class Connection(Protocol):
     can_wait: bool  # a long-poll may park for this connection
 
     def begin_request(self) -> None: ...
+    def reserve(self, nbytes: int) -> None: ...  # a large reply is coming (Dispatcher._send)
+    def release(self, nbytes: int) -> None: ...
     def reply(self, data: bytes) -> None: ...
     def deliver(self, replies: list[tuple[Any, Any]]) -> None: ...
+
+
+def _job_reply_bytes(limits: wire.Limits) -> int:
+    """The most one job can take in an inspect or dead_list reply: payload, result and
+    error history (each error byte at most 6 once escaped as JSON)."""
+    errors = ERRORS_SHOWN * 6 * limits.max_error_bytes
+    return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
 
 
 @attrs.define(slots=True, eq=False)
@@ -60,6 +70,7 @@ class Pending:
     started: float
     encode: Callable[[Any], dict[str, Any]]
     queued: bool = False  # handed to the writer (or to an admin task): answered later
+    reserved: int = 0  # reply bytes the connection set aside for it (see Connection.reserve)
 
 
 @attrs.define(slots=True, eq=False)
@@ -110,6 +121,10 @@ def _encode_fail(outcome: FailOutcome) -> dict[str, Any]:
     return fields
 
 
+def _encode_inspect(job: JobInfo) -> dict[str, Any]:
+    return {"job": wire.job_fields(job)}
+
+
 def _encode_dead_list(page: tuple[list[JobInfo], str | None]) -> dict[str, Any]:
     jobs, next_cursor = page
     return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
@@ -142,6 +157,7 @@ class Dispatcher:
         self._idle = trio.Event()
         self._idle.set()
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
+        self._job_bytes = _job_reply_bytes(limits)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -210,10 +226,30 @@ class Dispatcher:
             self._reply_now(connection, op, started, wire.encode_error(request_id, error))
 
     async def _send(
-        self, connection: Connection, tag: Pending, command: Any, encode: Callable
+        self,
+        connection: Connection,
+        tag: Pending,
+        command: Any,
+        encode: Callable,
+        reply_bytes: int = 0,
     ) -> None:
+        """Hand ``command`` to the writer. A request whose reply may be large (up to
+        ``reply_bytes``: inspect, dead_list, lease) reserves that much of the connection's
+        reply budget until it is answered (``finish``), so that a client cannot have
+        hundreds of MiB of replies in flight: max_in_flight counts requests, not bytes.
+        Reserved before it is queued, since once queued it may be answered before this
+        task runs again."""
         tag.encode = encode
-        await self.writer.send(command, connection, tag)
+        if reply_bytes:
+            tag.reserved = reply_bytes
+            connection.reserve(reply_bytes)
+        try:
+            await self.writer.send(command, connection, tag)
+        except BaseException:  # not queued (shutting down, or cancelled): nothing to answer
+            if tag.reserved:
+                connection.release(tag.reserved)
+                tag.reserved = 0
+            raise
         tag.queued = True
 
     async def _op_hello(self, connection: Connection, tag: Pending, request: wire.Hello) -> None:
@@ -253,7 +289,11 @@ class Dispatcher:
             deadline=tag.started + request.wait_ms / 1000,
             max_bytes=self.limits.max_reply_bytes,
         )
-        await self.writer.send(lease.claim(), connection, lease)
+        # The reply holds up to `count` payloads, within max_reply_bytes (plus the one job
+        # that may cross it): reserved as in _send.
+        job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
+        reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
+        await self._send(connection, lease, lease.claim(), _encode_lease, reply_bytes)
         tag.queued = True
 
     async def _op_renew(self, connection: Connection, tag: Pending, request: wire.Renew) -> None:
@@ -296,7 +336,7 @@ class Dispatcher:
         self, connection: Connection, tag: Pending, request: wire.Inspect
     ) -> None:
         command = cmd.Inspect(request.job_id)
-        await self._send(connection, tag, command, lambda job: {"job": wire.job_fields(job)})
+        await self._send(connection, tag, command, _encode_inspect, self._job_bytes)
 
     async def _op_stats(self, connection: Connection, tag: Pending, request: wire.Stats) -> None:
         def encode(queues: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -315,7 +355,8 @@ class Dispatcher:
         command = cmd.DeadList(
             request.queue, request.limit, request.cursor, self.limits.max_reply_bytes
         )
-        await self._send(connection, tag, command, _encode_dead_list)
+        reply_bytes = self.limits.max_reply_bytes + self._job_bytes
+        await self._send(connection, tag, command, _encode_dead_list, reply_bytes)
 
     async def _op_dead_retry(
         self, connection: Connection, tag: Pending, request: wire.DeadRetry
@@ -383,13 +424,15 @@ class Dispatcher:
                 and tag.deadline > trio.current_time()
             ):
                 self.longpolls.park(tag, connection)
-                return None
+                return None  # still reserving its reply
             try:
                 data = wire.encode_ok(tag.request_id, tag.encode(outcome))
             except Exception:
                 log.exception("encoding the reply of %s failed", tag.op)
                 error = InternalError("internal error; the server logged it")
                 data = wire.encode_error(tag.request_id, error)
+        if tag.reserved:
+            connection.release(tag.reserved)
         self._end(tag.op, tag.started)
         return data
 

@@ -18,8 +18,9 @@ Read-through, the other way: after a short read the reader waits for the socket 
 reads again, and after a full one it reads at once (``_receive``), so a client that sends
 one request at a time costs one read per request, not a failing read and then a read.
 
-Backpressure: at most ``max_in_flight`` requests may be unanswered or answered-but-unsent;
-at that point the reader stops reading, and TCP pushes back on the client.
+Backpressure: at most ``max_in_flight`` requests (and MAX_OWED_BYTES of their replies) may
+be unanswered or answered-but-unsent; at that point the reader stops reading, and TCP pushes
+back on the client.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ LINGER_BYTES = 4 * 1024 * 1024
 SLICE_LINES = 64
 # The sender writes a backlog in pieces of this size; each one written counts as progress.
 SEND_PIECE_BYTES = 64 * 1024
+# The reader stops reading while the replies it owes may take this many bytes: reserved by
+# large requests in flight (inspect, dead_list, lease: their most, see dispatch.py), or
+# written but not yet sent. max_in_flight alone counts requests, and 256 inspects of big
+# jobs would hold ~500 MiB.
+MAX_OWED_BYTES = 32 * 1024 * 1024
+# A connection whose unwritten replies exceed this is closed: its client pipelines large
+# replies faster than it reads them, beyond what the reservations foresaw (as Redis's client
+# output buffer limit). A reader drains a burst at the speed of the network long before.
+MAX_UNSENT_BYTES = 64 * 1024 * 1024
 
 
 def _socket_fd(stream: trio.abc.Stream) -> int | None:
@@ -90,6 +100,8 @@ class Session:
         self._full_read = False  # the last read filled its buffer: more is likely waiting
         self._out: list[bytes] = []  # reply bytes not yet written, in order
         self._out_count = 0  # replies (whole or partly) in _out
+        self._unsent = 0  # bytes of replies not yet written (in _out or being sent)
+        self._reserved = 0  # bytes set aside for large replies of requests in flight
         self._sending = 0  # replies taken by the sender, not yet written
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
@@ -112,12 +124,27 @@ class Session:
     def begin_request(self) -> None:
         self.in_flight += 1
 
+    def reserve(self, nbytes: int) -> None:
+        self._reserved += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
         if self.closed:
             return
         self._out.append(data)
         self._out_count += 1
+        self._unsent += len(data)
+        if self._unsent > MAX_UNSENT_BYTES:
+            # A client that pipelines large replies (inspect, dead_list, leases of big
+            # jobs) faster than it reads them: max_in_flight alone would let it pin up to
+            # max_in_flight of the largest replies (hundreds of MiB).
+            event(log, logging.WARNING, "connection.backlog_too_large", peer=self.peer,
+                  unsent_bytes=self._unsent)  # fmt: skip
+            self._broken(trio.TooSlowError("the client left too many reply bytes unread"))
+            return
         holder = self._holder
         if not self._delivering and (holder is None or holder is not trio.lowlevel.current_task()):
             self._flush()
@@ -154,6 +181,7 @@ class Session:
             except OSError as exc:  # reset or closed by the peer
                 self._broken(exc)
                 return
+            self._unsent -= written
             if written == len(data):
                 self._out.clear()
                 self._out_count = 0
@@ -168,6 +196,7 @@ class Session:
         self.closed = True
         self._out.clear()
         self._out_count = 0
+        self._unsent = 0
         self.nursery.cancel_scope.cancel()
 
     # -- tasks -------------------------------------------------------------------------------
@@ -178,6 +207,15 @@ class Session:
 
     def _owed(self) -> int:
         return self.in_flight + self._out_count + self._sending
+
+    def _full(self) -> bool:
+        """No more requests are read for now: ``max_in_flight`` are owed, or the bytes of
+        the replies owed (reserved by large requests in flight, or not yet written) reach
+        MAX_OWED_BYTES."""
+        return (
+            self._owed() >= self.limits.max_in_flight
+            or self._reserved + self._unsent >= MAX_OWED_BYTES
+        )
 
     async def run(self) -> None:
         """Serve the connection until the client leaves, idles out, or is cancelled.
@@ -224,9 +262,8 @@ class Session:
                 return
 
     async def _read_loop(self) -> None:
-        max_in_flight = self.limits.max_in_flight
         while True:
-            if self._owed() >= max_in_flight:
+            if self._full():
                 await self._wait_for_room(line_waiting=False)
             try:
                 data = await self._receive()
@@ -252,11 +289,10 @@ class Session:
         thousands of cheap requests in one read does not keep the others waiting for all
         of them.
         """
-        max_in_flight = self.limits.max_in_flight
         self._holder = trio.lowlevel.current_task()
         try:
             for n, line in enumerate(lines, 1):
-                if self._owed() >= max_in_flight:
+                if self._full():
                     await self._wait_for_room(line_waiting=True)
                 await self.dispatcher.dispatch(self, line)
                 if n % SLICE_LINES == 0:
@@ -267,7 +303,7 @@ class Session:
             self._flush()
 
     async def _wait_for_room(self, line_waiting: bool) -> None:
-        """Wait until fewer than ``max_in_flight`` requests are owed.
+        """Wait until the connection is no longer full (``_full``).
 
         The connection's own parked long-polls may be what fills it, for up to
         ``max_wait_ms``. Meanwhile the reader still watches for the client to stop sending
@@ -279,7 +315,7 @@ class Session:
         longpolls = self.dispatcher.longpolls
         watch = not line_waiting and self._socket is not None
         self._flush()  # held replies count as owed: write them first
-        while self._owed() >= self.limits.max_in_flight:
+        while self._full():
             if watch and longpolls.parked_for(self):
                 watch = await self._watch_for_goodbye()
             else:
@@ -350,7 +386,9 @@ class Session:
                 # large backlog steadily is slow, not stalled.
                 for start in range(0, len(data), SEND_PIECE_BYTES):
                     self._send_waiting_since = trio.current_time()
-                    await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
+                    piece = data[start : start + SEND_PIECE_BYTES]
+                    await self.stream.send_all(piece)
+                    self._unsent -= len(piece)
                 self._send_waiting_since = None
                 self._sending = 0
                 self._wake_reader()

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 import trio
 
 from relay import wire
+from relay.errors import ShuttingDown
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
 from relay.store import commands as cmd
@@ -38,10 +40,17 @@ class FakeConnection:
         self.closed = False
         self.can_wait = True
         self.in_flight = 0
+        self.reserved = 0
         self.replies: list[dict[str, Any]] = []
 
     def begin_request(self) -> None:
         self.in_flight += 1
+
+    def reserve(self, nbytes: int) -> None:
+        self.reserved += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.reserved -= nbytes
 
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
@@ -88,3 +97,30 @@ async def test_a_request_cancelled_before_it_was_queued_is_answered_and_accounte
     assert dispatcher.in_flight == 0 and connection.in_flight == 0
     (reply,) = connection.replies
     assert reply["id"] == 9 and reply["error"]["code"] == "shutting_down"
+
+
+class ClosedWriter:
+    """A writer that is shutting down: nothing can be queued."""
+
+    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
+        raise ShuttingDown("the store is shutting down")
+
+
+INSPECT = {"op": "inspect", "id": 3, "job_id": "job_0000000000000001"}
+LEASE = {"op": "lease", "id": 4, "queues": ["q"], "worker_id": "w", "count": 10}
+
+
+@pytest.mark.parametrize("request_fields", [INSPECT, LEASE])
+async def test_a_large_reply_reserved_for_a_request_not_queued_is_given_back(request_fields):
+    """Bytes set aside for a large reply must be given back when the request never reaches
+    the writer (shutting down, or cancelled while waiting for room), or the connection
+    would stay full for good."""
+    for writer in (ClosedWriter(), FullWriter()):
+        dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            connection = FakeConnection(nursery)
+            with trio.move_on_after(0.05):
+                await dispatcher.dispatch(connection, orjson.dumps(request_fields))
+        assert connection.reserved == 0
+        (reply,) = connection.replies
+        assert reply["error"]["code"] == "shutting_down"

@@ -21,9 +21,11 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
+from relay.server import session as session_module
 from relay.server.dispatch import Dispatcher
 from relay.server.session import RECEIVE_BYTES, SLICE_LINES
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
+from tests.server.test_lifecycle import scrape
 from tests.server.test_protocol import (
     W,
     assert_error,
@@ -144,6 +146,63 @@ async def test_client_not_reading_large_replies_is_closed_within_bounds(tmp_path
         finally:
             stalled.close()
         await well_behaved_round(good, "good")
+
+
+async def test_client_leaving_too_many_reply_bytes_unread_is_closed_at_once(tmp_path, monkeypatch):
+    """max_in_flight counts replies, not bytes: 40 inspects of a big job owe ~8 MB. Past
+    MAX_UNSENT_BYTES the connection is closed at once, not at the idle timeout, and the
+    memory is let go."""
+    monkeypatch.setattr(session_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
+    async with custom_server(tmp_path) as srv, connected(srv) as good:  # idle timeout 300 s
+        with session_events() as events:
+            stalled = await stall_with_big_replies(srv, good)
+            try:
+                with trio.fail_after(BOUND_S):
+                    while await connections(good) == 2:
+                        await well_behaved_round(good, "good")  # served meanwhile
+            finally:
+                stalled.close()
+        assert "connection.backlog_too_large" in events
+        await well_behaved_round(good, "good")
+
+
+async def request_count(srv: RunningServer, op: str) -> int:
+    """Requests of ``op`` the server has answered (its duration histogram's count)."""
+    _, samples = await scrape(srv)
+    return int(samples.get(f'relay_request_duration_seconds_count{{op="{op}"}}', 0))
+
+
+async def test_reading_stops_while_large_replies_owed_reach_max_owed_bytes(tmp_path, monkeypatch):
+    """max_in_flight (256) would admit all 100 inspects of a big job (~20 MB of replies)
+    from a client that reads none; the bytes they may need stop the reader first."""
+    monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 3 * 1024 * 1024)
+    async with custom_server(tmp_path) as srv, connected(srv) as good:
+        stalled = await stall_with_big_replies(srv, good, n=100)
+        try:
+            await wait_all_tasks_blocked()
+            await good.ok("stats")  # the writer answered what the reader took before this
+            answered = await request_count(srv, "inspect")
+            assert 1 <= answered < 100, answered
+            await well_behaved_round(good, "good")  # others are served meanwhile
+        finally:
+            stalled.close()
+
+
+async def test_large_replies_read_as_they_come_are_all_answered(tmp_path, monkeypatch):
+    """Each inspect reserves its most (~2 MiB) until answered; with room for one at a
+    time, 50 pipelined ones are still answered in full: every reservation is released."""
+    monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 3 * 1024 * 1024)
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        job_id = await submit(c, "small", {"n": 1})
+        await c.send_raw(
+            pipelined([{"op": "inspect", "id": i, "job_id": job_id} for i in range(50)])
+        )
+        for i in range(50):
+            reply = await c.read()
+            assert reply["id"] == i and reply["job"]["job_id"] == job_id
+        lease_id = await c.send("lease", queues=["small"], worker_id=W, count=1000)
+        assert len((await c.read())["jobs"]) == 1, lease_id
+        assert (await c.ok("ping"))["ok"] is True
 
 
 async def test_client_sending_but_not_reading_is_closed_as_not_reading(tmp_path):
