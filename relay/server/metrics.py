@@ -15,12 +15,7 @@ import attrs
 import h11
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from relay.histogram import HistogramSnapshot
@@ -28,6 +23,8 @@ from relay.log import event
 from relay.model import JobState
 
 log = logging.getLogger("relay.metrics")
+
+STATES = [str(state) for state in JobState]
 
 # An HTTP exchange (request in, response out) must finish within this, or is dropped.
 HTTP_TIMEOUT_S = 10.0
@@ -70,18 +67,6 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self.s
-        queues = sorted(set(s.queues) | {queue for queue, _ in s.events})
-        for name, (metric, text) in EVENT_METRICS.items():
-            family = CounterMetricFamily(metric, text, labels=["queue"])
-            for queue in queues:
-                family.add_metric([queue], s.events.get((queue, name), 0))
-            yield family
-        jobs = GaugeMetricFamily("relay_queue_jobs", "Jobs per queue and state.",
-                                 labels=["queue", "state"])  # fmt: skip
-        for queue in sorted(s.queues):
-            for state in JobState:
-                jobs.add_metric([queue, str(state)], s.queues[queue].get(str(state), 0))
-        yield jobs
         yield GaugeMetricFamily("relay_connections", "Open client connections.",
                                 value=s.connections)  # fmt: skip
         durations = HistogramMetricFamily(
@@ -98,11 +83,35 @@ class _SnapshotCollector:
             yield HistogramMetricFamily(name, text, buckets=_buckets(h), sum_value=h.total)
 
 
+def _per_queue_text(s: MetricsSnapshot) -> bytes:
+    """The families with a series per queue, formatted here rather than by
+    prometheus_client: its generic path costs ~13 us a sample on a small VM, and with 5,000
+    queues (65,000 samples) a scrape held the event loop, and every client, for ~0.8 s;
+    these lines cost ~0.5 us each. The format is the same; queue names need no escaping
+    (only ``[A-Za-z0-9._:-]``)."""
+    queues = sorted(set(s.queues) | {queue for queue, _ in s.events})
+    lines = []
+    for name, (metric, text) in EVENT_METRICS.items():
+        total = f"{metric}_total"
+        lines.append(f"# HELP {total} {text}\n# TYPE {total} counter\n")
+        lines += [f'{total}{{queue="{q}"}} {s.events.get((q, name), 0)}\n' for q in queues]
+    lines.append(
+        "# HELP relay_queue_jobs Jobs per queue and state.\n# TYPE relay_queue_jobs gauge\n"
+    )
+    for queue in sorted(s.queues):
+        counts = s.queues[queue]
+        lines += [
+            f'relay_queue_jobs{{queue="{queue}",state="{state}"}} {counts.get(state, 0)}\n'
+            for state in STATES
+        ]
+    return "".join(lines).encode()
+
+
 def render(snapshot: MetricsSnapshot) -> bytes:
     """The Prometheus text exposition of ``snapshot``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snapshot))  # type: ignore[arg-type]
-    return generate_latest(registry)
+    return _per_queue_text(snapshot) + generate_latest(registry)
 
 
 async def serve_metrics(

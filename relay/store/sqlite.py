@@ -47,6 +47,8 @@ from relay.store.schema import open_database
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
 UNFINISHED = (PENDING, READY, LEASED, RETRYING)
+# What the store counts per queue (``event_totals``).
+EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
 
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
@@ -374,9 +376,27 @@ class SqliteStore:
     def commit(self) -> Changes:
         """Commit; return what changed and start collecting afresh."""
         self._db.execute("COMMIT")
-        self._journal = None
+        journal, self._journal = self._journal, None
+        if journal:
+            self._forget_empty(journal)
         changes, self.changes = self.changes, Changes()
         return changes
+
+    def _forget_empty(self, journal: list[tuple[Counter, tuple[str, str], int]]) -> None:
+        """Drop the counts that this transaction brought to zero, and the event totals of
+        a queue left with no jobs at all: what is kept in memory then grows with the queues
+        that have jobs, not with every queue name ever used."""
+        emptied = set()
+        for counter, key, _ in journal:
+            if counter is self._counts and key in self._counts and not self._counts[key]:
+                del self._counts[key]
+                emptied.add(key[0])
+        for queue in emptied:
+            if not any(self._counts.get((queue, state)) for state in JobState):
+                for state in JobState:
+                    self._counts.pop((queue, state), None)
+                for event in EVENTS:
+                    self._totals.pop((queue, event), None)
 
     def rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):

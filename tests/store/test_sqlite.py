@@ -1155,6 +1155,32 @@ def test_event_totals_count_each_kind_of_event_per_queue(store):
     }
 
 
+def test_a_queue_left_without_jobs_is_forgotten_when_that_commits(store):
+    """Counts and event totals are kept in memory per queue: a queue whose last job is
+    deleted leaves nothing behind, or a server would grow with every queue name ever used."""
+
+    def in_one_transaction(step: Callable[[], object]) -> None:
+        store.begin()
+        step()
+        store.commit()
+
+    in_one_transaction(lambda: (submit(store, T0, "gone"), submit(store, T0, "kept")))
+    lease = claim_one(store, T0, ("gone",))
+    in_one_transaction(lambda: store.jobs_ack(lease.job_id, "w1", lease.token, None, T0))
+    assert ("gone", "acked") in store.event_totals()
+    in_one_transaction(lambda: store.jobs_prune(T0 + store.config.retention_ms + DAY, 100))
+    assert set(store.queue_stats()) == {"kept"}
+    assert {queue for queue, _ in store.event_totals()} == {"kept"}
+    assert {queue for queue, _ in store._counts} == {"kept"}  # no zero entries either
+    # A rolled-back deletion forgets nothing.
+    make_dead(store, T0, "dq")
+    store.begin()
+    store.dead_purge_queue("dq", 10)
+    store.rollback()
+    assert store.queue_stats()["dq"]["dead"] == 1
+    assert ("dq", "submitted") in store.event_totals()
+
+
 def test_next_due_at_is_the_earliest_pending_or_retrying_run_at(store):
     assert store.next_due_at() is None
     job = submit(store, T0, backoff=Backoff.fixed(1_000))  # ready jobs have no due time
