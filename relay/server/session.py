@@ -274,6 +274,14 @@ class Session:
             self._last_read = trio.current_time()
             await self._dispatch_all(self.splitter.feed(data))
             if self.splitter.overflow:
+                # Nothing after the oversized frame is read. The lines before it are
+                # answered first (their commits may still be on the way; a parked
+                # long-poll ends now), so that a client reading the error knows the rest.
+                self.can_wait = False
+                self.dispatcher.longpolls.drop(self)
+                with trio.move_on_after(DRAIN_GRACE_S):
+                    while self._owed():
+                        await self._room_lot.park()
                 error = FrameTooLarge(f"frame longer than {self.limits.max_frame_bytes} bytes")
                 self.begin_request()
                 self.reply(wire.encode_error(None, error))

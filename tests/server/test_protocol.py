@@ -901,6 +901,25 @@ async def test_frame_too_large_replies_once_then_closes(tmp_path):
             await other.ok("ping")
 
 
+async def test_lines_before_a_frame_too_large_are_answered_before_its_error(tmp_path):
+    limits = wire.Limits(max_frame_bytes=1024)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        await c.send_raw(
+            orjson.dumps({"op": "submit", "id": "s1", "queue": "q", "payload": 1}) + b"\n"
+            + orjson.dumps({"op": "lease", "id": "l1", "queues": ["none"], "worker_id": W,
+                            "wait_ms": 30_000}) + b"\n"
+            + orjson.dumps({"op": "submit", "id": "s2", "queue": "q", "payload": 2}) + b"\n"
+            + b'{"op":"ping","pad":"' + b"p" * 2000 + b'"}\n'
+        )  # fmt: skip
+        replies = [orjson.loads(line) for line in await read_until_eof(c)]
+        assert {r["id"] for r in replies[:3]} == {"s1", "l1", "s2"}, replies
+        assert all(r["ok"] for r in replies[:3])
+        (error,) = replies[3:]
+        assert_error(error, "frame_too_large")
+        async with connected(srv) as other:
+            assert (await queue_stats(other, "q"))["ready"] == 2
+
+
 async def test_frame_too_large_counts_crlf_excluded(tmp_path):
     """The limit is on the line without its newline; ``\\r\\n`` does not count against it."""
     async with (
