@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import time
@@ -20,6 +21,7 @@ import pytest
 import trio
 
 from relay import wire
+from relay.server.listener import REFUSED_LOG_INTERVAL_S
 from tests.server.conftest import LineClient, RunningServer, start_server
 from tests.worker_helpers import serving
 
@@ -1072,6 +1074,35 @@ async def test_ack_after_fail_is_rejected(client):
     await client.ok("fail", **ref, error="boom", retryable=False)
     assert (await client.error("ack", **ref))["code"] == "stale_token"
     assert (await inspect(client, job_id))["state"] == "dead"
+
+
+async def test_a_flood_of_refused_connections_is_logged_in_summary(tmp_path):
+    """Each one over the cap still gets its overloaded line, but the log gets one line per
+    second at most, with the count, rather than one per connection."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("relay.listener")
+    logger.addHandler(handler)
+    try:
+        limits = wire.Limits(max_connections=1)
+        async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as held:
+            await held.ok("ping")
+            started = trio.current_time()
+            for _ in range(30):
+                extra = await srv.connect()
+                try:
+                    lines = await read_until_eof(extra)
+                finally:
+                    await extra.aclose()
+                assert_error(orjson.loads(lines[0]), "overloaded")
+            elapsed = trio.current_time() - started
+    finally:
+        logger.removeHandler(handler)
+    refused = [r for r in records if r.getMessage() == "connection.refused"]
+    assert 1 <= len(refused) <= 1 + elapsed / REFUSED_LOG_INTERVAL_S, (len(refused), elapsed)
+    assert sum(r.fields["refused"] for r in refused) <= 30  # type: ignore[attr-defined]
+    assert refused[0].fields["refused"] == 1  # type: ignore[attr-defined]
 
 
 async def test_overloaded_over_max_connections(tmp_path):
