@@ -329,7 +329,10 @@ def raise_open_files_limit(max_connections: int) -> None:
         return
     new = want if hard == resource.RLIM_INFINITY else min(want, hard)
     if new > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):  # e.g. macOS caps it below an unlimited hard limit
+            new = soft
     if new < want:
         relay_log.event(
             logging.getLogger("relay.server"), logging.WARNING, "server.open_files_limit",

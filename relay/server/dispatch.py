@@ -424,7 +424,14 @@ class Dispatcher:
                 and tag.deadline > trio.current_time()
             ):
                 self.longpolls.park(tag, connection)
-                return None  # still reserving its reply
+                # A parked lease holds no reply: it gives back what it reserved, or a few
+                # long-polls would fill the connection's byte budget and stop its reader
+                # (max_in_flight still counts them). Woken, its reply is bounded by the
+                # writer's claim budget and the session's unsent cap.
+                if tag.reserved:
+                    connection.release(tag.reserved)
+                    tag.reserved = 0
+                return None
             try:
                 data = wire.encode_ok(tag.request_id, tag.encode(outcome))
             except Exception:

@@ -52,6 +52,9 @@ LINGER_BYTES = 4 * 1024 * 1024
 # The reader yields to other tasks, and writes the replies it gave at once, after this
 # many lines of one read: a ping costs ~10 us, so a slice stays well under a millisecond.
 SLICE_LINES = 64
+# TCP states (linux/tcp_states.h, the first byte of TCP_INFO) in which the peer has closed
+# or reset its side.
+TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8
 # The sender writes a backlog in pieces of this size; each one written counts as progress.
 SEND_PIECE_BYTES = 64 * 1024
 # The reader stops reading while the replies it owes may take this many bytes: reserved by
@@ -93,7 +96,7 @@ class Session:
         # While the client sends requests, a long-poll may wait for it. Once it has
         # stopped (EOF, shutdown), parked leases are answered at once and none is
         # claimed again: a job must not be leased to a client that has gone.
-        self.can_wait = True
+        self._can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
         self._socket = stream.socket if self._fd is not None else None  # type: ignore[attr-defined]
@@ -119,6 +122,30 @@ class Session:
         self._last_read = trio.current_time()
         self._send_waiting_since: float | None = None
 
+    @property
+    def can_wait(self) -> bool:
+        """A long-poll may park, or be claimed again, for this client: not once it has
+        stopped sending (EOF, shutdown) or gone. A reader waiting for room cannot see that
+        if the client sent more first (``_wait_for_room``), so while the connection is
+        full the kernel's view decides: a FIN counts as EOF, and a reset closes the
+        connection, so that no job is leased to a client that has gone."""
+        if self._can_wait and self._full():
+            state = self._tcp_state()
+            if state == TCP_CLOSE:
+                self._broken(ConnectionResetError("reset by the peer"))
+            if state in (TCP_CLOSE, TCP_CLOSE_WAIT):
+                self._can_wait = False
+        return self._can_wait
+
+    def _tcp_state(self) -> int | None:
+        """The connection's TCP state, where the socket tells it (Linux TCP_INFO)."""
+        if self._socket is None or not hasattr(socket, "TCP_INFO"):
+            return None
+        try:
+            return self._socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            return TCP_CLOSE
+
     # -- called by the dispatcher and the writer's hand-off (sync, trio thread) --------------
 
     def begin_request(self) -> None:
@@ -137,14 +164,6 @@ class Session:
         self._out.append(data)
         self._out_count += 1
         self._unsent += len(data)
-        if self._unsent > MAX_UNSENT_BYTES:
-            # A client that pipelines large replies (inspect, dead_list, leases of big
-            # jobs) faster than it reads them: max_in_flight alone would let it pin up to
-            # max_in_flight of the largest replies (hundreds of MiB).
-            event(log, logging.WARNING, "connection.backlog_too_large", peer=self.peer,
-                  unsent_bytes=self._unsent)  # fmt: skip
-            self._broken(trio.TooSlowError("the client left too many reply bytes unread"))
-            return
         holder = self._holder
         if not self._delivering and (holder is None or holder is not trio.lowlevel.current_task()):
             self._flush()
@@ -170,26 +189,33 @@ class Session:
         """Write what is queued, without waiting; what the socket does not take now is
         left to the sender task. Only while the sender is not itself writing: two writers
         would interleave bytes."""
-        if self._sending or not self._out or self.closed:
+        if not self._out or self.closed:
             return
-        if self._fd is not None:
-            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
-            try:
-                written = os.write(self._fd, data)
-            except BlockingIOError:
-                written = 0
-            except OSError as exc:  # reset or closed by the peer
-                self._broken(exc)
-                return
-            self._unsent -= written
-            if written == len(data):
-                self._out.clear()
-                self._out_count = 0
-                self._wake_reader()
-                return
-            # The rest waits for the socket to drain: counted as one reply or more.
-            self._out[:] = [data[written:]]
-        self._out_lot.unpark_all()
+        if not self._sending:
+            if self._fd is not None:
+                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+                try:
+                    written = os.write(self._fd, data)
+                except BlockingIOError:
+                    written = 0
+                except OSError as exc:  # reset or closed by the peer
+                    self._broken(exc)
+                    return
+                self._unsent -= written
+                if written == len(data):
+                    self._out.clear()
+                    self._out_count = 0
+                    self._wake_reader()
+                    return
+                # The rest waits for the socket to drain: counted as one reply or more.
+                self._out[:] = [data[written:]]
+            self._out_lot.unpark_all()
+        if self._unsent > MAX_UNSENT_BYTES:
+            # What the socket did not take passes the cap: the client pipelines large
+            # replies faster than it reads them, beyond what the reservations foresaw.
+            event(log, logging.WARNING, "connection.backlog_too_large", peer=self.peer,
+                  unsent_bytes=self._unsent)  # fmt: skip
+            self._broken(trio.TooSlowError("the client left too many reply bytes unread"))
 
     def _broken(self, exc: BaseException) -> None:
         event(log, logging.DEBUG, "connection.send_failed", peer=self.peer, error=repr(exc))
@@ -229,7 +255,7 @@ class Session:
                 nursery.start_soon(self._watchdog)
                 with self._reading:
                     await self._read_loop()
-                self.can_wait = False
+                self._can_wait = False
                 self.dispatcher.longpolls.drop(self)
                 # The client sent its last request (or the server stops reading): write
                 # what is owed, then close.
@@ -241,7 +267,7 @@ class Session:
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = True
-            self.can_wait = False
+            self._can_wait = False
             self.dispatcher.longpolls.drop(self)
             await trio.aclose_forcefully(self.stream)
 
@@ -277,7 +303,7 @@ class Session:
                 # Nothing after the oversized frame is read. The lines before it are
                 # answered first (their commits may still be on the way; a parked
                 # long-poll ends now), so that a client reading the error knows the rest.
-                self.can_wait = False
+                self._can_wait = False
                 self.dispatcher.longpolls.drop(self)
                 with trio.move_on_after(DRAIN_GRACE_S):
                     while self._owed():
@@ -342,7 +368,7 @@ class Session:
                 self._room_watch = None
             if more:
                 return False  # requests: they wait for room, unread
-            self.can_wait = False
+            self._can_wait = False
             self.dispatcher.longpolls.drop(self)
             return False
         return True  # room was made

@@ -47,8 +47,6 @@ from relay.store.schema import open_database
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
 UNFINISHED = (PENDING, READY, LEASED, RETRYING)
-# What the store counts per queue (``event_totals``).
-EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
 
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
@@ -182,10 +180,11 @@ def _check_lease(
 
 
 def _info_size(info: JobInfo) -> int:
-    """Roughly the bytes of ``info`` in a reply (its texts in UTF-8, plus the rest)."""
-    texts = [info.payload, info.result or "", info.last_error or ""]
-    texts += [entry.error for entry in info.errors]
-    return sum(len(text.encode()) for text in texts) + REPLY_OVERHEAD_BYTES
+    """Roughly the bytes of ``info`` in a reply: payload and result go in as the JSON they
+    are, error texts as JSON strings (escaping can make one 6 times its UTF-8 length)."""
+    size = len(info.payload.encode()) + len((info.result or "").encode())
+    errors = [info.last_error or "", *(entry.error for entry in info.errors)]
+    return size + sum(len(orjson.dumps(text)) for text in errors) + REPLY_OVERHEAD_BYTES
 
 
 # Few steps, not one per row. Python's sqlite3 releases the GIL around every sqlite3_step,

@@ -145,3 +145,16 @@ def test_server_warns_when_the_hard_limit_is_below_max_connections(monkeypatch, 
         raise_open_files_limit(1024)
     assert limits.set_to == [(512, 512)]
     assert [r.getMessage() for r in caplog.records] == ["server.open_files_limit"]
+
+
+def test_server_warns_when_the_open_files_limit_cannot_be_raised(monkeypatch, caplog):
+    limits = FakeLimits(soft=256, hard=resource.RLIM_INFINITY)
+    limits.install(monkeypatch)
+
+    def refuse(_: int, __: tuple[int, int]) -> None:
+        raise ValueError("not allowed to raise maximum limit")
+
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    with caplog.at_level("WARNING", logger="relay.server"):
+        raise_open_files_limit(1024)
+    assert [r.getMessage() for r in caplog.records] == ["server.open_files_limit"]

@@ -533,9 +533,20 @@ async def test_long_polls_filling_max_in_flight_end_at_once_when_the_client_half
         assert all(r["ok"] and r["jobs"] == [] for r in replies), replies
 
 
+def reset(sock: trio.socket.SocketType) -> None:
+    """Close with a reset (SO_LINGER 0), as a killed or vanished client may."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    "after", [b"", pipelined([{"op": "ping", "id": "more"}])], ids=["nothing", "a request"]
+)
 async def test_no_job_is_leased_to_a_client_gone_while_its_long_polls_fill_max_in_flight(
-    tmp_path,
+    tmp_path, after
 ):
+    """Gone without (or after) sending more: its parked leases must not take the next job.
+    A request sent first stays unread, so the reader cannot see the reset behind it."""
     limits = wire.Limits(max_in_flight=4)
     async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
         sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -544,14 +555,51 @@ async def test_no_job_is_leased_to_a_client_gone_while_its_long_polls_fill_max_i
             await sock.send(parked_leases(4))
             await wait_all_tasks_blocked()  # read and sent to the writer
             await c.ok("stats")  # the writer answered them before this: they are parked
-            # Close with a reset (SO_LINGER 0), as a killed or vanished client may.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-            sock.close()
-            await wait_all_tasks_blocked()  # the server has seen it go (in this process)
-            assert await connections(c) == 1
+            if after:
+                await sock.send(after)
+                await wait_all_tasks_blocked()
+            reset(sock)
+            await wait_all_tasks_blocked()
         await submit(c, queue="lp")
+        await wait_all_tasks_blocked()  # woken: claimed again (queued before stats) or not
         counts = await queue_stats(c, "lp")
         assert (counts["ready"], counts["leased"]) == (1, 0), counts
+        with trio.fail_after(BOUND_S):
+            assert await connections(c) == 1
+
+
+async def test_a_burst_past_max_in_flight_then_a_reset_leases_nothing_to_the_gone_client(
+    tmp_path,
+):
+    """One lease more than there is room for: it waits unread, and the one after the
+    woken lease must not be dispatched for a client that has reset."""
+    limits = wire.Limits(max_in_flight=4)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with trio.fail_after(BOUND_S):
+            await sock.connect(srv.handle.address)
+            await sock.send(parked_leases(5))
+            await wait_all_tasks_blocked()
+            await c.ok("stats")
+            reset(sock)
+            await wait_all_tasks_blocked()
+        await submit(c, queue="lp")
+        await wait_all_tasks_blocked()
+        counts = await queue_stats(c, "lp")
+        assert (counts["ready"], counts["leased"]) == (1, 0), counts
+
+
+async def test_parked_long_polls_do_not_count_against_the_reply_byte_budget(tmp_path):
+    """A lease reserves its largest reply, but gives it back while it is parked: 128 of
+    them (count 1, ~256 KiB each: 32 MiB) must not stop the reader behind them."""
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        await c.send_raw(parked_leases(128))
+        await wait_all_tasks_blocked()
+        async with connected(srv) as other:
+            await other.ok("stats")  # all 128 parked
+        with trio.fail_after(2):  # not their 30 s wait
+            assert (await c.ok("ping"))["ok"] is True
+            await submit(c, queue="lp")  # wakes one of them
 
 
 # -- the watchdog ------------------------------------------------------------------------------

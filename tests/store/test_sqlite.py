@@ -1464,6 +1464,18 @@ def test_byte_budgets_count_bytes_not_characters(store):
     assert len(page) == 1 and cursor is not None
 
 
+def test_dead_list_pages_count_error_texts_as_escaped_in_the_reply(store):
+    """An error of control characters is 6 times longer once escaped as JSON: the page is
+    cut by what the reply will hold, not by the stored text."""
+    for _ in range(4):
+        job = submit(store, T0, max_attempts=1)
+        lease = claim_one(store, T0)
+        # 1,000 bytes stored, 6,002 in JSON; twice per job (last_error and the history).
+        store.jobs_fail(job, "w1", lease.token, "\x01" * 1_000, False, T0)
+    page, _ = store.dead_list(None, 100, None, max_bytes=20_000)
+    assert len(page) == 2  # ~12 KB a job; counting its 2,000 stored bytes would give all 4
+
+
 def test_dead_list_pages_by_bytes_too_and_the_cursor_goes_on(store):
     big = '"' + "x" * 10_000 + '"'
     dead = [make_dead(store, T0, payload=big) for _ in range(5)]
