@@ -50,14 +50,15 @@ class Connection(Protocol):
     def begin_request(self) -> None: ...
     def reserve(self, nbytes: int) -> None: ...  # a large reply is coming (Dispatcher._send)
     def release(self, nbytes: int) -> None: ...
+    def reply_room(self) -> int: ...  # reply bytes it may still be owed (see LongPolls.run)
     def reply(self, data: bytes) -> None: ...
     def deliver(self, replies: list[tuple[Any, Any]]) -> None: ...
 
 
 def _job_reply_bytes(limits: wire.Limits) -> int:
-    """The most one job can take in an inspect or dead_list reply: payload, result and
-    error history (each error byte at most 6 once escaped as JSON)."""
-    errors = ERRORS_SHOWN * 6 * limits.max_error_bytes
+    """The most one job can take in an inspect or dead_list reply: payload, result, and
+    its last error and error history (each error byte at most 6 once escaped as JSON)."""
+    errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
 
 
@@ -82,9 +83,11 @@ class PendingLease(Pending):
     deadline: float = 0.0
 
     max_bytes: int | None = None
+    reply_bytes: int = 0  # the most its reply may take: what it reserves while claimed
 
-    def claim(self) -> cmd.Claim:
-        return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes)
+    def claim(self, max_bytes: int | None = None) -> cmd.Claim:
+        budget = self.max_bytes if max_bytes is None else max_bytes
+        return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms, budget)
 
 
 def _submit_result(result: SubmitResult) -> dict[str, Any]:
@@ -292,8 +295,8 @@ class Dispatcher:
         # The reply holds up to `count` payloads, within max_reply_bytes (plus the one job
         # that may cross it): reserved as in _send.
         job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
-        reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
-        await self._send(connection, lease, lease.claim(), _encode_lease, reply_bytes)
+        lease.reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
+        await self._send(connection, lease, lease.claim(), _encode_lease, lease.reply_bytes)
         tag.queued = True
 
     async def _op_renew(self, connection: Connection, tag: Pending, request: wire.Renew) -> None:
@@ -426,8 +429,8 @@ class Dispatcher:
                 self.longpolls.park(tag, connection)
                 # A parked lease holds no reply: it gives back what it reserved, or a few
                 # long-polls would fill the connection's byte budget and stop its reader
-                # (max_in_flight still counts them). Woken, its reply is bounded by the
-                # writer's claim budget and the session's unsent cap.
+                # (max_in_flight still counts them). Woken, it reserves again, within the
+                # room the connection has left (LongPolls.run).
                 if tag.reserved:
                     connection.release(tag.reserved)
                     tag.reserved = 0

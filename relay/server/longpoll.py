@@ -32,14 +32,25 @@ class LeaseTag(Protocol):
 
     queues: tuple[str, ...]
     deadline: float  # trio time
+    reply_bytes: int  # the most its reply may take (what it reserved when it arrived)
+    reserved: int  # what it holds reserved now (nothing while parked)
 
-    def claim(self) -> Claim: ...
+    def claim(self, max_bytes: int | None = None) -> Claim: ...
+
+
+class LongPollSink(ReplySink, Protocol):
+    """What a parked lease's connection offers the hub (a session, in the end)."""
+
+    can_wait: bool  # False once its client has stopped sending or gone
+
+    def reply_room(self) -> int: ...  # reply bytes it may still be owed (may be negative)
+    def reserve(self, nbytes: int) -> None: ...
 
 
 @attrs.define(eq=False, slots=True)
 class _Parked:
     tag: Any
-    sink: ReplySink
+    sink: LongPollSink
     active: bool = True
 
 
@@ -53,6 +64,9 @@ class LongPolls:
         self._deadlines: list[tuple[float, int, _Parked]] = []
         self._order = itertools.count()
         self._woken: list[_Parked] = []
+        # id(sink) -> its leases woken while it had no room for their replies: parked
+        # again, and woken once it has room (room_made).
+        self._short: dict[int, set[_Parked]] = {}
         self._lot = trio.lowlevel.ParkingLot()
         self._parked = 0
         self.closing = False
@@ -61,8 +75,11 @@ class LongPolls:
     def parked(self) -> int:
         return self._parked
 
-    def park(self, tag: LeaseTag, sink: ReplySink) -> None:
+    def park(self, tag: LeaseTag, sink: LongPollSink) -> None:
         """Register a lease that found nothing. Sync: called from a reply delivery."""
+        self._register(tag, sink)
+
+    def _register(self, tag: LeaseTag, sink: LongPollSink) -> _Parked:
         entry = _Parked(tag, sink)
         self._parked += 1
         for queue in tag.queues:
@@ -76,6 +93,7 @@ class LongPolls:
             self._deadlines = [item for item in self._deadlines if item[2].active]
             heapq.heapify(self._deadlines)
         self._lot.unpark_all()  # the earliest deadline may have changed
+        return entry
 
     def on_commit(self, changes: Changes) -> None:
         """Commit listener: wake every lease parked on a queue that got ready jobs."""
@@ -88,10 +106,21 @@ class LongPolls:
         if woke:
             self._lot.unpark_all()
 
-    def parked_for(self, sink: ReplySink) -> bool:
+    def parked_for(self, sink: LongPollSink) -> bool:
         return id(sink) in self._by_sink
 
-    def drop(self, sink: ReplySink) -> None:
+    def short_of_room(self, sink: LongPollSink) -> bool:
+        return id(sink) in self._short
+
+    def room_made(self, sink: LongPollSink) -> None:
+        """``sink`` has taken some of its replies: wake its leases that were woken while
+        it had no room for theirs (they look at its room again)."""
+        for entry in list(self._short.pop(id(sink), ())):
+            self._unregister(entry)
+            self._woken.append(entry)
+        self._lot.unpark_all()
+
+    def drop(self, sink: LongPollSink) -> None:
         """Answer now (with no jobs) every lease parked for ``sink``, whose client has
         stopped sending or gone; the request is accounted as finished either way."""
         for entry in list(self._by_sink.get(id(sink), ())):
@@ -115,11 +144,12 @@ class LongPolls:
     def _unregister(self, entry: _Parked) -> None:
         entry.active = False
         self._parked -= 1
-        mine = self._by_sink.get(id(entry.sink))
-        if mine is not None:
-            mine.discard(entry)
-            if not mine:
-                del self._by_sink[id(entry.sink)]
+        for registry in (self._by_sink, self._short):
+            mine = registry.get(id(entry.sink))
+            if mine is not None:
+                mine.discard(entry)
+                if not mine:
+                    del registry[id(entry.sink)]
         for queue in entry.tag.queues:
             waiting = self._by_queue.get(queue)
             if waiting is not None:
@@ -133,15 +163,26 @@ class LongPolls:
         while True:
             while self._woken:
                 entry = self._woken.pop()
-                if self.closing or not getattr(entry.sink, "can_wait", True):
-                    entry.sink.deliver([(entry.tag, [])])  # nobody to lease for
+                sink, tag = entry.sink, entry.tag
+                if self.closing or not sink.can_wait:
+                    sink.deliver([(tag, [])])  # nobody to lease for
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its
-                # deadline), a job answers it.
+                # deadline), a job answers it. Its reply is reserved again, within the
+                # room its connection has left: woken together, a connection's many
+                # long-polls must not bring it more than its reply budget. With no room
+                # left (its client is that far behind on its replies), it parks again
+                # until the client takes some (room_made) or its deadline.
+                room = sink.reply_room()
+                if room <= 0:
+                    self._short.setdefault(id(sink), set()).add(self._register(tag, sink))
+                    continue
+                tag.reserved = min(tag.reply_bytes, room)
+                sink.reserve(tag.reserved)
                 try:
-                    await self._writer.send(entry.tag.claim(), entry.sink, entry.tag)
+                    await self._writer.send(tag.claim(tag.reserved), sink, tag)
                 except ShuttingDown:
-                    entry.sink.deliver([(entry.tag, [])])
+                    sink.deliver([(tag, [])])  # gives the reservation back
             now = trio.current_time()
             while self._deadlines and (
                 self._deadlines[0][0] <= now or not self._deadlines[0][2].active

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -129,6 +130,8 @@ class Session:
         if the client sent more first (``_wait_for_room``), so while the connection is
         full the kernel's view decides: a FIN counts as EOF, and a reset closes the
         connection, so that no job is leased to a client that has gone."""
+        if self.closed:
+            return False
         if self._can_wait and self._full():
             state = self._tcp_state()
             if state == TCP_CLOSE:
@@ -138,8 +141,9 @@ class Session:
         return self._can_wait
 
     def _tcp_state(self) -> int | None:
-        """The connection's TCP state, where the socket tells it (Linux TCP_INFO)."""
-        if self._socket is None or not hasattr(socket, "TCP_INFO"):
+        """The connection's TCP state, where the socket tells it (Linux TCP_INFO; other
+        systems number their states differently)."""
+        if self._socket is None or not sys.platform.startswith("linux"):
             return None
         try:
             return self._socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
@@ -156,6 +160,9 @@ class Session:
 
     def release(self, nbytes: int) -> None:
         self._reserved -= nbytes
+
+    def reply_room(self) -> int:
+        return MAX_OWED_BYTES - self._reserved - self._unsent
 
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
@@ -179,8 +186,9 @@ class Session:
                 if data is not None:
                     self.reply(data)
                 else:
-                    # A long-poll parked: a reader waiting for room now watches too.
-                    self._room_lot.unpark_all()
+                    # A long-poll parked, and gave back its reservation: a reader waiting
+                    # for room looks again (it may read, or watch for the client going).
+                    self._wake_reader()
         finally:
             self._delivering = False
         self._flush()
@@ -220,6 +228,7 @@ class Session:
     def _broken(self, exc: BaseException) -> None:
         event(log, logging.DEBUG, "connection.send_failed", peer=self.peer, error=repr(exc))
         self.closed = True
+        self._can_wait = False
         self._out.clear()
         self._out_count = 0
         self._unsent = 0
@@ -374,11 +383,15 @@ class Session:
         return True  # room was made
 
     def _wake_reader(self) -> None:
-        """Room was made: the reader, if it waits for room, looks again."""
+        """Room was made: the reader, if it waits for room, looks again, and so do the
+        long-polls woken while there was none (LongPolls.run)."""
         if self._room_lot:
             self._room_lot.unpark_all()
         if self._room_watch is not None:
             self._room_watch.cancel()
+        longpolls = self.dispatcher.longpolls
+        if longpolls.short_of_room(self):
+            longpolls.room_made(self)
 
     async def _receive(self) -> bytes:
         """The client's next bytes (b"" at EOF).

@@ -155,6 +155,12 @@ class Sink:
         self._delivered.set()
         self._delivered = trio.Event()
 
+    def reply_room(self) -> int:
+        return 1 << 40
+
+    def reserve(self, nbytes: int) -> None:
+        pass
+
     async def wait_for(self, n: int) -> None:
         while len(self.replies) < n:
             await self._delivered.wait()
@@ -164,6 +170,7 @@ def lease_tag(queues=("q",), wait_s=5.0, count=1) -> PendingLease:
     return PendingLease(
         1, "lease", trio.current_time(), lambda _: {}, queues=queues, worker_id="w",
         count=count, lease_ms=30_000, deadline=trio.current_time() + wait_s,
+        reply_bytes=1 << 20,
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -582,6 +583,90 @@ async def test_parked_long_polls_do_not_count_against_the_reply_byte_budget(tmp_
         with trio.fail_after(2):  # not their 30 s wait
             assert (await c.ok("ping"))["ok"] is True
             await submit(c, queue="lp")  # wakes one of them
+
+
+async def test_a_session_closed_for_any_reason_has_its_woken_long_polls_claim_nothing(
+    tmp_path, monkeypatch
+):
+    """The watchdog, the unsent cap or a failed write may close a session in the same
+    tick as a commit wakes its long-polls: they must not be claimed again for it."""
+    sessions: list[session_module.Session] = []
+    init = session_module.Session.__init__
+
+    def keep(self: session_module.Session, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        sessions.append(self)
+
+    monkeypatch.setattr(session_module.Session, "__init__", keep)
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with sock, trio.fail_after(BOUND_S):
+            await sock.connect(srv.handle.address)
+            await sock.send(parked_leases(2))
+            await wait_all_tasks_blocked()
+            await c.ok("stats")  # both parked
+            session = sessions[-1]
+            listeners = session.dispatcher.writer.commit_listeners
+            at = listeners.index(session.dispatcher.longpolls.on_commit)
+
+            def close_first(changes: Any, wake: Any = listeners[at]) -> None:
+                if not session.closed:
+                    session._broken(trio.TooSlowError("closed as the commit lands"))
+                wake(changes)
+
+            listeners[at] = close_first
+            await submit(c, queue="lp")
+            await wait_all_tasks_blocked()
+            counts = await queue_stats(c, "lp")
+        assert (counts["ready"], counts["leased"]) == (1, 0), counts
+
+
+async def test_long_polls_woken_together_stay_within_the_reply_budget(tmp_path, monkeypatch):
+    """20 parked leases of count 5 may take ~4 MB of 40 KiB jobs when one commit makes
+    100 of them ready. A client slow to read must not be sent all of that (past the unsent
+    cap it would be closed with those jobs leased to it): each woken lease reserves its
+    reply within the room left (so it may take fewer than its count), and those past it
+    park again until the client reads. Then every lease gets jobs, and every job leased
+    is received."""
+    monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 1024 * 1024)
+    monkeypatch.setattr(session_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
+    payload = "x" * 40 * 1024
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        slow = await open_raw(srv)  # a small receive buffer: it reads later
+        leases = [
+            {"op": "lease", "id": i, "queues": ["lp"], "worker_id": W, "count": 5,
+             "wait_ms": 30_000}
+            for i in range(20)
+        ]  # fmt: skip
+        with trio.fail_after(BOUND_S):
+            await slow.send(pipelined(leases))
+            await wait_all_tasks_blocked()
+            await c.ok("stats")  # all parked
+            due = int(time.time() * 1000) + 300  # the promoter makes all ready at once
+            for _ in range(5):
+                await c.ok("submit_batch", jobs=[
+                    {"queue": "lp", "payload": payload, "run_at": due} for _ in range(20)
+                ])  # fmt: skip
+            with session_events() as events:
+                # Polls state the server exposes only through requests.
+                while (await queue_stats(c, "lp"))["pending"]:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                await wait_all_tasks_blocked()
+                await c.ok("stats")  # the woken claims are committed and answered
+            assert (await queue_stats(c, "lp"))["leased"] < 100  # not all sent at once
+            # Now it reads: all 20 replies, and a ping after them on the same connection.
+            await slow.send(pipelined([{"op": "ping", "id": "after"}]))
+            replies, buffer = [], b""
+            while len(replies) < 21:
+                buffer += await slow.recv(1 << 20)
+                *lines, buffer = buffer.split(b"\n")
+                replies += [orjson.loads(line) for line in lines]
+        slow.close()
+        assert "connection.backlog_too_large" not in events
+        leased = [reply["jobs"] for reply in replies if reply["id"] != "after"]
+        assert all(leased)  # each lease waited for room rather than end with no job
+        jobs = {job["job_id"] for jobs in leased for job in jobs}
+        assert 20 <= len(jobs) <= 100 and (await queue_stats(c, "lp"))["leased"] == len(jobs)
 
 
 # -- the watchdog ------------------------------------------------------------------------------
