@@ -84,9 +84,13 @@ class PendingLease(Pending):
 
     max_bytes: int | None = None
     reply_bytes: int = 0  # the most its reply may take: what it reserves while claimed
+    job_bytes: int = 0  # the most one job takes in its reply
 
     def claim(self, max_bytes: int | None = None) -> cmd.Claim:
-        budget = self.max_bytes if max_bytes is None else max_bytes
+        """Its claim, within ``max_bytes`` of job texts if given (never past its own)."""
+        budget = self.max_bytes
+        if max_bytes is not None:
+            budget = max_bytes if budget is None else min(budget, max_bytes)
         return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms, budget)
 
 
@@ -294,7 +298,7 @@ class Dispatcher:
         )
         # The reply holds up to `count` payloads, within max_reply_bytes (plus the one job
         # that may cross it): reserved as in _send.
-        job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
+        lease.job_bytes = job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
         lease.reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
         await self._send(connection, lease, lease.claim(), _encode_lease, lease.reply_bytes)
         tag.queued = True

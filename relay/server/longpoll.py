@@ -33,6 +33,7 @@ class LeaseTag(Protocol):
     queues: tuple[str, ...]
     deadline: float  # trio time
     reply_bytes: int  # the most its reply may take (what it reserved when it arrived)
+    job_bytes: int  # the most one job takes in it
     reserved: int  # what it holds reserved now (nothing while parked)
 
     def claim(self, max_bytes: int | None = None) -> Claim: ...
@@ -123,9 +124,13 @@ class LongPolls:
     def drop(self, sink: LongPollSink) -> None:
         """Answer now (with no jobs) every lease parked for ``sink``, whose client has
         stopped sending or gone; the request is accounted as finished either way."""
+        self._short.pop(id(sink), None)
         for entry in list(self._by_sink.get(id(sink), ())):
-            self._unregister(entry)
-            sink.deliver([(entry.tag, [])])
+            # A reply written meanwhile may have woken some (room_made): they are the
+            # run task's now, and answered there.
+            if entry.active:
+                self._unregister(entry)
+                sink.deliver([(entry.tag, [])])
 
     def close(self) -> None:
         """Shutdown: answer every parked lease with no jobs, and park no more."""
@@ -164,23 +169,29 @@ class LongPolls:
             while self._woken:
                 entry = self._woken.pop()
                 sink, tag = entry.sink, entry.tag
-                if self.closing or not sink.can_wait:
-                    sink.deliver([(tag, [])])  # nobody to lease for
+                if self.closing:
+                    sink.deliver([(tag, [])])
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its
                 # deadline), a job answers it. Its reply is reserved again, within the
                 # room its connection has left: woken together, a connection's many
-                # long-polls must not bring it more than its reply budget. With no room
-                # left (its client is that far behind on its replies), it parks again
-                # until the client takes some (room_made) or its deadline.
+                # long-polls must not bring it more than its reply budget. Without room
+                # for one job (its client is that far behind on its replies), it parks
+                # again until the client takes some (room_made) or its deadline.
                 room = sink.reply_room()
-                if room <= 0:
+                if room < tag.job_bytes:
                     self._short.setdefault(id(sink), set()).add(self._register(tag, sink))
+                    continue
+                if not sink.can_wait:
+                    sink.deliver([(tag, [])])  # nobody to lease for
                     continue
                 tag.reserved = min(tag.reply_bytes, room)
                 sink.reserve(tag.reserved)
+                # A claim gives at least one job and may pass its budget by one: so the
+                # reply stays within what it reserved.
+                budget = tag.reserved - tag.job_bytes
                 try:
-                    await self._writer.send(tag.claim(tag.reserved), sink, tag)
+                    await self._writer.send(tag.claim(budget), sink, tag)
                 except ShuttingDown:
                     sink.deliver([(tag, [])])  # gives the reservation back
             now = trio.current_time()

@@ -390,7 +390,7 @@ class Session:
         if self._room_watch is not None:
             self._room_watch.cancel()
         longpolls = self.dispatcher.longpolls
-        if longpolls.short_of_room(self):
+        if self._can_wait and longpolls.short_of_room(self):
             longpolls.room_made(self)
 
     async def _receive(self) -> bytes:

@@ -170,7 +170,7 @@ def lease_tag(queues=("q",), wait_s=5.0, count=1) -> PendingLease:
     return PendingLease(
         1, "lease", trio.current_time(), lambda _: {}, queues=queues, worker_id="w",
         count=count, lease_ms=30_000, deadline=trio.current_time() + wait_s,
-        reply_bytes=1 << 20,
+        reply_bytes=1 << 20, job_bytes=1 << 10,
     )  # fmt: skip
 
 
@@ -230,3 +230,44 @@ async def test_a_dropped_connection_leaves_nothing_parked(autojump_clock, store)
     hub.drop(gone)
     assert hub.parked == 1
     assert len(gone.replies) == 1 and staying.replies == []
+
+
+class ShortSink(Sink):
+    """A connection with no room left for replies: each reply written makes some, and
+    wakes the leases waiting for it, as a session's write does."""
+
+    def __init__(self, hub: LongPolls) -> None:
+        super().__init__()
+        self.hub = hub
+
+    def reply_room(self) -> int:
+        return 0
+
+    def deliver(self, replies):
+        super().deliver(replies)
+        if self.hub.short_of_room(self):
+            self.hub.room_made(self)
+
+
+async def test_leases_woken_without_room_park_again_and_are_answered_once(autojump_clock, store):
+    writer = FakeWriter(store)
+    hub = LongPolls(writer)  # type: ignore[arg-type]
+    writer.listeners.append(hub.on_commit)
+    sink = ShortSink(hub)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hub.run)
+        for _ in range(3):
+            hub.park(lease_tag(wait_s=30), sink)
+        await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))
+        await trio.testing.wait_all_tasks_blocked()
+        # Woken, but no room for a reply: parked again, nothing claimed.
+        assert hub.parked == 3 and hub.short_of_room(sink)
+        assert count(writer, cmd.Claim) == 0 and sink.replies == []
+        # The client goes: each is answered once, though each reply makes room.
+        hub.drop(sink)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert len(sink.replies) == 3 and len({id(tag) for tag, _ in sink.replies}) == 3
+    assert [jobs for _, jobs in sink.replies] == [[], [], []]
+    assert hub.parked == 0 and not hub.short_of_room(sink)
+    assert count(writer, cmd.Claim) == 0

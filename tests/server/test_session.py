@@ -669,6 +669,26 @@ async def test_long_polls_woken_together_stay_within_the_reply_budget(tmp_path, 
         assert 20 <= len(jobs) <= 100 and (await queue_stats(c, "lp"))["leased"] == len(jobs)
 
 
+async def test_a_woken_long_poll_takes_no_more_than_a_lease_that_found_jobs_at_once(tmp_path):
+    """Both stop adding jobs at max_reply_bytes (1 MiB of texts; 200 KiB jobs: 6): a woken
+    lease's claim, budgeted by what it reserved, must not take more."""
+    payload = "x" * 200 * 1024
+    async with custom_server(tmp_path) as srv, connected(srv) as c, connected(srv) as w:
+        for _ in range(10):
+            await submit(c, queue="now", payload=payload)
+        direct = (await w.ok("lease", queues=["now"], worker_id=W, count=10))["jobs"]
+        waiting = await w.send("lease", queues=["later"], worker_id=W, count=10, wait_ms=9000)
+        await wait_all_tasks_blocked()
+        await c.ok("stats")  # parked
+        due = int(time.time() * 1000) + 300  # the promoter makes all ten ready at once
+        for n in (4, 4, 2):
+            jobs = [{"queue": "later", "payload": payload, "run_at": due}] * n
+            await c.ok("submit_batch", jobs=jobs)
+        reply = await w.read()
+        assert reply["id"] == waiting
+        assert len(reply["jobs"]) == len(direct) == 6
+
+
 # -- the watchdog ------------------------------------------------------------------------------
 
 
