@@ -169,8 +169,8 @@ class LongPolls:
             while self._woken:
                 entry = self._woken.pop()
                 sink, tag = entry.sink, entry.tag
-                if self.closing:
-                    sink.deliver([(tag, [])])
+                if self.closing or not sink.can_wait:
+                    sink.deliver([(tag, [])])  # nobody to lease for
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its
                 # deadline), a job answers it. Its reply is reserved again, within the
@@ -181,9 +181,6 @@ class LongPolls:
                 room = sink.reply_room()
                 if room < tag.job_bytes:
                     self._short.setdefault(id(sink), set()).add(self._register(tag, sink))
-                    continue
-                if not sink.can_wait:
-                    sink.deliver([(tag, [])])  # nobody to lease for
                     continue
                 tag.reserved = min(tag.reply_bytes, room)
                 sink.reserve(tag.reserved)

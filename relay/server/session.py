@@ -142,13 +142,18 @@ class Session:
 
     def _tcp_state(self) -> int | None:
         """The connection's TCP state, where the socket tells it (Linux TCP_INFO; other
-        systems number their states differently)."""
-        if self._socket is None or not sys.platform.startswith("linux"):
+        systems number their states differently), else None."""
+        sock = self._socket
+        if (
+            sock is None
+            or sock.family not in (socket.AF_INET, socket.AF_INET6)
+            or not sys.platform.startswith("linux")
+        ):
             return None
         try:
-            return self._socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
         except OSError:
-            return TCP_CLOSE
+            return None  # cannot tell: the reader finds out when it reads
 
     # -- called by the dispatcher and the writer's hand-off (sync, trio thread) --------------
 
@@ -390,7 +395,7 @@ class Session:
         if self._room_watch is not None:
             self._room_watch.cancel()
         longpolls = self.dispatcher.longpolls
-        if self._can_wait and longpolls.short_of_room(self):
+        if longpolls.short_of_room(self):
             longpolls.room_made(self)
 
     async def _receive(self) -> bytes:

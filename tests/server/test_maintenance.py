@@ -271,3 +271,23 @@ async def test_leases_woken_without_room_park_again_and_are_answered_once(autoju
     assert [jobs for _, jobs in sink.replies] == [[], [], []]
     assert hub.parked == 0 and not hub.short_of_room(sink)
     assert count(writer, cmd.Claim) == 0
+
+
+async def test_a_lease_woken_as_its_client_leaves_is_answered_at_once(autojump_clock, store):
+    """Woken, then its client stops sending before the run task claims it: it must be
+    answered with no jobs now, not parked again (for lack of room) until its deadline."""
+    writer = FakeWriter(store)
+    hub = LongPolls(writer)  # type: ignore[arg-type]
+    writer.listeners.append(hub.on_commit)
+    sink = ShortSink(hub)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hub.run)
+        hub.park(lease_tag(wait_s=30), sink)
+        await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))  # woken, not yet run
+        sink.can_wait = False  # the client's EOF, in the same tick (Session.run)
+        hub.drop(sink)
+        await trio.testing.wait_all_tasks_blocked()
+        answered_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert [jobs for _, jobs in sink.replies] == [[]]
+    assert answered_at < 1 and hub.parked == 0 and not hub.short_of_room(sink)
