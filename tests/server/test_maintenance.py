@@ -6,6 +6,8 @@ clock is derived from trio's virtual clock, so the loops' sleeps jump instantly.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -249,13 +251,22 @@ class ShortSink(Sink):
             self.hub.room_made(self)
 
 
-async def test_leases_woken_without_room_park_again_and_are_answered_once(autojump_clock, store):
+@contextlib.asynccontextmanager
+async def hub_short_of_room(
+    store: SqliteStore,
+) -> AsyncIterator[tuple[FakeWriter, LongPolls, ShortSink]]:
+    """A running hub whose one connection has no room for replies."""
     writer = FakeWriter(store)
     hub = LongPolls(writer)  # type: ignore[arg-type]
     writer.listeners.append(hub.on_commit)
-    sink = ShortSink(hub)
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.run)
+        yield writer, hub, ShortSink(hub)
+        nursery.cancel_scope.cancel()
+
+
+async def test_leases_woken_without_room_park_again_and_are_answered_once(autojump_clock, store):
+    async with hub_short_of_room(store) as (writer, hub, sink):
         for _ in range(3):
             hub.park(lease_tag(wait_s=30), sink)
         await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))
@@ -266,7 +277,6 @@ async def test_leases_woken_without_room_park_again_and_are_answered_once(autoju
         # The client goes: each is answered once, though each reply makes room.
         hub.drop(sink)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert len(sink.replies) == 3 and len({id(tag) for tag, _ in sink.replies}) == 3
     assert [jobs for _, jobs in sink.replies] == [[], [], []]
     assert hub.parked == 0 and not hub.short_of_room(sink)
@@ -276,18 +286,12 @@ async def test_leases_woken_without_room_park_again_and_are_answered_once(autoju
 async def test_a_lease_woken_as_its_client_leaves_is_answered_at_once(autojump_clock, store):
     """Woken, then its client stops sending before the run task claims it: it must be
     answered with no jobs now, not parked again (for lack of room) until its deadline."""
-    writer = FakeWriter(store)
-    hub = LongPolls(writer)  # type: ignore[arg-type]
-    writer.listeners.append(hub.on_commit)
-    sink = ShortSink(hub)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(hub.run)
+    async with hub_short_of_room(store) as (writer, hub, sink):
         hub.park(lease_tag(wait_s=30), sink)
         await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))  # woken, not yet run
         sink.can_wait = False  # the client's EOF, in the same tick (Session.run)
         hub.drop(sink)
         await trio.testing.wait_all_tasks_blocked()
         answered_at = trio.current_time()
-        nursery.cancel_scope.cancel()
     assert [jobs for _, jobs in sink.replies] == [[]]
     assert answered_at < 1 and hub.parked == 0 and not hub.short_of_room(sink)
