@@ -8,6 +8,7 @@ the fields in ``extra={"fields": {...}}``; ``configure`` installs the JSON forma
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -52,3 +53,26 @@ def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
     """Log ``name`` with ``fields`` (skipping the work when the level is off)."""
     if logger.isEnabledFor(level):
         logger.log(level, name, extra={"fields": fields})
+
+
+# Events that may come in floods (refused connections) are logged at most this often.
+SUMMARY_INTERVAL_S = 1.0
+
+
+class Summary:
+    """Counts one kind of event that may come in floods, and says when to log it: at most
+    once per ``interval`` seconds, with how many there were since the last line (a client
+    pool reconnecting in a loop would otherwise write a line per attempt)."""
+
+    def __init__(self, interval: float = SUMMARY_INTERVAL_S) -> None:
+        self.interval = interval
+        self._count = 0
+        self._logged_at = -math.inf
+
+    def count(self, now: float) -> int:
+        """Count one at ``now``; return how many to log now (0: stay quiet)."""
+        self._count += 1
+        if now - self._logged_at < self.interval:
+            return 0
+        n, self._count, self._logged_at = self._count, 0, now
+        return n

@@ -253,9 +253,7 @@ class Dispatcher:
         try:
             await self.writer.send(command, connection, tag)
         except BaseException:  # not queued (shutting down, or cancelled): nothing to answer
-            if tag.reserved:
-                connection.release(tag.reserved)
-                tag.reserved = 0
+            _give_back(connection, tag)
             raise
         tag.queued = True
 
@@ -435,9 +433,7 @@ class Dispatcher:
                 # long-polls would fill the connection's byte budget and stop its reader
                 # (max_in_flight still counts them). Woken, it reserves again, within the
                 # room the connection has left (LongPolls.run).
-                if tag.reserved:
-                    connection.release(tag.reserved)
-                    tag.reserved = 0
+                _give_back(connection, tag)
                 return None
             try:
                 data = wire.encode_ok(tag.request_id, tag.encode(outcome))
@@ -445,10 +441,16 @@ class Dispatcher:
                 log.exception("encoding the reply of %s failed", tag.op)
                 error = InternalError("internal error; the server logged it")
                 data = wire.encode_error(tag.request_id, error)
-        if tag.reserved:
-            connection.release(tag.reserved)
+        _give_back(connection, tag)
         self._end(tag.op, tag.started)
         return data
+
+
+def _give_back(connection: Connection, tag: Pending) -> None:
+    """Release what ``tag`` holds reserved of the connection's reply budget (once)."""
+    if tag.reserved:
+        connection.release(tag.reserved)
+        tag.reserved = 0
 
 
 def _no_fields(_: Any) -> dict[str, Any]:

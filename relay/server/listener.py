@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Awaitable, Callable
 
 import trio
 
 from relay import wire
 from relay.errors import Overloaded
-from relay.log import event
+from relay.log import Summary, event
 
 log = logging.getLogger("relay.listener")
 
 # A refused peer gets this long to take its one line; it is written inline by the accept
 # loop, and a fresh socket's send buffer takes ~60 bytes at once, so this rarely waits.
 REFUSE_TIMEOUT_S = 1.0
-# Refused connections are logged at most once per this many seconds (with how many there
-# were since the last line): a client pool reconnecting in a loop would flood the log.
-REFUSED_LOG_INTERVAL_S = 1.0
 
 
 def _peer(stream: trio.SocketStream) -> str:
@@ -52,8 +48,7 @@ class Listener:
         self.limiter = trio.CapacityLimiter(max_connections)
         self._accepting = trio.CancelScope()
         self.refused = 0
-        self._refused_logged = 0  # ``refused`` when the last line was logged
-        self._refused_logged_at = -math.inf
+        self._refusals = Summary()  # logged in summary: they come in floods
 
     @property
     def connections(self) -> int:
@@ -96,12 +91,9 @@ class Listener:
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         self.refused += 1
-        now = trio.current_time()
-        if now - self._refused_logged_at >= REFUSED_LOG_INTERVAL_S:
-            since = self.refused - self._refused_logged
+        if n := self._refusals.count(trio.current_time()):
             event(log, logging.WARNING, "connection.refused", peer=_peer(stream),
-                  reason="max_connections", refused=since)  # fmt: skip
-            self._refused_logged, self._refused_logged_at = self.refused, now
+                  reason="max_connections", refused=n)  # fmt: skip
         error = Overloaded(f"too many connections (max {self.limiter.total_tokens})")
         with trio.move_on_after(REFUSE_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(wire.encode_error(None, error))

@@ -19,7 +19,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from relay.histogram import HistogramSnapshot
-from relay.log import event
+from relay.log import Summary, event
 from relay.model import JobState
 
 log = logging.getLogger("relay.metrics")
@@ -123,12 +123,15 @@ async def serve_metrics(
     """Serve /metrics and /healthz until cancelled (one request per connection, at most
     ``MAX_HTTP_CONNECTIONS`` at once)."""
     limiter = trio.CapacityLimiter(MAX_HTTP_CONNECTIONS)
+    refusals = Summary()  # logged in summary: they come in floods
 
     async def handle(stream: trio.SocketStream) -> None:
         try:
             limiter.acquire_nowait()
         except trio.WouldBlock:
-            event(log, logging.WARNING, "metrics.refused", reason="max_http_connections")
+            if n := refusals.count(trio.current_time()):
+                event(log, logging.WARNING, "metrics.refused",
+                      reason="max_http_connections", refused=n)  # fmt: skip
             await trio.aclose_forcefully(stream)
             return
         try:

@@ -101,6 +101,15 @@ class Session:
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
         self._socket = stream.socket if self._fd is not None else None  # type: ignore[attr-defined]
+        # The same socket where its TCP state can be read (TCP on Linux: TCP_INFO; other
+        # systems number their states differently), else None.
+        self._tcp = (
+            self._socket
+            if self._socket is not None
+            and self._socket.family in (socket.AF_INET, socket.AF_INET6)
+            and sys.platform.startswith("linux")
+            else None
+        )
         self._full_read = False  # the last read filled its buffer: more is likely waiting
         self._out: list[bytes] = []  # reply bytes not yet written, in order
         self._out_count = 0  # replies (whole or partly) in _out
@@ -141,17 +150,11 @@ class Session:
         return self._can_wait
 
     def _tcp_state(self) -> int | None:
-        """The connection's TCP state, where the socket tells it (Linux TCP_INFO; other
-        systems number their states differently), else None."""
-        sock = self._socket
-        if (
-            sock is None
-            or sock.family not in (socket.AF_INET, socket.AF_INET6)
-            or not sys.platform.startswith("linux")
-        ):
+        """The connection's TCP state, where the socket tells it, else None."""
+        if self._tcp is None:
             return None
         try:
-            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            return self._tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
         except OSError:
             return None  # cannot tell: the reader finds out when it reads
 
@@ -248,14 +251,17 @@ class Session:
     def _owed(self) -> int:
         return self.in_flight + self._out_count + self._sending
 
+    def _stop_waiting(self) -> None:
+        """The client has stopped sending (EOF, a reset, a fatal frame, shutdown): its
+        parked long-polls are answered now, and none parks or is claimed again."""
+        self._can_wait = False
+        self.dispatcher.longpolls.drop(self)
+
     def _full(self) -> bool:
         """No more requests are read for now: ``max_in_flight`` are owed, or the bytes of
         the replies owed (reserved by large requests in flight, or not yet written) reach
         MAX_OWED_BYTES."""
-        return (
-            self._owed() >= self.limits.max_in_flight
-            or self._reserved + self._unsent >= MAX_OWED_BYTES
-        )
+        return self._owed() >= self.limits.max_in_flight or self.reply_room() <= 0
 
     async def run(self) -> None:
         """Serve the connection until the client leaves, idles out, or is cancelled.
@@ -269,8 +275,7 @@ class Session:
                 nursery.start_soon(self._watchdog)
                 with self._reading:
                     await self._read_loop()
-                self._can_wait = False
-                self.dispatcher.longpolls.drop(self)
+                self._stop_waiting()
                 # The client sent its last request (or the server stops reading): write
                 # what is owed, then close.
                 with trio.move_on_after(self.limits.max_wait_ms / 1000 + DRAIN_GRACE_S):
@@ -281,8 +286,7 @@ class Session:
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = True
-            self._can_wait = False
-            self.dispatcher.longpolls.drop(self)
+            self._stop_waiting()
             await trio.aclose_forcefully(self.stream)
 
     async def _linger(self) -> None:
@@ -317,8 +321,7 @@ class Session:
                 # Nothing after the oversized frame is read. The lines before it are
                 # answered first (their commits may still be on the way; a parked
                 # long-poll ends now), so that a client reading the error knows the rest.
-                self._can_wait = False
-                self.dispatcher.longpolls.drop(self)
+                self._stop_waiting()
                 with trio.move_on_after(DRAIN_GRACE_S):
                     while self._owed():
                         await self._room_lot.park()
@@ -380,10 +383,8 @@ class Session:
                 more = b""
             finally:
                 self._room_watch = None
-            if more:
-                return False  # requests: they wait for room, unread
-            self._can_wait = False
-            self.dispatcher.longpolls.drop(self)
+            if not more:  # EOF or a reset; requests would wait for room, unread
+                self._stop_waiting()
             return False
         return True  # room was made
 

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from relay import wire
-from relay.server.listener import REFUSED_LOG_INTERVAL_S
+from relay.log import SUMMARY_INTERVAL_S
 from tests.server.conftest import LineClient, RunningServer, start_server
 from tests.worker_helpers import serving
 
@@ -1100,7 +1100,7 @@ async def test_a_flood_of_refused_connections_is_logged_in_summary(tmp_path):
     finally:
         logger.removeHandler(handler)
     refused = [r for r in records if r.getMessage() == "connection.refused"]
-    assert 1 <= len(refused) <= 1 + elapsed / REFUSED_LOG_INTERVAL_S, (len(refused), elapsed)
+    assert 1 <= len(refused) <= 1 + elapsed / SUMMARY_INTERVAL_S, (len(refused), elapsed)
     assert sum(r.fields["refused"] for r in refused) <= 30  # type: ignore[attr-defined]
     assert refused[0].fields["refused"] == 1  # type: ignore[attr-defined]
 

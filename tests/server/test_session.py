@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -631,7 +630,8 @@ async def test_long_polls_woken_together_stay_within_the_reply_budget(tmp_path, 
     monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 1024 * 1024)
     monkeypatch.setattr(session_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
     payload = "x" * 40 * 1024
-    async with custom_server(tmp_path) as srv, connected(srv) as c:
+    limits = wire.Limits(max_frame_bytes=8 * 1024 * 1024)  # all 100 jobs in one commit
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
         slow = await open_raw(srv)  # a small receive buffer: it reads later
         leases = [
             {"op": "lease", "id": i, "queues": ["lp"], "worker_id": W, "count": 5,
@@ -642,17 +642,10 @@ async def test_long_polls_woken_together_stay_within_the_reply_budget(tmp_path, 
             await slow.send(pipelined(leases))
             await wait_all_tasks_blocked()
             await c.ok("stats")  # all parked
-            due = int(time.time() * 1000) + 300  # the promoter makes all ready at once
-            for _ in range(5):
-                await c.ok("submit_batch", jobs=[
-                    {"queue": "lp", "payload": payload, "run_at": due} for _ in range(20)
-                ])  # fmt: skip
             with session_events() as events:
-                # Polls state the server exposes only through requests.
-                while (await queue_stats(c, "lp"))["pending"]:  # noqa: ASYNC110
-                    await trio.sleep(0.05)
-                await wait_all_tasks_blocked()
-                await c.ok("stats")  # the woken claims are committed and answered
+                await c.ok("submit_batch", jobs=[{"queue": "lp", "payload": payload}] * 100)
+                await wait_all_tasks_blocked()  # the woken leases' claims are queued
+                await c.ok("stats")  # and committed and answered before this
             assert (await queue_stats(c, "lp"))["leased"] < 100  # not all sent at once
             # Now it reads: all 20 replies, and a ping after them on the same connection.
             await slow.send(pipelined([{"op": "ping", "id": "after"}]))
@@ -673,17 +666,19 @@ async def test_a_woken_long_poll_takes_no_more_than_a_lease_that_found_jobs_at_o
     """Both stop adding jobs at max_reply_bytes (1 MiB of texts; 200 KiB jobs: 6): a woken
     lease's claim, budgeted by what it reserved, must not take more."""
     payload = "x" * 200 * 1024
-    async with custom_server(tmp_path) as srv, connected(srv) as c, connected(srv) as w:
+    limits = wire.Limits(max_frame_bytes=4 * 1024 * 1024)  # all ten jobs in one commit
+    async with (
+        custom_server(tmp_path, limits=limits) as srv,
+        connected(srv) as c,
+        connected(srv) as w,
+    ):
         for _ in range(10):
             await submit(c, queue="now", payload=payload)
         direct = (await w.ok("lease", queues=["now"], worker_id=W, count=10))["jobs"]
         waiting = await w.send("lease", queues=["later"], worker_id=W, count=10, wait_ms=9000)
         await wait_all_tasks_blocked()
         await c.ok("stats")  # parked
-        due = int(time.time() * 1000) + 300  # the promoter makes all ten ready at once
-        for n in (4, 4, 2):
-            jobs = [{"queue": "later", "payload": payload, "run_at": due}] * n
-            await c.ok("submit_batch", jobs=jobs)
+        await c.ok("submit_batch", jobs=[{"queue": "later", "payload": payload}] * 10)
         reply = await w.read()
         assert reply["id"] == waiting
         assert len(reply["jobs"]) == len(direct) == 6
