@@ -182,8 +182,10 @@ _converter = make_converter()
 
 
 def print_json(value: Any) -> None:
-    """``value`` (an attrs result, or plain data) as indented JSON on stdout. Keys are the
-    result's fields in declaration order, every one present (None as null)."""
+    """``value`` (an attrs result or named tuple, or plain data) as indented JSON on stdout.
+    Keys are the result's fields in declaration order, every one present (None as null)."""
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        value = value._asdict()
     data = value if isinstance(value, dict) else _converter.unstructure(value)
     click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
 

@@ -71,10 +71,10 @@ class LocalTransport:
             await self.request("release", {"job_id": job["job_id"], "worker_id": worker_id,
                                            "token": job["token"]})  # fmt: skip
 
-    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
+    def deliver(self, pairs: list[tuple[Any, Any]]) -> None:
         finish = self._core.dispatcher.finish
-        for tag, outcome in replies:
-            data = finish(self, tag, outcome)
+        for item, reply in pairs:
+            data = finish(self, item, reply)
             if data is not None:
                 self.reply(data)
 
@@ -88,7 +88,8 @@ class LocalTransport:
         self._waiting[request_id] = slot
         try:
             line = orjson.dumps({"op": op, "id": request_id, **fields})
-            await self._core.dispatcher.dispatch(self, line)
+            await self._core.writer.wait_room()
+            self._core.dispatcher.dispatch(self, line, trio.current_time())
             await slot[0].wait()
         except trio.Cancelled:
             if op == "lease" and request_id in self._waiting:

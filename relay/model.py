@@ -1,7 +1,9 @@
 """The job model: states, priorities, retry policy and the pure rules over them. No I/O.
 
 Everything here is a value (frozen attrs) or a pure function, so the store, the server and
-the tests share one definition of "what a job is" and "when it runs next".
+the tests share one definition of "what a job is" and "when it runs next". The values made
+once per job on the request path (``SubmitSpec``, ``SubmitResult``, ``Lease``) are named
+tuples: as immutable, and made in a fraction of a frozen attrs class's time.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import enum
 import random
 import re
+from typing import NamedTuple
 
 import attrs
 
@@ -99,8 +102,7 @@ class Backoff:
 DEFAULT_BACKOFF = Backoff()
 
 
-@attrs.frozen
-class SubmitSpec:
+class SubmitSpec(NamedTuple):
     """One job to create. ``payload`` is its JSON text, already validated and size-checked.
 
     The due time is ``run_at`` if given, else now + ``delay_ms``; the store applies its own
@@ -120,15 +122,13 @@ class SubmitSpec:
         return self.run_at if self.run_at is not None else now + self.delay_ms
 
 
-@attrs.frozen
-class SubmitResult:
+class SubmitResult(NamedTuple):
     job_id: str
     state: JobState
     duplicate: bool
 
 
-@attrs.frozen
-class Lease:
+class Lease(NamedTuple):
     """A claimed job as a worker sees it. ``payload`` is JSON text."""
 
     job_id: str

@@ -267,6 +267,60 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
                       DEFAULT_BACKOFF, key)  # fmt: skip
 
 
+def _short_text(value: Any, max_bytes: int) -> bool:
+    """A non-empty string of at most ``max_bytes`` UTF-8 bytes (the common case cheaply:
+    a string of at most max_bytes / 4 characters cannot be longer)."""
+    if type(value) is not str or not value:
+        return False
+    return len(value) <= max_bytes >> 2 or len(value.encode()) <= max_bytes
+
+
+_FAST_ACK_FIELDS = frozenset({"op", "id", "job_id", "worker_id", "token", "result"})
+
+
+def fast_ack(fields: dict[str, Any], limits: Limits) -> tuple[str, str, str, str | None] | None:
+    """(job_id, worker_id, token, result text) of a plain, valid ack, or None to take the
+    full path (as ``fast_submit_spec``)."""
+    if not _FAST_ACK_FIELDS.issuperset(fields):
+        return None
+    job_id, worker_id, token = fields.get("job_id"), fields.get("worker_id"), fields.get("token")
+    most = limits.max_id_bytes
+    if not (
+        _short_text(job_id, most) and _short_text(worker_id, most) and _short_text(token, most)
+    ):
+        return None
+    result = fields.get("result")
+    if result is not None:
+        result = encode_json_value("result", result, limits.max_result_bytes)
+    return job_id, worker_id, token, result
+
+
+_FAST_LEASE_FIELDS = frozenset({"op", "id", "queues", "worker_id", "count", "lease_ms", "wait_ms"})
+
+
+def fast_lease(fields: dict[str, Any], limits: Limits) -> LeaseRequest | None:
+    """The ``LeaseRequest`` of a plain, valid lease, or None to take the full path (as
+    ``fast_submit_spec``)."""
+    if not _FAST_LEASE_FIELDS.issuperset(fields):
+        return None
+    queues = fields.get("queues")
+    worker_id = fields.get("worker_id")
+    count = fields.get("count", 1)
+    lease_ms = fields.get("lease_ms", DEFAULT_LEASE_MS)
+    wait_ms = fields.get("wait_ms", 0)
+    if (
+        type(queues) is not list
+        or not 1 <= len(queues) <= limits.max_queues_per_lease
+        or not all(valid_queue(queue) for queue in queues)
+        or not _short_text(worker_id, limits.max_id_bytes)
+        or type(count) is not int or not 1 <= count <= limits.max_batch
+        or type(lease_ms) is not int or not 1 <= lease_ms <= limits.max_lease_ms
+        or type(wait_ms) is not int or not 0 <= wait_ms <= limits.max_wait_ms
+    ):  # fmt: skip
+        return None
+    return LeaseRequest(queues, worker_id, count, lease_ms, wait_ms)
+
+
 @attrs.frozen
 class SubmitBatch:
     jobs: list[dict[str, Any]]
@@ -510,10 +564,10 @@ def decode_frame(line: bytes) -> Frame:
     if not isinstance(data, dict):
         raise BadRequest("a request must be a JSON object")
     request_id = data.get("id")
-    return Frame(request_id if _valid_id(request_id) else None, data.get("op"), data)
+    return Frame(request_id if valid_id(request_id) else None, data.get("op"), data)
 
 
-def _valid_id(request_id: Any) -> bool:
+def valid_id(request_id: Any) -> bool:
     kind = type(request_id)
     return request_id is None or kind is int or (kind is str and len(request_id) <= 256)
 
@@ -524,7 +578,7 @@ def parse_request(frame: Frame, limits: Limits) -> Any:
     ``submit`` becomes a ``SubmitSpec``; ``submit_batch`` a tuple of them (all checked
     before any is used: one bad job rejects the batch, naming its index).
     """
-    if not _valid_id(frame.fields.get("id")):
+    if not valid_id(frame.fields.get("id")):
         raise _bad("id", "must be a string (at most 256 characters) or an integer")
     if not isinstance(frame.op, str):
         raise _bad("op", "required, a string")

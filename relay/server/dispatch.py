@@ -1,10 +1,13 @@
-"""From a parsed frame to a store command, and from a committed outcome to reply bytes.
+"""From a request line to a writer item, and the accounting of every request until answered.
 
-The dispatcher is transport-free: it talks to a ``Connection`` (anything with ``deliver``,
-``reply``, ``begin_request`` and a nursery for rare admin work), so TCP sessions and the
-WebSocket endpoint share it. The hot path spawns no task and allocates no Event: a request
-becomes an envelope for the writer, tagged with a small ``Pending``; the writer's hand-off
-calls ``Connection.deliver``, which calls ``finish`` to encode each reply.
+The dispatcher is transport-free: it talks to a ``Connection`` (a TCP session, the
+embedded transport), so every transport shares one meaning of each request. ``dispatch``
+is synchronous and made for the hot path: one ``orjson.loads``, plain checks of the common
+shapes (``wire.fast_*``; anything else takes the general, typed path, which names what is
+wrong), and one tuple into the writer; no task, Event, coroutine or object per request
+(except a lease's ``PendingLease``). Replies that need no database (hello, ping, errors)
+are given at once. The writer thread makes the others' reply lines after the commit
+(relay/server/ops.py); the connection's ``deliver`` hands each to ``finish``.
 """
 
 from __future__ import annotations
@@ -15,17 +18,17 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
+import orjson
 import trio
 
 from relay import wire
-from relay.errors import InternalError, RelayError, ShuttingDown
+from relay.errors import BadRequest, InternalError, RelayError, ShuttingDown, UnknownOp
 from relay.histogram import Histogram
-from relay.log import event
-from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult
+from relay.server import ops
 from relay.server.longpoll import LongPolls
 from relay.store import commands as cmd
 from relay.store.sqlite import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
-from relay.store.writer import Writer
+from relay.store.writer import Item, Writer
 
 log = logging.getLogger("relay.dispatch")
 
@@ -48,11 +51,11 @@ class Connection(Protocol):
     can_wait: bool  # a long-poll may park for this connection
 
     def begin_request(self) -> None: ...
-    def reserve(self, nbytes: int) -> None: ...  # a large reply is coming (Dispatcher._send)
+    def reserve(self, nbytes: int) -> None: ...  # a large reply is coming
     def release(self, nbytes: int) -> None: ...
     def reply_room(self) -> int: ...  # reply bytes it may still be owed (see LongPolls.run)
     def reply(self, data: bytes) -> None: ...
-    def deliver(self, replies: list[tuple[Any, Any]]) -> None: ...
+    def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
 
 
 def _job_reply_bytes(limits: wire.Limits) -> int:
@@ -60,81 +63,6 @@ def _job_reply_bytes(limits: wire.Limits) -> int:
     its last error and error history (each error byte at most 6 once escaped as JSON)."""
     errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
-
-
-@attrs.define(slots=True, eq=False)
-class Pending:
-    """The tag of a request in flight: enough to encode its reply and to time it."""
-
-    request_id: Any
-    op: str
-    started: float
-    encode: Callable[[Any], dict[str, Any]]
-    queued: bool = False  # handed to the writer (or to an admin task): answered later
-    reserved: int = 0  # reply bytes the connection set aside for it (see Connection.reserve)
-
-
-@attrs.define(slots=True, eq=False)
-class PendingLease(Pending):
-    queues: tuple[str, ...] = ()
-    worker_id: str = ""
-    count: int = 1
-    lease_ms: int = 0
-    deadline: float = 0.0
-
-    max_bytes: int | None = None
-    reply_bytes: int = 0  # the most its reply may take: what it reserves while claimed
-    job_bytes: int = 0  # the most one job takes in its reply
-
-    def claim(self, max_bytes: int | None = None) -> cmd.Claim:
-        """Its claim, within ``max_bytes`` of job texts if given (never past its own)."""
-        budget = self.max_bytes
-        if max_bytes is not None:
-            budget = max_bytes if budget is None else min(budget, max_bytes)
-        return cmd.Claim(self.queues, self.worker_id, self.count, self.lease_ms, budget)
-
-
-def _submit_result(result: SubmitResult) -> dict[str, Any]:
-    return {"job_id": result.job_id, "state": str(result.state), "duplicate": result.duplicate}
-
-
-def _encode_submit(results: list[SubmitResult]) -> dict[str, Any]:
-    return _submit_result(results[0])
-
-
-def _encode_batch(results: list[SubmitResult]) -> dict[str, Any]:
-    return {"results": [_submit_result(r) for r in results]}
-
-
-def _encode_lease(leases: list[Lease]) -> dict[str, Any]:
-    return {"jobs": [wire.lease_fields(lease) for lease in leases]}
-
-
-def _encode_ack_batch(outcomes: list[RelayError | None]) -> dict[str, Any]:
-    return {
-        "results": [
-            {"ok": True, "state": "succeeded"}
-            if outcome is None
-            else {"ok": False, "error": {"code": outcome.code, "message": outcome.message}}
-            for outcome in outcomes
-        ]
-    }
-
-
-def _encode_fail(outcome: FailOutcome) -> dict[str, Any]:
-    fields: dict[str, Any] = {"state": str(outcome.state)}
-    if outcome.retry_at is not None:
-        fields["retry_at"] = outcome.retry_at
-    return fields
-
-
-def _encode_inspect(job: JobInfo) -> dict[str, Any]:
-    return {"job": wire.job_fields(job)}
-
-
-def _encode_dead_list(page: tuple[list[JobInfo], str | None]) -> dict[str, Any]:
-    jobs, next_cursor = page
-    return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
 
 
 @attrs.frozen
@@ -145,14 +73,9 @@ class DispatchStatistics:
 
 
 class Dispatcher:
-    """Turns requests into store commands and outcomes into replies, for every connection."""
+    """Turns request lines into writer items, and answers, for every connection."""
 
-    def __init__(
-        self,
-        writer: Writer,
-        limits: wire.Limits,
-        longpolls: LongPolls,
-    ) -> None:
+    def __init__(self, writer: Writer, limits: wire.Limits, longpolls: LongPolls) -> None:
         self.writer = writer
         self.limits = limits
         self.longpolls = longpolls
@@ -165,23 +88,25 @@ class Dispatcher:
         self._idle.set()
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
         self._job_bytes = _job_reply_bytes(limits)
+        self._ops: dict[str, Callable[[Connection, Any, float, dict], None]] = {
+            "hello": self._hello,
+            "ping": self._ping,
+            "submit": self._submit,
+            "submit_batch": self._submit_batch,
+            "lease": self._lease,
+            "renew": self._renew,
+            "ack": self._ack,
+            "ack_batch": self._ack_batch,
+            "fail": self._fail,
+            "release": self._release,
+            "inspect": self._inspect,
+            "stats": self._stats,
+            "dead_list": self._dead_list,
+            "dead_retry": self._dead_retry,
+            "dead_purge": self._dead_purge,
+        }
 
     # -- accounting --------------------------------------------------------------------------
-
-    def _begin(self, connection: Connection) -> None:
-        connection.begin_request()
-        self.in_flight += 1
-        if self._idle.is_set():
-            self._idle = trio.Event()
-
-    def _end(self, op: str, started: float) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
-        histogram = self._durations.get(op)
-        if histogram is None:
-            histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
-        histogram.observe(trio.current_time() - started)
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight on any connection."""
@@ -195,263 +120,254 @@ class Dispatcher:
             durations={op: h.snapshot() for op, h in self._durations.items()},
         )
 
-    def _reply_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
+    def _observe(self, op: str, started: float) -> None:
+        histogram = self._durations.get(op)
+        if histogram is None:
+            histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
+        histogram.observe(trio.current_time() - started)
+
+    def _answer_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
+        """Answer a request that was not queued: counted in and out at once."""
+        connection.begin_request()
         connection.reply(data)
-        self._end(op, started)
+        self._observe(op, started)
+
+    def _queue(self, connection: Connection, item: Item) -> None:
+        """Hand ``item`` to the writer. A request whose reply may be large (inspect,
+        dead_list, lease) has reserved that much of its connection's reply budget: given
+        back when answered (``answered``) or here, if it cannot be queued."""
+        try:
+            self.writer.put(item)
+        except ShuttingDown as exc:
+            if item[0].reserves:
+                _give_back(connection, item[4])
+            self._answer_now(connection, item[0].name, item[3], wire.encode_error(item[2], exc))
+            return
+        connection.begin_request()
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self._idle = trio.Event()
+
+    def answered(self, connection: Connection, item: Item) -> None:
+        """``item`` is answered (or dropped with its connection): count it out."""
+        op = item[0]
+        if op.reserves:
+            _give_back(connection, item[4])
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+        self._observe(op.name, item[3])
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def dispatch(self, connection: Connection, line: bytes) -> None:
-        """Handle one frame. Waits only for room in the writer's channel (backpressure)."""
-        started = trio.current_time()
-        self._begin(connection)
+    def dispatch(self, connection: Connection, line: bytes, started: float) -> None:
+        """Handle one frame that arrived at ``started`` (trio time). Never waits: the
+        caller waits for room in the writer (``Writer.wait_room``) before calling."""
         request_id: Any = None
         op = "invalid"
         try:
-            frame = wire.decode_frame(line)
-            request_id = frame.id
-            op = frame.op if isinstance(frame.op, str) and frame.op in wire.REQUEST_TYPES else op
-            request = wire.parse_request(frame, self.limits)
-            handler = getattr(self, f"_op_{frame.op}")
-            tag = Pending(request_id, op, started, _no_fields)
             try:
-                await handler(connection, tag, request)
-            except Exception:
-                raise  # answered just below
-            except BaseException:
-                if not tag.queued:
-                    # Cancelled while waiting for room in the writer (the connection is
-                    # closing): answered here, or it would stay in flight for ever.
-                    error = ShuttingDown("not queued: the connection is closing")
-                    self._reply_now(connection, op, started, wire.encode_error(request_id, error))
-                raise
+                fields = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(f"not valid JSON: {exc}") from None
+            if type(fields) is not dict:
+                raise BadRequest("a request must be a JSON object")
+            request_id = fields.get("id")
+            name = fields.get("op")
+            handler = self._ops.get(name) if type(name) is str else None
+            if handler is None or not wire.valid_id(request_id):
+                if not wire.valid_id(request_id):
+                    request_id = None
+                wire.parse_request(wire.Frame(request_id, name, fields), self.limits)
+                raise UnknownOp(f"unknown op {name!r}")  # (parse_request raised first)
+            op = name
+            handler(connection, request_id, started, fields)
         except RelayError as exc:
-            self._reply_now(connection, op, started, wire.encode_error(request_id, exc))
+            self._answer_now(connection, op, started, wire.encode_error(request_id, exc))
         except Exception:
             log.exception("request.internal_error", extra={"fields": {"op": op}})
             error = InternalError("internal error; the server logged it")
-            self._reply_now(connection, op, started, wire.encode_error(request_id, error))
+            self._answer_now(connection, op, started, wire.encode_error(request_id, error))
 
-    async def _send(
-        self,
-        connection: Connection,
-        tag: Pending,
-        command: Any,
-        encode: Callable,
-        reply_bytes: int = 0,
-    ) -> None:
-        """Hand ``command`` to the writer. A request whose reply may be large (up to
-        ``reply_bytes``: inspect, dead_list, lease) reserves that much of the connection's
-        reply budget until it is answered (``finish``), so that a client cannot have
-        hundreds of MiB of replies in flight: max_in_flight counts requests, not bytes.
-        Reserved before it is queued, since once queued it may be answered before this
-        task runs again."""
-        tag.encode = encode
-        if reply_bytes:
-            tag.reserved = reply_bytes
-            connection.reserve(reply_bytes)
-        try:
-            await self.writer.send(command, connection, tag)
-        except BaseException:  # not queued (shutting down, or cancelled): nothing to answer
-            _give_back(connection, tag)
-            raise
-        tag.queued = True
+    def _typed(self, fields: dict[str, Any], name: str) -> Any:
+        """The general path: the typed, range-checked request (relay/wire.py)."""
+        return wire.parse_request(wire.Frame(fields.get("id"), name, fields), self.limits)
 
-    async def _op_hello(self, connection: Connection, tag: Pending, request: wire.Hello) -> None:
-        fields = {
+    def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._typed(fields, "hello")
+        reply = {
             "server": "relay-trio",
             "version": VERSION,
             "protocol": wire.PROTOCOL_VERSION,
             "limits": self.limits.advertised(),
         }
-        self._reply_now(connection, tag.op, tag.started, wire.encode_ok(tag.request_id, fields))
+        self._answer_now(connection, "hello", started, wire.encode_ok(rid, reply))
 
-    async def _op_ping(self, connection: Connection, tag: Pending, request: wire.Ping) -> None:
-        self._reply_now(connection, tag.op, tag.started, wire.encode_ok(tag.request_id, {}))
+    def _ping(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._answer_now(connection, "ping", started, wire.encode_ok(rid, {}))
 
-    async def _op_submit(self, connection: Connection, tag: Pending, spec: Any) -> None:
-        await self._send(connection, tag, cmd.Submit((spec,)), _encode_submit)
+    def _submit(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        spec = wire.fast_submit_spec(fields, self.limits) or self._typed(fields, "submit")
+        self._queue(connection, (ops.SUBMIT, connection, rid, started, spec))
 
-    async def _op_submit_batch(self, connection: Connection, tag: Pending, specs: Any) -> None:
-        await self._send(connection, tag, cmd.Submit(specs), _encode_batch)
+    def _submit_batch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        specs = self._typed(fields, "submit_batch")
+        self._queue(connection, (ops.SUBMIT_BATCH, connection, rid, started, specs))
 
-    async def _op_lease(
-        self, connection: Connection, tag: Pending, request: wire.LeaseRequest
-    ) -> None:
+    def _lease(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = wire.fast_lease(fields, self.limits) or self._typed(fields, "lease")
         if not self.leasing:
-            data = wire.encode_ok(tag.request_id, {"jobs": []})
-            self._reply_now(connection, tag.op, tag.started, data)
+            self._answer_now(connection, "lease", started, wire.encode_ok(rid, {"jobs": []}))
             return
-        lease = PendingLease(
-            tag.request_id,
-            tag.op,
-            tag.started,
-            _encode_lease,
+        # The reply holds up to `count` payloads, within max_reply_bytes (plus the one job
+        # that may cross it): reserved until answered.
+        job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
+        reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
+        lease = ops.PendingLease(
             queues=tuple(dict.fromkeys(request.queues)),
             worker_id=request.worker_id,
             count=request.count,
             lease_ms=request.lease_ms,
-            deadline=tag.started + request.wait_ms / 1000,
+            deadline=started + request.wait_ms / 1000 if request.wait_ms else 0.0,
             max_bytes=self.limits.max_reply_bytes,
+            reply_bytes=reply_bytes,
+            job_bytes=job,
+            reserved=reply_bytes,
         )
-        # The reply holds up to `count` payloads, within max_reply_bytes (plus the one job
-        # that may cross it): reserved as in _send.
-        lease.job_bytes = job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
-        lease.reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
-        await self._send(connection, lease, lease.claim(), _encode_lease, lease.reply_bytes)
-        tag.queued = True
+        connection.reserve(reply_bytes)
+        self._queue(connection, (ops.CLAIM, connection, rid, started, lease))
 
-    async def _op_renew(self, connection: Connection, tag: Pending, request: wire.Renew) -> None:
-        command = cmd.Renew(request.job_id, request.worker_id, request.token, request.lease_ms)
-        await self._send(connection, tag, command, lambda at: {"lease_expires_at": at})
+    def _renew(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "renew")
+        args = (r.job_id, r.worker_id, r.token, r.lease_ms)
+        self._queue(connection, (ops.RENEW, connection, rid, started, args))
 
-    async def _op_ack(self, connection: Connection, tag: Pending, request: wire.Ack) -> None:
-        result = request.result_text(self.limits)
-        command = cmd.Ack(request.job_id, request.worker_id, request.token, result)
-        await self._send(connection, tag, command, lambda _: {"state": "succeeded"})
+    def _ack(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        args = wire.fast_ack(fields, self.limits)
+        if args is None:
+            r = self._typed(fields, "ack")
+            args = (r.job_id, r.worker_id, r.token, r.result_text(self.limits))
+        self._queue(connection, (ops.ACK, connection, rid, started, args))
 
-    async def _op_ack_batch(
-        self, connection: Connection, tag: Pending, acks: wire.AckTuples
-    ) -> None:
-        await self._send(connection, tag, cmd.AckBatch(acks), _encode_ack_batch)
+    def _ack_batch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        acks = self._typed(fields, "ack_batch")
+        self._queue(connection, (ops.ACK_BATCH, connection, rid, started, acks))
 
-    async def _op_fail(self, connection: Connection, tag: Pending, request: wire.Fail) -> None:
-        command = cmd.Fail(
-            request.job_id, request.worker_id, request.token, request.error, request.retryable
-        )
+    def _fail(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "fail")
+        args = (r.job_id, r.worker_id, r.token, r.error, r.retryable)
+        self._queue(connection, (ops.FAIL, connection, rid, started, args))
 
-        def encode(outcome: FailOutcome) -> dict[str, Any]:
-            if outcome.state == JobState.DEAD:
-                event(
-                    log, logging.WARNING, "job.dead", job_id=request.job_id,
-                    reason="failed" if request.retryable else "failed, not retryable",
-                    error=request.error[:200],
-                )  # fmt: skip
-            return _encode_fail(outcome)
+    def _release(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "release")
+        args = (r.job_id, r.worker_id, r.token)
+        self._queue(connection, (ops.RELEASE, connection, rid, started, args))
 
-        await self._send(connection, tag, command, encode)
+    def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "inspect")
+        args = ops.Reserving(r.job_id, self._job_bytes)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.INSPECT, connection, rid, started, args))
 
-    async def _op_release(
-        self, connection: Connection, tag: Pending, request: wire.Release
-    ) -> None:
-        command = cmd.Release(request.job_id, request.worker_id, request.token)
-        await self._send(connection, tag, command, lambda _: {"state": "ready"})
+    def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._typed(fields, "stats")
+        server = {
+            "version": VERSION,
+            "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
+            "connections": self.connections(),
+        }
+        self._queue(connection, (ops.STATS, connection, rid, started, server))
 
-    async def _op_inspect(
-        self, connection: Connection, tag: Pending, request: wire.Inspect
-    ) -> None:
-        command = cmd.Inspect(request.job_id)
-        await self._send(connection, tag, command, _encode_inspect, self._job_bytes)
+    def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "dead_list")
+        page = (r.queue, r.limit, r.cursor, self.limits.max_reply_bytes)
+        args = ops.Reserving(page, self.limits.max_reply_bytes + self._job_bytes)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
 
-    async def _op_stats(self, connection: Connection, tag: Pending, request: wire.Stats) -> None:
-        def encode(queues: dict[str, dict[str, int]]) -> dict[str, Any]:
-            server = {
-                "version": VERSION,
-                "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
-                "connections": self.connections(),
-            }
-            return {"queues": queues, "server": server}
+    def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "dead_retry")
+        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
 
-        await self._send(connection, tag, cmd.Stats(), encode)
+    def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "dead_purge")
+        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
 
-    async def _op_dead_list(
-        self, connection: Connection, tag: Pending, request: wire.DeadList
-    ) -> None:
-        command = cmd.DeadList(
-            request.queue, request.limit, request.cursor, self.limits.max_reply_bytes
-        )
-        reply_bytes = self.limits.max_reply_bytes + self._job_bytes
-        await self._send(connection, tag, command, _encode_dead_list, reply_bytes)
-
-    async def _op_dead_retry(
-        self, connection: Connection, tag: Pending, request: wire.DeadRetry
-    ) -> None:
-        await self._dead(connection, tag, request, cmd.DeadRetry, cmd.DeadRetryQueue)
-
-    async def _op_dead_purge(
-        self, connection: Connection, tag: Pending, request: wire.DeadPurge
-    ) -> None:
-        await self._dead(connection, tag, request, cmd.DeadPurge, cmd.DeadPurgeQueue)
-
-    async def _dead(
+    def _dead(
         self,
         connection: Connection,
-        tag: Pending,
+        rid: Any,
+        started: float,
         request: wire.DeadSelect,
-        one: Callable[[str], Any],
+        one: ops.RequestOp,
         chunk: Callable[[str, int], Any],
     ) -> None:
         if request.job_id is not None:
-            await self._send(connection, tag, one(request.job_id), lambda n: {"count": n})
+            self._queue(connection, (one, connection, rid, started, request.job_id))
             return
         # A whole queue: a rare admin request that may take many transactions. It gets a
         # task in the connection's nursery (the one exception to "no task per request"),
         # so the connection keeps reading and the writer serves others between chunks.
         assert request.queue is not None
-        connection.nursery.start_soon(self._dead_queue, connection, tag, request.queue, chunk)
-        tag.queued = True
+        connection.begin_request()
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self._idle = trio.Event()
+        item = (one, connection, rid, started, None)
+        connection.nursery.start_soon(self._dead_queue, connection, item, request.queue, chunk)
 
     async def _dead_queue(
-        self, connection: Connection, tag: Pending, queue: str, chunk: Callable
+        self, connection: Connection, item: Item, queue: str, chunk: Callable
     ) -> None:
         total = 0
-        data = wire.encode_error(tag.request_id, ShuttingDown("stopped before it finished"))
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
         try:
             while True:
                 n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
                 total += n
                 if n < DEAD_CHUNK:
                     break
-            data = wire.encode_ok(tag.request_id, {"count": total})
+            data = wire.encode_ok(item[2], {"count": total})
         except RelayError as exc:
-            data = wire.encode_error(tag.request_id, exc)
+            data = wire.encode_error(item[2], exc)
         finally:
             # Also when cancelled (the connection closed): the request must be accounted
             # as answered, or shutdown would wait for it until its deadline.
-            self._reply_now(connection, tag.op, tag.started, data)
+            self.answered(connection, item)
+            connection.reply(data)
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def finish(self, connection: Connection, tag: Pending, outcome: Any) -> bytes | None:
-        """The reply bytes for ``outcome``, or None if the request is parked (long-poll).
+    def finish(self, connection: Connection, item: Item, reply: Any) -> bytes | None:
+        """The reply line of ``item``, or None if the request is parked (long-poll).
 
-        Runs in the trio thread inside the writer's hand-off; must not block.
+        ``reply`` is the line the writer made, or, for a long-poll lease that found
+        nothing, the empty outcome: it parks while its client may wait for it, else it is
+        answered with no jobs. Runs in the trio thread inside the writer's hand-off.
         """
-        if isinstance(outcome, RelayError):
-            data = wire.encode_error(tag.request_id, outcome)
-        else:
+        if type(reply) is not bytes:
+            lease = item[4]
             if (
-                not outcome
-                and isinstance(tag, PendingLease)
-                and self.leasing
+                self.leasing
                 and connection.can_wait
                 and not self.longpolls.closing
-                and tag.deadline > trio.current_time()
+                and lease.deadline > trio.current_time()
             ):
-                self.longpolls.park(tag, connection)
+                self.longpolls.park(item, connection)
                 # A parked lease holds no reply: it gives back what it reserved, or a few
                 # long-polls would fill the connection's byte budget and stop its reader
                 # (max_in_flight still counts them). Woken, it reserves again, within the
                 # room the connection has left (LongPolls.run).
-                _give_back(connection, tag)
+                _give_back(connection, lease)
                 return None
-            try:
-                data = wire.encode_ok(tag.request_id, tag.encode(outcome))
-            except Exception:
-                log.exception("encoding the reply of %s failed", tag.op)
-                error = InternalError("internal error; the server logged it")
-                data = wire.encode_error(tag.request_id, error)
-        _give_back(connection, tag)
-        self._end(tag.op, tag.started)
-        return data
+            reply = wire.encode_ok(item[2], {"jobs": []})
+        self.answered(connection, item)
+        return reply
 
 
-def _give_back(connection: Connection, tag: Pending) -> None:
-    """Release what ``tag`` holds reserved of the connection's reply budget (once)."""
-    if tag.reserved:
-        connection.release(tag.reserved)
-        tag.reserved = 0
-
-
-def _no_fields(_: Any) -> dict[str, Any]:
-    return {}
+def _give_back(connection: Connection, args: Any) -> None:
+    """Release what ``args`` (a Reserving or PendingLease) holds reserved of the
+    connection's reply budget (once)."""
+    if args.reserved:
+        connection.release(args.reserved)
+        args.reserved = 0

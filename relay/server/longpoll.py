@@ -12,31 +12,30 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
 
 from relay.errors import ShuttingDown
-from relay.store.commands import Claim
 from relay.store.sqlite import Changes
-from relay.store.writer import ReplySink, Writer
+from relay.store.writer import Item, ReplySink, Writer
 
 # How many entries for leases no longer parked the deadline heap may hold beyond twice
 # the parked ones before it is rebuilt (a rebuild is linear, so it is kept rare).
 COMPACT_SLACK = 1024
 
 
-class LeaseTag(Protocol):
-    """What a parked lease must tell the hub (the dispatcher's tag for a lease request)."""
+class LeaseArgs(Protocol):
+    """What a parked lease must tell the hub: the args of its writer item (the
+    dispatcher's ``PendingLease``)."""
 
     queues: tuple[str, ...]
     deadline: float  # trio time
+    max_bytes: int | None  # its claim's budget of job texts
     reply_bytes: int  # the most its reply may take (what it reserved when it arrived)
     job_bytes: int  # the most one job takes in it
     reserved: int  # what it holds reserved now (nothing while parked)
-
-    def claim(self, max_bytes: int | None = None) -> Claim: ...
 
 
 class LongPollSink(ReplySink, Protocol):
@@ -50,7 +49,7 @@ class LongPollSink(ReplySink, Protocol):
 
 @attrs.define(eq=False, slots=True)
 class _Parked:
-    tag: Any
+    item: Item  # the lease's writer item: (op, sink, request id, started, LeaseArgs)
     sink: LongPollSink
     active: bool = True
 
@@ -76,17 +75,18 @@ class LongPolls:
     def parked(self) -> int:
         return self._parked
 
-    def park(self, tag: LeaseTag, sink: LongPollSink) -> None:
+    def park(self, item: Item, sink: LongPollSink) -> None:
         """Register a lease that found nothing. Sync: called from a reply delivery."""
-        self._register(tag, sink)
+        self._register(item, sink)
 
-    def _register(self, tag: LeaseTag, sink: LongPollSink) -> _Parked:
-        entry = _Parked(tag, sink)
+    def _register(self, item: Item, sink: LongPollSink) -> _Parked:
+        entry = _Parked(item, sink)
+        lease: LeaseArgs = item[4]
         self._parked += 1
-        for queue in tag.queues:
+        for queue in lease.queues:
             self._by_queue.setdefault(queue, set()).add(entry)
         self._by_sink.setdefault(id(sink), set()).add(entry)
-        heapq.heappush(self._deadlines, (tag.deadline, next(self._order), entry))
+        heapq.heappush(self._deadlines, (lease.deadline, next(self._order), entry))
         if len(self._deadlines) > 2 * self.parked + COMPACT_SLACK:
             # Leases answered before their deadline (woken, dropped, ended) leave their
             # entries behind until that deadline; a busy long-poll consumer would pile
@@ -130,7 +130,7 @@ class LongPolls:
             # run task's now, and answered there.
             if entry.active:
                 self._unregister(entry)
-                sink.deliver([(entry.tag, [])])
+                sink.deliver([(entry.item, [])])
 
     def close(self) -> None:
         """Shutdown: answer every parked lease with no jobs, and park no more."""
@@ -138,12 +138,12 @@ class LongPolls:
         for _, _, entry in self._deadlines:
             if entry.active:
                 self._unregister(entry)
-                entry.sink.deliver([(entry.tag, [])])
+                entry.sink.deliver([(entry.item, [])])
         self._deadlines.clear()
         # Woken but not yet claimed again: answered now too, and never claimed.
         woken, self._woken = self._woken, []
         for entry in woken:
-            entry.sink.deliver([(entry.tag, [])])
+            entry.sink.deliver([(entry.item, [])])
         self._lot.unpark_all()
 
     def _unregister(self, entry: _Parked) -> None:
@@ -155,7 +155,7 @@ class LongPolls:
                 mine.discard(entry)
                 if not mine:
                     del registry[id(entry.sink)]
-        for queue in entry.tag.queues:
+        for queue in entry.item[4].queues:
             waiting = self._by_queue.get(queue)
             if waiting is not None:
                 waiting.discard(entry)
@@ -167,10 +167,14 @@ class LongPolls:
         task_status.started()
         while True:
             while self._woken:
+                await self._writer.wait_room()  # (not a checkpoint while it has room)
+                if not self._woken:
+                    break
                 entry = self._woken.pop()
-                sink, tag = entry.sink, entry.tag
+                sink, item = entry.sink, entry.item
+                lease: LeaseArgs = item[4]
                 if self.closing or not sink.can_wait:
-                    sink.deliver([(tag, [])])  # nobody to lease for
+                    sink.deliver([(item, [])])  # nobody to lease for
                     continue
                 # Its claim goes round again; an empty answer parks it anew (until its
                 # deadline), a job answers it. Its reply is reserved again, within the
@@ -179,18 +183,19 @@ class LongPolls:
                 # for one job (its client is that far behind on its replies), it parks
                 # again until the client takes some (room_made) or its deadline.
                 room = sink.reply_room()
-                if room < tag.job_bytes:
-                    self._short.setdefault(id(sink), set()).add(self._register(tag, sink))
+                if room < lease.job_bytes:
+                    self._short.setdefault(id(sink), set()).add(self._register(item, sink))
                     continue
-                tag.reserved = min(tag.reply_bytes, room)
-                sink.reserve(tag.reserved)
+                lease.reserved = min(lease.reply_bytes, room)
+                sink.reserve(lease.reserved)
                 # A claim gives at least one job and may pass its budget by one: so the
-                # reply stays within what it reserved.
-                budget = tag.reserved - tag.job_bytes
+                # reply stays within what it reserved. (Never more than its first budget:
+                # reply_bytes is at most that plus one job.)
+                lease.max_bytes = lease.reserved - lease.job_bytes
                 try:
-                    await self._writer.send(tag.claim(budget), sink, tag)
+                    self._writer.put(item)
                 except ShuttingDown:
-                    sink.deliver([(tag, [])])  # gives the reservation back
+                    sink.deliver([(item, [])])  # gives the reservation back
             now = trio.current_time()
             while self._deadlines and (
                 self._deadlines[0][0] <= now or not self._deadlines[0][2].active
@@ -198,7 +203,7 @@ class LongPolls:
                 _, _, entry = heapq.heappop(self._deadlines)
                 if entry.active:
                     self._unregister(entry)
-                    entry.sink.deliver([(entry.tag, [])])
+                    entry.sink.deliver([(entry.item, [])])
             next_deadline = self._deadlines[0][0] if self._deadlines else math.inf
             if self._woken:
                 continue

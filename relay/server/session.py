@@ -29,7 +29,6 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 import trio
@@ -38,6 +37,7 @@ from relay import wire
 from relay.errors import FrameTooLarge
 from relay.log import event
 from relay.server.dispatch import Dispatcher
+from relay.store.writer import Item
 
 log = logging.getLogger("relay.session")
 
@@ -183,14 +183,14 @@ class Session:
         if not self._delivering and (holder is None or holder is not trio.lowlevel.current_task()):
             self._flush()
 
-    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
-        """The outcomes of one commit for this connection: their replies are written
-        together, with one call."""
+    def deliver(self, pairs: list[tuple[Item, Any]]) -> None:
+        """The replies of one commit for this connection: written together, with one
+        call."""
         finish = self.dispatcher.finish
         self._delivering = True
         try:
-            for tag, outcome in replies:
-                data = finish(self, tag, outcome)
+            for item, reply in pairs:
+                data = finish(self, item, reply)
                 if data is not None:
                     self.reply(data)
                 else:
@@ -331,7 +331,7 @@ class Session:
                 event(log, logging.INFO, "connection.frame_too_large", peer=self.peer)
                 return
 
-    async def _dispatch_all(self, lines: Iterable[bytes]) -> None:
+    async def _dispatch_all(self, lines: list[bytes]) -> None:
         """Dispatch the complete lines of one read, in order.
 
         The replies the reader gives at once (ping, hello, errors) are held and written
@@ -341,11 +341,24 @@ class Session:
         of them.
         """
         self._holder = trio.lowlevel.current_task()
+        dispatch = self.dispatcher.dispatch
+        writer = self.dispatcher.writer
+        started = self._last_read
         try:
             for n, line in enumerate(lines, 1):
                 if self._full():
                     await self._wait_for_room(line_waiting=True)
-                await self.dispatcher.dispatch(self, line)
+                if writer.full:
+                    self._flush()  # held replies count as owed: write them first
+                    try:
+                        await writer.wait_room()
+                    except trio.Cancelled:
+                        # Stopped (shutdown) with these lines read: they are answered all
+                        # the same, past the writer's capacity by one read at most.
+                        for rest in lines[n - 1 :]:
+                            dispatch(self, rest, started)
+                        raise
+                dispatch(self, line, started)
                 if n % SLICE_LINES == 0:
                     self._flush()
                     await trio.lowlevel.checkpoint()

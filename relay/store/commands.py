@@ -7,6 +7,7 @@ closures) lets the writer see what it runs, and lets a later store reuse the voc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -21,20 +22,26 @@ class Command(Protocol):
 
 
 # A command class may also offer ``apply_many(store, now, commands) -> outcomes``: the
-# writer then runs a run of consecutive commands of that class in one call. If that
+# writer then runs all the commands of that class in one batch in one call. If that
 # raises, the writer runs them one by one instead, so each command still gets its own
 # outcome. Merging gives each command the answer it would have had alone, in some order
 # of the run: for submits and acks the order given; for leases, grouped by queue set
 # (see SqliteStore.jobs_claim_many), a valid order for requests that were concurrent.
+# ``PHASE`` (default 1) orders the classes within a batch (relay/store/writer.py).
 
 # The reply budgets that one merged call of leases may add up to: bounds the memory and
 # the size of the one JSON row that reads the leased jobs back.
 CLAIM_RUN_BYTES = 16 * 1024 * 1024
 
+# job_id, worker_id, token, result text (or None): one ack.
+AckArgs = tuple[str, str, str, str | None]
+
 
 @attrs.frozen
 class Submit:
     specs: tuple[SubmitSpec, ...]
+
+    PHASE = 0  # first: a lease of the same batch finds the jobs
 
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_submit(self.specs, now)
@@ -58,6 +65,8 @@ class Claim:
     lease_ms: int
     max_bytes: int | None = None
 
+    PHASE = 3  # last: it finds what the batch made ready
+
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_claim(
             self.queues, self.worker_id, self.count, self.lease_ms, now, self.max_bytes
@@ -65,19 +74,27 @@ class Claim:
 
     @staticmethod
     def apply_many(store: SqliteStore, now: int, commands: list[Claim]) -> list[Any]:
-        # In pieces whose reply budgets add up to at most CLAIM_RUN_BYTES, one after the
-        # other (a claim without a budget counts as that much on its own).
-        outcomes: list[Any] = []
-        piece: list[ClaimArgs] = []
-        budget = 0
-        for c in commands:
-            size = CLAIM_RUN_BYTES if c.max_bytes is None else c.max_bytes
-            if piece and budget + size > CLAIM_RUN_BYTES:
-                outcomes += store.jobs_claim_many(piece, now)
-                piece, budget = [], 0
-            piece.append((c.queues, c.worker_id, c.count, c.lease_ms, c.max_bytes))
-            budget += size
-        return outcomes + store.jobs_claim_many(piece, now)
+        return claim_in_pieces(
+            store,
+            now,
+            [(c.queues, c.worker_id, c.count, c.lease_ms, c.max_bytes) for c in commands],
+        )
+
+
+def claim_in_pieces(store: SqliteStore, now: int, claims: list[ClaimArgs]) -> list[Any]:
+    """``jobs_claim_many`` in pieces whose reply budgets add up to at most CLAIM_RUN_BYTES,
+    one after the other (a claim without a budget counts as that much on its own)."""
+    outcomes: list[Any] = []
+    piece: list[ClaimArgs] = []
+    budget = 0
+    for claim in claims:
+        size = CLAIM_RUN_BYTES if claim[4] is None else claim[4]
+        if piece and budget + size > CLAIM_RUN_BYTES:
+            outcomes += store.jobs_claim_many(piece, now)
+            piece, budget = [], 0
+        piece.append(claim)
+        budget += size
+    return outcomes + store.jobs_claim_many(piece, now)
 
 
 @attrs.frozen
@@ -98,6 +115,8 @@ class Ack:
     token: str
     result: str | None = None
 
+    PHASE = 2
+
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_ack(self.job_id, self.worker_id, self.token, self.result, now)
 
@@ -114,24 +133,32 @@ class AckBatch:
 
     acks: tuple[tuple[str, str, str, str | None], ...]  # job_id, worker_id, token, result
 
+    PHASE = 2
+
     def apply(self, store: SqliteStore, now: int) -> list[Any]:
-        # No savepoints: an ack, or a run of them, that is refused raises before it writes
-        # anything (see relay/store/sqlite.py), so a refusal leaves nothing to undo.
-        mark = store.write_mark()
+        return ack_each(store, now, self.acks)
+
+
+def ack_each(store: SqliteStore, now: int, acks: Sequence[AckArgs]) -> list[Any]:
+    """Each ack's outcome (None, or the ``RelayError`` that refused it), exactly as if each
+    had been its own ``Ack``, in order: one store call unless one is refused."""
+    # No savepoints: an ack, or a run of them, that is refused raises before it writes
+    # anything (see relay/store/sqlite.py), so a refusal leaves nothing to undo.
+    mark = store.write_mark()
+    try:
+        return store.jobs_ack_many(acks, now)
+    except (RelayError, ValueError):
+        # A refusal, or a job twice: each on its own below. (Any other failure, and one
+        # that has written, is the writer's to handle.)
+        if store.write_mark() != mark:
+            raise
+    outcomes: list[Any] = []
+    for job_id, worker_id, token, result in acks:
         try:
-            return store.jobs_ack_many(self.acks, now)
-        except (RelayError, ValueError):
-            # A refusal, or a job twice: each on its own below. (Any other failure, and
-            # one that has written, is the writer's to handle.)
-            if store.write_mark() != mark:
-                raise
-        outcomes: list[Any] = []
-        for job_id, worker_id, token, result in self.acks:
-            try:
-                outcomes.append(store.jobs_ack(job_id, worker_id, token, result, now))
-            except RelayError as exc:
-                outcomes.append(exc)
-        return outcomes
+            outcomes.append(store.jobs_ack(job_id, worker_id, token, result, now))
+        except RelayError as exc:
+            outcomes.append(exc)
+    return outcomes
 
 
 @attrs.frozen

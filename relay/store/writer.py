@@ -1,25 +1,34 @@
-"""The one writer thread that owns SQLite, and the async facade trio code awaits.
+"""The one writer thread that owns SQLite, and the facade trio code hands work to.
 
 Data flows one way::
 
-    trio task --Envelope--> memory channel --> writer thread: BEGIN IMMEDIATE
-                                                 command.apply (each; runs merged)
-                                               COMMIT
-    trio task <--deliver(replies)-- trio thread <-- one hand-off per batch
+    trio thread: put(item) --> SimpleQueue --> writer thread: BEGIN IMMEDIATE
+                                                 the batch's items, grouped by op
+                                               COMMIT; each reply made (encoded)
+    sink.deliver(pairs) <-- trio thread <-- one run_sync_soon per batch
 
-Group commit: the thread takes every envelope already queued (up to ``max_batch``) and runs
-them in one transaction, commits once, then hands all the outcomes back to trio in one
-call. One command's error does not undo the others: a refusal writes nothing, and after
-any other failure the batch runs again with a savepoint per command (``_execute``). A
-success is delivered only after its commit; if the commit fails, every command of the
-batch is answered with an error, because none of it is durable.
+An *item* is a plain tuple ``(op, sink, tag, started, args)``: the op says how the writer
+runs ``args`` on the store (``run``, or ``run_many`` for all the batch's items of that op
+in one call) and how the outcome becomes a reply (``reply``, in this thread, after the
+commit); ``sink.deliver`` gets ``(item, reply)`` pairs in the trio thread; ``tag`` and
+``started`` are the sink's (a request id and when it arrived, say). A tuple, not an
+object, because one is made per request and the two threads share one GIL: every
+microsecond the trio thread spends on a request is one the writer waits for.
 
-The thread is a plain daemon thread owned by ``open_writer``. A feeder task moves commands
-from the memory channel into a ``queue.SimpleQueue`` as they arrive; the thread takes
-everything waiting there as its next batch, and posts each batch's outcomes back with the
-run's ``run_sync_soon``, never waiting on trio. So the thread starts the next transaction as
-soon as it has committed one, while trio delivers the replies of the last: the fsync of
-one batch overlaps the delivery of the one before and the arrival of the one after.
+Group commit: the thread takes every item already queued (up to ``max_batch``), runs them
+in one transaction, commits once, makes the replies, and posts them back to trio with one
+``run_sync_soon``, never waiting on trio. So it starts the next transaction as soon as it
+has committed one, while trio writes the replies of the last. A success is delivered only
+after its commit; if the commit fails, every item of the batch is answered with an error,
+because none of it is durable.
+
+The items of one batch were all sent before any of their replies, so they are concurrent
+and any order of them is a valid one: the writer runs them grouped by op, in the order of
+the ops' ``phase`` (submits first, so that leases of the same batch find their jobs), and
+each op's items in the order they arrived.
+
+Typed commands (``relay.store.commands``: maintenance, admin, tests) travel the same way
+through ``send`` and ``execute``, wrapped in an op that calls their ``apply``.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -39,23 +48,25 @@ import trio
 
 from relay.errors import InternalError, RelayError, ShuttingDown
 from relay.histogram import Histogram, HistogramSnapshot
-from relay.nursery import open_service_nursery
 from relay.store.commands import Command
 from relay.store.sqlite import Changes, SqliteStore
 
 log = logging.getLogger("relay.writer")
 
-# Commands queued before senders wait (backpressure). Large enough to hold a few group
-# commits' worth of pipelined requests from many connections.
+# Items queued and not yet answered before senders wait (backpressure). Large enough to
+# hold a few group commits' worth of pipelined requests from many connections.
 DEFAULT_CAPACITY = 4096
-# At most this many commands share one transaction: bounds the latency a command can add
-# to the others of its batch, and the size of one hand-off.
+# At most this many items share one transaction: bounds the latency an item can add to
+# the others of its batch, and the size of one hand-off.
 DEFAULT_MAX_BATCH = 512
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
-# Histogram bounds for batch sizes (commands) and commit durations (seconds).
+# Histogram bounds for batch sizes (items) and commit durations (seconds).
 BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 COMMIT_SECONDS_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
+
+# (op, sink, tag, started, args): see the module docstring.
+Item = tuple[Any, Any, Any, float, Any]
 
 
 def wall_clock_ms() -> int:
@@ -63,32 +74,69 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class Op(Protocol):
+    """How the writer runs one kind of item. Ops are a few module constants, not made per
+    request. ``run_many`` (or None) runs many items' args in one call with the store's
+    all-or-nothing refusal rule: if any would be refused it raises (a ``RelayError``, or
+    ValueError) having written nothing, and the writer then runs them one by one."""
+
+    name: str
+    phase: int  # the batch runs ops in this order (lower first)
+    run_many: Callable[[SqliteStore, int, list[Any]], list[Any]] | None
+
+    def run(self, store: SqliteStore, now: int, args: Any) -> Any: ...
+    def reply(self, item: Item, outcome: Any) -> Any: ...  # writer thread, after commit
+
+
 class ReplySink(Protocol):
-    """Where outcomes go. ``deliver`` runs in the trio thread, must not block, and gets the
-    (tag, outcome) pairs of one batch; an outcome is a result or a ``RelayError``."""
+    """Where replies go. ``deliver`` runs in the trio thread, must not block, and gets the
+    (item, reply) pairs of one batch for this sink, in the order they were sent."""
 
-    def deliver(self, replies: list[tuple[Any, Any]]) -> None: ...
+    def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
 
 
-@attrs.define(slots=True)
-class Envelope:
-    command: Command
-    sink: ReplySink
-    tag: Any = None
+class CommandOp:
+    """The op of a typed command class: ``apply``, merged by ``apply_many`` if it has one;
+    the reply is the outcome itself (a result, or the ``RelayError`` that refused it)."""
+
+    name = "command"
+
+    def __init__(self, kind: type) -> None:
+        self.phase = getattr(kind, "PHASE", 1)
+        self.run_many = getattr(kind, "apply_many", None)
+
+    @staticmethod
+    def run(store: SqliteStore, now: int, command: Command) -> Any:
+        return command.apply(store, now)
+
+    @staticmethod
+    def reply(item: Item, outcome: Any) -> Any:
+        return outcome
+
+
+_COMMAND_OPS: dict[type, CommandOp] = {}
+
+
+def command_op(command: Command) -> CommandOp:
+    kind = type(command)
+    op = _COMMAND_OPS.get(kind)
+    if op is None:
+        op = _COMMAND_OPS[kind] = CommandOp(kind)
+    return op
 
 
 @attrs.frozen
 class WriterStatistics:
-    queued: int  # commands sent and not yet answered (in the channel or the thread's hands)
+    queued: int  # items sent and not yet answered
     batches: int  # transactions committed
-    commands: int  # commands in committed transactions
-    failed_commits: int  # transactions that could not commit (their commands got errors)
+    commands: int  # items in committed transactions
+    failed_commits: int  # transactions that could not commit (their items got errors)
     batch_sizes: HistogramSnapshot
     commit_seconds: HistogramSnapshot
 
 
 class _Waiter:
-    """A one-shot sink for ``Writer.execute``: one request, one awaiting task."""
+    """A one-shot sink for ``Writer.execute``: one command, one awaiting task."""
 
     __slots__ = ("event", "outcome")
 
@@ -96,45 +144,59 @@ class _Waiter:
         self.event = trio.Event()
         self.outcome: Any = None
 
-    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
-        self.outcome = replies[-1][1]
+    def deliver(self, pairs: list[tuple[Item, Any]]) -> None:
+        self.outcome = pairs[-1][1]
         self.event.set()
 
 
 class Writer:
-    """The async side of the writer thread. Created by ``open_writer``."""
+    """The trio side of the writer thread. Created by ``open_writer``; trio thread only."""
 
-    def __init__(self, send: trio.MemorySendChannel[Envelope]) -> None:
-        self._send = send
+    def __init__(self, capacity: int) -> None:
+        self.inbox: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self.capacity = capacity
+        self.queued = 0  # items put and not yet answered (trio thread only)
+        self.closed = False  # put refuses: stopping, stopped, or the thread is gone
+        self._room = trio.lowlevel.ParkingLot()  # senders waiting for queued < capacity
         self._batch_sizes = Histogram(BATCH_SIZE_BOUNDS)
         self._commit_seconds = Histogram(COMMIT_SECONDS_BOUNDS)
         self._batches = 0
         self._commands = 0
         self._failed_commits = 0
-        # Commands handed to the thread and not yet answered (the feeder counts them).
-        self.handed = 0
         # Called in the trio thread after each commit's replies are delivered.
         self.commit_listeners: list[Callable[[Changes], None]] = []
 
-    async def send(self, command: Command, sink: ReplySink, tag: Any = None) -> None:
-        """Queue ``command``; its outcome goes to ``sink.deliver`` after the commit.
+    @property
+    def full(self) -> bool:
+        return self.queued >= self.capacity
 
-        Waits while the channel is full (backpressure). Cancelling this call before it
-        returns means the command was not queued. While the channel has room it returns
-        without yielding to the scheduler (it is not a checkpoint then), so a burst of
-        pipelined requests reaches the writer without a scheduling round trip each.
+    def put(self, item: Item) -> None:
+        """Queue ``item`` now, whether or not the writer is ``full``: callers that may wait
+        do so first (``wait_room``). Sync: never a checkpoint, so a burst of pipelined
+        requests reaches the thread without a scheduling round trip each.
+
+        Raises:
+            ShuttingDown: the writer is stopping or stopped; nothing was queued.
+        """
+        if self.closed:
+            raise ShuttingDown("the store is shutting down")
+        self.queued += 1
+        self.inbox.put(item)
+
+    async def wait_room(self) -> None:
+        """Wait until fewer than ``capacity`` items are queued (or the writer closed)."""
+        while self.queued >= self.capacity and not self.closed:
+            await self._room.park()
+
+    async def send(self, command: Command, sink: ReplySink, tag: Any = None) -> None:
+        """Queue a typed command, waiting for room first (backpressure); its outcome goes
+        to ``sink.deliver`` as ``(item, outcome)`` with ``item[2]`` = ``tag``.
 
         Raises:
             ShuttingDown: the writer is stopping or stopped; the command was not queued.
         """
-        envelope = Envelope(command, sink, tag)
-        try:
-            try:
-                self._send.send_nowait(envelope)
-            except trio.WouldBlock:
-                await self._send.send(envelope)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ShuttingDown("the store is shutting down") from None
+        await self.wait_room()
+        self.put((command_op(command), sink, tag, 0.0, command))
 
     async def execute(self, command: Command) -> Any:
         """Run one command and return its result once committed, or raise its error.
@@ -152,7 +214,7 @@ class Writer:
 
     def statistics(self) -> WriterStatistics:
         return WriterStatistics(
-            queued=self._send.statistics().current_buffer_used + self.handed,
+            queued=self.queued,
             batches=self._batches,
             commands=self._commands,
             failed_commits=self._failed_commits,
@@ -160,111 +222,58 @@ class Writer:
             commit_seconds=self._commit_seconds.snapshot(),
         )
 
-    def _record(self, size: int, seconds: float | None) -> None:
+    def _answered(self, n: int, seconds: float | None) -> None:
+        self.queued -= n
         if seconds is None:
             self._failed_commits += 1
-            return
-        self._batches += 1
-        self._commands += size
-        self._batch_sizes.observe(size)
-        self._commit_seconds.observe(seconds)
+        else:
+            self._batches += 1
+            self._commands += n
+            self._batch_sizes.observe(n)
+            self._commit_seconds.observe(seconds)
+        if self._room and self.queued < self.capacity:
+            self._room.unpark_all()
+
+    def _close(self) -> None:
+        self.closed = True
+        self._room.unpark_all()
+
+
+def deliver(pairs: list[tuple[Item, Any]]) -> None:
+    """Hand each sink its pairs, in order; a failing sink does not stop the others."""
+    by_sink: dict[int, tuple[ReplySink, list[tuple[Item, Any]]]] = {}
+    for pair in pairs:
+        sink = pair[0][1]
+        entry = by_sink.get(id(sink))
+        if entry is None:
+            by_sink[id(sink)] = (sink, [pair])
+        else:
+            entry[1].append(pair)
+    for sink, mine in by_sink.values():
+        try:
+            sink.deliver(mine)
+        except Exception:
+            log.exception("a reply sink failed; the other replies are delivered")
 
 
 class _WriterThread:
-    """Owns the store from start to close. Two halves: ``feed`` (a trio task) moves commands
-    from the channel to the thread's inbox; ``run`` (the thread) executes all that waits
-    there as one batch and hands the outcomes back with ``run_sync_soon``.
-
-    Why a feeder task rather than the thread pulling with ``trio.from_thread.run``: each
-    blocking round trip between the threads costs ~100 µs on a small VM. Here the thread
-    never waits on trio: it blocks on a ``queue.SimpleQueue`` only when there is no work.
-    The feeder keeps at most ``2 * max_batch`` commands handed over and not yet answered;
-    beyond that, commands wait in the bounded channel, whose senders then wait in turn.
-    """
+    """Owns the store from start to close: ``run`` is the thread's body."""
 
     def __init__(
-        self,
-        store: SqliteStore,
-        writer: Writer,
-        receive: trio.MemoryReceiveChannel[Envelope],
-        clock: Callable[[], int],
-        max_batch: int,
+        self, store: SqliteStore, writer: Writer, clock: Callable[[], int], max_batch: int
     ) -> None:
         self.store = store
         self.writer = writer
-        self.receive = receive
         self.clock = clock
         self.max_batch = max_batch
         self.token = trio.lowlevel.current_trio_token()
-        self.inbox: queue.SimpleQueue[list[Envelope] | None] = queue.SimpleQueue()
-        self.max_handed = 2 * max_batch
-        self.room = trio.Event()  # set when answers free room below max_handed
-        self.crashed = False
         self.finished = trio.Event()
-        # Shielded: the feeder stops at the end of the channel, not when cancelled; only
-        # open_writer's shutdown deadline cancels it (a thread stuck on a dead disk).
-        self.feed_scope = trio.CancelScope(shield=True)
 
-    # -- the trio side -----------------------------------------------------------------------
+    # -- the trio side (called with run_sync_soon) -------------------------------------------
 
-    def _take_nowait(self, limit: int) -> list[Envelope]:
-        batch: list[Envelope] = []
-        while len(batch) < limit:
-            try:
-                batch.append(self.receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        return batch
-
-    async def feed(self) -> None:
-        """Hand the thread the commands queued in the channel until it is closed and
-        drained. Runs shielded: it stops only at the end of the channel or when the thread
-        is gone, never with commands left behind."""
-        with self.feed_scope:
-            while not self.crashed:
-                try:
-                    first = await self.receive.receive()
-                except trio.EndOfChannel:
-                    break
-                while self.writer.handed >= self.max_handed and not self.crashed:
-                    self.room = trio.Event()
-                    await self.room.wait()
-                taken = [first, *self._take_nowait(self.max_handed - self.writer.handed - 1)]
-                if self.crashed:
-                    _refuse(taken)
-                    break
-                self.writer.handed += len(taken)
-                self.inbox.put(taken)
-            if self.crashed:
-                # Answer what is still queued and refuse new commands, so that no sender
-                # waits forever for a thread that is gone.
-                while leftover := self._take_nowait(self.max_batch):
-                    _refuse(leftover)
-                self.receive.close()
-            else:
-                self.inbox.put(None)  # the thread finishes, closes the store, and stops
-
-    def _delivered(
-        self,
-        batch: list[Envelope],
-        outcomes: list[Any],
-        changes: Changes | None,
-        seconds: float | None,
-    ) -> None:
-        self.writer._record(len(batch), seconds)
-        self.writer.handed -= len(batch)
-        self.room.set()
-        by_sink: dict[int, tuple[ReplySink, list[tuple[Any, Any]]]] = {}
-        for envelope, outcome in zip(batch, outcomes, strict=True):
-            entry = by_sink.get(id(envelope.sink))
-            if entry is None:
-                entry = by_sink[id(envelope.sink)] = (envelope.sink, [])
-            entry[1].append((envelope.tag, outcome))
-        for sink, replies in by_sink.values():
-            try:
-                sink.deliver(replies)
-            except Exception:
-                log.exception("a reply sink failed; the other replies are delivered")
+    def _delivered(self, pairs: list, changes: Changes | None, seconds: float | None) -> None:
+        self.writer._answered(len(pairs), seconds)
+        deliver(pairs)
         # Wake-ups after replies: a long-poll that a reply of this very batch parks is
         # registered by then, so a job made ready in the same batch still wakes it.
         if changes is not None:
@@ -274,53 +283,52 @@ class _WriterThread:
                 except Exception:
                     log.exception("a commit listener failed")
 
-    def _stopped(self, in_hand: list[Envelope], crashed: bool) -> None:
-        # Also what was handed over but never taken, if the thread died first.
+    def _stopped(self, in_hand: list[Item], crashed: bool) -> None:
+        writer = self.writer
+        writer._close()
+        # Also what was queued but never taken, if the thread died first.
         while True:
             try:
-                waiting = self.inbox.get_nowait()
+                item = writer.inbox.get_nowait()
             except queue.Empty:
                 break
-            if waiting is not None:
-                in_hand += waiting
-        for envelope in in_hand:
-            envelope.sink.deliver([(envelope.tag, InternalError("not committed: writer crashed"))])
-        if in_hand or crashed:
-            self.crashed = True
-            self.room.set()
+            if item is not None:
+                in_hand.append(item)
+        error: RelayError = InternalError("not committed: writer crashed")
+        if not crashed:
+            error = ShuttingDown("the store has stopped")
+        writer.queued -= len(in_hand)
+        deliver([(item, item[0].reply(item, error)) for item in in_hand])
         self.finished.set()
 
     # -- the writer thread -------------------------------------------------------------------
 
     def run(self) -> None:
-        batch: list[Envelope] = []  # being executed
-        pending: list[Envelope] = []  # taken from the inbox, waiting for a transaction
-        more = True  # the feeder may still hand over commands
+        inbox = self.writer.inbox
+        batch: list[Item] = []
         crashed = False
+        more = True
         try:
-            while True:
-                if not pending:
-                    # Blocks only when there is no work.
-                    taken = self.inbox.get() if more else None
-                    if taken is None:
-                        break
-                    pending = taken
+            while more:
+                item = inbox.get()  # blocks only when there is no work
+                if item is None:
+                    break
+                batch = [item]
                 # Everything else already waiting joins this transaction (group commit).
-                while more and len(pending) < self.max_batch:
+                while len(batch) < self.max_batch:
                     try:
-                        taken = self.inbox.get_nowait()
+                        item = inbox.get_nowait()
                     except queue.Empty:
                         break
-                    if taken is None:
-                        more = False
-                    else:
-                        pending += taken
-                batch, pending = pending[: self.max_batch], pending[self.max_batch :]
-                outcomes, changes, seconds = self._execute(batch)
-                self.token.run_sync_soon(self._delivered, batch, outcomes, changes, seconds)
+                    if item is None:
+                        more = False  # the stop marker: after this batch
+                        break
+                    batch.append(item)
+                pairs, changes, seconds = self._execute(batch)
+                self.token.run_sync_soon(self._delivered, pairs, changes, seconds)
                 batch = []
         except trio.RunFinishedError:
-            log.warning("trio stopped before the writer channel was closed")
+            log.warning("trio stopped before the writer was closed")
         except BaseException:
             log.exception("writer thread crashed")
             crashed = True
@@ -330,44 +338,39 @@ class _WriterThread:
                 self.store.close()
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
-                    self.token.run_sync_soon(self._stopped, batch + pending, crashed)
+                    self.token.run_sync_soon(self._stopped, batch, crashed)
 
-    def _check_transaction(self) -> None:
-        # On some errors (SQLITE_FULL, IOERR, NOMEM) SQLite rolls back the whole
-        # transaction. Running on would commit each later command on its own (autocommit)
-        # while the batch is answered "not committed": stop the batch instead.
-        if not self.store.in_transaction:
-            raise sqlite3.OperationalError("SQLite rolled the transaction back")
-
-    def _apply_one(self, command: Command, now: int) -> Any:
-        """The command's result, or the error it ends with (its changes then undone by
-        its savepoint)."""
+    def _execute(self, batch: list[Item]) -> tuple[list, Changes | None, float | None]:
+        """Run ``batch`` in one transaction; the (item, reply) pairs, what changed, and how
+        long it took (None: not committed)."""
+        store = self.store
+        started = time.perf_counter()
+        now = self.clock()
+        runs = _runs(batch)
         try:
-            with self.store.command():
-                return command.apply(self.store, now)
-        except RelayError as exc:
-            return exc
+            store.begin()
+            outcomes = self._apply_fast(batch, runs, now)
+            if outcomes is None:
+                # Start over, carefully: nothing of the first pass stands.
+                store.rollback()
+                store.begin()
+                outcomes = self._apply_careful(batch, runs, now)
+            changes = store.commit()
         except Exception as exc:
-            log.exception("command %r failed", type(command).__name__)
-            return InternalError(f"{type(exc).__name__}: {exc}")
+            log.exception("transaction of %d items failed; none is committed", len(batch))
+            store.rollback()
+            error = InternalError(f"not committed: {type(exc).__name__}: {exc}")
+            return [(item, item[0].reply(item, error)) for item in batch], None, None
+        seconds = time.perf_counter() - started
+        pairs = [
+            (item, _reply(item, outcome)) for item, outcome in zip(batch, outcomes, strict=True)
+        ]
+        return pairs, changes, seconds
 
-    def _apply_merged(
-        self, merge: Callable, run: list[Envelope], now: int, outcomes: list[Any]
-    ) -> bool:
-        """Run consecutive commands of one class in one call and one savepoint. False
-        (and nothing changed) if any of them failed: the caller runs them one by one."""
-        try:
-            with self.store.command():
-                merged = merge(self.store, now, [envelope.command for envelope in run])
-        except Exception:
-            self._check_transaction()
-            return False
-        outcomes.extend(merged)
-        return True
-
-    def _apply_fast(self, batch: list[Envelope], now: int) -> list[Any] | None:
-        """The batch's outcomes, run without savepoints; None if a command failed in a way
-        that may have left part of its change behind (the caller then starts over).
+    def _apply_fast(self, batch: list[Item], runs: list, now: int) -> list[Any] | None:
+        """The batch's outcomes (by position), run without savepoints; None if an item
+        failed in a way that may have left part of its change behind (the caller then
+        starts over).
 
         Why: SAVEPOINT and RELEASE are statements, and each statement costs the thread a
         wait for the GIL. They are only needed when a command fails halfway, and a refusal
@@ -376,85 +379,103 @@ class _WriterThread:
         or moved counters sends the batch to the careful path, as does any other error.
         """
         store = self.store
-        outcomes: list[Any] = []
-        for merge, run in _runs(batch):
-            if merge is not None:
+        outcomes: list[Any] = [None] * len(batch)
+        for op, indexes in runs:
+            if len(indexes) > 1:
                 mark = store.write_mark()
                 try:
-                    outcomes += merge(store, now, [envelope.command for envelope in run])
-                    continue
+                    merged = op.run_many(store, now, [batch[i][4] for i in indexes])
                 except (RelayError, ValueError):
                     # A refusal in the run (or a job twice in one run of acks): each of
-                    # its commands on its own, for its own answer.
+                    # its items on its own, for its own answer.
                     if store.write_mark() != mark:
                         return None
                 except Exception:
                     log.warning("a merged run failed; the batch runs again", exc_info=True)
                     return None
-            for envelope in run:
+                else:
+                    for i, outcome in zip(indexes, merged, strict=True):
+                        outcomes[i] = outcome
+                    continue
+            for i in indexes:
                 mark = store.write_mark()
                 try:
-                    outcomes.append(envelope.command.apply(store, now))
+                    outcomes[i] = op.run(store, now, batch[i][4])
                 except RelayError as exc:
                     if store.write_mark() != mark:
                         return None
-                    outcomes.append(exc)
+                    outcomes[i] = exc
                 except Exception:
-                    log.warning("a command failed; the batch runs again", exc_info=True)
+                    log.warning("an item failed; the batch runs again", exc_info=True)
                     return None
         return outcomes
 
-    def _apply_careful(self, batch: list[Envelope], now: int) -> list[Any]:
-        """The batch's outcomes, each command (or merged run) in its own savepoint, so that
-        a failure undoes exactly that command's changes."""
-        outcomes: list[Any] = []
-        for merge, run in _runs(batch):
-            if merge is not None and self._apply_merged(merge, run, now, outcomes):
-                continue
-            for envelope in run:
-                outcomes.append(self._apply_one(envelope.command, now))
+    def _apply_careful(self, batch: list[Item], runs: list, now: int) -> list[Any]:
+        """The batch's outcomes, each item (or merged run) in its own savepoint, so that a
+        failure undoes exactly that item's changes."""
+        store = self.store
+        outcomes: list[Any] = [None] * len(batch)
+        for op, indexes in runs:
+            if len(indexes) > 1:
+                try:
+                    with store.command():
+                        merged = op.run_many(store, now, [batch[i][4] for i in indexes])
+                except Exception:
+                    self._check_transaction()
+                else:
+                    for i, outcome in zip(indexes, merged, strict=True):
+                        outcomes[i] = outcome
+                    continue
+            for i in indexes:
+                try:
+                    with store.command():
+                        outcomes[i] = op.run(store, now, batch[i][4])
+                except RelayError as exc:
+                    outcomes[i] = exc
+                except Exception as exc:
+                    log.exception("item %r failed", op.name)
+                    outcomes[i] = InternalError(f"{type(exc).__name__}: {exc}")
                 self._check_transaction()
         return outcomes
 
-    def _execute(self, batch: list[Envelope]) -> tuple[list[Any], Changes | None, float | None]:
-        store = self.store
-        started = time.perf_counter()
-        now = self.clock()
-        try:
-            store.begin()
-            outcomes = self._apply_fast(batch, now)
-            if outcomes is None:
-                # Start over, carefully: nothing of the first pass stands.
-                store.rollback()
-                store.begin()
-                outcomes = self._apply_careful(batch, now)
-            changes = store.commit()
-        except Exception as exc:
-            log.exception("transaction of %d commands failed; none is committed", len(batch))
-            store.rollback()
-            error = InternalError(f"not committed: {type(exc).__name__}: {exc}")
-            return [error] * len(batch), None, None
-        return outcomes, changes, time.perf_counter() - started
+    def _check_transaction(self) -> None:
+        # On some errors (SQLITE_FULL, IOERR, NOMEM) SQLite rolls back the whole
+        # transaction. Running on would commit each later item on its own (autocommit)
+        # while the batch is answered "not committed": stop the batch instead.
+        if not self.store.in_transaction:
+            raise sqlite3.OperationalError("SQLite rolled the transaction back")
 
 
-def _runs(batch: list[Envelope]) -> Iterator[tuple[Callable | None, list[Envelope]]]:
-    """The batch in runs: consecutive commands of one class that has ``apply_many`` come
-    as one run with that method; every other command comes alone, with None."""
-    i = 0
-    while i < len(batch):
-        kind = type(batch[i].command)
-        merge = getattr(kind, "apply_many", None)
-        j = i + 1
-        if merge is not None:
-            while j < len(batch) and type(batch[j].command) is kind:
-                j += 1
-        yield (merge if j - i > 1 else None), batch[i:j]
-        i = j
+def _runs(batch: list[Item]) -> list[tuple[Any, list[int]]]:
+    """The batch as runs of positions: the items of an op that has ``run_many`` as one
+    run, every other item alone; ops in ``phase`` order, each op's items as they came."""
+    by_op: dict[Any, list[int]] = {}
+    for i, item in enumerate(batch):
+        positions = by_op.get(item[0])
+        if positions is None:
+            by_op[item[0]] = [i]
+        else:
+            positions.append(i)
+    runs: list[tuple[Any, list[int]]] = []
+    for op in sorted(by_op, key=_phase):
+        positions = by_op[op]
+        if op.run_many is not None:
+            runs.append((op, positions))
+        else:
+            runs += [(op, [i]) for i in positions]
+    return runs
 
 
-def _refuse(envelopes: list[Envelope]) -> None:
-    for envelope in envelopes:
-        envelope.sink.deliver([(envelope.tag, ShuttingDown("the store has stopped"))])
+def _phase(op: Op) -> int:
+    return op.phase
+
+
+def _reply(item: Item, outcome: Any) -> Any:
+    try:
+        return item[0].reply(item, outcome)
+    except Exception:
+        log.exception("making the reply of %r failed", item[0].name)
+        return item[0].reply(item, InternalError("internal error; the server logged it"))
 
 
 @asynccontextmanager
@@ -466,30 +487,27 @@ async def open_writer(
     max_batch: int = DEFAULT_MAX_BATCH,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> AsyncIterator[Writer]:
-    """Start the writer thread on ``store`` and yield its async facade.
+    """Start the writer thread on ``store`` and yield its trio-side facade.
 
     Ownership: the thread owns ``store`` from here on and closes it (checkpoint, close)
-    when it stops; the feeder task lives in a nursery of this block. Leaving the block
-    closes the command channel: the thread finishes what is queued, commits, and stops;
-    the exit waits for that for at most ``shutdown_timeout`` seconds, shielded from
-    cancellation. If the disk is so stuck that the deadline passes, the exit logs it and
-    returns; the daemon thread then ends with the process, and SQLite's journal keeps the
-    file consistent.
+    when it stops. Leaving the block refuses new items and queues a stop marker behind the
+    ones already queued: the thread finishes them, commits, and stops; the exit waits for
+    that for at most ``shutdown_timeout`` seconds, shielded from cancellation. If the disk
+    is so stuck that the deadline passes, the exit logs it and returns; the daemon thread
+    then ends with the process, and SQLite's journal keeps the file consistent.
     """
-    send, receive = trio.open_memory_channel[Envelope](capacity)
-    writer = Writer(send)
-    thread_side = _WriterThread(store, writer, receive, clock, max_batch)
+    writer = Writer(capacity)
+    thread_side = _WriterThread(store, writer, clock, max_batch)
     thread = threading.Thread(target=thread_side.run, name="relay-writer", daemon=True)
     thread.start()
-    async with open_service_nursery() as nursery:
-        nursery.start_soon(thread_side.feed)
-        try:
-            yield writer
-        finally:
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + shutdown_timeout
-                await send.aclose()
-                await thread_side.finished.wait()
-            if scope.cancelled_caught:
-                log.error("writer thread did not stop within %.1f s", shutdown_timeout)
-                thread_side.feed_scope.cancel()  # leave the thread behind (daemon)
+    try:
+        yield writer
+    finally:
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + shutdown_timeout
+            if not writer.closed:
+                writer._close()
+                writer.inbox.put(None)
+            await thread_side.finished.wait()
+        if scope.cancelled_caught:
+            log.error("writer thread did not stop within %.1f s", shutdown_timeout)

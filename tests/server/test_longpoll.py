@@ -11,17 +11,18 @@ from relay.server.longpoll import COMPACT_SLACK, LongPolls
 
 
 @attrs.define
-class Tag:
+class Lease:
     queues: tuple[str, ...]
     deadline: float
 
-    def claim(self) -> Any:
-        raise AssertionError("not claimed here")
+
+def item(lease: Lease, sink: Any) -> tuple:
+    return (None, sink, None, 0.0, lease)
 
 
 class Sink:
     def __init__(self) -> None:
-        self.answered: list[tuple[Tag, Any]] = []
+        self.answered: list[tuple[Any, Any]] = []
 
     def deliver(self, replies: list[tuple[Any, Any]]) -> None:
         self.answered += replies
@@ -36,10 +37,10 @@ async def test_leases_answered_before_their_deadline_do_not_pile_up():
     far = trio.current_time() + 60
     for _ in range(10):
         for i in range(COMPACT_SLACK):
-            longpolls.park(Tag(("q",), far + i), sink)
+            longpolls.park(item(Lease(("q",), far + i), sink), sink)
         longpolls.drop(sink)
     assert len(sink.answered) == 10 * COMPACT_SLACK
     assert longpolls.parked == 0
-    longpolls.park(Tag(("q",), far), sink)
+    longpolls.park(item(Lease(("q",), far), sink), sink)
     assert longpolls.parked == 1
     assert len(longpolls._deadlines) <= 2 + COMPACT_SLACK

@@ -10,13 +10,13 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 import trio
 import trio.testing
 
 from relay.model import JobState, SubmitSpec
-from relay.server import maintenance
-from relay.server.dispatch import PendingLease
+from relay.server import maintenance, ops
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm
 from relay.store import commands as cmd
@@ -58,13 +58,30 @@ class FakeWriter:
         self._executed = trio.Event()
         return result
 
-    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
-        result = await self.execute(command)
-        sink.deliver([(tag, result)])
+    async def wait_room(self) -> None:
+        pass
+
+    def put(self, item: Any) -> None:
+        """Run a request item at once (as its own batch) and deliver its reply."""
+        op, sink, _, _, args = item
+        self.executed.append(item)
+        outcome = op.run(self.store, virtual_ms(), args)
+        changes, self.store.changes = self.store.changes, type(self.store.changes)()
+        sink.deliver([(item, op.reply(item, outcome))])
+        for listener in self.listeners:
+            listener(changes)
 
 
-def count(writer: FakeWriter, kind: type) -> int:
-    return sum(isinstance(c, kind) for c in writer.executed)
+def count(writer: FakeWriter, kind: Any) -> int:
+    """Commands of class ``kind``, or request items of op ``kind``, the writer ran."""
+    if isinstance(kind, type):
+        return sum(isinstance(c, kind) for c in writer.executed)
+    return sum(type(c) is tuple and c[0] is kind for c in writer.executed)
+
+
+def jobs_of(reply: Any) -> list[dict[str, Any]]:
+    """The jobs of a lease's reply: a reply line, or no jobs (answered without a claim)."""
+    return orjson.loads(reply)["jobs"] if isinstance(reply, bytes) else reply
 
 
 async def test_alarm_sleeps_until_its_target(autojump_clock):
@@ -168,12 +185,14 @@ class Sink:
             await self._delivered.wait()
 
 
-def lease_tag(queues=("q",), wait_s=5.0, count=1) -> PendingLease:
-    return PendingLease(
-        1, "lease", trio.current_time(), lambda _: {}, queues=queues, worker_id="w",
-        count=count, lease_ms=30_000, deadline=trio.current_time() + wait_s,
-        reply_bytes=1 << 20, job_bytes=1 << 10,
+def lease_item(sink: Any, queues=("q",), wait_s=5.0, count=1) -> Any:
+    """A lease request's writer item, as the dispatcher makes it."""
+    lease = ops.PendingLease(
+        queues=queues, worker_id="w", count=count, lease_ms=30_000,
+        deadline=trio.current_time() + wait_s, max_bytes=1 << 20, reply_bytes=1 << 20,
+        job_bytes=1 << 10,
     )  # fmt: skip
+    return (ops.CLAIM, sink, 1, trio.current_time(), lease)
 
 
 async def test_parked_lease_is_claimed_again_when_its_queue_gets_a_job(autojump_clock, store):
@@ -183,18 +202,18 @@ async def test_parked_lease_is_claimed_again_when_its_queue_gets_a_job(autojump_
     sink = Sink()
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.run)
-        hub.park(lease_tag(queues=("a", "q")), sink)
+        hub.park(lease_item(sink, queues=("a", "q")), sink)
         assert hub.parked == 1
         await trio.sleep(1)
         await writer.execute(cmd.Submit((SubmitSpec("other", "1"),)))
         await trio.lowlevel.checkpoint()
-        assert count(writer, cmd.Claim) == 0  # another queue wakes nobody
+        assert count(writer, ops.CLAIM) == 0  # another queue wakes nobody
         await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))
         with trio.fail_after(1):
             await sink.wait_for(1)
         nursery.cancel_scope.cancel()
-    ((_tag, leases),) = sink.replies
-    assert [lease.queue for lease in leases] == ["q"]
+    ((_item, reply),) = sink.replies
+    assert [job["queue"] for job in jobs_of(reply)] == ["q"]
     assert hub.parked == 0
 
 
@@ -203,8 +222,8 @@ async def test_parked_lease_gets_no_jobs_at_its_deadline(autojump_clock, store):
     sink = Sink()
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.run)
-        hub.park(lease_tag(wait_s=2.0), sink)
-        hub.park(lease_tag(wait_s=0.5), sink)
+        hub.park(lease_item(sink, wait_s=2.0), sink)
+        hub.park(lease_item(sink, wait_s=0.5), sink)
         with trio.fail_after(5):
             await sink.wait_for(2)
         answered_at = trio.current_time()
@@ -217,7 +236,7 @@ async def test_closing_the_hub_answers_every_parked_lease_at_once(autojump_clock
     hub = LongPolls(FakeWriter(store))  # type: ignore[arg-type]
     sinks = [Sink() for _ in range(3)]
     for sink in sinks:
-        hub.park(lease_tag(wait_s=30), sink)
+        hub.park(lease_item(sink, wait_s=30), sink)
     hub.close()
     assert [s.replies[0][1] for s in sinks] == [[], [], []]
     assert hub.parked == 0
@@ -226,8 +245,8 @@ async def test_closing_the_hub_answers_every_parked_lease_at_once(autojump_clock
 async def test_a_dropped_connection_leaves_nothing_parked(autojump_clock, store):
     hub = LongPolls(FakeWriter(store))  # type: ignore[arg-type]
     gone, staying = Sink(), Sink()
-    hub.park(lease_tag(), gone)
-    hub.park(lease_tag(), staying)
+    hub.park(lease_item(gone), gone)
+    hub.park(lease_item(staying), staying)
     gone.closed, gone.can_wait = True, False
     hub.drop(gone)
     assert hub.parked == 1
@@ -268,26 +287,26 @@ async def hub_short_of_room(
 async def test_leases_woken_without_room_park_again_and_are_answered_once(autojump_clock, store):
     async with hub_short_of_room(store) as (writer, hub, sink):
         for _ in range(3):
-            hub.park(lease_tag(wait_s=30), sink)
+            hub.park(lease_item(sink, wait_s=30), sink)
         await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))
         await trio.testing.wait_all_tasks_blocked()
         # Woken, but no room for a reply: parked again, nothing claimed.
         assert hub.parked == 3 and hub.short_of_room(sink)
-        assert count(writer, cmd.Claim) == 0 and sink.replies == []
+        assert count(writer, ops.CLAIM) == 0 and sink.replies == []
         # The client goes: each is answered once, though each reply makes room.
         hub.drop(sink)
         await trio.testing.wait_all_tasks_blocked()
     assert len(sink.replies) == 3 and len({id(tag) for tag, _ in sink.replies}) == 3
     assert [jobs for _, jobs in sink.replies] == [[], [], []]
     assert hub.parked == 0 and not hub.short_of_room(sink)
-    assert count(writer, cmd.Claim) == 0
+    assert count(writer, ops.CLAIM) == 0
 
 
 async def test_a_lease_woken_as_its_client_leaves_is_answered_at_once(autojump_clock, store):
     """Woken, then its client stops sending before the run task claims it: it must be
     answered with no jobs now, not parked again (for lack of room) until its deadline."""
     async with hub_short_of_room(store) as (writer, hub, sink):
-        hub.park(lease_tag(wait_s=30), sink)
+        hub.park(lease_item(sink, wait_s=30), sink)
         await writer.execute(cmd.Submit((SubmitSpec("q", "1"),)))  # woken, not yet run
         sink.can_wait = False  # the client's EOF, in the same tick (Session.run)
         hub.drop(sink)

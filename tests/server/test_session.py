@@ -21,6 +21,7 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
+from relay.errors import ShuttingDown
 from relay.server import session as session_module
 from relay.server.dispatch import Dispatcher
 from relay.server.session import RECEIVE_BYTES, SLICE_LINES
@@ -440,9 +441,9 @@ async def test_a_read_of_many_cheap_requests_is_dispatched_in_slices(tmp_path, m
     trace: list[str] = []  # "d": a line dispatched; "o": another task ran
     dispatch = Dispatcher.dispatch
 
-    async def traced(self: Dispatcher, connection: Any, line: bytes) -> None:
+    def traced(self: Dispatcher, connection: Any, line: bytes, started: float) -> None:
         trace.append("d")
-        await dispatch(self, connection, line)
+        dispatch(self, connection, line, started)
 
     monkeypatch.setattr(Dispatcher, "dispatch", traced)
     async with custom_server(tmp_path) as srv, connected(srv) as c:
@@ -744,16 +745,22 @@ async def test_idle_connection_is_closed_and_a_pinging_one_is_not(tmp_path):
 
 
 class FullWriter:
-    """A writer whose channel stays full: every send waits (as under heavy load)."""
+    """A writer that stays full (as under heavy load) and then closes: a line dispatched
+    once the reader stops waiting for room is refused."""
 
-    async def send(self, command: Any, sink: Any, tag: Any = None) -> None:
+    full = True
+
+    async def wait_room(self) -> None:
         await trio.sleep_forever()
+
+    def put(self, item: Any) -> None:
+        raise ShuttingDown("the store is shutting down")
 
 
 async def test_replies_are_written_when_reading_stops_in_the_middle_of_a_chunk():
     # One chunk: a ping (answered at once), then a submit that waits for room in the
-    # writer's channel. Stopping the reader there (shutdown) answers the submit
-    # "shutting_down"; both replies must reach the client, promptly.
+    # writer. Stopping the reader there (shutdown) still dispatches the submit, which the
+    # closed writer refuses: both replies must reach the client, promptly.
     from relay.server.dispatch import Dispatcher
     from relay.server.longpoll import LongPolls
     from relay.server.session import Session

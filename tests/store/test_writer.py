@@ -42,8 +42,9 @@ class Collect:
         self.deliveries: list[list[tuple[Any, Any]]] = []
         self.done = trio.Event()
 
-    def deliver(self, replies: list[tuple[Any, Any]]) -> None:
-        self.deliveries.append(list(replies))
+    def deliver(self, pairs: list[tuple[Any, Any]]) -> None:
+        # (item, reply) pairs; a typed command's reply is its outcome, its tag item[2].
+        self.deliveries.append([(item[2], reply) for item, reply in pairs])
         if sum(map(len, self.deliveries)) >= self.expected:
             self.done.set()
 
@@ -143,9 +144,8 @@ async def test_queued_commands_share_one_transaction(db_path):
             gate.release.set()
             await sink.done.wait()
             after = writer.statistics()
-    # Fifty waiting (one of them perhaps already taken by the feeder, not yet handed
-    # over), and the gate in the thread's hands.
-    assert before.queued in (50, 51)
+    # Fifty waiting, and the gate in the thread's hands.
+    assert before.queued == 51
     # All fifty were waiting when the thread came back: one batch, one commit, one hand-off.
     assert len(sink.deliveries) == 1
     # Two transactions in all: the gate's, then the fifty submits together.
@@ -239,12 +239,12 @@ async def test_replies_are_delivered_only_after_their_commit(db_path):
     seen_committed: list[bool] = []
 
     class CheckOnDelivery(Collect):
-        def deliver(self, replies):
+        def deliver(self, pairs):
             # A second connection sees only committed data.
             ids = committed_ids(db_path)
-            for _tag, results in replies:
+            for _item, results in pairs:
                 seen_committed.extend(parse_job_id(r.job_id) in ids for r in results)
-            super().deliver(replies)
+            super().deliver(pairs)
 
     sink = CheckOnDelivery(20)
     with trio.fail_after(BOUND_S):

@@ -1,0 +1,268 @@
+"""The request ops: how the writer runs each kind of request and makes its reply.
+
+One constant per op (``SUBMIT``, ``ACK``, ``CLAIM``, ...). The dispatcher puts items
+``(op, connection, request_id, started, args)`` into the writer (relay/store/writer.py);
+in the writer thread ``op.run`` (or ``op.run_many``, for all the batch's items of the op
+at once) changes the store, and after the commit ``op.reply`` encodes the reply line, so
+the trio thread only writes bytes. A reply that needs the trio thread's say is left as
+the outcome itself: a long-poll lease that found nothing (park it, or answer no jobs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import orjson
+
+from relay import wire
+from relay.errors import RelayError
+from relay.log import event
+from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
+from relay.store import commands as cmd
+from relay.store.sqlite import SqliteStore
+from relay.store.writer import Item
+
+log = logging.getLogger("relay.dispatch")
+
+_NL = orjson.OPT_APPEND_NEWLINE
+
+
+@attrs.define(slots=True, eq=False)
+class Reserving:
+    """The args of a request whose reply may be large, with the reply bytes its connection
+    set aside for it until it is answered (see ``Dispatcher.answered``)."""
+
+    args: Any
+    reserved: int = 0
+
+
+@attrs.define(slots=True, eq=False)
+class PendingLease:
+    """A lease request in flight: its claim, and what a parked long-poll needs."""
+
+    queues: tuple[str, ...]
+    worker_id: str
+    count: int
+    lease_ms: int
+    deadline: float  # trio time; 0: no long-poll
+    max_bytes: int | None  # the claim's budget of job texts
+    reply_bytes: int = 0  # the most its reply may take: what it reserves while claimed
+    job_bytes: int = 0  # the most one job takes in its reply
+    reserved: int = 0
+
+    def claim_args(self) -> cmd.ClaimArgs:
+        return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
+
+
+class RequestOp:
+    """An op whose reply is ``{"id", "ok": true, **fields(outcome)}``, or the error."""
+
+    phase = 1
+    run_many: Any = None
+    reserves = False  # its args are a Reserving (or a PendingLease)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def run(self, store: SqliteStore, now: int, args: Any) -> Any:
+        raise NotImplementedError
+
+    def fields(self, outcome: Any, args: Any) -> dict[str, Any]:
+        return {}
+
+    def reply(self, item: Item, outcome: Any) -> Any:
+        if isinstance(outcome, RelayError):
+            return wire.encode_error(item[2], outcome)
+        return wire.encode_ok(item[2], self.fields(outcome, item[4]))
+
+
+def _result(result: SubmitResult) -> dict[str, Any]:
+    return {"job_id": result.job_id, "state": result.state, "duplicate": result.duplicate}
+
+
+class _Submit(RequestOp):
+    """``submit``: args is one ``SubmitSpec``; a batch's submits are one insert."""
+
+    phase = 0  # first: a lease of the same batch finds the jobs
+
+    @staticmethod
+    def run_many(store: SqliteStore, now: int, specs: list[SubmitSpec]) -> list[Any]:
+        return store.jobs_submit(specs, now)
+
+    def run(self, store: SqliteStore, now: int, spec: SubmitSpec) -> Any:
+        return store.jobs_submit([spec], now)[0]
+
+    def reply(self, item: Item, outcome: Any) -> Any:
+        if isinstance(outcome, RelayError):
+            return wire.encode_error(item[2], outcome)
+        job_id, state, duplicate = outcome
+        reply = {"id": item[2], "ok": True, "job_id": job_id, "state": state}
+        reply["duplicate"] = duplicate
+        return orjson.dumps(reply, option=_NL)
+
+
+class _SubmitBatch(RequestOp):
+    """``submit_batch``: args is a tuple of ``SubmitSpec``; the batch's are one insert."""
+
+    phase = 0
+
+    @staticmethod
+    def run_many(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
+        return cmd.Submit.apply_many(store, now, [cmd.Submit(specs) for specs in batches])
+
+    def run(self, store: SqliteStore, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
+        return store.jobs_submit(specs, now)
+
+    def fields(self, outcome: list[SubmitResult], args: Any) -> dict[str, Any]:
+        return {"results": [_result(r) for r in outcome]}
+
+
+class _Ack(RequestOp):
+    """``ack``: args is (job_id, worker_id, token, result); a batch's acks are one read
+    and one update unless one is refused."""
+
+    phase = 2
+
+    @staticmethod
+    def run_many(store: SqliteStore, now: int, acks: list[cmd.AckArgs]) -> list[Any]:
+        return store.jobs_ack_many(acks, now)
+
+    def run(self, store: SqliteStore, now: int, args: cmd.AckArgs) -> Any:
+        return store.jobs_ack(*args, now)
+
+    def reply(self, item: Item, outcome: Any) -> Any:
+        if outcome is None:
+            return b'{"id":%s,"ok":true,"state":"succeeded"}\n' % orjson.dumps(item[2])
+        return wire.encode_error(item[2], outcome)
+
+
+class _AckBatch(RequestOp):
+    """``ack_batch``: args is a tuple of acks, each answered on its own."""
+
+    phase = 2
+
+    def run(self, store: SqliteStore, now: int, acks: tuple[cmd.AckArgs, ...]) -> Any:
+        return cmd.ack_each(store, now, acks)
+
+    def fields(self, outcome: list[RelayError | None], args: Any) -> dict[str, Any]:
+        return {
+            "results": [
+                {"ok": True, "state": "succeeded"}
+                if each is None
+                else {"ok": False, "error": {"code": each.code, "message": each.message}}
+                for each in outcome
+            ]
+        }
+
+
+class _Claim(RequestOp):
+    """``lease``: args is a ``PendingLease``; a batch's leases are three statements."""
+
+    phase = 3  # last: it finds what the batch made ready
+    reserves = True
+
+    @staticmethod
+    def run_many(store: SqliteStore, now: int, leases: list[PendingLease]) -> list[Any]:
+        return cmd.claim_in_pieces(store, now, [lease.claim_args() for lease in leases])
+
+    def run(self, store: SqliteStore, now: int, lease: PendingLease) -> Any:
+        return store.jobs_claim_many([lease.claim_args()], now)[0]
+
+    def reply(self, item: Item, outcome: Any) -> Any:
+        if not outcome and item[4].deadline and not isinstance(outcome, RelayError):
+            return outcome  # a long-poll found nothing: the trio thread decides
+        return super().reply(item, outcome)
+
+    def fields(self, outcome: list[Lease], args: Any) -> dict[str, Any]:
+        return {"jobs": [wire.lease_fields(lease) for lease in outcome]}
+
+
+class _Renew(RequestOp):
+    def run(self, store: SqliteStore, now: int, args: tuple) -> Any:
+        return store.lease_renew(*args, now)
+
+    def fields(self, outcome: int, args: Any) -> dict[str, Any]:
+        return {"lease_expires_at": outcome}
+
+
+class _Fail(RequestOp):
+    def run(self, store: SqliteStore, now: int, args: tuple) -> Any:
+        return store.jobs_fail(*args, now)
+
+    def fields(self, outcome: FailOutcome, args: Any) -> dict[str, Any]:
+        if outcome.state == JobState.DEAD:
+            job_id, _, _, error, retryable = args
+            event(
+                log, logging.WARNING, "job.dead", job_id=job_id,
+                reason="failed" if retryable else "failed, not retryable", error=error[:200],
+            )  # fmt: skip
+            return {"state": outcome.state}
+        return {"state": outcome.state, "retry_at": outcome.retry_at}
+
+
+class _Release(RequestOp):
+    def run(self, store: SqliteStore, now: int, args: tuple) -> Any:
+        return store.jobs_release(*args, now)
+
+    def fields(self, outcome: None, args: Any) -> dict[str, Any]:
+        return {"state": "ready"}
+
+
+class _Inspect(RequestOp):
+    reserves = True
+
+    def run(self, store: SqliteStore, now: int, args: Reserving) -> Any:
+        return store.job_inspect(args.args)
+
+    def fields(self, outcome: JobInfo, args: Any) -> dict[str, Any]:
+        return {"job": wire.job_fields(outcome)}
+
+
+class _DeadList(RequestOp):
+    reserves = True
+
+    def run(self, store: SqliteStore, now: int, args: Reserving) -> Any:
+        return store.dead_list(*args.args)
+
+    def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
+        jobs, next_cursor = outcome
+        return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
+
+
+class _Stats(RequestOp):
+    """``stats``: args is the server's own fields, taken when the request arrived."""
+
+    def run(self, store: SqliteStore, now: int, args: dict[str, Any]) -> Any:
+        return store.queue_stats()
+
+    def fields(self, outcome: dict[str, dict[str, int]], args: Any) -> dict[str, Any]:
+        return {"queues": outcome, "server": args}
+
+
+class _DeadOne(RequestOp):
+    """``dead_retry`` / ``dead_purge`` of one job: args is its id."""
+
+    def run(self, store: SqliteStore, now: int, job_id: str) -> Any:
+        if self.name == "dead_retry":
+            return store.dead_retry(job_id, now)
+        return store.dead_purge(job_id)
+
+    def fields(self, outcome: int, args: Any) -> dict[str, Any]:
+        return {"count": outcome}
+
+
+SUBMIT = _Submit("submit")
+SUBMIT_BATCH = _SubmitBatch("submit_batch")
+ACK = _Ack("ack")
+ACK_BATCH = _AckBatch("ack_batch")
+CLAIM = _Claim("lease")
+RENEW = _Renew("renew")
+FAIL = _Fail("fail")
+RELEASE = _Release("release")
+INSPECT = _Inspect("inspect")
+DEAD_LIST = _DeadList("dead_list")
+STATS = _Stats("stats")
+DEAD_RETRY = _DeadOne("dead_retry")
+DEAD_PURGE = _DeadOne("dead_purge")
