@@ -53,6 +53,9 @@ class LocalTransport:
     def reply_room(self) -> int:
         return sys.maxsize
 
+    def still_wanted(self) -> bool:  # the writer thread's question (Session.still_wanted)
+        return self.can_wait
+
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
         reply = orjson.loads(data)
@@ -73,8 +76,9 @@ class LocalTransport:
 
     def deliver(self, pairs: list[tuple[Any, Any]]) -> None:
         finish = self._core.dispatcher.finish
+        now = trio.current_time()
         for item, reply in pairs:
-            data = finish(self, item, reply)
+            data = finish(self, item, reply, now)
             if data is not None:
                 self.reply(data)
 

@@ -56,6 +56,7 @@ class Connection(Protocol):
     def reply_room(self) -> int: ...  # reply bytes it may still be owed (see LongPolls.run)
     def reply(self, data: bytes) -> None: ...
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
+    def still_wanted(self) -> bool: ...  # asked by the writer thread (Session.still_wanted)
 
 
 def _job_reply_bytes(limits: wire.Limits) -> int:
@@ -120,17 +121,17 @@ class Dispatcher:
             durations={op: h.snapshot() for op, h in self._durations.items()},
         )
 
-    def _observe(self, op: str, started: float) -> None:
+    def _observe(self, op: str, started: float, now: float) -> None:
         histogram = self._durations.get(op)
         if histogram is None:
             histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
-        histogram.observe(trio.current_time() - started)
+        histogram.observe(now - started)
 
     def _answer_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
         """Answer a request that was not queued: counted in and out at once."""
         connection.begin_request()
         connection.reply(data)
-        self._observe(op, started)
+        self._observe(op, started, trio.current_time())
 
     def _queue(self, connection: Connection, item: Item) -> None:
         """Hand ``item`` to the writer. A request whose reply may be large (inspect,
@@ -148,15 +149,15 @@ class Dispatcher:
         if self.in_flight == 1:
             self._idle = trio.Event()
 
-    def answered(self, connection: Connection, item: Item) -> None:
-        """``item`` is answered (or dropped with its connection): count it out."""
+    def answered(self, connection: Connection, item: Item, now: float) -> None:
+        """``item`` is answered (or dropped with its connection) at ``now``: count it out."""
         op = item[0]
         if op.reserves:
             _give_back(connection, item[4])
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
-        self._observe(op.name, item[3])
+        self._observe(op.name, item[3], now)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -224,6 +225,7 @@ class Dispatcher:
         job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
         reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
         lease = ops.PendingLease(
+            connection=connection,
             queues=tuple(dict.fromkeys(request.queues)),
             worker_id=request.worker_id,
             count=request.count,
@@ -333,12 +335,12 @@ class Dispatcher:
         finally:
             # Also when cancelled (the connection closed): the request must be accounted
             # as answered, or shutdown would wait for it until its deadline.
-            self.answered(connection, item)
+            self.answered(connection, item, trio.current_time())
             connection.reply(data)
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def finish(self, connection: Connection, item: Item, reply: Any) -> bytes | None:
+    def finish(self, connection: Connection, item: Item, reply: Any, now: float) -> bytes | None:
         """The reply line of ``item``, or None if the request is parked (long-poll).
 
         ``reply`` is the line the writer made, or, for a long-poll lease that found
@@ -351,7 +353,7 @@ class Dispatcher:
                 self.leasing
                 and connection.can_wait
                 and not self.longpolls.closing
-                and lease.deadline > trio.current_time()
+                and lease.deadline > now
             ):
                 self.longpolls.park(item, connection)
                 # A parked lease holds no reply: it gives back what it reserved, or a few
@@ -361,7 +363,7 @@ class Dispatcher:
                 _give_back(connection, lease)
                 return None
             reply = wire.encode_ok(item[2], {"jobs": []})
-        self.answered(connection, item)
+        self.answered(connection, item, now)
         return reply
 
 

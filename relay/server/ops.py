@@ -42,6 +42,7 @@ class Reserving:
 class PendingLease:
     """A lease request in flight: its claim, and what a parked long-poll needs."""
 
+    connection: Any  # asked still_wanted() before a long-poll's claim (writer thread)
     queues: tuple[str, ...]
     worker_id: str
     count: int
@@ -76,6 +77,12 @@ class RequestOp:
         if isinstance(outcome, RelayError):
             return wire.encode_error(item[2], outcome)
         return wire.encode_ok(item[2], self.fields(outcome, item[4]))
+
+
+def _wanted(lease: PendingLease) -> bool:
+    """A long-poll is claimed only while its client may still take the jobs: one whose
+    client went while it waited in the queue gets none (answered with no jobs)."""
+    return not lease.deadline or lease.connection.still_wanted()
 
 
 def _result(result: SubmitResult) -> dict[str, Any]:
@@ -165,10 +172,15 @@ class _Claim(RequestOp):
 
     @staticmethod
     def run_many(store: SqliteStore, now: int, leases: list[PendingLease]) -> list[Any]:
-        return cmd.claim_in_pieces(store, now, [lease.claim_args() for lease in leases])
+        outcomes: list[Any] = [[] for _ in leases]
+        wanted = [i for i, lease in enumerate(leases) if _wanted(lease)]
+        claims = [leases[i].claim_args() for i in wanted]
+        for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
+            outcomes[i] = jobs
+        return outcomes
 
     def run(self, store: SqliteStore, now: int, lease: PendingLease) -> Any:
-        return store.jobs_claim_many([lease.claim_args()], now)[0]
+        return self.run_many(store, now, [lease])[0]
 
     def reply(self, item: Item, outcome: Any) -> Any:
         if not outcome and item[4].deadline and not isinstance(outcome, RelayError):

@@ -135,19 +135,31 @@ class Session:
     @property
     def can_wait(self) -> bool:
         """A long-poll may park, or be claimed again, for this client: not once it has
-        stopped sending (EOF, shutdown) or gone. A reader waiting for room cannot see that
-        if the client sent more first (``_wait_for_room``), so while the connection is
-        full the kernel's view decides: a FIN counts as EOF, and a reset closes the
-        connection, so that no job is leased to a client that has gone."""
+        stopped sending (EOF, shutdown) or gone. The reader may not have seen that yet: it
+        waits for room without reading (``_wait_for_room``), or has not been scheduled
+        since the client's FIN arrived, while another connection's commit wakes this
+        client's long-poll. So the kernel's view decides too (one system call, asked only
+        for a long-poll about to park or be claimed again): a FIN counts as EOF, and a
+        reset closes the connection, so that no job is leased to a client that has gone."""
         if self.closed:
             return False
-        if self._can_wait and self._full():
+        if self._can_wait:
             state = self._tcp_state()
             if state == TCP_CLOSE:
                 self._broken(ConnectionResetError("reset by the peer"))
             if state in (TCP_CLOSE, TCP_CLOSE_WAIT):
                 self._can_wait = False
         return self._can_wait
+
+    def still_wanted(self) -> bool:
+        """Whether a long-poll's claim should still be made for this client: the writer
+        thread asks this just before claiming, so it reads only plain attributes and the
+        kernel's TCP state (a system call; never the trio-side state ``can_wait`` may
+        change). A lease queued just before its client went would otherwise take the
+        jobs that a submit of the same batch makes ready."""
+        if self.closed or not self._can_wait:
+            return False
+        return self._tcp_state() not in (TCP_CLOSE, TCP_CLOSE_WAIT)
 
     def _tcp_state(self) -> int | None:
         """The connection's TCP state, where the socket tells it, else None."""
@@ -187,10 +199,11 @@ class Session:
         """The replies of one commit for this connection: written together, with one
         call."""
         finish = self.dispatcher.finish
+        now = trio.current_time()
         self._delivering = True
         try:
             for item, reply in pairs:
-                data = finish(self, item, reply)
+                data = finish(self, item, reply, now)
                 if data is not None:
                     self.reply(data)
                 else:

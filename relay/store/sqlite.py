@@ -27,6 +27,7 @@ import orjson
 
 from relay.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
 from relay.model import (
+    DEFAULT_BACKOFF,
     Backoff,
     ErrorEntry,
     FailOutcome,
@@ -132,6 +133,16 @@ _INSERT_JOBS = (
     "run_at, idempotency_key) VALUES {values}"
 )
 _INSERT_JOBS_ROW = "(?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+# A job ready at once with the default backoff and no key: seven values, not fourteen.
+_INSERT_PLAIN_JOBS = (
+    "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
+    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at) "
+    "VALUES {values}"
+)
+_INSERT_PLAIN_ROW = (
+    f"(?, ?, 'ready', ?, ?, 0, ?, '{DEFAULT_BACKOFF.kind}', {DEFAULT_BACKOFF.base_ms}, "
+    f"{DEFAULT_BACKOFF.max_ms}, {int(DEFAULT_BACKOFF.jitter)}, ?, ?)"
+)
 _INSERT_KEYS = (
     "INSERT OR REPLACE INTO idempotency_keys (queue, key, job_id, expires_at) VALUES {values}"
 )
@@ -443,63 +454,69 @@ class SqliteStore:
         creates nothing and answers the first job's id and current state.
         """
         results: list[SubmitResult] = []
-        rows: list[tuple] = []
+        plain: list[tuple] = []  # ready now, default backoff, no key: the common job
+        rows: list[tuple] = []  # every other job
         keys: list[tuple] = []
         fresh_keys: dict[tuple[str, str], SubmitResult] = {}
+        per_queue: dict[tuple[str, str], int] = {}  # (queue, state) -> new jobs
         key_expires_at = now + self.config.idempotency_window_ms
+        next_id = self._ids.next_id
+        ready_queues = self.changes.ready_queues
         for spec in specs:
-            if spec.idempotency_key is not None:
-                seen = fresh_keys.get((spec.queue, spec.idempotency_key))
+            queue, _payload, _priority, delay_ms, run_at, _max, backoff, idempotency_key = spec
+            if idempotency_key is not None:
+                seen = fresh_keys.get((queue, idempotency_key))
                 if seen is None:
-                    seen = self._idempotent_hit(spec.queue, spec.idempotency_key, now)
+                    seen = self._idempotent_hit(queue, idempotency_key, now)
                 if seen is not None:
                     results.append(SubmitResult(seen.job_id, seen.state, duplicate=True))
                     continue
-            key = self._ids.next_id(now)
-            due = spec.due_at(now)
+            key = next_id(now)
+            due = run_at if run_at is not None else now + delay_ms
             if due > now:
                 state, ready_at, run_at = PENDING, None, due
                 self.changes.due(due)
             else:
-                state, ready_at, run_at = READY, now, spec.run_at
-                self.changes.ready_queues.add(spec.queue)
-            backoff = spec.backoff
-            rows.append(
-                (
-                    key,
-                    spec.queue,
-                    state,
-                    int(spec.priority),
-                    spec.payload,
-                    spec.max_attempts,
-                    backoff.kind,
-                    backoff.base_ms,
-                    backoff.max_ms,
-                    int(backoff.jitter),
-                    now,
-                    ready_at,
-                    run_at,
-                    spec.idempotency_key,
-                )
-            )
-            result = SubmitResult(format_job_id(key), state, duplicate=False)
+                state, ready_at = READY, now
+                ready_queues.add(queue)
+            if (
+                state is READY
+                and run_at is None
+                and idempotency_key is None
+                and (backoff is DEFAULT_BACKOFF)
+            ):
+                plain.append((key, queue, spec.priority, spec.payload, spec.max_attempts, now, now))
+            else:
+                rows.append(
+                    (
+                        key, queue, state, int(spec.priority), spec.payload, spec.max_attempts,
+                        backoff.kind, backoff.base_ms, backoff.max_ms, int(backoff.jitter),
+                        now, ready_at, run_at, idempotency_key,
+                    )
+                )  # fmt: skip
+            result = SubmitResult(format_job_id(key), state, False)
             results.append(result)
-            if spec.idempotency_key is not None:
-                keys.append((spec.queue, spec.idempotency_key, key, key_expires_at))
-                fresh_keys[(spec.queue, spec.idempotency_key)] = result
-        self._check_depth(rows)
-        for (queue, state), n in Counter((row[1], row[2]) for row in rows).items():
+            per_queue[queue, state] = per_queue.get((queue, state), 0) + 1
+            if idempotency_key is not None:
+                keys.append((queue, idempotency_key, key, key_expires_at))
+                fresh_keys[(queue, idempotency_key)] = result
+        self._check_depth(per_queue)
+        for (queue, state), n in per_queue.items():
             self._move(queue, None, state, n)
             self._count(queue, "submitted", n)
+        _execute_rows(self._db, _INSERT_PLAIN_JOBS, _INSERT_PLAIN_ROW, plain)
         _execute_rows(self._db, _INSERT_JOBS, _INSERT_JOBS_ROW, rows)
         # An expired key for the same (queue, key) is replaced: its window has passed.
         _execute_rows(self._db, _INSERT_KEYS, "(?, ?, ?, ?)", keys)
         return results
 
-    def _check_depth(self, rows: list[tuple]) -> None:
+    def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:
         if self.config.max_depth is None and not self.config.queue_depths:
             return
-        for queue, n in Counter(row[1] for row in rows).items():
+        new: Counter[str] = Counter()
+        for (queue, _state), n in per_queue.items():
+            new[queue] += n
+        for queue, n in new.items():
             limit = self.config.depth_limit(queue)
             if limit is None:
                 continue

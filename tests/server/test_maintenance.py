@@ -177,6 +177,9 @@ class Sink:
     def reply_room(self) -> int:
         return 1 << 40
 
+    def still_wanted(self) -> bool:
+        return self.can_wait
+
     def reserve(self, nbytes: int) -> None:
         pass
 
@@ -188,7 +191,7 @@ class Sink:
 def lease_item(sink: Any, queues=("q",), wait_s=5.0, count=1) -> Any:
     """A lease request's writer item, as the dispatcher makes it."""
     lease = ops.PendingLease(
-        queues=queues, worker_id="w", count=count, lease_ms=30_000,
+        connection=sink, queues=queues, worker_id="w", count=count, lease_ms=30_000,
         deadline=trio.current_time() + wait_s, max_bytes=1 << 20, reply_bytes=1 << 20,
         job_bytes=1 << 10,
     )  # fmt: skip
