@@ -238,24 +238,26 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
     bad value) returns None, and the full path then parses it or names what is wrong. So
     the two paths never disagree on an accepted request (tests/test_wire.py checks it).
     """
-    if not _FAST_FIELDS.issuperset(job) or "payload" not in job:
+    if not _FAST_FIELDS.issuperset(job):
         return None
-    queue = job.get("queue")
-    priority_name = job.get("priority", "normal")
+    get = job.get
+    queue = get("queue")
+    if type(queue) is not str or (queue not in _VALID_QUEUES and not valid_queue(queue)):
+        return None
+    priority_name = get("priority", "normal")
     priority = PRIORITY_BY_WIRE.get(priority_name) if type(priority_name) is str else None
-    retries = job.get("retries", DEFAULT_RETRIES)
-    delay_ms = job.get("delay_ms", 0)
-    key = job.get("idempotency_key")
+    retries = get("retries", DEFAULT_RETRIES)
+    delay_ms = get("delay_ms", 0)
+    key = get("idempotency_key")
     if (
         priority is None
-        or not valid_queue(queue)
         or type(retries) is not int
         or not 0 <= retries <= limits.max_retries
         or type(delay_ms) is not int
         or not 0 <= delay_ms <= limits.max_delay_ms
-        or (key is not None and (type(key) is not str or not key or len(key) > limits.max_id_bytes
-                                 or len(key.encode()) > limits.max_id_bytes))
-    ):  # fmt: skip
+        or (key is not None and not _short_text(key, limits.max_id_bytes))
+        or "payload" not in job
+    ):
         return None
     try:
         payload = orjson.dumps(job["payload"])
@@ -263,8 +265,15 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
         return None  # nested too deeply: the full path says so
     if len(payload) > limits.max_payload_bytes:
         return None
-    return SubmitSpec(queue, payload.decode(), priority, delay_ms, None, retries + 1,
-                      DEFAULT_BACKOFF, key)  # fmt: skip
+    return _new_spec(
+        SubmitSpec, (queue, payload.decode(), priority, delay_ms, None, retries + 1,
+                     DEFAULT_BACKOFF, key)
+    )  # fmt: skip
+
+
+# A named tuple made from a tuple at once: skips its __new__'s argument handling (the
+# fast path makes one per job).
+_new_spec = tuple.__new__
 
 
 def _short_text(value: Any, max_bytes: int) -> bool:
@@ -651,15 +660,16 @@ def encode_error(request_id: Any, error: RelayError) -> bytes:
 
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
+    job_id, queue, payload, priority, attempt, max_attempts, token, expires_at = lease
     return {
-        "job_id": lease.job_id,
-        "queue": lease.queue,
-        "payload": orjson.Fragment(lease.payload),
-        "priority": Priority(lease.priority).wire,
-        "attempt": lease.attempt,
-        "max_attempts": lease.max_attempts,
-        "token": lease.token,
-        "lease_expires_at": lease.lease_expires_at,
+        "job_id": job_id,
+        "queue": queue,
+        "payload": orjson.Fragment(payload),
+        "priority": WIRE_PRIORITIES[priority],
+        "attempt": attempt,
+        "max_attempts": max_attempts,
+        "token": token,
+        "lease_expires_at": expires_at,
     }
 
 
@@ -692,6 +702,10 @@ def job_fields(job: JobInfo) -> dict[str, Any]:
 # -- framing --------------------------------------------------------------------------------
 
 
+def _strip_cr(lines: list[bytes]) -> list[bytes]:
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
 class LineSplitter:
     """Splits a byte stream into lines, never holding more than one frame's worth.
 
@@ -714,24 +728,32 @@ class LineSplitter:
         if self.overflow:
             return []
         buffer = self._buffer
-        search_from = len(buffer)
-        buffer += data
-        lines = []
-        start = 0
-        while (end := buffer.find(b"\n", max(start, search_from))) >= 0:
-            line = bytes(buffer[start:end])
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            if len(line) > self.max_frame_bytes:
-                self._overflowed()
-                return lines
-            lines.append(line)
-            start = end + 1
-        del buffer[:start]
+        if b"\n" not in data:  # no line ends here: keep it (a bytearray grows cheaply)
+            buffer += data
+            self._check_rest()
+            return []
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+            buffer.clear()
+        # bytes.split does the scanning; Python looks at each line only when one could
+        # be too long (a read and the buffer are usually far below the limit) or ends
+        # with \r.
+        lines = data.split(b"\n")
+        buffer += lines.pop()
+        if len(data) > self.max_frame_bytes:
+            for i, line in enumerate(lines):
+                if len(line) - line.endswith(b"\r") > self.max_frame_bytes:
+                    self._overflowed()
+                    return _strip_cr(lines[:i])
+        self._check_rest()
+        return _strip_cr(lines) if b"\r" in data else lines
+
+    def _check_rest(self) -> None:
         # The rest has no newline yet; a \r at its end may be the first half of \r\n.
+        buffer = self._buffer
         if len(buffer) - buffer.endswith(b"\r") > self.max_frame_bytes:
             self._overflowed()
-        return lines
 
     def _overflowed(self) -> None:
         self.overflow = True

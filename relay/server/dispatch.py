@@ -157,7 +157,10 @@ class Dispatcher:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
-        self._observe(op.name, item[3], now)
+        histogram = self._durations.get(op.name)
+        if histogram is None:
+            histogram = self._durations[op.name] = Histogram(DURATION_BOUNDS)
+        histogram.observe(now - item[3])
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -176,7 +179,7 @@ class Dispatcher:
             request_id = fields.get("id")
             name = fields.get("op")
             handler = self._ops.get(name) if type(name) is str else None
-            if handler is None or not wire.valid_id(request_id):
+            if handler is None or not (type(request_id) is int or wire.valid_id(request_id)):
                 if not wire.valid_id(request_id):
                     request_id = None
                 wire.parse_request(wire.Frame(request_id, name, fields), self.limits)

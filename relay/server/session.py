@@ -92,6 +92,7 @@ class Session:
         self.idle_timeout = idle_timeout
         self.peer = peer
         self.splitter = wire.LineSplitter(self.limits.max_frame_bytes)
+        self._max_in_flight = self.limits.max_in_flight
         self.in_flight = 0  # requests taken, not yet answered
         self.closed = False
         # While the client sends requests, a long-poll may wait for it. Once it has
@@ -198,12 +199,16 @@ class Session:
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None:
         """The replies of one commit for this connection: written together, with one
         call."""
-        finish = self.dispatcher.finish
+        dispatcher = self.dispatcher
         now = trio.current_time()
         self._delivering = True
         try:
             for item, reply in pairs:
-                data = finish(self, item, reply, now)
+                if type(reply) is bytes:  # the common case, without finish's questions
+                    dispatcher.answered(self, item, now)
+                    self.reply(reply)
+                    continue
+                data = dispatcher.finish(self, item, reply, now)
                 if data is not None:
                     self.reply(data)
                 else:
@@ -273,8 +278,12 @@ class Session:
     def _full(self) -> bool:
         """No more requests are read for now: ``max_in_flight`` are owed, or the bytes of
         the replies owed (reserved by large requests in flight, or not yet written) reach
-        MAX_OWED_BYTES."""
-        return self._owed() >= self.limits.max_in_flight or self.reply_room() <= 0
+        MAX_OWED_BYTES. (Asked per request: written out rather than through _owed and
+        reply_room.)"""
+        return (
+            self.in_flight + self._out_count + self._sending >= self._max_in_flight
+            or self._reserved + self._unsent >= MAX_OWED_BYTES
+        )
 
     async def run(self) -> None:
         """Serve the connection until the client leaves, idles out, or is cancelled.

@@ -580,7 +580,8 @@ class SqliteStore:
             candidates = _json_rows(self._db, _claim_candidates_sql(len(queues)), params)
             # Within one (queue, class) the oldest job also has the highest effective
             # priority, so the best of all candidates are the best jobs overall.
-            candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
+            if len(candidates) > 1:
+                candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
             available = (c for c in candidates if c[0] not in taken)
             for i in members:
                 count, max_bytes = claims[i][2], claims[i][4]
@@ -607,7 +608,7 @@ class SqliteStore:
         _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
         rows = _json_rows(self._db, _CLAIMED_ROWS_SQL, (_json_ids(taken),))
         by_key = {row[0]: row for row in rows}
-        per_queue: Counter[str] = Counter()
+        per_queue: dict[str, int] = {}
         results: list[list[Lease]] = []
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
@@ -615,11 +616,11 @@ class SqliteStore:
                 _, queue, payload, priority, attempt, max_attempts = by_key[key]
                 leases.append(
                     Lease(
-                        format_job_id(key), queue, payload, priority, attempt, max_attempts,
+                        f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
                         token, expires_at,
                     )
                 )  # fmt: skip
-                per_queue[queue] += 1
+                per_queue[queue] = per_queue.get(queue, 0) + 1
             if leases:
                 self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
             results.append(leases)
@@ -683,14 +684,14 @@ class SqliteStore:
         found = _json_rows(self._db, _LEASE_ROWS_SQL, (_json_ids(keys),))
         rows = {row[0]: row for row in found}
         updates = []
-        queues = []
+        per_queue: dict[str, int] = {}
         for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
             row = _check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
             if row is not None:  # None: an ack repeated with the completing token
                 updates.append((key, result))
-                queues.append(row[1])
+                per_queue[row[1]] = per_queue.get(row[1], 0) + 1
         _execute_rows(self._db, _ACK_UPDATE, "(?, ?)", updates, (now,))
-        for queue, n in Counter(queues).items():
+        for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n)
         return [None] * len(acks)
