@@ -23,7 +23,7 @@ AGING_STEP_MS = 60_000
 # row's key in the store; the fixed-width lowercase hex makes the strings sort exactly as
 # the integers do. 42 bits of milliseconds last until the year 2109; 21 bits of sequence
 # allow 2 million ids within one millisecond before the generator borrows the next one.
-_ID_SEQ_BITS = 21
+ID_SEQ_BITS = 21
 _ID_MAX = (1 << 63) - 1
 _ID_RE = re.compile(r"job_[0-9a-f]{16}")  # always fullmatch: "$" would allow a "\n"
 
@@ -192,7 +192,7 @@ class JobIdGenerator:
         self.last_id = last_id
 
     def next_id(self, now_ms: int) -> int:
-        candidate = now_ms << _ID_SEQ_BITS
+        candidate = now_ms << ID_SEQ_BITS
         # Same millisecond (or a clock that stepped back): the next sequence number; past
         # the last sequence number this carries into the next millisecond.
         self.last_id = candidate if candidate > self.last_id else self.last_id + 1
@@ -214,7 +214,7 @@ def parse_job_id(job_id: str) -> int | None:
 def job_id_time(job_id: str) -> int | None:
     """Milliseconds since the epoch at which the job was created, from its id."""
     key = parse_job_id(job_id)
-    return None if key is None else key >> _ID_SEQ_BITS
+    return None if key is None else key >> ID_SEQ_BITS
 
 
 def truncate_utf8(text: str, max_bytes: int) -> str:

@@ -607,11 +607,11 @@ def parse_request(frame: Frame, limits: Limits) -> Any:
             raise _bad("jobs", f"must hold 1 to {limits.max_batch} jobs, got {len(jobs)}")
         specs = []
         for i, job in enumerate(jobs):
-            prefix = f"jobs[{i}]."
-            if not isinstance(job, dict):
+            if type(job) is not dict:
                 raise _bad(f"jobs[{i}]", "must be an object")
             spec = fast_submit_spec(job, limits)
             if spec is None:
+                prefix = f"jobs[{i}]."
                 spec = structure(job, Submit, prefix).to_spec(limits, prefix)
             specs.append(spec)
         return tuple(specs)

@@ -19,7 +19,7 @@ import orjson
 from relay import wire
 from relay.errors import RelayError
 from relay.log import event
-from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
+from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.store import commands as cmd
 from relay.store.sqlite import SqliteStore
 from relay.store.writer import Item
@@ -85,10 +85,6 @@ def _wanted(lease: PendingLease) -> bool:
     return not lease.deadline or lease.connection.still_wanted()
 
 
-def _result(result: SubmitResult) -> dict[str, Any]:
-    return {"job_id": result.job_id, "state": result.state, "duplicate": result.duplicate}
-
-
 class _Submit(RequestOp):
     """``submit``: args is one ``SubmitSpec``; a batch's submits are one insert."""
 
@@ -122,8 +118,20 @@ class _SubmitBatch(RequestOp):
     def run(self, store: SqliteStore, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
         return store.jobs_submit(specs, now)
 
-    def fields(self, outcome: list[SubmitResult], args: Any) -> dict[str, Any]:
-        return {"results": [_result(r) for r in outcome]}
+    def reply(self, item: Item, outcome: Any) -> Any:
+        if isinstance(outcome, RelayError):
+            return wire.encode_error(item[2], outcome)
+        # Written out: a dict per job cost more than the rest of the reply. Job ids and
+        # states need no JSON escaping.
+        results = ",".join([_RESULT % (r[0], r[1], _BOOL[r[2]]) for r in outcome])
+        return b'{"id":%s,"ok":true,"results":[%s]}\n' % (
+            orjson.dumps(item[2]),
+            results.encode(),
+        )
+
+
+_RESULT = '{"job_id":"%s","state":"%s","duplicate":%s}'
+_BOOL = {False: "false", True: "true"}
 
 
 class _Ack(RequestOp):
