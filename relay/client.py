@@ -26,6 +26,7 @@ import orjson
 import trio
 from cattrs.preconf.orjson import make_converter
 
+from relay.coalesce import Coalescer
 from relay.errors import ConnectionLost, InternalError, QueueFull, RelayError, error_from_wire
 from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
 from relay.nursery import open_service_nursery
@@ -135,10 +136,13 @@ class Transport(Protocol):
 
 
 class Client:
-    """Typed calls on a transport (TCP, or in-process for ``open_local``)."""
+    """Typed calls on a transport (TCP, or in-process for ``open_local``). With a
+    ``coalescer`` (``open_client(batch_window_ms=...)``), submits and acks that tasks make
+    at once go out as one request each (relay/coalesce.py)."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, coalescer: Coalescer | None = None) -> None:
         self._transport = transport
+        self._coalescer = coalescer
 
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         return await self._transport.request(op, {k: v for k, v in fields.items() if v is not None})
@@ -169,7 +173,10 @@ class Client:
             queue, payload, priority=priority, delay_ms=delay_ms, run_at=run_at,
             retries=retries, backoff=backoff, idempotency_key=idempotency_key,
         )  # fmt: skip
-        reply = await self._while_full(wait, "submit", job)
+        if self._coalescer is None:
+            reply = await self._while_full(wait, "submit", job)
+        else:
+            reply = await self._while_full(wait, "submit", job, self._coalescer.submit)
         return submit_result(reply)
 
     async def submit_batch(
@@ -179,10 +186,14 @@ class Client:
         reply = await self._while_full(wait, "submit_batch", {"jobs": list(jobs)})
         return [submit_result(r) for r in reply["results"]]
 
-    async def _while_full(self, wait: bool, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+    async def _while_full(
+        self, wait: bool, op: str, fields: dict[str, Any], send: Any = None
+    ) -> dict[str, Any]:
         delay = QUEUE_FULL_FIRST_S
         while True:
             try:
+                if send is not None:
+                    return await send(fields)
                 return await self._transport.request(op, fields)
             except QueueFull:
                 if not wait:
@@ -214,7 +225,13 @@ class Client:
         return reply["lease_expires_at"]
 
     async def ack(self, job_id: str, worker_id: str, token: str, result: Any = None) -> None:
-        await self._call("ack", job_id=job_id, worker_id=worker_id, token=token, result=result)
+        if self._coalescer is None:
+            await self._call("ack", job_id=job_id, worker_id=worker_id, token=token, result=result)
+            return
+        item = {"job_id": job_id, "token": token}
+        if result is not None:
+            item["result"] = result
+        await self._coalescer.ack(worker_id, item)
 
     async def ack_batch(
         self, worker_id: str, acks: Sequence[tuple[str, str] | tuple[str, str, Any]]
@@ -321,6 +338,7 @@ class _Call:
     line: bytes
     worker_id: str | None = None
     sent_on: int | None = None  # the connection it was last sent on, once fully sent
+    queued: bool = False  # waiting in the outbox: not written yet
     resent: bool = False
     orphaned: bool = False  # a lease whose caller gave up: release what it brings
     done: trio.Event = attrs.Factory(trio.Event)
@@ -362,6 +380,10 @@ class TcpTransport:
         self._unread_generation = -1  # a connection whose later lines the server ignored
         self._connected = trio.Event()  # set while _stream is usable
         self._send_lock = trio.Lock()
+        # Lines to send, in order: written together by the flusher task, so the calls
+        # that tasks make in one scheduler tick go out in one write.
+        self._outbox: list[_Call] = []
+        self._outbox_lot = trio.lowlevel.ParkingLot()
         self._closed = False
         self._failure: RelayError | None = None  # set when the transport gave up
         self._demand = trio.Event()  # a call after giving up: try to reconnect again
@@ -377,13 +399,17 @@ class TcpTransport:
         call = _Call(op, line, fields.get("worker_id"))
         self._pending[request_id] = call
         try:
-            await self._send(call)
+            self._queue(call)
             await call.done.wait()
         except trio.Cancelled:
-            # A cancelled lease (a long-poll given up) may still be granted by the
-            # server; the reader then releases those jobs instead of leaving them leased
-            # until their leases expire.
-            call.orphaned = op == "lease" and call.sent_on is not None
+            if call.queued:  # never written: nothing to answer
+                self._outbox.remove(call)
+                call.queued = False
+            else:
+                # A cancelled lease (a long-poll given up) may still be granted by the
+                # server; the reader then releases those jobs instead of leaving them
+                # leased until their leases expire.
+                call.orphaned = op == "lease"
             raise
         finally:
             if not call.orphaned:
@@ -399,27 +425,58 @@ class TcpTransport:
                 return {"state": "ready"}
         return reply_fields(reply)
 
-    async def _send(self, call: _Call) -> None:
+    def _queue(self, call: _Call) -> None:
+        if self._failure is not None:
+            self._demand.set()  # the next call waits for a new reconnection
+            raise self._failure
+        if self._closed:
+            raise ConnectionLost("the client is closed")
+        call.queued = True
+        self._outbox.append(call)
+        if len(self._outbox) == 1:
+            self._outbox_lot.unpark_all()
+
+    async def flush(self) -> None:
+        """Write the queued lines, until cancelled (a task of ``open_client``).
+
+        Woken by the first line queued, it runs after the tasks that ran with that one,
+        so the lines of one scheduler tick go out in one write. It knows how far each
+        write got: a line fully written counts as sent on that connection (and, once the
+        connection drops unanswered, is sent again only if its op is safe to repeat); a
+        line cut short was not acted on (the server acts on a line at its newline) and
+        goes first on the next connection."""
         while True:
-            if self._failure is not None:
-                self._demand.set()  # the next call waits for a new reconnection
-                raise self._failure
-            if self._closed:
-                raise ConnectionLost("the client is closed")
+            while not self._outbox:
+                await self._outbox_lot.park()
             await self._connected.wait()
             stream, generation = self._stream, self._generation
             if stream is None or self._failure is not None:
+                # Given up: every call was settled with the failure; drop their lines.
+                self._outbox = [call for call in self._outbox if not call.done.is_set()]
                 continue
+            calls, self._outbox = self._outbox, []
+            for call in calls:
+                call.queued = False
+            data = b"".join([call.line for call in calls])
+            written = 0
             try:
                 async with self._send_lock:
-                    await stream.send_all(call.line)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    written = await _write(stream, data)
+            except _CutShort as exc:
+                written = exc.written
                 if generation == self._generation:
                     self._disconnected()
                     await trio.aclose_forcefully(stream)  # the reader notices, reconnects
-                continue
-            call.sent_on = generation
-            return
+            end = 0
+            for i, call in enumerate(calls):
+                end += len(call.line)
+                if end > written:
+                    unsent = [c for c in calls[i:] if not c.done.is_set()]
+                    for c in unsent:
+                        c.queued = True
+                    self._outbox[:0] = unsent
+                    break
+                call.sent_on = generation
 
     def _disconnected(self) -> None:
         # Senders wait on the current event; replace it only once it has been set, so
@@ -457,7 +514,7 @@ class TcpTransport:
             unread = self._unread_generation == generation
             for request_id, call in list(self._pending.items()):
                 if call.sent_on != generation or call.done.is_set():
-                    continue  # not sent yet: its sender waits for the next connection
+                    continue  # not sent yet: it waits in the outbox for the next connection
                 if call.orphaned:
                     del self._pending[request_id]
                 elif unread and self.reconnect:
@@ -601,6 +658,27 @@ class TcpTransport:
             await trio.aclose_forcefully(self._stream)
 
 
+class _CutShort(Exception):
+    """A write that the connection cut short after ``written`` bytes."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(f"the connection dropped after {written} bytes")
+        self.written = written
+
+
+async def _write(stream: trio.SocketStream, data: bytes) -> int:
+    """Write all of ``data``, or raise ``_CutShort`` with how much the kernel took."""
+    sock = stream.socket
+    view = memoryview(data)
+    written = 0
+    while written < len(data):
+        try:
+            written += await sock.send(view[written:])
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise _CutShort(written) from exc
+    return written
+
+
 def reply_error(reply: dict[str, Any]) -> RelayError:
     error = reply.get("error") or {}
     return error_from_wire(str(error.get("code")), str(error.get("message")))
@@ -613,12 +691,20 @@ async def open_client(
     reconnect: bool = True,
     connect_timeout: float = CONNECT_TIMEOUT_S,
     reconnect_timeout: float = RECONNECT_TIMEOUT_S,
+    batch_window_ms: float | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a relay-trio server and yield a ``Client``.
 
-    Owns one background task (the reply reader, which also reconnects) in a nursery of its
-    own; leaving the block closes the connection and cancels it. Raises OSError (or
-    ``trio.TooSlowError``) if the first connection cannot be made.
+    Calls that tasks make in one scheduler tick always go out in one write. With
+    ``batch_window_ms``, a submit (or an ack) also waits up to that long for others: those
+    made meanwhile go as one ``submit_batch`` (``ack_batch`` per worker), each caller still
+    getting its own result or error (relay/coalesce.py). It trades that much latency for
+    far fewer requests when many tasks submit at once.
+
+    Owns two background tasks (the reply reader, which also reconnects, and the writer of
+    queued lines) in a nursery of its own; leaving the block closes the connection and
+    cancels them. Raises OSError (or ``trio.TooSlowError``) if the first connection
+    cannot be made.
     """
     host, port = parse_address(address)
     transport = TcpTransport(
@@ -629,8 +715,12 @@ async def open_client(
     async with open_service_nursery() as nursery:
         transport.nursery = nursery
         nursery.start_soon(transport.run)
+        nursery.start_soon(transport.flush)
+        coalescer = None
+        if batch_window_ms is not None:
+            coalescer = Coalescer(transport.request, batch_window_ms / 1000, nursery)
         try:
-            yield Client(transport)
+            yield Client(transport, coalescer)
         finally:
             await transport.aclose()
 

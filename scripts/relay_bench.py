@@ -276,6 +276,26 @@ async def submit_batches(address, clients: int, batch: int, batches: int) -> flo
     return clients * batch * batches / await _timed_connections(address, clients, produce)
 
 
+async def submit_from_tasks(
+    address, tasks: int, per_task: int, batch_window_ms: float | None = None
+) -> float:
+    """One relay.Client shared by ``tasks`` tasks, each submitting one job at a time (a
+    web app's request handlers, a fan-out)."""
+    import relay
+
+    async with relay.open_client(address, batch_window_ms=batch_window_ms) as client:
+
+        async def produce(t: int) -> None:
+            for i in range(per_task):
+                await client.submit("bench", _payload(t * per_task + i))
+
+        started = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for t in range(tasks):
+                nursery.start_soon(produce, t)
+        return tasks * per_task / (time.perf_counter() - started)
+
+
 async def prefill(address, total: int, queue: str = "bench") -> None:
     """Submit ``total`` no-op jobs in batches of 1000, a few batches in flight."""
     conn = await Conn.open(address)
@@ -510,6 +530,7 @@ async def measure(
 @attrs.frozen
 class Sizes:
     per_producer: int
+    per_task: int
     pipelined: int
     batches: int
     backlog: int
@@ -519,8 +540,8 @@ class Sizes:
     baseline_commits: int
 
 
-FULL = Sizes(1000, 40_000, 200, 40_000, 5_000, (1_000, 100_000, 1_000_000), 10.0, 400)
-QUICK = Sizes(150, 4_000, 20, 3_000, 1_000, (1_000, 20_000), 2.0, 50)
+FULL = Sizes(1000, 150, 40_000, 200, 40_000, 5_000, (1_000, 100_000, 1_000_000), 10.0, 400)
+QUICK = Sizes(150, 16, 4_000, 20, 3_000, 1_000, (1_000, 20_000), 2.0, 50)
 
 
 def commit_baseline_us(db_dir: str, commits: int) -> float:
@@ -563,6 +584,14 @@ async def submit_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync:
         yield await measure(
             server, f"submit_batch of 100, {clients} client(s)", "jobs/s", runs,
             lambda c=clients: submit_batches(a, c, 100, sizes.batches), sync=sync,
+        )  # fmt: skip
+    for window in (None, 2.0):
+        name = "relay.Client, 256 tasks one-at-a-time" + (
+            "" if window is None else f", batch_window_ms {window:g}"
+        )
+        yield await measure(
+            server, name, "jobs/s", runs,
+            lambda w=window: submit_from_tasks(a, 256, sizes.per_task, w), sync=sync,
         )  # fmt: skip
 
 

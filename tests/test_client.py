@@ -701,6 +701,66 @@ async def test_200_concurrent_submits_share_one_connection(client):
     assert client._transport.connections == 1
 
 
+async def test_calls_made_in_one_tick_go_out_in_one_write(client, monkeypatch):
+    import relay.client as client_module
+
+    writes: list[int] = []  # lines per write
+    real_write = client_module._write
+
+    async def counting(stream, data):
+        writes.append(data.count(b"\n"))
+        return await real_write(stream, data)
+
+    monkeypatch.setattr(client_module, "_write", counting)
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(client.submit, "tick", {"i": i})
+    assert writes == [50]
+    assert (await client.stats()).queues["tick"]["ready"] == 50
+
+
+async def test_a_write_cut_short_sends_its_unwritten_lines_on_the_next_connection(
+    client, monkeypatch
+):
+    """The first line of a write reached the server and the rest did not: the first may
+    have been acted on (a submit raises ConnectionLost, as any call in flight would); the
+    others never were, so they go on the next connection, once."""
+    import relay.client as client_module
+
+    real_write = client_module._write
+    cuts = [True]
+
+    async def cut_after_the_first_line(stream, data):
+        if cuts and data.count(b"\n") > 1:
+            cuts.clear()
+            first = data[: data.index(b"\n") + 1]
+            await real_write(stream, first)
+            raise client_module._CutShort(len(first))
+        return await real_write(stream, data)
+
+    monkeypatch.setattr(client_module, "_write", cut_after_the_first_line)
+    outcomes: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = await client.submit("cut", {"i": i})
+        except ConnectionLost as exc:
+            outcomes[i] = exc
+
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i)
+        stats = await client.stats()
+    lost = [i for i, o in outcomes.items() if isinstance(o, ConnectionLost)]
+    assert len(lost) == 1
+    assert all(isinstance(o, SubmitResult) for i, o in outcomes.items() if i not in lost)
+    assert client._transport.connections == 2
+    # The first line was read by the server: its job exists, and nothing was sent twice.
+    assert stats.queues["cut"]["ready"] == 3
+
+
 # -- reconnection ------------------------------------------------------------------------------
 
 
