@@ -62,6 +62,7 @@ class RequestOp:
 
     phase = 1
     run_many: Any = None
+    run_alone: Any = None
     reserves = False  # its args are a Reserving (or a PendingLease)
 
     def __init__(self, name: str) -> None:
@@ -94,6 +95,10 @@ class _Submit(RequestOp):
     def run_many(store: SqliteStore, now: int, specs: list[SubmitSpec]) -> list[Any]:
         return store.jobs_submit(specs, now)
 
+    @staticmethod
+    def run_alone(store: SqliteStore, now: int, specs: list[SubmitSpec]) -> list[Any] | None:
+        return store.jobs_submit(specs, now, alone=True)
+
     def run(self, store: SqliteStore, now: int, spec: SubmitSpec) -> Any:
         return store.jobs_submit([spec], now)[0]
 
@@ -114,6 +119,17 @@ class _SubmitBatch(RequestOp):
     @staticmethod
     def run_many(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
         return cmd.Submit.apply_many(store, now, [cmd.Submit(specs) for specs in batches])
+
+    @staticmethod
+    def run_alone(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> Any:
+        results = store.jobs_submit([spec for specs in batches for spec in specs], now, alone=True)
+        if results is None:
+            return None
+        outcomes, start = [], 0
+        for specs in batches:
+            outcomes.append(results[start : start + len(specs)])
+            start += len(specs)
+        return outcomes
 
     def run(self, store: SqliteStore, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
         return store.jobs_submit(specs, now)

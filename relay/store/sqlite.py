@@ -170,6 +170,16 @@ _REAP_READY = (
 _LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
 
 
+def _plain(spec: SubmitSpec) -> bool:
+    """Ready at once, with the default backoff and no key: one insert of seven values."""
+    return (
+        spec.idempotency_key is None
+        and spec.run_at is None
+        and not spec.delay_ms
+        and spec.backoff is DEFAULT_BACKOFF
+    )
+
+
 def _check_lease(
     row: tuple | None, job_id: str, worker_id: str, token: str, now: int, operation: str
 ) -> tuple | None:
@@ -209,11 +219,19 @@ def _info_size(info: JobInfo) -> int:
 # it in a handful of steps however many rows there are: writes are one multi-row statement
 # per chunk of rows, and reads of many rows come back as one row of JSON.
 ROWS_PER_STATEMENT = 256  # a power of two: chunks are powers of two (few distinct SQL texts)
+# Up to this many rows are one statement whatever their number (at most this many distinct
+# texts per kind of statement: sqlite3 caches 128 prepared statements).
+ONE_STATEMENT_ROWS = 64
 
 
 def _chunks(rows: Sequence[tuple]) -> Iterator[Sequence[tuple]]:
-    """``rows`` in chunks of a power-of-two length, largest first, at most
-    ROWS_PER_STATEMENT each: 100 rows are 64 + 32 + 4."""
+    """``rows`` in one chunk if there are at most ONE_STATEMENT_ROWS, else in chunks of a
+    power-of-two length, largest first, at most ROWS_PER_STATEMENT each: 100 rows are
+    64 + 32 + 4. So few distinct statements are prepared, and a small batch is one."""
+    if len(rows) <= ONE_STATEMENT_ROWS:
+        if rows:
+            yield rows
+        return
     start = 0
     while start < len(rows):
         n = min(ROWS_PER_STATEMENT, 1 << ((len(rows) - start).bit_length() - 1))
@@ -387,6 +405,12 @@ class SqliteStore:
             (str(self._ids.last_id),),
         )
 
+    def take_changes(self) -> Changes:
+        """What changed since the last call (or commit), after a statement that committed
+        on its own (``jobs_submit(alone=True)``)."""
+        changes, self.changes = self.changes, Changes()
+        return changes
+
     def commit(self) -> Changes:
         """Commit; return what changed and start collecting afresh."""
         self._db.execute("COMMIT")
@@ -451,12 +475,22 @@ class SqliteStore:
 
     # -- submit ----------------------------------------------------------------------------
 
-    def jobs_submit(self, specs: Sequence[SubmitSpec], now: int) -> list[SubmitResult]:
+    def jobs_submit(
+        self, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False
+    ) -> list[SubmitResult] | None:
         """Create jobs, all or none. A key seen within the window returns the first job.
 
         A repeated (queue, idempotency key) within the window, also within ``specs``,
         creates nothing and answers the first job's id and current state.
+
+        ``alone``: called outside a transaction, to create the jobs with one statement,
+        which SQLite commits on its own as durably as a transaction; if these jobs need
+        more than that (a key, a delay, a backoff of their own, many jobs), returns None
+        having written nothing. (The writer's group commit of plain submits: BEGIN and
+        COMMIT are two statements more, each a wait for the GIL.)
         """
+        if alone and (len(specs) > ONE_STATEMENT_ROWS or not all(map(_plain, specs))):
+            return None
         results: list[SubmitResult] = []
         plain: list[tuple] = []  # ready now, default backoff, no key: the common job
         rows: list[tuple] = []  # every other job
@@ -491,7 +525,7 @@ class SqliteStore:
                 and run_at is None
                 and idempotency_key is None
                 and (backoff is DEFAULT_BACKOFF)
-            ):
+            ):  # (_plain, written out)
                 plain.append((key, queue, spec.priority, spec.payload, spec.max_attempts, now, now))
             else:
                 rows.append(
@@ -509,13 +543,15 @@ class SqliteStore:
                 fresh_keys[(queue, idempotency_key)] = result
         self._ids.last_id = last_id
         self._check_depth(per_queue)
-        for (queue, state), n in per_queue.items():
-            self._move(queue, None, state, n)
-            self._count(queue, "submitted", n)
         _execute_rows(self._db, _INSERT_PLAIN_JOBS, _INSERT_PLAIN_ROW, plain)
         _execute_rows(self._db, _INSERT_JOBS, _INSERT_JOBS_ROW, rows)
         # An expired key for the same (queue, key) is replaced: its window has passed.
         _execute_rows(self._db, _INSERT_KEYS, "(?, ?, ?, ?)", keys)
+        # Counted once written: a statement that fails outside a transaction (``alone``)
+        # leaves nothing to undo.
+        for (queue, state), n in per_queue.items():
+            self._move(queue, None, state, n)
+            self._count(queue, "submitted", n)
         return results
 
     def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:

@@ -83,6 +83,10 @@ class Op(Protocol):
     name: str
     phase: int  # the batch runs ops in this order (lower first)
     run_many: Callable[[SqliteStore, int, list[Any]], list[Any]] | None
+    # For a batch of this op alone: run it as one statement that commits on its own (no
+    # BEGIN, no COMMIT: two waits for the GIL fewer), or return None having written
+    # nothing. May raise only before it writes.
+    run_alone: Callable[[SqliteStore, int, list[Any]], list[Any] | None] | None
 
     def run(self, store: SqliteStore, now: int, args: Any) -> Any: ...
     def reply(self, item: Item, outcome: Any) -> Any: ...  # writer thread, after commit
@@ -100,6 +104,7 @@ class CommandOp:
     the reply is the outcome itself (a result, or the ``RelayError`` that refused it)."""
 
     name = "command"
+    run_alone = None
 
     def __init__(self, kind: type) -> None:
         self.phase = getattr(kind, "PHASE", 1)
@@ -347,6 +352,12 @@ class _WriterThread:
         started = time.perf_counter()
         now = self.clock()
         runs = _runs(batch)
+        if len(runs) == 1 and runs[0][0].run_alone is not None:
+            outcomes = self._apply_alone(batch, runs[0][0], now)
+            if outcomes is not None:
+                seconds = time.perf_counter() - started
+                pairs = [(item, _reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
+                return pairs, store.take_changes(), seconds
         try:
             store.begin()
             outcomes = self._apply_fast(batch, runs, now)
@@ -366,6 +377,16 @@ class _WriterThread:
             (item, _reply(item, outcome)) for item, outcome in zip(batch, outcomes, strict=True)
         ]
         return pairs, changes, seconds
+
+    def _apply_alone(self, batch: list[Item], op: Op, now: int) -> list[Any] | None:
+        """The outcomes of a batch that one statement committed on its own, or None (it
+        wrote nothing: the batch takes the transaction's path, where each item gets its
+        own answer)."""
+        try:
+            return op.run_alone(self.store, now, [item[4] for item in batch])
+        except Exception:
+            log.debug("a batch could not run alone; it runs in a transaction", exc_info=True)
+            return None
 
     def _apply_fast(self, batch: list[Item], runs: list, now: int) -> list[Any] | None:
         """The batch's outcomes (by position), run without savepoints; None if an item
