@@ -35,6 +35,9 @@ SYNCHRONOUS_MODES = ("full", "normal")
 # How long a statement waits for a lock held by another connection (a backup tool, the
 # sqlite3 shell) before failing. Our own writer never contends with itself.
 BUSY_TIMEOUT_MS = 5_000
+# Prepared statements the write connection keeps: a multi-row statement has one text per
+# row count up to relay.store.sqlite.ONE_STATEMENT_ROWS, for a few kinds of statement.
+CACHED_STATEMENTS = 512
 
 
 def _create_v1(db: sqlite_utils.Database) -> None:
@@ -189,7 +192,10 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
     if not in_memory and os.path.exists(path):
         version = inspect_file(path)
     try:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False,
+            cached_statements=CACHED_STATEMENTS,
+        )  # fmt: skip
     except sqlite3.Error as exc:  # a missing directory, no permission...
         raise StoreError(path, f"cannot be opened: {exc}") from exc
     try:
