@@ -80,10 +80,14 @@ class RequestOp:
         return wire.encode_ok(item[2], self.fields(outcome, item[4]))
 
 
-def _wanted(lease: PendingLease) -> bool:
+def _wanted(lease: PendingLease, fresh: set[str]) -> bool:
     """A long-poll is claimed only while its client may still take the jobs: one whose
-    client went while it waited in the queue gets none (answered with no jobs)."""
-    return not lease.deadline or lease.connection.still_wanted()
+    client went while it waited in the queue gets none (answered with no jobs). Where
+    this batch made jobs ready in its queues (its submits run first), the kernel is asked
+    too (a system call): its client may have gone just before those jobs came."""
+    if not lease.deadline:
+        return True
+    return lease.connection.still_wanted(ask_kernel=not fresh.isdisjoint(lease.queues))
 
 
 class _Submit(RequestOp):
@@ -197,7 +201,8 @@ class _Claim(RequestOp):
     @staticmethod
     def run_many(store: SqliteStore, now: int, leases: list[PendingLease]) -> list[Any]:
         outcomes: list[Any] = [[] for _ in leases]
-        wanted = [i for i, lease in enumerate(leases) if _wanted(lease)]
+        fresh = store.changes.ready_queues  # made ready by this batch, before its leases
+        wanted = [i for i, lease in enumerate(leases) if _wanted(lease, fresh)]
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
