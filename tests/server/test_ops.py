@@ -103,3 +103,23 @@ async def test_submits_and_leases_of_one_batch_run_submits_first(tmp_path):
     (job,) = decoded(replies[0])["jobs"]
     assert job["job_id"] == decoded(replies[1])["job_id"]
     assert stats["q"]["leased"] == 1
+
+
+async def test_a_batch_of_more_plain_jobs_than_one_values_statement_is_still_one(tmp_path):
+    db = str(tmp_path / "relay.db")
+    texts = [
+        orjson.dumps({"i": i, "s": 'quote " back \\ é ✓ \n tab\t'}).decode() for i in range(300)
+    ]
+    items = [(ops.SUBMIT_BATCH, tuple(spec(payload=t) for t in texts[:200])),
+             (ops.SUBMIT_BATCH, tuple(spec(payload=t) for t in texts[200:]))]  # fmt: skip
+    replies, statements, stats = await run_batch(db, items)
+    sql = [s for s in statements if not s.startswith("PRAGMA")]
+    assert len(sql) == 1 and "json_each" in sql[0]
+    ids = [r["job_id"] for i in range(2) for r in decoded(replies[i])["results"]]
+    assert len(ids) == 300 and ids == sorted(ids)
+    store = SqliteStore.open(db)
+    try:
+        assert [store.job_inspect(job_id).payload for job_id in ids] == texts
+    finally:
+        store.close()
+    assert stats["q"]["ready"] == 300
