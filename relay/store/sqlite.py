@@ -297,19 +297,30 @@ def _json_rows(db: sqlite3.Connection, sql: str, params: Sequence[object] = ()) 
 
 
 @functools.lru_cache(maxsize=64)
-def _claim_candidates_sql(queue_count: int) -> str:
+def _claim_candidates_sql(queue_count: int, inline: bool) -> str:
     # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
     # class's oldest ready jobs, so the cost is independent of the backlog.
-    # The payload's size in bytes (for the reply bound) costs a row lookup per candidate.
+    # The payload's size in bytes (for the reply bound) costs a row lookup per candidate;
+    # with ``inline``, a payload of at most INLINE_PAYLOAD_BYTES comes too, so that the
+    # leased jobs need no read after the update.
+    payload = f"CASE WHEN size <= {INLINE_PAYLOAD_BYTES} THEN payload END" if inline else "NULL"
     part = (
         "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) AS size, "
-        "queue FROM jobs INDEXED BY jobs_ready "
+        "queue, attempt, max_attempts, payload FROM jobs INDEXED BY jobs_ready "
         "WHERE state = 'ready' AND queue = ? AND priority = ? ORDER BY ready_at, id LIMIT ?)"
     )
     parts = " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
     return (
-        f"SELECT json_group_array(json_array(id, priority, ready_at, size, queue)) FROM ({parts})"
+        "SELECT json_group_array(json_array(id, priority, ready_at, size, queue, attempt, "
+        f"max_attempts, {payload})) FROM ({parts})"
     )
+
+
+# Small payloads come with the claim's candidates (above), while a claim's candidates are
+# at most INLINE_CANDIDATES: their JSON row then stays under ~1.5 MiB (payload bytes
+# escaped at most 6 times), and a lease of a few jobs takes two statements, not three.
+INLINE_PAYLOAD_BYTES = 512
+INLINE_CANDIDATES = 256
 
 
 # One statement leases a chunk of jobs, each with its own token, worker and expiry.
@@ -318,9 +329,8 @@ _CLAIM_UPDATE = (
     "lease_worker = v.column3, lease_expires_at = v.column4 FROM (VALUES {values}) AS v "
     "WHERE jobs.id = v.column1"
 )
-_CLAIMED_ROWS_SQL = (
-    "SELECT json_group_array(json_array(id, queue, payload, priority, attempt, max_attempts)) "
-    f"FROM jobs WHERE id IN {_JSON_IDS}"
+_CLAIMED_PAYLOADS_SQL = (
+    f"SELECT json_group_array(json_array(id, payload)) FROM jobs WHERE id IN {_JSON_IDS}"
 )
 
 
@@ -641,7 +651,9 @@ class SqliteStore:
         return self.jobs_claim_many([(queues, worker_id, count, lease_ms, max_bytes)], now)[0]
 
     def jobs_claim_many(self, claims: Sequence[ClaimArgs], now: int) -> list[list[Lease]]:
-        """Many claims (each the arguments of ``jobs_claim``) with three statements in all.
+        """Many claims (each the arguments of ``jobs_claim``) with two statements in all, or
+        three when some payloads are large (more than INLINE_PAYLOAD_BYTES) or the claims
+        want many jobs (more than INLINE_CANDIDATES candidates).
 
         The outcome is that of making the claims one after the other: grouped by their set
         of queues, the groups in the order they first appear (among the claims that ask
@@ -649,6 +661,7 @@ class SqliteStore:
         best jobs the ones before it left.
         """
         chosen: list[list[int]] = [[] for _ in claims]  # the keys each claim leases
+        found: dict[int, list] = {}  # key -> its candidate row
         taken: set[int] = set()
         taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
         groups: dict[tuple[str, ...], list[int]] = {}
@@ -663,7 +676,8 @@ class SqliteStore:
             for queue in queues:
                 for priority in _PRIORITIES_HIGH_FIRST:
                     params += (queue, priority, wanted)
-            candidates = _json_rows(self._db, _claim_candidates_sql(len(queues)), params)
+            inline = wanted * len(params) // 3 <= INLINE_CANDIDATES
+            candidates = _json_rows(self._db, _claim_candidates_sql(len(queues), inline), params)
             # Within one (queue, class) the oldest job also has the highest effective
             # priority, so the best of all candidates are the best jobs overall.
             if len(candidates) > 1:
@@ -672,8 +686,10 @@ class SqliteStore:
             for i in members:
                 count, max_bytes = claims[i][2], claims[i][4]
                 mine, size = chosen[i], 0
-                for key, _priority, _ready_at, length, queue in available:
+                for candidate in available:
+                    key, length, queue = candidate[0], candidate[3], candidate[4]
                     mine.append(key)
+                    found[key] = candidate
                     taken.add(key)
                     taken_from[queue] += 1
                     size += length + REPLY_OVERHEAD_BYTES
@@ -692,17 +708,19 @@ class SqliteStore:
         ]
         updates = [update for mine in granted for update in mine]
         _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
-        rows = _json_rows(self._db, _CLAIMED_ROWS_SQL, (_json_ids(taken),))
-        by_key = {row[0]: row for row in rows}
+        missing = [key for key in taken if found[key][7] is None]
+        if missing:  # payloads that did not come with the candidates
+            for key, payload in _json_rows(self._db, _CLAIMED_PAYLOADS_SQL, (_json_ids(missing),)):
+                found[key][7] = payload
         per_queue: dict[str, int] = {}
         results: list[list[Lease]] = []
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, queue, payload, priority, attempt, max_attempts = by_key[key]
+                _, priority, _, _, queue, attempt, max_attempts, payload = found[key]
                 leases.append(
                     Lease(
-                        f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
+                        f"job_{key:016x}", queue, payload, priority, attempt + 1, max_attempts,
                         token, expires_at,
                     )
                 )  # fmt: skip

@@ -1319,13 +1319,14 @@ def _assert_seeks_only(details: list[str], index: str) -> list[str]:
     return on_jobs
 
 
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("queue_count", [1, 3])
-def test_claim_query_seeks_jobs_ready_once_per_queue_and_class(store, queue_count):
+def test_claim_query_seeks_jobs_ready_once_per_queue_and_class(store, queue_count, inline):
     params = []
     for i in range(queue_count):
         for priority in Priority:
             params += [f"q{i}", int(priority), 5]
-    details = _plan(store, _claim_candidates_sql(queue_count), params)
+    details = _plan(store, _claim_candidates_sql(queue_count, inline), params)
     seeks = _assert_seeks_only(details, "jobs_ready")
     assert len(seeks) == queue_count * len(Priority)
 
@@ -1672,3 +1673,52 @@ def test_a_claim_reads_no_more_candidates_for_what_claims_on_other_queues_took(m
     assert [len(leases) for leases in got] == [100, 100, 1]
     # The claims on "a" took 200 jobs of "a"; the claim on "b" needs one candidate.
     assert reads == [200, 1]
+
+
+# -- a claim's statements ----------------------------------------------------------------------
+
+
+def _traced(store: SqliteStore, call: Callable[[], object]) -> tuple[object, list[str]]:
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    try:
+        result = call()
+    finally:
+        store._db.set_trace_callback(None)
+    return result, statements
+
+
+def test_a_claim_of_a_few_small_jobs_is_two_statements(store):
+    ids = [submit(store, payload=f'{{"n": {i}}}') for i in range(3)]
+    leases, statements = _traced(store, lambda: store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0))
+    assert len(statements) == 2  # the candidates (with their payloads) and the update
+    assert [(lease.job_id, lease.payload, lease.attempt) for lease in leases] == [
+        (job_id, f'{{"n": {i}}}', 1) for i, job_id in enumerate(ids)
+    ]
+
+
+def test_a_claim_reads_back_only_the_payloads_too_large_to_come_with_it(store):
+    small, large = '{"s": "\\u00e9 \\" x"}', '"' + "y" * 2000 + '"'
+    ids = [submit(store, payload=small), submit(store, payload=large), submit(store, payload=small)]
+    leases, statements = _traced(store, lambda: store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0))
+    assert len(statements) == 3
+    assert [(lease.job_id, lease.payload) for lease in leases] == list(
+        zip(ids, [small, large, small], strict=True)
+    )
+
+
+def test_a_claim_of_many_jobs_reads_their_payloads_after_the_update(store):
+    store.jobs_submit([spec(payload=f"[{i}]") for i in range(100)], T0)
+    leases, statements = _traced(store, lambda: store.jobs_claim(["q"], "w1", 100, LEASE_MS, T0))
+    assert len(statements) == 3  # 400 candidate slots: no payloads with the candidates
+    assert [lease.payload for lease in leases] == [f"[{i}]" for i in range(100)]
+
+
+def test_a_claimed_job_s_attempt_counts_the_earlier_ones(store):
+    job_id = submit(store, max_attempts=4)
+    first = claim_one(store)
+    store.jobs_fail(job_id, "w1", first.token, "boom", True, T0 + 1)
+    store.jobs_promote_due(T0 + 3_600_000, 10)
+    (again,) = store.jobs_claim(["q"], "w2", 1, LEASE_MS, T0 + 3_600_000)
+    assert (first.attempt, again.attempt) == (1, 2)
+    assert store.job_inspect(job_id).attempt == 2
