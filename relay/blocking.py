@@ -3,19 +3,22 @@
     with relay.connect("127.0.0.1:7400") as queue:
         queue.submit("email", {"to": "ada@example.com"})
 
-One socket, one request at a time (a lock makes it safe to share between threads). A
-dropped connection raises ``ConnectionLost`` for the call in flight (it may or may not
-have taken effect: use an ``idempotency_key`` to make a resubmit safe); the next call
-connects again.
+One socket, safe to share between threads. The calls that threads make while a request is
+on the wire wait for it, then go out together: their lines in one write, their replies
+read in one pass (``coalesce=True``: their plain submits as one ``submit_batch``, each
+caller still getting its own result or error). A dropped connection raises
+``ConnectionLost`` for the calls in flight (they may or may not have taken effect: use an
+``idempotency_key`` to make a resubmit safe); the next call connects again.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import select
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -37,6 +40,18 @@ from relay.model import SubmitResult
 READ_BYTES = 64 * 1024
 
 
+class _Call:
+    """One thread's request, answered by whichever thread takes the socket next."""
+
+    __slots__ = ("done", "error", "fields", "op", "reply")
+
+    def __init__(self, op: str, fields: dict[str, Any]) -> None:
+        self.op, self.fields = op, fields
+        self.reply: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
 class BlockingClient:
     def __init__(
         self,
@@ -44,14 +59,18 @@ class BlockingClient:
         *,
         timeout: float = 30.0,
         connect_timeout: float = CONNECT_TIMEOUT_S,
+        coalesce: bool = False,
     ) -> None:
         self.address = parse_address(address)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.coalesce = coalesce
         self._sock: socket.socket | None = None
         self._buffer = b""
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the thread that uses the socket
+        self._waiting: list[_Call] = []  # calls not yet sent (appended under _queue_lock)
+        self._queue_lock = threading.Lock()
 
     def __enter__(self) -> BlockingClient:
         return self
@@ -75,21 +94,78 @@ class BlockingClient:
         return sock
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request and return the reply's fields, or raise its error."""
+        """Send one request and return the reply's fields, or raise its error.
+
+        The thread that gets the socket sends every call waiting at that moment, its own
+        and those of threads that queued behind the request before, and answers them all;
+        a thread whose call another one answered just returns its answer.
+        """
+        call = _Call(op, fields)
+        with self._queue_lock:
+            self._waiting.append(call)
         with self._lock:
-            if self._sock is not None and not self._alive(self._sock):
-                self._drop()  # the server closed it while we were idle: nothing was lost
+            if not call.done:
+                with self._queue_lock:
+                    calls, self._waiting = self._waiting, []
+                self._exchange(calls)
+        if call.error is not None:
+            raise call.error
+        assert call.reply is not None
+        return reply_fields(call.reply)
+
+    def _exchange(self, calls: list[_Call]) -> None:
+        """Send ``calls`` in one write and read their replies; every call gets its reply
+        or an error. Holds the socket (``_lock``)."""
+        if self._sock is not None and not self._alive(self._sock):
+            self._drop()  # the server closed it while we were idle: nothing was lost
+        requests = self._requests(calls)
+        try:
             if self._sock is None:
                 self._sock = self._connect()
-            request_id = next(self._ids)
-            line = orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n"
-            try:
-                self._sock.sendall(line)
-                reply = self._read_reply(request_id)
-            except OSError as exc:
-                self._drop()
-                raise ConnectionLost(f"{op}: {exc}") from None
-        return reply_fields(reply)
+            self._sock.sendall(b"".join(line for _, line, _ in requests))
+            replies = self._read_replies({request_id for request_id, _, _ in requests})
+            for request_id, _, answer in requests:
+                answer(replies[request_id])
+        except OSError as exc:
+            self._drop()
+            for call in calls:
+                if not call.done:
+                    call.error, call.done = ConnectionLost(f"{call.op}: {exc}"), True
+
+    def _requests(self, calls: list[_Call]) -> list[tuple[int, bytes, Callable]]:
+        """(request id, line, what to do with its reply) per request that ``calls`` make:
+        one each, or with ``coalesce`` one ``submit_batch`` for all the plain submits."""
+        submits = [c for c in calls if c.op == "submit"] if self.coalesce else []
+        requests = []
+        if len(submits) > 1:
+            requests.append(self._batch(submits))
+        for call in calls:
+            if len(submits) <= 1 or call.op != "submit":
+                request_id = next(self._ids)
+                line = orjson.dumps({"op": call.op, "id": request_id, **call.fields}) + b"\n"
+                requests.append((request_id, line, functools.partial(_answer, call)))
+        return requests
+
+    def _batch(self, submits: list[_Call]) -> tuple[int, bytes, Callable]:
+        request_id = next(self._ids)
+        jobs = [call.fields for call in submits]
+        line = orjson.dumps({"op": "submit_batch", "id": request_id, "jobs": jobs}) + b"\n"
+
+        def answer(reply: dict[str, Any]) -> None:
+            if reply.get("ok"):
+                for call, result in zip(submits, reply["results"], strict=True):
+                    _answer(call, {"ok": True, **result})
+                return
+            # Refused whole (one invalid job, a full queue): nothing was committed, so
+            # each goes alone, for its own answer.
+            for call in submits:
+                request_id = next(self._ids)
+                alone = orjson.dumps({"op": "submit", "id": request_id, **call.fields})
+                assert self._sock is not None
+                self._sock.sendall(alone + b"\n")
+                _answer(call, self._read_replies({request_id})[request_id])
+
+        return request_id, line, answer
 
     @staticmethod
     def _alive(sock: socket.socket) -> bool:
@@ -104,9 +180,13 @@ class BlockingClient:
         except (OSError, ValueError):
             return False
 
-    def _read_reply(self, request_id: int) -> dict[str, Any]:
+    def _read_replies(self, request_ids: set[int]) -> dict[int, dict[str, Any]]:
+        """The replies to ``request_ids``, which may come in any order. An error without
+        an id (overloaded, frame_too_large) ends the connection's requests: it answers
+        every one still unanswered."""
         assert self._sock is not None
-        while True:
+        replies: dict[int, dict[str, Any]] = {}
+        while len(replies) < len(request_ids):
             while b"\n" not in self._buffer:
                 data = self._sock.recv(READ_BYTES)
                 if not data:
@@ -114,8 +194,12 @@ class BlockingClient:
                 self._buffer += data
             line, _, self._buffer = self._buffer.partition(b"\n")
             reply = orjson.loads(line)
-            if reply.get("id") in (request_id, None):
-                return reply
+            request_id = reply.get("id")
+            if request_id in request_ids:
+                replies[request_id] = reply
+            elif request_id is None:
+                replies.update((i, reply) for i in request_ids if i not in replies)
+        return replies
 
     def submit(self, queue: str, payload: Any, **options: Any) -> SubmitResult:
         """Create a job; ``options`` as for the async ``Client.submit``."""
@@ -130,6 +214,10 @@ class BlockingClient:
 
     def stats(self) -> Stats:
         return structure_reply(self.request("stats"), Stats)
+
+
+def _answer(call: _Call, reply: dict[str, Any]) -> None:
+    call.reply, call.done = reply, True
 
 
 def connect(address: str | tuple[str, int] = DEFAULT_ADDRESS, **options: Any) -> BlockingClient:

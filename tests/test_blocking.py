@@ -175,6 +175,83 @@ async def test_shared_between_threads(bclient):
     assert stats.server.connections == 1
 
 
+class _CountingList(list):
+    """The client's list of waiting calls: sets ``full`` once it holds ``n``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.full = threading.Event()
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        if len(self) >= self.n:
+            self.full.set()
+
+
+async def _queued_behind_a_busy_socket(client: BlockingClient, calls: list[Callable[[], Any]]):
+    """Run ``calls`` in threads while the test holds the client's socket, so that they all
+    queue; then let them go. Their outcomes (result or exception), and the requests the
+    client made of them."""
+    waiting = client._waiting = _CountingList(len(calls))
+    exchanges: list[list[tuple[int, bytes, Any]]] = []
+    real_requests = client._requests
+
+    def recording(batch):
+        requests = real_requests(batch)
+        exchanges.append(requests)
+        return requests
+
+    client._requests = recording  # type: ignore[method-assign]
+    outcomes: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = calls[i]()
+        except RelayError as exc:
+            outcomes[i] = exc
+
+    client._lock.acquire()
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(calls)):
+                nursery.start_soon(call, run, i)
+            await call(waiting.full.wait, BOUND_S)
+            client._lock.release()
+    finally:
+        if client._lock.locked() and not waiting.full.is_set():
+            client._lock.release()
+    return outcomes, [[line for _, line, _ in requests] for requests in exchanges]
+
+
+async def test_calls_of_threads_queued_behind_one_go_out_together(bclient):
+    calls = [functools.partial(bclient.submit, "together", {"i": i}) for i in range(10)]
+    with trio.fail_after(BOUND_S):
+        outcomes, exchanges = await _queued_behind_a_busy_socket(bclient, calls)
+    assert all(isinstance(o, SubmitResult) for o in outcomes)
+    assert len({o.job_id for o in outcomes}) == 10
+    # One write of ten pipelined submits.
+    assert len(exchanges) == 1 and len(exchanges[0]) == 10
+    assert all(b'"op":"submit"' in line for line in exchanges[0])
+
+
+async def test_coalesced_submits_of_threads_go_as_one_submit_batch(server):
+    with connect(server.address, timeout=5, coalesce=True) as client:
+        calls = [functools.partial(client.submit, "batch", {"i": i}) for i in range(10)]
+        calls.append(functools.partial(client.submit, "not a queue!", {}))
+        calls.append(client.stats)
+        with trio.fail_after(BOUND_S):
+            outcomes, exchanges = await _queued_behind_a_busy_socket(client, calls)
+            stats = await call(client.stats)
+    assert isinstance(outcomes[10], BadRequest)  # its own error; the others stand
+    assert all(isinstance(o, SubmitResult) for o in outcomes[:10])
+    assert isinstance(outcomes[11], Stats)
+    assert stats.queues["batch"]["ready"] == 10
+    # One submit_batch (refused whole for the bad job, then each submit alone) and stats.
+    assert len(exchanges) == 1 and len(exchanges[0]) == 2
+    assert b'"op":"submit_batch"' in exchanges[0][0] and b'"op":"stats"' in exchanges[0][1]
+
+
 # -- dropped connections -----------------------------------------------------------------------
 
 
