@@ -339,6 +339,7 @@ class _Call:
     worker_id: str | None = None
     sent_on: int | None = None  # the connection it was last sent on, once fully sent
     queued: bool = False  # waiting in the outbox: not written yet
+    abandoned: bool = False  # its caller gave up while it was being written: not resent
     resent: bool = False
     orphaned: bool = False  # a lease whose caller gave up: release what it brings
     done: trio.Event = attrs.Factory(trio.Event)
@@ -405,11 +406,13 @@ class TcpTransport:
             if call.queued:  # never written: nothing to answer
                 self._outbox.remove(call)
                 call.queued = False
-            else:
+            elif op == "lease":
                 # A cancelled lease (a long-poll given up) may still be granted by the
                 # server; the reader then releases those jobs instead of leaving them
                 # leased until their leases expire.
-                call.orphaned = op == "lease"
+                call.orphaned = True
+            else:
+                call.abandoned = True  # if its write is cut short, it is not sent again
             raise
         finally:
             if not call.orphaned:
@@ -452,9 +455,11 @@ class TcpTransport:
             stream, generation = self._stream, self._generation
             if stream is None or self._failure is not None:
                 # Given up: every call was settled with the failure; drop their lines.
-                self._outbox = [call for call in self._outbox if not call.done.is_set()]
+                self._outbox = [call for call in self._outbox if _wanted(call)]
                 continue
-            calls, self._outbox = self._outbox, []
+            # A call answered meanwhile (an overloaded refusal settles what waits) or
+            # given up is not written.
+            calls, self._outbox = [call for call in self._outbox if _wanted(call)], []
             for call in calls:
                 call.queued = False
             data = b"".join([call.line for call in calls])
@@ -471,7 +476,7 @@ class TcpTransport:
             for i, call in enumerate(calls):
                 end += len(call.line)
                 if end > written:
-                    unsent = [c for c in calls[i:] if not c.done.is_set()]
+                    unsent = [c for c in calls[i:] if _wanted(c)]
                     for c in unsent:
                         c.queued = True
                     self._outbox[:0] = unsent
@@ -658,6 +663,11 @@ class TcpTransport:
             await trio.aclose_forcefully(self._stream)
 
 
+def _wanted(call: _Call) -> bool:
+    """Whether a call's line is still to be written: not answered, not given up."""
+    return not call.done.is_set() and not call.abandoned
+
+
 class _CutShort(Exception):
     """A write that the connection cut short after ``written`` bytes."""
 
@@ -722,6 +732,8 @@ async def open_client(
         try:
             yield Client(transport, coalescer)
         finally:
+            if coalescer is not None:
+                coalescer.close()
             await transport.aclose()
 
 

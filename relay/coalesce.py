@@ -22,7 +22,14 @@ from typing import Any
 import orjson
 import trio
 
-from relay.errors import BadRequest, FrameTooLarge, QueueFull, RelayError, error_from_wire
+from relay.errors import (
+    BadRequest,
+    ConnectionLost,
+    FrameTooLarge,
+    QueueFull,
+    RelayError,
+    error_from_wire,
+)
 
 # A group goes at once when it reaches either: at most the server's default max_batch,
 # and half its default max_frame_bytes, so that a batch is never refused for its size.
@@ -71,6 +78,16 @@ class Coalescer:
         self._window = window_s
         self._nursery = nursery
         self._groups: dict[Any, _Group] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        """The client is closing: every call still waiting raises ConnectionLost, and so
+        does any later one. (Calls in flight get it from their request.)"""
+        self._closed = True
+        for group in self._groups.values():
+            for slot in group.slots:
+                slot.settle(error=ConnectionLost("the client is closed"))
+            group.slots.clear()
 
     async def submit(self, job: dict[str, Any]) -> dict[str, Any]:
         """The reply fields of one submit of ``job`` (as ``job_fields`` makes it)."""
@@ -81,6 +98,8 @@ class Coalescer:
         await self._call(("ack", worker_id), orjson.dumps(item), item)
 
     async def _call(self, key: Any, encoded: bytes, fields: dict[str, Any]) -> Any:
+        if self._closed:
+            raise ConnectionLost("the client is closed")
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group()
@@ -135,6 +154,9 @@ class Coalescer:
             else:
                 await self._send_acks(key[1], slots)
         finally:
+            # Cut short (the client is closing): no caller is left waiting.
+            for slot in slots:
+                slot.settle(error=ConnectionLost("the client is closed"))
             group.in_flight -= 1
             group.wake.set()
 

@@ -53,7 +53,7 @@ class LocalTransport:
     def reply_room(self) -> int:
         return sys.maxsize
 
-    def still_wanted(self, ask_kernel: bool) -> bool:  # the writer thread's question
+    def still_wanted(self) -> bool:  # the writer thread's question (Session.still_wanted)
         return self.can_wait
 
     def reply(self, data: bytes) -> None:

@@ -761,6 +761,41 @@ async def test_a_write_cut_short_sends_its_unwritten_lines_on_the_next_connectio
     assert stats.queues["cut"]["ready"] == 3
 
 
+async def test_a_call_given_up_while_its_write_was_cut_short_is_not_sent_again():
+    """The caller of a large submit gives up while its line is being written to a server
+    that does not read; the connection is then reset. The line was not acted on, and
+    nobody waits for it: it must not be sent on a later connection (nor be kept)."""
+    import socket
+    import struct
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    accepted: list[trio.SocketStream] = []
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+
+            async def accept_one() -> None:
+                accepted.append(await listeners[0].accept())
+
+            nursery.start_soon(accept_one)
+            async with open_client(("127.0.0.1", port), reconnect_timeout=0.5) as client:
+                transport = client._transport
+                with trio.move_on_after(0.3):  # the server reads nothing: the write blocks
+                    await client.submit("big", "x" * (8 << 20))
+                (server_end,) = accepted
+                # Reset the connection, and listen no more: the client cannot reconnect.
+                server_end.socket.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                await server_end.aclose()
+                await listeners[0].aclose()
+                with pytest.raises(ConnectionLost):
+                    await client.ping()  # waits for the reconnection, which gives up
+                await trio.testing.wait_all_tasks_blocked()
+                assert transport._outbox == []  # the given-up submit is not kept
+                assert not transport._pending
+
+
 # -- reconnection ------------------------------------------------------------------------------
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
-from relay import BadRequest, Client, StaleToken, SubmitResult, open_client
+from relay import BadRequest, Client, ConnectionLost, StaleToken, SubmitResult, open_client
 from relay.coalesce import Coalescer
 
 from .worker_helpers import BOUND_S, Server
@@ -128,3 +129,35 @@ async def test_open_client_with_a_batch_window_coalesces(server):
                 for i in range(50):
                     nursery.start_soon(client.submit, "win", {"i": i})
             assert (await client.stats()).queues["win"]["ready"] == 50
+
+
+async def test_calls_waiting_or_in_flight_when_the_client_closes_raise_connection_lost():
+    """A server that reads and never answers: one submit is in flight, another waits for
+    it. Leaving the client's block ends both, and a call made after raises too."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    outcomes: dict[int, Any] = {}
+
+    async def one(client: Client, i: int) -> None:
+        try:
+            outcomes[i] = await client.submit("co", {"i": i})
+        except ConnectionLost as exc:
+            outcomes[i] = exc
+
+    async def read_forever() -> None:
+        stream = await listeners[0].accept()
+        while await stream.receive_some(65536):
+            pass
+
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as server:
+            server.start_soon(read_forever)
+            async with trio.open_nursery() as callers:
+                async with open_client(("127.0.0.1", port), batch_window_ms=30_000) as client:
+                    callers.start_soon(one, client, 0)
+                    await trio.testing.wait_all_tasks_blocked()
+                    callers.start_soon(one, client, 1)  # waits for the first's answer
+                    await trio.testing.wait_all_tasks_blocked()
+                await one(client, 2)
+            server.cancel_scope.cancel()
+    assert all(isinstance(outcomes[i], ConnectionLost) for i in range(3)), outcomes

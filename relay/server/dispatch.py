@@ -56,7 +56,7 @@ class Connection(Protocol):
     def reply_room(self) -> int: ...  # reply bytes it may still be owed (see LongPolls.run)
     def reply(self, data: bytes) -> None: ...
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
-    def still_wanted(self, ask_kernel: bool) -> bool: ...  # writer thread: Session's
+    def still_wanted(self) -> bool: ...  # asked by the writer thread (Session.still_wanted)
 
 
 def _job_reply_bytes(limits: wire.Limits) -> int:

@@ -192,6 +192,7 @@ class LongPolls:
                 # reply stays within what it reserved. (Never more than its first budget:
                 # reply_bytes is at most that plus one job.)
                 lease.max_bytes = lease.reserved - lease.job_bytes
+                lease.woken = True
                 try:
                     self._writer.put(item)
                 except ShuttingDown:

@@ -42,7 +42,7 @@ class Reserving:
 class PendingLease:
     """A lease request in flight: its claim, and what a parked long-poll needs."""
 
-    connection: Any  # asked still_wanted() before a long-poll's claim (writer thread)
+    connection: Any  # asked still_wanted() before a woken long-poll's claim (writer thread)
     queues: tuple[str, ...]
     worker_id: str
     count: int
@@ -52,6 +52,7 @@ class PendingLease:
     reply_bytes: int = 0  # the most its reply may take: what it reserves while claimed
     job_bytes: int = 0  # the most one job takes in its reply
     reserved: int = 0
+    woken: bool = False  # claimed again after it parked (LongPolls.run)
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -80,20 +81,17 @@ class RequestOp:
         return wire.encode_ok(item[2], self.fields(outcome, item[4]))
 
 
-def _wanted(lease: PendingLease, fresh: set[str]) -> bool:
-    """A long-poll is claimed only while its client may still take the jobs: one whose
-    client went while it waited in the queue gets none (answered with no jobs). Where
-    this batch made jobs ready in its queues (its submits run first), the kernel is asked
-    too (a system call): its client may have gone just before those jobs came."""
-    if not lease.deadline:
-        return True
-    return lease.connection.still_wanted(ask_kernel=not fresh.isdisjoint(lease.queues))
+def _wanted(lease: PendingLease) -> bool:
+    """A woken long-poll is claimed only while its client may still take the jobs (its
+    connection was asked just before it was queued again, and is asked once more here):
+    one whose client stopped sending or went meanwhile gets none."""
+    return not lease.woken or lease.connection.still_wanted()
 
 
 class _Submit(RequestOp):
     """``submit``: args is one ``SubmitSpec``; a batch's submits are one insert."""
 
-    phase = 0  # first: a lease of the same batch finds the jobs
+    phase = 1  # after the leases (see _Claim)
 
     @staticmethod
     def run_many(store: SqliteStore, now: int, specs: list[SubmitSpec]) -> list[Any]:
@@ -118,7 +116,7 @@ class _Submit(RequestOp):
 class _SubmitBatch(RequestOp):
     """``submit_batch``: args is a tuple of ``SubmitSpec``; the batch's are one insert."""
 
-    phase = 0
+    phase = 1
 
     @staticmethod
     def run_many(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
@@ -195,14 +193,17 @@ class _AckBatch(RequestOp):
 class _Claim(RequestOp):
     """``lease``: args is a ``PendingLease``; a batch's leases are three statements."""
 
-    phase = 3  # last: it finds what the batch made ready
+    # First: a lease claims what was ready before its batch, as it would have had it been
+    # answered before the batch's submits and releases (a long-poll that finds nothing
+    # parks, and that batch's commit wakes it). So a lease queued just before its client
+    # went takes no job that its batch makes ready.
+    phase = 0
     reserves = True
 
     @staticmethod
     def run_many(store: SqliteStore, now: int, leases: list[PendingLease]) -> list[Any]:
         outcomes: list[Any] = [[] for _ in leases]
-        fresh = store.changes.ready_queues  # made ready by this batch, before its leases
-        wanted = [i for i, lease in enumerate(leases) if _wanted(lease, fresh)]
+        wanted = [i for i, lease in enumerate(leases) if _wanted(lease)]
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs

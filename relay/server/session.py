@@ -152,15 +152,11 @@ class Session:
                 self._can_wait = False
         return self._can_wait
 
-    def still_wanted(self, ask_kernel: bool) -> bool:
-        """Whether a long-poll's claim should still be made for this client: the writer
-        thread asks this just before claiming, so it reads only plain attributes and, if
-        ``ask_kernel``, the TCP state (a system call; never the trio-side state that
-        ``can_wait`` may change). A lease queued just before its client went would
-        otherwise take the jobs that a submit of the same batch makes ready."""
-        if self.closed or not self._can_wait:
-            return False
-        return not ask_kernel or self._tcp_state() not in (TCP_CLOSE, TCP_CLOSE_WAIT)
+    def still_wanted(self) -> bool:
+        """Whether a woken long-poll's claim should still be made for this client, as
+        the trio thread last saw it (``can_wait``). Asked by the writer thread just before
+        the claim: plain attributes only."""
+        return not self.closed and self._can_wait
 
     def _tcp_state(self) -> int | None:
         """The connection's TCP state, where the socket tells it, else None."""

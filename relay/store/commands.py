@@ -41,7 +41,7 @@ AckArgs = tuple[str, str, str, str | None]
 class Submit:
     specs: tuple[SubmitSpec, ...]
 
-    PHASE = 0  # first: a lease of the same batch finds the jobs
+    PHASE = 1  # after the claims (as relay/server/ops.py orders requests)
 
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_submit(self.specs, now)
@@ -65,7 +65,7 @@ class Claim:
     lease_ms: int
     max_bytes: int | None = None
 
-    PHASE = 3  # last: it finds what the batch made ready
+    PHASE = 0  # first: it claims what was ready before the batch
 
     def apply(self, store: SqliteStore, now: int) -> Any:
         return store.jobs_claim(

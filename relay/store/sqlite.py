@@ -230,6 +230,11 @@ ROWS_PER_STATEMENT = 256  # a power of two: chunks are powers of two (few distin
 # distinct texts per kind of statement; the connection caches 512, see schema.py). A
 # submit_batch of 100 plain jobs is then one statement that commits on its own.
 ONE_STATEMENT_ROWS = 128
+# A batch of plain submits is one statement outside a transaction (``jobs_submit(alone=
+# True)``) up to this many jobs and payload characters: about one frame's worth, so that
+# its one statement's text stays small (the transaction path takes anything larger).
+ALONE_ROWS = 1000
+ALONE_PAYLOAD_CHARS = 1024 * 1024
 
 
 def _chunks(rows: Sequence[tuple]) -> Iterator[Sequence[tuple]]:
@@ -247,7 +252,7 @@ def _chunks(rows: Sequence[tuple]) -> Iterator[Sequence[tuple]]:
         start += n
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=1024)  # a text per (statement, row count): a few hundred
 def _values_sql(template: str, row: str, n: int) -> str:
     return template.format(values=", ".join([row] * n))
 
@@ -508,10 +513,14 @@ class SqliteStore:
         COMMIT are two statements more, each a wait for the GIL.)
         """
         plain_only = all(map(_plain, specs))
-        if alone and not plain_only:
+        if alone and not (
+            plain_only
+            and len(specs) <= ALONE_ROWS
+            and sum(len(spec.payload) for spec in specs) <= ALONE_PAYLOAD_CHARS
+        ):
             return None
         if plain_only:
-            return self._submit_plain(specs, now)
+            return self._submit_plain(specs, now, alone)
         results: list[SubmitResult] = []
         plain: list[tuple] = []  # ready now, default backoff, no key: the common job
         rows: list[tuple] = []  # every other job
@@ -575,9 +584,12 @@ class SqliteStore:
             self._count(queue, "submitted", n)
         return results
 
-    def _submit_plain(self, specs: Sequence[SubmitSpec], now: int) -> list[SubmitResult]:
+    def _submit_plain(
+        self, specs: Sequence[SubmitSpec], now: int, alone: bool
+    ) -> list[SubmitResult]:
         """``jobs_submit`` of jobs that are all plain (``_plain``), in list comprehensions:
-        the common batch, whose per-job work showed in the profile of submit_batch."""
+        the common batch, whose per-job work showed in the profile of submit_batch. The
+        insert is its last step that can fail: what comes after only counts."""
         per_queue: dict[tuple[str, str], int] = {}
         for spec in specs:
             per_queue[spec.queue, READY] = per_queue.get((spec.queue, READY), 0) + 1
@@ -585,26 +597,28 @@ class SqliteStore:
         # Consecutive ids, as JobIdGenerator.next_id would give them one by one.
         first = max(now << ID_SEQ_BITS, self._ids.last_id + 1)
         self._ids.last_id = first + len(specs) - 1
-        if len(specs) <= ONE_STATEMENT_ROWS:
+        if len(specs) <= ONE_STATEMENT_ROWS or not alone:
             rows = [
                 (key, spec.queue, spec.priority, spec.payload, spec.max_attempts, now, now)
                 for key, spec in enumerate(specs, first)
             ]
             _execute_rows(self._db, _INSERT_PLAIN_JOBS, _INSERT_PLAIN_ROW, rows)
         else:
-            # More rows than one VALUES statement takes: one json_each statement, so the
-            # batch is still one statement (a VALUES text per row count would be prepared
-            # anew for each count, ~2 ms for 1,000 rows).
+            # Alone, with more rows than one VALUES statement takes: one json_each
+            # statement, so that the batch is still one statement (a VALUES text per row
+            # count would be prepared anew for each count, ~2 ms for 1,000 rows). Its JSON
+            # is bounded by ALONE_ROWS and ALONE_PAYLOAD_CHARS.
             rows = [
                 (key, spec.queue, int(spec.priority), spec.payload, spec.max_attempts)
                 for key, spec in enumerate(specs, first)
             ]
             self._db.execute(_INSERT_PLAIN_JSON, (now, orjson.dumps(rows)))
+        results = [_new_result(SubmitResult, (f"job_{row[0]:016x}", READY, False)) for row in rows]
         self.changes.ready_queues.update([queue for queue, _ in per_queue])
         for (queue, state), n in per_queue.items():
             self._move(queue, None, state, n)
             self._count(queue, "submitted", n)
-        return [_new_result(SubmitResult, (f"job_{row[0]:016x}", READY, False)) for row in rows]
+        return results
 
     def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:
         if self.config.max_depth is None and not self.config.queue_depths:

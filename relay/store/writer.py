@@ -17,14 +17,15 @@ microsecond the trio thread spends on a request is one the writer waits for.
 
 Group commit: the thread takes every item already queued (up to ``max_batch``), runs them
 in one transaction, commits once, makes the replies, and posts them back to trio with one
-``run_sync_soon``, never waiting on trio. So it starts the next transaction as soon as it
+``run_sync_soon``, never waiting on trio. (A batch of plain submits alone is one statement
+that SQLite commits on its own, without BEGIN and COMMIT: ``Op.run_alone``.) So it starts the next transaction as soon as it
 has committed one, while trio writes the replies of the last. A success is delivered only
 after its commit; if the commit fails, every item of the batch is answered with an error,
 because none of it is durable.
 
 The items of one batch were all sent before any of their replies, so they are concurrent
 and any order of them is a valid one: the writer runs them grouped by op, in the order of
-the ops' ``phase`` (submits first, so that leases of the same batch find their jobs), and
+the ops' ``phase`` (leases first: a lease claims what was ready before its batch), and
 each op's items in the order they arrived.
 
 Typed commands (``relay.store.commands``: maintenance, admin, tests) travel the same way
@@ -352,7 +353,8 @@ class _WriterThread:
         started = time.perf_counter()
         now = self.clock()
         runs = _runs(batch)
-        if len(runs) == 1 and runs[0][0].run_alone is not None:
+        # (Never inside a transaction left open: its commit would be the one that counts.)
+        if len(runs) == 1 and runs[0][0].run_alone is not None and not store.in_transaction:
             outcomes = self._apply_alone(batch, runs[0][0], now)
             if outcomes is not None:
                 seconds = time.perf_counter() - started
@@ -381,10 +383,16 @@ class _WriterThread:
     def _apply_alone(self, batch: list[Item], op: Op, now: int) -> list[Any] | None:
         """The outcomes of a batch that one statement committed on its own, or None (it
         wrote nothing: the batch takes the transaction's path, where each item gets its
-        own answer)."""
+        own answer). Whether it wrote is checked, not assumed: a batch that failed after
+        its statement committed is never run again (its jobs would be made twice)."""
+        mark = self.store.write_mark()
         try:
             return op.run_alone(self.store, now, [item[4] for item in batch])
         except Exception:
+            if self.store.write_mark() != mark:
+                log.exception("a batch failed after its statement committed")
+                error = InternalError("committed, but no reply could be made; see the log")
+                return [error] * len(batch)
             log.debug("a batch could not run alone; it runs in a transaction", exc_info=True)
             return None
 

@@ -177,7 +177,7 @@ class Sink:
     def reply_room(self) -> int:
         return 1 << 40
 
-    def still_wanted(self, ask_kernel: bool) -> bool:
+    def still_wanted(self) -> bool:
         return self.can_wait
 
     def reserve(self, nbytes: int) -> None:

@@ -91,18 +91,20 @@ async def test_submit_batches_alone_keep_each_request_s_results(tmp_path):
     assert stats["q"]["ready"] == 2 and stats["r"]["ready"] == 1
 
 
-async def test_submits_and_leases_of_one_batch_run_submits_first(tmp_path):
-    # A lease sent before a submit of the same batch still finds its job: every request of
-    # a batch was sent before any of its replies, so any order of them is valid.
+async def test_a_lease_claims_what_was_ready_before_its_batch(tmp_path):
+    # Leases run first in a batch, whatever the order the requests came in (every request
+    # of a batch was sent before any of its replies, so any order is valid): a lease does
+    # not take the job that a submit of its own batch makes (a long-poll would park, and
+    # that batch's commit would wake it), so one queued just before its client went takes
+    # none of them.
     db = str(tmp_path / "relay.db")
     lease = ops.PendingLease(
         connection=None, queues=("q",), worker_id="w", count=1, lease_ms=30_000,
         deadline=0.0, max_bytes=None,
     )  # fmt: skip
-    replies, _, stats = await run_batch(db, [(ops.CLAIM, lease), (ops.SUBMIT, spec())])
-    (job,) = decoded(replies[0])["jobs"]
-    assert job["job_id"] == decoded(replies[1])["job_id"]
-    assert stats["q"]["leased"] == 1
+    replies, _, stats = await run_batch(db, [(ops.SUBMIT, spec()), (ops.CLAIM, lease)])
+    assert decoded(replies[1])["jobs"] == []
+    assert stats["q"]["ready"] == 1
 
 
 async def test_a_batch_of_more_plain_jobs_than_one_values_statement_is_still_one(tmp_path):
@@ -123,3 +125,56 @@ async def test_a_batch_of_more_plain_jobs_than_one_values_statement_is_still_one
     finally:
         store.close()
     assert stats["q"]["ready"] == 300
+
+
+class Gone:
+    """A connection whose client stopped sending (as Session.still_wanted tells it)."""
+
+    closed = False
+
+    def still_wanted(self) -> bool:
+        return False
+
+
+async def test_a_woken_long_poll_of_a_client_that_went_claims_nothing(tmp_path):
+    db = str(tmp_path / "relay.db")
+    store = SqliteStore.open(db)
+    store.jobs_submit([spec(), spec()], 0)
+    store.close()
+
+    def lease(woken: bool) -> ops.PendingLease:
+        return ops.PendingLease(
+            connection=Gone(), queues=("q",), worker_id="w", count=1, lease_ms=30_000,
+            deadline=1e9, max_bytes=None, woken=woken,
+        )  # fmt: skip
+
+    replies, _, stats = await run_batch(db, [(ops.CLAIM, lease(True)), (ops.CLAIM, lease(False))])
+    assert replies[0] == []  # no jobs, left for the trio thread to answer
+    assert len(decoded(replies[1])["jobs"]) == 1  # a first claim is not asked
+    assert stats["q"]["leased"] == 1 and stats["q"]["ready"] == 1
+
+
+async def test_a_batch_that_fails_after_its_statement_committed_is_not_run_again(
+    tmp_path, monkeypatch
+):
+    db = str(tmp_path / "relay.db")
+    real_count = SqliteStore._count
+    failures = [ZeroDivisionError("after the insert")]
+
+    def count_once_failing(self, queue, event, n=1):
+        if failures:
+            raise failures.pop()
+        real_count(self, queue, event, n)
+
+    monkeypatch.setattr(SqliteStore, "_count", count_once_failing)
+    replies, _, _ = await run_batch(db, [(ops.SUBMIT, spec()) for _ in range(3)])
+    assert [decoded(replies[i])["error"]["code"] for i in range(3)] == ["internal"] * 3
+    assert len(committed_ids(db)) == 3  # made once, not again by the transaction's path
+
+
+async def test_a_batch_of_plain_submits_over_a_frame_s_worth_runs_in_a_transaction(tmp_path):
+    db = str(tmp_path / "relay.db")
+    big = '"' + "x" * 200_000 + '"'
+    _, statements, stats = await run_batch(db, [(ops.SUBMIT, spec(payload=big))] * 6)
+    assert statements[0] == "BEGIN IMMEDIATE" and "json_each" not in " ".join(statements)
+    assert stats["q"]["ready"] == 6 and len(committed_ids(db)) == 6

@@ -199,6 +199,7 @@ async def test_a_batch_that_fails_nowhere_runs_without_savepoints(db_path):
         async with open_writer(store, clock=FakeClock()) as writer:
             await writer.execute(cmd.Submit((spec(), spec())))
             first, second = await writer.execute(cmd.Claim(("q",), "w", 2, 30_000))
+            (waiting,) = await writer.execute(cmd.Submit((spec(),)))
             store._db.set_trace_callback(statements.append)
             sink = await one_batch(writer, [
                 ("submit", cmd.Submit((spec(),))),
@@ -211,7 +212,8 @@ async def test_a_batch_that_fails_nowhere_runs_without_savepoints(db_path):
     out = sink.outcomes
     assert out["ack1"] is None and out["ack2"] is None
     assert isinstance(out["stale"], StaleToken)
-    assert [lease.job_id for lease in out["claim"]] == [out["submit"][0].job_id]
+    # Claims run first in a batch: the claim takes the job that was ready before it.
+    assert [lease.job_id for lease in out["claim"]] == [waiting.job_id]
     assert statements and not [s for s in statements if "SAVEPOINT" in s or "RELEASE" in s]
 
 
