@@ -372,9 +372,12 @@ class Session:
                         await writer.wait_room()
                     except trio.Cancelled:
                         # Stopped (shutdown) with these lines read: they are answered all
-                        # the same, past the writer's capacity by one read at most.
-                        for rest in lines[n - 1 :]:
-                            dispatch(self, rest, started)
+                        # the same, past the writer's capacity by one read at most. (Not
+                        # when the connection was closed for a fault: nobody would read
+                        # their replies, and a lease would hold jobs for nobody.)
+                        if not self.closed:
+                            for rest in lines[n - 1 :]:
+                                dispatch(self, rest, started)
                         raise
                 dispatch(self, line, started)
                 if n % SLICE_LINES == 0:

@@ -18,8 +18,9 @@ microsecond the trio thread spends on a request is one the writer waits for.
 Group commit: the thread takes every item already queued (up to ``max_batch``), runs them
 in one transaction, commits once, makes the replies, and posts them back to trio with one
 ``run_sync_soon``, never waiting on trio. (A batch of plain submits alone is one statement
-that SQLite commits on its own, without BEGIN and COMMIT: ``Op.run_alone``.) So it starts the next transaction as soon as it
-has committed one, while trio writes the replies of the last. A success is delivered only
+that SQLite commits on its own, without BEGIN and COMMIT: ``Op.run_alone``.) So it starts
+the next transaction as soon as it has committed one, while trio writes the replies of
+the last. A success is delivered only
 after its commit; if the commit fails, every item of the batch is answered with an error,
 because none of it is durable.
 

@@ -792,3 +792,38 @@ async def test_replies_are_written_when_reading_stops_in_the_middle_of_a_chunk()
     replies = {r["id"]: r for r in map(orjson.loads, data.splitlines())}
     assert replies[1]["ok"] is True
     assert replies[2]["error"]["code"] == "shutting_down"
+
+
+class RecordingFullWriter(FullWriter):
+    """A writer that stays full, and records what is put into it."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+
+
+async def test_lines_waiting_for_room_are_dropped_when_the_connection_fails():
+    """A connection closed for a fault (a reset, a client that stops reading) while its
+    reader waits for room in the writer: the lines it read are not dispatched, so no lease
+    takes jobs for a client nobody serves. (At shutdown they are: see the test above.)"""
+    from relay.server.dispatch import Dispatcher
+    from relay.server.longpoll import LongPolls
+    from relay.server.session import Session
+
+    server_end, client_end = socket.socketpair()
+    server_stream = trio.SocketStream(trio.socket.from_stdlib_socket(server_end))
+    client = trio.SocketStream(trio.socket.from_stdlib_socket(client_end))
+    writer = RecordingFullWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(max_wait_ms=3000), LongPolls(writer))  # type: ignore[arg-type]
+    session = Session(server_stream, dispatcher, idle_timeout=60.0)
+    lease = {"op": "lease", "id": 2, "queues": ["q"], "worker_id": "w"}
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            await client.send_all(pipelined([{"op": "ping", "id": 1}, lease]))
+            await wait_all_tasks_blocked()
+            session._broken(ConnectionResetError("reset by the peer"))
+    assert writer.items == [] and session.closed
+    await client.aclose()
