@@ -27,8 +27,9 @@ from relay.histogram import Histogram
 from relay.server import ops
 from relay.server.longpoll import LongPolls
 from relay.store import commands as cmd
+from relay.store.items import Item
 from relay.store.sqlite import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
-from relay.store.writer import Item, Writer
+from relay.store.writer import Writer
 
 log = logging.getLogger("relay.dispatch")
 

@@ -18,8 +18,9 @@ import attrs
 import trio
 
 from relay.errors import ShuttingDown
+from relay.store.items import Item, ReplySink
 from relay.store.sqlite import Changes
-from relay.store.writer import Item, ReplySink, Writer
+from relay.store.writer import Writer
 
 # How many entries for leases no longer parked the deadline heap may hold beyond twice
 # the parked ones before it is rebuilt (a rebuild is linear, so it is kept rare).

@@ -21,8 +21,8 @@ from relay.errors import RelayError
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.store import commands as cmd
+from relay.store.items import Item
 from relay.store.sqlite import SqliteStore
-from relay.store.writer import Item
 
 log = logging.getLogger("relay.dispatch")
 

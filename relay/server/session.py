@@ -37,7 +37,7 @@ from relay import wire
 from relay.errors import FrameTooLarge
 from relay.log import event
 from relay.server.dispatch import Dispatcher
-from relay.store.writer import Item
+from relay.store.items import Item
 
 log = logging.getLogger("relay.session")
 

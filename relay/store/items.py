@@ -1,0 +1,100 @@
+"""What passes between trio code and the writer thread: items, ops, and reply sinks.
+
+An *item* is a plain tuple ``(op, sink, tag, started, args)``: the op says how the writer
+runs ``args`` on the store (``run``, or ``run_many`` for all the batch's items of that op
+in one call) and how the outcome becomes a reply (``reply``, in the writer thread, after
+the commit); ``sink.deliver`` gets ``(item, reply)`` pairs in the trio thread; ``tag`` and
+``started`` are the sink's (a request id and when it arrived, say). A tuple, not an
+object, because one is made per request and the two threads share one GIL: every
+microsecond the trio thread spends on a request is one the writer waits for.
+
+The request ops are in relay/server/ops.py; a typed command (relay/store/commands.py)
+travels wrapped in a ``CommandOp``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from relay.store.commands import Command
+from relay.store.sqlite import SqliteStore
+
+log = logging.getLogger("relay.writer")
+
+# (op, sink, tag, started, args): see the module docstring.
+Item = tuple[Any, Any, Any, float, Any]
+
+
+class Op(Protocol):
+    """How the writer runs one kind of item. Ops are a few module constants, not made per
+    request. ``run_many`` (or None) runs many items' args in one call with the store's
+    all-or-nothing refusal rule: if any would be refused it raises (a ``RelayError``, or
+    ValueError) having written nothing, and the writer then runs them one by one."""
+
+    name: str
+    phase: int  # the batch runs ops in this order (lower first)
+    run_many: Callable[[SqliteStore, int, list[Any]], list[Any]] | None
+    # For a batch of this op alone: run it as one statement that commits on its own (no
+    # BEGIN, no COMMIT: two waits for the GIL fewer), or return None having written
+    # nothing. May raise only before it writes.
+    run_alone: Callable[[SqliteStore, int, list[Any]], list[Any] | None] | None
+
+    def run(self, store: SqliteStore, now: int, args: Any) -> Any: ...
+    def reply(self, item: Item, outcome: Any) -> Any: ...  # writer thread, after commit
+
+
+class ReplySink(Protocol):
+    """Where replies go. ``deliver`` runs in the trio thread, must not block, and gets the
+    (item, reply) pairs of one batch for this sink, in the order they were sent."""
+
+    def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
+
+
+class CommandOp:
+    """The op of a typed command class: ``apply``, merged by ``apply_many`` if it has one;
+    the reply is the outcome itself (a result, or the ``RelayError`` that refused it)."""
+
+    name = "command"
+    run_alone = None
+
+    def __init__(self, kind: type) -> None:
+        self.phase = getattr(kind, "PHASE", 1)
+        self.run_many = getattr(kind, "apply_many", None)
+
+    @staticmethod
+    def run(store: SqliteStore, now: int, command: Command) -> Any:
+        return command.apply(store, now)
+
+    @staticmethod
+    def reply(item: Item, outcome: Any) -> Any:
+        return outcome
+
+
+_COMMAND_OPS: dict[type, CommandOp] = {}
+
+
+def command_op(command: Command) -> CommandOp:
+    kind = type(command)
+    op = _COMMAND_OPS.get(kind)
+    if op is None:
+        op = _COMMAND_OPS[kind] = CommandOp(kind)
+    return op
+
+
+def deliver(pairs: list[tuple[Item, Any]]) -> None:
+    """Hand each sink its pairs, in order; a failing sink does not stop the others."""
+    by_sink: dict[int, tuple[ReplySink, list[tuple[Item, Any]]]] = {}
+    for pair in pairs:
+        sink = pair[0][1]
+        entry = by_sink.get(id(sink))
+        if entry is None:
+            by_sink[id(sink)] = (sink, [pair])
+        else:
+            entry[1].append(pair)
+    for sink, mine in by_sink.values():
+        try:
+            sink.deliver(mine)
+        except Exception:
+            log.exception("a reply sink failed; the other replies are delivered")
