@@ -24,18 +24,17 @@ from typing import Any
 import orjson
 
 from relay.client import (
-    CONNECT_TIMEOUT_S,
     DEFAULT_ADDRESS,
     JobView,
     Stats,
     job_fields,
     parse_address,
-    reply_fields,
     structure_reply,
     submit_result,
 )
-from relay.errors import ConnectionLost
+from relay.errors import ConnectionLost, reply_fields
 from relay.model import SubmitResult
+from relay.tcp import CONNECT_TIMEOUT_S
 
 READ_BYTES = 64 * 1024
 

@@ -26,6 +26,8 @@ message; its fields are None where the reply does not state them.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RelayError(Exception):
     """Base of every relay-trio error. ``code`` is the wire error code."""
@@ -190,3 +192,16 @@ def error_from_wire(code: str, message: str) -> RelayError:
     if cls is None:
         return InternalError.from_wire(f"{code}: {message}")
     return cls.from_wire(message)
+
+
+def reply_error(reply: dict[str, Any]) -> RelayError:
+    """The exception an error reply carries."""
+    error = reply.get("error") or {}
+    return error_from_wire(str(error.get("code")), str(error.get("message")))
+
+
+def reply_fields(reply: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a success reply, or raise the error it carries."""
+    if reply.get("ok") is True:
+        return reply
+    raise reply_error(reply)

@@ -21,8 +21,8 @@ from typing import Any
 import orjson
 import trio
 
-from relay.client import Client, reply_fields
-from relay.errors import RelayError, ShuttingDown
+from relay.client import Client
+from relay.errors import RelayError, ShuttingDown, reply_fields
 from relay.server.core import Core, ServerConfig, open_core
 
 

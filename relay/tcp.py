@@ -1,0 +1,388 @@
+"""The TCP transport of ``relay.Client``: one pipelined connection, re-established on loss.
+
+Calls queue their lines in an outbox that one flusher task writes, so the calls that
+tasks make in one scheduler tick go out in one write; one reader task matches replies to
+calls by id and reconnects when the connection drops. Both tasks belong to ``open_client``
+(relay/client.py), which owns this transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from contextlib import suppress
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from relay.errors import ConnectionLost, RelayError, reply_error, reply_fields
+
+CONNECT_TIMEOUT_S = 5.0
+RECONNECT_TIMEOUT_S = 30.0
+# Reconnection backoff: doubling from the first delay up to the cap, each with jitter.
+RECONNECT_FIRST_S = 0.05
+RECONNECT_CAP_S = 2.0
+READ_BYTES = 64 * 1024
+
+# Ops that are safe to send again after a reconnection: repeating them changes nothing
+# that the first one did not (a repeated ack with the completing token answers ok).
+RETRY_SAFE_OPS = frozenset({"ack", "ack_batch", "renew", "release"})
+
+
+@attrs.define(eq=False)
+class _Call:
+    op: str
+    line: bytes
+    worker_id: str | None = None
+    sent_on: int | None = None  # the connection it was last sent on, once fully sent
+    queued: bool = False  # waiting in the outbox: not written yet
+    abandoned: bool = False  # its caller gave up while it was being written: not resent
+    resent: bool = False
+    orphaned: bool = False  # a lease whose caller gave up: release what it brings
+    done: trio.Event = attrs.Factory(trio.Event)
+    reply: Any = None
+    error: BaseException | None = None
+
+    def settle(self, reply: Any = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.reply, self.error = reply, error
+            self.done.set()
+
+
+class TcpTransport:
+    """One connection at a time, re-established on loss. Owned by ``open_client``.
+
+    A line that was not fully sent cannot have been acted on (the server acts on a line at
+    its newline), so a failed send always waits for the next connection and goes again.
+    A line that was sent but not answered when the connection dropped is resent only for
+    ack, renew and release; any other op raises ``ConnectionLost``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        reconnect: bool = True,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        reconnect_timeout: float = RECONNECT_TIMEOUT_S,
+    ) -> None:
+        self.host, self.port = host, port
+        self.reconnect = reconnect
+        self.connect_timeout = connect_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Call] = {}
+        self._stream: trio.SocketStream | None = None
+        self._generation = 0  # which connection _stream is
+        self._unread_generation = -1  # a connection whose later lines the server ignored
+        self._connected = trio.Event()  # set while _stream is usable
+        self._send_lock = trio.Lock()
+        # Lines to send, in order: written together by the flusher task, so the calls
+        # that tasks make in one scheduler tick go out in one write.
+        self._outbox: list[_Call] = []
+        self._outbox_lot = trio.lowlevel.ParkingLot()
+        self._closed = False
+        self._failure: RelayError | None = None  # set when the transport gave up
+        self._demand = trio.Event()  # a call after giving up: try to reconnect again
+        # Reconnection backoff; kept across connections that die at once (a server that
+        # refuses us with overloaded), reset by the first good reply.
+        self._backoff = RECONNECT_FIRST_S
+        self.connections = 0  # how many times a connection was established
+        self.nursery: trio.Nursery | None = None  # open_client's, for release tasks
+
+    async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        request_id = next(self._ids)
+        line = orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n"
+        call = _Call(op, line, fields.get("worker_id"))
+        self._pending[request_id] = call
+        try:
+            self._queue(call)
+            await call.done.wait()
+        except trio.Cancelled:
+            if call.queued:  # never written: nothing to answer
+                self._outbox.remove(call)
+                call.queued = False
+            elif op == "lease":
+                # A cancelled lease (a long-poll given up) may still be granted by the
+                # server; the reader then releases those jobs instead of leaving them
+                # leased until their leases expire.
+                call.orphaned = True
+            else:
+                call.abandoned = True  # if its write is cut short, it is not sent again
+            raise
+        finally:
+            if not call.orphaned:
+                self._pending.pop(request_id, None)
+        if call.error is not None:
+            raise call.error
+        reply = call.reply
+        if call.resent and op == "release" and not reply.get("ok"):
+            # The first release may have taken effect before the connection dropped: the
+            # token then no longer holds the job, which is what a release is for.
+            code = (reply.get("error") or {}).get("code")
+            if code in ("stale_token", "lease_expired"):
+                return {"state": "ready"}
+        return reply_fields(reply)
+
+    def _queue(self, call: _Call) -> None:
+        if self._failure is not None:
+            self._demand.set()  # the next call waits for a new reconnection
+            raise self._failure
+        if self._closed:
+            raise ConnectionLost("the client is closed")
+        call.queued = True
+        self._outbox.append(call)
+        if len(self._outbox) == 1:
+            self._outbox_lot.unpark_all()
+
+    async def flush(self) -> None:
+        """Write the queued lines, until cancelled (a task of ``open_client``).
+
+        Woken by the first line queued, it runs after the tasks that ran with that one,
+        so the lines of one scheduler tick go out in one write. It knows how far each
+        write got: a line fully written counts as sent on that connection (and, once the
+        connection drops unanswered, is sent again only if its op is safe to repeat); a
+        line cut short was not acted on (the server acts on a line at its newline) and
+        goes first on the next connection."""
+        while True:
+            while not self._outbox:
+                await self._outbox_lot.park()
+            await self._connected.wait()
+            stream, generation = self._stream, self._generation
+            if stream is None or self._failure is not None:
+                # Given up: every call was settled with the failure; drop their lines.
+                self._outbox = [call for call in self._outbox if _wanted(call)]
+                continue
+            # A call answered meanwhile (an overloaded refusal settles what waits) or
+            # given up is not written.
+            calls, self._outbox = [call for call in self._outbox if _wanted(call)], []
+            for call in calls:
+                call.queued = False
+            data = b"".join([call.line for call in calls])
+            written = 0
+            try:
+                async with self._send_lock:
+                    written = await _write(stream, data)
+            except _CutShort as exc:
+                written = exc.written
+                if generation == self._generation:
+                    self._disconnected()
+                    await trio.aclose_forcefully(stream)  # the reader notices, reconnects
+            end = 0
+            for i, call in enumerate(calls):
+                end += len(call.line)
+                if end > written:
+                    unsent = [c for c in calls[i:] if _wanted(c)]
+                    for c in unsent:
+                        c.queued = True
+                    self._outbox[:0] = unsent
+                    break
+                call.sent_on = generation
+
+    def _disconnected(self) -> None:
+        # Senders wait on the current event; replace it only once it has been set, so
+        # that no sender is left waiting on an event that nobody will set.
+        if self._connected.is_set():
+            self._connected = trio.Event()
+
+    async def first_connect(self) -> None:
+        self._stream = await self._connect()
+        self._generation = self.connections = 1
+        self._connected.set()
+
+    async def _connect(self) -> trio.SocketStream:
+        with trio.fail_after(self.connect_timeout):
+            return await trio.open_tcp_stream(self.host, self.port)
+
+    def _give_up(self, error: RelayError) -> None:
+        self._failure = error
+        for call in list(self._pending.values()):
+            call.settle(error=error)
+        self._connected.set()  # wake every sender: each sees the failure
+
+    async def run(self) -> None:
+        """Read replies; on loss, settle what cannot be resent and reconnect. Until
+        cancelled (or, without ``reconnect``, until the connection is lost)."""
+        while True:
+            stream, generation = self._stream, self._generation
+            assert stream is not None
+            with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._read_replies(stream)
+            if self._generation == generation:
+                self._disconnected()
+            await trio.aclose_forcefully(stream)
+            resend = []
+            unread = self._unread_generation == generation
+            for request_id, call in list(self._pending.items()):
+                if call.sent_on != generation or call.done.is_set():
+                    continue  # not sent yet: it waits in the outbox for the next connection
+                if call.orphaned:
+                    del self._pending[request_id]
+                elif unread and self.reconnect:
+                    resend.append(call)  # the server never read it: not a repeat
+                elif call.op in RETRY_SAFE_OPS and self.reconnect:
+                    call.resent = True
+                    resend.append(call)
+                else:
+                    call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
+            if not self.reconnect:
+                self._give_up(ConnectionLost("the connection dropped"))
+                return
+            while True:
+                try:
+                    self._stream = await self._reconnect()
+                    break
+                except ConnectionLost as exc:
+                    # Fail what waits, then sleep until someone calls again: a worker
+                    # outliving a long outage reconnects once the server is back.
+                    self._give_up(exc)
+                    self._demand = trio.Event()
+                    await self._demand.wait()
+                    self._failure = None
+                    self._backoff = RECONNECT_FIRST_S
+                    self._disconnected()
+            self._failure = None
+            self.connections += 1
+            self._generation += 1
+            for call in resend:
+                if not call.done.is_set():
+                    call.sent_on = self._generation
+                    # No timeout here: a send cut short would leave half a line that the
+                    # next line would be glued to. A dead connection raises instead.
+                    with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        async with self._send_lock:
+                            await self._stream.send_all(call.line)
+            self._connected.set()
+
+    async def _reconnect(self) -> trio.SocketStream:
+        with trio.move_on_after(self.reconnect_timeout):
+            while True:
+                await trio.sleep(self._backoff * random.uniform(0.5, 1.0))
+                self._backoff = min(self._backoff * 2, RECONNECT_CAP_S)
+                try:
+                    return await self._connect()
+                except (OSError, trio.TooSlowError):
+                    pass
+        raise ConnectionLost(
+            f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
+        )
+
+    async def _read_replies(self, stream: trio.SocketStream) -> None:
+        buffer = bytearray()
+        while True:
+            data = await stream.receive_some(READ_BYTES)
+            if not data:
+                return
+            buffer += data
+            # Split only when a line ended: a long reply arriving in many reads is then
+            # gathered in linear time, not re-scanned on every read.
+            if b"\n" not in data:
+                continue
+            *lines, rest = buffer.split(b"\n")
+            buffer = bytearray(rest)
+            for line in lines:
+                try:
+                    reply = orjson.loads(line)
+                    reply.get("id")
+                except (orjson.JSONDecodeError, AttributeError):
+                    self._give_up(
+                        RelayError(
+                            f"{self.host}:{self.port} does not answer as a relay-trio server"
+                        )
+                    )
+                    return
+                call = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
+                if call is not None and call.orphaned:
+                    del self._pending[reply["id"]]
+                    # Sent by another task: the reader must never wait on the server, or
+                    # under backpressure neither side would move.
+                    jobs = reply.get("jobs") or []
+                    if jobs and self.nursery is not None:
+                        self.nursery.start_soon(self._release, stream, call.worker_id, jobs)
+                elif call is not None:
+                    if reply.get("ok"):
+                        self._backoff = RECONNECT_FIRST_S
+                    call.settle(reply)
+                elif reply.get("id") is None and reply.get("ok") is False:
+                    self._connection_error(reply)
+
+    def _connection_error(self, reply: dict[str, Any]) -> None:
+        """An error with no id (overloaded, frame_too_large): the server is closing this
+        connection and acts on nothing sent after it. Send nothing more on it."""
+        error = reply_error(reply)
+        generation = self._generation
+        self._disconnected()
+        unanswered = [
+            call for call in self._pending.values()
+            if not call.done.is_set() and not call.orphaned
+        ]  # fmt: skip
+        if error.code == "overloaded":
+            # Refused before anything was read: tell every waiting caller.
+            for call in unanswered:
+                call.settle(error=error)
+            return
+        # frame_too_large names no request: it is the longest line still unanswered. The
+        # lines after it were never read, so they are sent again on the next connection.
+        sent = [call for call in unanswered if call.sent_on == generation]
+        if sent:
+            max(sent, key=lambda call: len(call.line)).settle(error=error)
+        self._unread_generation = generation
+
+    async def _release(
+        self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
+    ) -> None:
+        """Send a release for each job; nobody waits for the replies (their ids are not
+        pending, so the reader drops them). If the connection is gone, the leases expire
+        instead."""
+        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send_releases(stream, worker_id, jobs)
+
+    async def _send_releases(
+        self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
+    ) -> None:
+        for job in jobs:
+            fields = {
+                "job_id": job.get("job_id"),
+                "worker_id": worker_id,
+                "token": job.get("token"),
+            }
+            line = orjson.dumps({"op": "release", "id": next(self._ids), **fields}) + b"\n"
+            async with self._send_lock:
+                await stream.send_all(line)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for call in list(self._pending.values()):
+            call.settle(error=ConnectionLost("the client is closed"))
+        self._connected.set()
+        if self._stream is not None:
+            await trio.aclose_forcefully(self._stream)
+
+
+def _wanted(call: _Call) -> bool:
+    """Whether a call's line is still to be written: not answered, not given up."""
+    return not call.done.is_set() and not call.abandoned
+
+
+class _CutShort(Exception):
+    """A write that the connection cut short after ``written`` bytes."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(f"the connection dropped after {written} bytes")
+        self.written = written
+
+
+async def _write(stream: trio.SocketStream, data: bytes) -> int:
+    """Write all of ``data``, or raise ``_CutShort`` with how much the kernel took."""
+    sock = stream.socket
+    view = memoryview(data)
+    written = 0
+    while written < len(data):
+        try:
+            written += await sock.send(view[written:])
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise _CutShort(written) from exc
+    return written
