@@ -31,10 +31,11 @@ class Histogram:
         self.count = 0
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        self._buckets[bisect.bisect_left(self.bounds, value)] += 1
+    def observe(self, value: float, n: int = 1) -> None:
+        """Count ``n`` observations of ``value``."""
+        self.count += n
+        self.total += value * n
+        self._buckets[bisect.bisect_left(self.bounds, value)] += n
 
     def snapshot(self) -> HistogramSnapshot:
         cumulative, running = [], 0

@@ -122,17 +122,11 @@ class Dispatcher:
             durations={op: h.snapshot() for op, h in self._durations.items()},
         )
 
-    def _observe(self, op: str, started: float, now: float) -> None:
-        histogram = self._durations.get(op)
-        if histogram is None:
-            histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
-        histogram.observe(now - started)
-
     def _answer_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
         """Answer a request that was not queued: counted in and out at once."""
         connection.begin_request()
         connection.reply(data)
-        self._observe(op, started, trio.current_time())
+        self._histogram(op).observe(trio.current_time() - started)
 
     def _queue(self, connection: Connection, item: Item) -> None:
         """Hand ``item`` to the writer. A request whose reply may be large (inspect,
@@ -158,10 +152,28 @@ class Dispatcher:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
-        histogram = self._durations.get(op.name)
+        self._histogram(op.name).observe(now - item[3])
+
+    def answered_lines(self, items: list[Item], now: float) -> None:
+        """``items`` (none holding a reservation) are answered at ``now``: count them out,
+        one histogram observation per run of items of one op that arrived together."""
+        self.in_flight -= len(items)
+        if self.in_flight == 0:
+            self._idle.set()
+        op, started, n = items[0][0], items[0][3], 0
+        for item in items:
+            if item[0] is op and item[3] == started:
+                n += 1
+                continue
+            self._histogram(op.name).observe(now - started, n)
+            op, started, n = item[0], item[3], 1
+        self._histogram(op.name).observe(now - started, n)
+
+    def _histogram(self, op: str) -> Histogram:
+        histogram = self._durations.get(op)
         if histogram is None:
-            histogram = self._durations[op.name] = Histogram(DURATION_BOUNDS)
-        histogram.observe(now - item[3])
+            histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
+        return histogram
 
     # -- requests ----------------------------------------------------------------------------
 

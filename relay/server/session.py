@@ -197,12 +197,18 @@ class Session:
         call."""
         dispatcher = self.dispatcher
         now = trio.current_time()
+        lines: list[Item] = []  # answered with a line, holding nothing reserved
         self._delivering = True
         try:
             for item, reply in pairs:
-                if type(reply) is bytes:  # the common case, without finish's questions
-                    dispatcher.answered(self, item, now)
-                    self.reply(reply)
+                if type(reply) is bytes and not item[0].reserves:
+                    # The common case, counted out together below (written out: this
+                    # is reply() without its flush, per reply of every request).
+                    lines.append(item)
+                    if not self.closed:
+                        self._out.append(reply)
+                        self._out_count += 1
+                        self._unsent += len(reply)
                     continue
                 data = dispatcher.finish(self, item, reply, now)
                 if data is not None:
@@ -213,6 +219,9 @@ class Session:
                     self._wake_reader()
         finally:
             self._delivering = False
+            if lines:
+                self.in_flight -= len(lines)
+                dispatcher.answered_lines(lines, now)
         self._flush()
 
     def _flush(self) -> None:

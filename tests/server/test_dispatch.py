@@ -116,3 +116,25 @@ async def test_a_large_reply_reserved_for_a_request_not_queued_is_given_back(req
     assert connection.reserved == 0 and connection.in_flight == 0
     (reply,) = connection.replies
     assert reply["error"]["code"] == "shutting_down"
+
+
+async def test_replies_answered_together_are_each_counted_out_and_timed():
+    from relay.server import ops
+
+    writer = ClosedWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
+    dispatcher.in_flight = 5
+    items = [
+        (ops.SUBMIT, None, 1, 10.0, None),
+        (ops.SUBMIT, None, 2, 10.0, None),
+        (ops.ACK, None, 3, 10.0, None),
+        (ops.SUBMIT, None, 4, 10.5, None),
+        (ops.SUBMIT, None, 5, 10.5, None),
+    ]
+    dispatcher.answered_lines(items, 11.0)
+    durations = dispatcher.statistics().durations
+    assert dispatcher.in_flight == 0
+    assert durations["submit"].count == 4 and durations["ack"].count == 1
+    assert durations["submit"].total == pytest.approx(1.0 * 2 + 0.5 * 2)
+    with trio.fail_after(1):
+        await dispatcher.wait_idle()
