@@ -120,18 +120,13 @@ class _SubmitBatch(RequestOp):
 
     @staticmethod
     def run_many(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
-        return cmd.Submit.apply_many(store, now, [cmd.Submit(specs) for specs in batches])
+        results = store.jobs_submit([spec for specs in batches for spec in specs], now)
+        return cmd.split_results(results, batches)
 
     @staticmethod
     def run_alone(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> Any:
         results = store.jobs_submit([spec for specs in batches for spec in specs], now, alone=True)
-        if results is None:
-            return None
-        outcomes, start = [], 0
-        for specs in batches:
-            outcomes.append(results[start : start + len(specs)])
-            start += len(specs)
-        return outcomes
+        return None if results is None else cmd.split_results(results, batches)
 
     def run(self, store: SqliteStore, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
         return store.jobs_submit(specs, now)

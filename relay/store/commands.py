@@ -50,11 +50,16 @@ class Submit:
     def apply_many(store: SqliteStore, now: int, commands: list[Submit]) -> list[Any]:
         # One insert for the whole run; then each command gets its own slice.
         results = store.jobs_submit([spec for c in commands for spec in c.specs], now)
-        outcomes, start = [], 0
-        for c in commands:
-            outcomes.append(results[start : start + len(c.specs)])
-            start += len(c.specs)
-        return outcomes
+        return split_results(results, [c.specs for c in commands])
+
+
+def split_results(results: Any, groups: Sequence[Sequence[Any]]) -> list[Any]:
+    """``results`` (one per spec of all ``groups``, in order) cut into one list per group."""
+    outcomes, start = [], 0
+    for group in groups:
+        outcomes.append(results[start : start + len(group)])
+        start += len(group)
+    return outcomes
 
 
 @attrs.frozen
