@@ -21,7 +21,7 @@ import attrs
 import orjson
 import trio
 
-from relay import wire
+from relay import requests, wire
 from relay.errors import BadRequest, InternalError, RelayError, ShuttingDown, UnknownOp
 from relay.histogram import Histogram
 from relay.server import ops
@@ -195,7 +195,7 @@ class Dispatcher:
             if handler is None or not (type(request_id) is int or wire.valid_id(request_id)):
                 if not wire.valid_id(request_id):
                     request_id = None
-                wire.parse_request(wire.Frame(request_id, name, fields), self.limits)
+                requests.parse_request(requests.Frame(request_id, name, fields), self.limits)
                 raise UnknownOp(f"unknown op {name!r}")  # (parse_request raised first)
             op = name
             handler(connection, request_id, started, fields)
@@ -207,8 +207,8 @@ class Dispatcher:
             self._answer_now(connection, op, started, wire.encode_error(request_id, error))
 
     def _typed(self, fields: dict[str, Any], name: str) -> Any:
-        """The general path: the typed, range-checked request (relay/wire.py)."""
-        return wire.parse_request(wire.Frame(fields.get("id"), name, fields), self.limits)
+        """The general path: the typed, range-checked request (relay/requests.py)."""
+        return requests.parse_request(requests.Frame(fields.get("id"), name, fields), self.limits)
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         self._typed(fields, "hello")
@@ -232,21 +232,25 @@ class Dispatcher:
         self._queue(connection, (ops.SUBMIT_BATCH, connection, rid, started, specs))
 
     def _lease(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = wire.fast_lease(fields, self.limits) or self._typed(fields, "lease")
+        args = wire.fast_lease(fields, self.limits)
+        if args is None:
+            r = self._typed(fields, "lease")
+            args = (r.queues, r.worker_id, r.count, r.lease_ms, r.wait_ms)
+        queues, worker_id, count, lease_ms, wait_ms = args
         if not self.leasing:
             self._answer_now(connection, "lease", started, wire.encode_ok(rid, {"jobs": []}))
             return
         # The reply holds up to `count` payloads, within max_reply_bytes (plus the one job
         # that may cross it): reserved until answered.
         job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
-        reply_bytes = min(request.count * job, self.limits.max_reply_bytes + job)
+        reply_bytes = min(count * job, self.limits.max_reply_bytes + job)
         lease = ops.PendingLease(
             connection=connection,
-            queues=tuple(dict.fromkeys(request.queues)),
-            worker_id=request.worker_id,
-            count=request.count,
-            lease_ms=request.lease_ms,
-            deadline=started + request.wait_ms / 1000 if request.wait_ms else 0.0,
+            queues=tuple(dict.fromkeys(queues)),
+            worker_id=worker_id,
+            count=count,
+            lease_ms=lease_ms,
+            deadline=started + wait_ms / 1000 if wait_ms else 0.0,
             max_bytes=self.limits.max_reply_bytes,
             reply_bytes=reply_bytes,
             job_bytes=job,
@@ -316,7 +320,7 @@ class Dispatcher:
         connection: Connection,
         rid: Any,
         started: float,
-        request: wire.DeadSelect,
+        request: requests.DeadSelect,
         one: ops.RequestOp,
         chunk: Callable[[str, int], Any],
     ) -> None:

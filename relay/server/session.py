@@ -35,6 +35,7 @@ import trio
 
 from relay import wire
 from relay.errors import FrameTooLarge
+from relay.framing import LineSplitter
 from relay.log import event
 from relay.server.dispatch import Dispatcher
 from relay.store.items import Item
@@ -91,7 +92,7 @@ class Session:
         self.limits = dispatcher.limits
         self.idle_timeout = idle_timeout
         self.peer = peer
-        self.splitter = wire.LineSplitter(self.limits.max_frame_bytes)
+        self.splitter = LineSplitter(self.limits.max_frame_bytes)
         self._max_in_flight = self.limits.max_in_flight
         self.in_flight = 0  # requests taken, not yet answered
         self.closed = False
