@@ -156,13 +156,18 @@ class BlockingClient:
                     _answer(call, {"ok": True, **result})
                 return
             # Refused whole (one invalid job, a full queue): nothing was committed, so
-            # each goes alone, for its own answer.
-            for call in submits:
-                request_id = next(self._ids)
-                alone = orjson.dumps({"op": "submit", "id": request_id, **call.fields})
-                assert self._sock is not None
-                self._sock.sendall(alone + b"\n")
-                _answer(call, self._read_replies({request_id})[request_id])
+            # each goes alone, for its own answer (pipelined, in one write).
+            ids = [next(self._ids) for _ in submits]
+            assert self._sock is not None
+            self._sock.sendall(
+                b"".join(
+                    orjson.dumps({"op": "submit", "id": i, **call.fields}) + b"\n"
+                    for i, call in zip(ids, submits, strict=True)
+                )
+            )
+            replies = self._read_replies(set(ids))
+            for i, call in zip(ids, submits, strict=True):
+                _answer(call, replies[i])
 
         return request_id, line, answer
 
