@@ -88,6 +88,7 @@ class Coalescer:
             for slot in group.slots:
                 slot.settle(error=ConnectionLost("the client is closed"))
             group.slots.clear()
+            group.size = 0
 
     async def submit(self, job: dict[str, Any]) -> dict[str, Any]:
         """The reply fields of one submit of ``job`` (as ``job_fields`` makes it)."""

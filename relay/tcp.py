@@ -35,6 +35,7 @@ RETRY_SAFE_OPS = frozenset({"ack", "ack_batch", "renew", "release"})
 class _Call:
     op: str
     line: bytes
+    request_id: int
     worker_id: str | None = None
     sent_on: int | None = None  # the connection it was last sent on, once fully sent
     queued: bool = False  # waiting in the outbox: not written yet
@@ -96,7 +97,7 @@ class TcpTransport:
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         request_id = next(self._ids)
         line = orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n"
-        call = _Call(op, line, fields.get("worker_id"))
+        call = _Call(op, line, request_id, fields.get("worker_id"))
         self._pending[request_id] = call
         try:
             self._queue(call)
@@ -105,13 +106,13 @@ class TcpTransport:
             if call.queued:  # never written: nothing to answer
                 self._outbox.remove(call)
                 call.queued = False
-            elif op == "lease":
+            else:
+                # Taken by the flusher: if its write is cut short, it is not sent again.
+                call.abandoned = True
                 # A cancelled lease (a long-poll given up) may still be granted by the
                 # server; the reader then releases those jobs instead of leaving them
                 # leased until their leases expire.
-                call.orphaned = True
-            else:
-                call.abandoned = True  # if its write is cut short, it is not sent again
+                call.orphaned = op == "lease"
             raise
         finally:
             if not call.orphaned:
@@ -175,6 +176,9 @@ class TcpTransport:
             for i, call in enumerate(calls):
                 end += len(call.line)
                 if end > written:
+                    for c in calls[i:]:
+                        if c.orphaned:  # given up and never sent: no reply will come
+                            self._pending.pop(c.request_id, None)
                     unsent = [c for c in calls[i:] if _wanted(c)]
                     for c in unsent:
                         c.queued = True
@@ -199,8 +203,10 @@ class TcpTransport:
 
     def _give_up(self, error: RelayError) -> None:
         self._failure = error
-        for call in list(self._pending.values()):
+        for request_id, call in list(self._pending.items()):
             call.settle(error=error)
+            if call.orphaned:  # nobody waits for it, and no reply will come
+                del self._pending[request_id]
         self._connected.set()  # wake every sender: each sees the failure
 
     async def run(self) -> None:

@@ -216,12 +216,12 @@ def fast_ack(fields: dict[str, Any], limits: Limits) -> tuple[str, str, str, str
 
 
 # queues, worker_id, count, lease_ms, wait_ms: a lease's fields, checked.
-LeaseArgs = tuple[list[str], str, int, int, int]
+LeaseFields = tuple[list[str], str, int, int, int]
 
 _FAST_LEASE_FIELDS = frozenset({"op", "id", "queues", "worker_id", "count", "lease_ms", "wait_ms"})
 
 
-def fast_lease(fields: dict[str, Any], limits: Limits) -> LeaseArgs | None:
+def fast_lease(fields: dict[str, Any], limits: Limits) -> LeaseFields | None:
     """(queues, worker_id, count, lease_ms, wait_ms) of a plain, valid lease, or None to
     take the full path (as ``fast_submit_spec``)."""
     if not _FAST_LEASE_FIELDS.issuperset(fields):

@@ -82,10 +82,14 @@ class RequestOp:
 
 
 def _wanted(lease: PendingLease) -> bool:
-    """A woken long-poll is claimed only while its client may still take the jobs (its
-    connection was asked just before it was queued again, and is asked once more here):
-    one whose client stopped sending or went meanwhile gets none."""
-    return not lease.woken or lease.connection.still_wanted()
+    """No lease claims for a connection that has closed (a fault, or its client went):
+    its jobs would be held for nobody until their leases expire. A woken long-poll is
+    claimed only while its client may still take the jobs (its connection was asked just
+    before it was queued again, and is asked once more here)."""
+    connection = lease.connection
+    if connection.closed:
+        return False
+    return not lease.woken or connection.still_wanted()
 
 
 class _Submit(RequestOp):
@@ -186,7 +190,8 @@ class _AckBatch(RequestOp):
 
 
 class _Claim(RequestOp):
-    """``lease``: args is a ``PendingLease``; a batch's leases are three statements."""
+    """``lease``: args is a ``PendingLease``; a batch's leases are two or three
+    statements (SqliteStore.jobs_claim_many)."""
 
     # First: a lease claims what was ready before its batch, as it would have had it been
     # answered before the batch's submits and releases (a long-poll that finds nothing

@@ -374,17 +374,18 @@ class Session:
         started = self._last_read
         try:
             for n, line in enumerate(lines, 1):
-                if self._full():
-                    await self._wait_for_room(line_waiting=True)
-                if writer.full:
-                    self._flush()  # held replies count as owed: write them first
+                if self._full() or writer.full:
                     try:
-                        await writer.wait_room()
+                        await self._wait_for_room(line_waiting=True)
+                        if writer.full:
+                            self._flush()  # held replies count as owed: write them first
+                            await writer.wait_room()
                     except trio.Cancelled:
                         # Stopped (shutdown) with these lines read: they are answered all
-                        # the same, past the writer's capacity by one read at most. (Not
-                        # when the connection was closed for a fault: nobody would read
-                        # their replies, and a lease would hold jobs for nobody.)
+                        # the same, past max_in_flight or the writer's capacity by one
+                        # read at most. (Not when the connection was closed for a fault:
+                        # nobody would read their replies, and a lease would hold jobs
+                        # for nobody.)
                         if not self.closed:
                             for rest in lines[n - 1 :]:
                                 dispatch(self, rest, started)

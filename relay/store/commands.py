@@ -27,7 +27,7 @@ class Command(Protocol):
 # outcome. Merging gives each command the answer it would have had alone, in some order
 # of the run: for submits and acks the order given; for leases, grouped by queue set
 # (see SqliteStore.jobs_claim_many), a valid order for requests that were concurrent.
-# ``PHASE`` (default 1) orders the classes within a batch (relay/store/writer.py).
+# ``PHASE`` (default 1) orders the classes within a batch (relay/store/thread.py).
 
 # The reply budgets that one merged call of leases may add up to: bounds the memory and
 # the size of the one JSON row that reads the leased jobs back.

@@ -38,7 +38,8 @@ class Op(Protocol):
     run_many: Callable[[SqliteStore, int, list[Any]], list[Any]] | None
     # For a batch of this op alone: run it as one statement that commits on its own (no
     # BEGIN, no COMMIT: two waits for the GIL fewer), or return None having written
-    # nothing. May raise only before it writes.
+    # nothing. If it raises after its statement committed, the writer answers every item
+    # ``internal`` and never runs them again (relay/store/thread.py).
     run_alone: Callable[[SqliteStore, int, list[Any]], list[Any] | None] | None
 
     def run(self, store: SqliteStore, now: int, args: Any) -> Any: ...

@@ -3,7 +3,7 @@
 ``SqliteStore`` is the store interface (see docs/architecture.md): each method takes the
 current time ``now`` (milliseconds) from its caller, so tests drive time explicitly and a
 future PostgreSQL store can offer the same methods. Methods do not commit: the writer
-(relay/store/writer.py) groups many of them into one transaction with ``begin`` and
+thread (relay/store/thread.py) groups many of them into one transaction with ``begin`` and
 ``commit`` (and ``command``, a savepoint, when it must run them carefully). Called outside
 ``begin``, each statement commits on its own, which is what the synchronous unit tests do.
 
@@ -489,6 +489,11 @@ class SqliteStore:
 
     def _count(self, queue: str, event: str, n: int = 1) -> None:
         self._bump(self._totals, (queue, event), n)
+
+    def recount(self) -> None:
+        """Count the jobs per queue and state again from the table (after a failure that
+        may have left the counts short of what was committed outside a transaction)."""
+        self._load_counts()
 
     def _load_counts(self) -> None:
         self._counts.clear()

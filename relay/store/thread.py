@@ -160,6 +160,9 @@ class WriterThread:
         except Exception:
             if self.store.write_mark() != mark:
                 log.exception("a batch failed after its statement committed")
+                # Its counts may not have moved (outside a transaction nothing is
+                # journaled): count again from the table.
+                self.store.recount()
                 error = InternalError("committed, but no reply could be made; see the log")
                 return [error] * len(batch)
             log.debug("a batch could not run alone; it runs in a transaction", exc_info=True)

@@ -40,6 +40,15 @@ async def run_batch(db_path: str, items: list[tuple[Any, Any]], **config: Any):
     return sink.outcomes, statements[1:], stats
 
 
+class Live:
+    """A connection whose client is there."""
+
+    closed = False
+
+    def still_wanted(self) -> bool:
+        return True
+
+
 def decoded(reply: bytes) -> dict[str, Any]:
     assert reply.endswith(b"\n") and reply.count(b"\n") == 1
     return orjson.loads(reply)
@@ -99,7 +108,7 @@ async def test_a_lease_claims_what_was_ready_before_its_batch(tmp_path):
     # none of them.
     db = str(tmp_path / "relay.db")
     lease = ops.PendingLease(
-        connection=None, queues=("q",), worker_id="w", count=1, lease_ms=30_000,
+        connection=Live(), queues=("q",), worker_id="w", count=1, lease_ms=30_000,
         deadline=0.0, max_bytes=None,
     )  # fmt: skip
     replies, _, stats = await run_batch(db, [(ops.SUBMIT, spec()), (ops.CLAIM, lease)])
@@ -128,7 +137,8 @@ async def test_a_batch_of_more_plain_jobs_than_one_values_statement_is_still_one
 
 
 class Gone:
-    """A connection whose client stopped sending (as Session.still_wanted tells it)."""
+    """A connection whose client stopped sending (as Session.still_wanted tells it), not
+    yet closed."""
 
     closed = False
 
@@ -158,18 +168,19 @@ async def test_a_batch_that_fails_after_its_statement_committed_is_not_run_again
     tmp_path, monkeypatch
 ):
     db = str(tmp_path / "relay.db")
-    real_count = SqliteStore._count
+    real_move = SqliteStore._move
     failures = [ZeroDivisionError("after the insert")]
 
-    def count_once_failing(self, queue, event, n=1):
+    def move_once_failing(self, queue, src, dst, n=1):
         if failures:
             raise failures.pop()
-        real_count(self, queue, event, n)
+        real_move(self, queue, src, dst, n)
 
-    monkeypatch.setattr(SqliteStore, "_count", count_once_failing)
-    replies, _, _ = await run_batch(db, [(ops.SUBMIT, spec()) for _ in range(3)])
+    monkeypatch.setattr(SqliteStore, "_move", move_once_failing)
+    replies, _, stats = await run_batch(db, [(ops.SUBMIT, spec()) for _ in range(3)])
     assert [decoded(replies[i])["error"]["code"] for i in range(3)] == ["internal"] * 3
     assert len(committed_ids(db)) == 3  # made once, not again by the transaction's path
+    assert stats["q"]["ready"] == 3  # and counted (again, from the table)
 
 
 async def test_a_batch_of_plain_submits_over_a_frame_s_worth_runs_in_a_transaction(tmp_path):
@@ -178,3 +189,18 @@ async def test_a_batch_of_plain_submits_over_a_frame_s_worth_runs_in_a_transacti
     _, statements, stats = await run_batch(db, [(ops.SUBMIT, spec(payload=big))] * 6)
     assert statements[0] == "BEGIN IMMEDIATE" and "json_each" not in " ".join(statements)
     assert stats["q"]["ready"] == 6 and len(committed_ids(db)) == 6
+
+
+async def test_no_lease_claims_for_a_closed_connection(tmp_path):
+    db = str(tmp_path / "relay.db")
+    store = SqliteStore.open(db)
+    store.jobs_submit([spec()], 0)
+    store.close()
+    closed = Live()
+    closed.closed = True
+    lease = ops.PendingLease(
+        connection=closed, queues=("q",), worker_id="w", count=1, lease_ms=30_000,
+        deadline=0.0, max_bytes=None,
+    )  # fmt: skip
+    replies, _, stats = await run_batch(db, [(ops.CLAIM, lease)])
+    assert decoded(replies[0])["jobs"] == [] and stats["q"]["ready"] == 1
