@@ -1,18 +1,17 @@
 """One client connection: bounded reads, dispatch, and replies written as they come.
 
 A session is three tasks in its own nursery, whatever its traffic: the reader (this task)
-splits frames and hands each to the dispatcher; the sender writes the replies that the
-socket could not take at once; the watchdog closes the connection when it idles or stops
-reading its replies. Replies arrive from the writer's hand-off through ``deliver`` (sync),
-so the replies of one group commit go out together.
+splits frames and hands each to the dispatcher; the sender (``Outbox.run_sender``) writes
+the replies that the socket could not take at once; the watchdog closes the connection
+when it idles or stops reading its replies. Replies arrive from the writer's hand-off
+through ``deliver`` (sync), so the replies of one group commit go out together.
 
-Write-through: a reply is written to the socket at once (a non-blocking ``send`` from the
-trio thread) when nothing is queued before it; only what the kernel does not take goes to
-the sender task. The replies of one ``deliver`` (one commit) are written with one call, and
-so are the replies given at once (ping, errors) to a slice of one read's lines: the reader
-yields every ``SLICE_LINES`` lines, so one client's pipelined burst cannot hold the others.
-So a request costs no task switch and no timeout scope of its own: the watchdog checks two
-timestamps, the last read and the start of a pending send.
+Write-through (relay/server/outbox.py): a reply is written to the socket at once when
+nothing is queued before it. The replies of one ``deliver`` (one commit) are written with
+one call, and so are the replies given at once (ping, errors) to a slice of one read's
+lines: the reader yields every ``SLICE_LINES`` lines, so one client's pipelined burst
+cannot hold the others. So a request costs no task switch and no timeout scope of its own:
+the watchdog checks two timestamps, the last read and the start of a pending send.
 
 Read-through, the other way: after a short read the reader waits for the socket before it
 reads again, and after a full one it reads at once (``_receive``), so a client that sends
@@ -38,6 +37,7 @@ from relay.errors import FrameTooLarge
 from relay.framing import LineSplitter
 from relay.log import event
 from relay.server.dispatch import Dispatcher
+from relay.server.outbox import Outbox
 from relay.store.items import Item
 
 log = logging.getLogger("relay.session")
@@ -57,17 +57,11 @@ SLICE_LINES = 64
 # TCP states (linux/tcp_states.h, the first byte of TCP_INFO) in which the peer has closed
 # or reset its side.
 TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8
-# The sender writes a backlog in pieces of this size; each one written counts as progress.
-SEND_PIECE_BYTES = 64 * 1024
 # The reader stops reading while the replies it owes may take this many bytes: reserved by
 # large requests in flight (inspect, dead_list, lease: their most, see dispatch.py), or
 # written but not yet sent. max_in_flight alone counts requests, and 256 inspects of big
 # jobs would hold ~500 MiB.
 MAX_OWED_BYTES = 32 * 1024 * 1024
-# A connection whose unwritten replies exceed this is closed: its client pipelines large
-# replies faster than it reads them, beyond what the reservations foresaw (as Redis's client
-# output buffer limit). A reader drains a burst at the speed of the network long before.
-MAX_UNSENT_BYTES = 64 * 1024 * 1024
 
 
 def _socket_fd(stream: trio.abc.Stream) -> int | None:
@@ -95,7 +89,6 @@ class Session:
         self.splitter = LineSplitter(self.limits.max_frame_bytes)
         self._max_in_flight = self.limits.max_in_flight
         self.in_flight = 0  # requests taken, not yet answered
-        self.closed = False
         # While the client sends requests, a long-poll may wait for it. Once it has
         # stopped (EOF, shutdown), parked leases are answered at once and none is
         # claimed again: a job must not be leased to a client that has gone.
@@ -103,6 +96,8 @@ class Session:
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
         self._socket = stream.socket if self._fd is not None else None  # type: ignore[attr-defined]
+        # The replies owed (relay/server/outbox.py): written through, or by its sender.
+        self._outbox = Outbox(stream, self._fd, peer, self._wake_reader, self._broken)
         # The same socket where its TCP state can be read (TCP on Linux: TCP_INFO; other
         # systems number their states differently), else None.
         self._tcp = (
@@ -113,26 +108,25 @@ class Session:
             else None
         )
         self._full_read = False  # the last read filled its buffer: more is likely waiting
-        self._out: list[bytes] = []  # reply bytes not yet written, in order
-        self._out_count = 0  # replies (whole or partly) in _out
-        self._unsent = 0  # bytes of replies not yet written (in _out or being sent)
         self._reserved = 0  # bytes set aside for large replies of requests in flight
-        self._sending = 0  # replies taken by the sender, not yet written
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
         # held until the slice ends; those of other tasks (a whole-queue dead_retry's, say)
         # are written at once, as the reader may be waiting meanwhile.
         self._holder: trio.lowlevel.Task | None = None
-        self._out_lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
         # The reader's watch for the client's next bytes while it waits for room: cancelled
         # when room is made (see _wait_for_room).
         self._room_watch: trio.CancelScope | None = None
         self._reading = trio.CancelScope()
-        # For the watchdog (trio clock): when the client last sent bytes, and since when
-        # a write has been waiting for the client to read (None: not waiting).
+        # For the watchdog (trio clock): when the client last sent bytes.
         self._last_read = trio.current_time()
-        self._send_waiting_since: float | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Its replies are dropped: it has failed, or is closing. (A plain attribute read,
+        which the writer thread may also do, see ``still_wanted``.)"""
+        return self._outbox.closed
 
     @property
     def can_wait(self) -> bool:
@@ -180,15 +174,13 @@ class Session:
         self._reserved -= nbytes
 
     def reply_room(self) -> int:
-        return MAX_OWED_BYTES - self._reserved - self._unsent
+        return MAX_OWED_BYTES - self._reserved - self._outbox.unsent
 
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
         if self.closed:
             return
-        self._out.append(data)
-        self._out_count += 1
-        self._unsent += len(data)
+        self._outbox.add(data)
         holder = self._holder
         if not self._delivering and (holder is None or holder is not trio.lowlevel.current_task()):
             self._flush()
@@ -206,10 +198,7 @@ class Session:
                     # The common case, counted out together below (written out: this
                     # is reply() without its flush, per reply of every request).
                     lines.append(item)
-                    if not self.closed:
-                        self._out.append(reply)
-                        self._out_count += 1
-                        self._unsent += len(reply)
+                    self._outbox.add(reply)
                     continue
                 data = dispatcher.finish(self, item, reply, now)
                 if data is not None:
@@ -226,44 +215,12 @@ class Session:
         self._flush()
 
     def _flush(self) -> None:
-        """Write what is queued, without waiting; what the socket does not take now is
-        left to the sender task. Only while the sender is not itself writing: two writers
-        would interleave bytes."""
-        if not self._out or self.closed:
-            return
-        if not self._sending:
-            if self._fd is not None:
-                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
-                try:
-                    written = os.write(self._fd, data)
-                except BlockingIOError:
-                    written = 0
-                except OSError as exc:  # reset or closed by the peer
-                    self._broken(exc)
-                    return
-                self._unsent -= written
-                if written == len(data):
-                    self._out.clear()
-                    self._out_count = 0
-                    self._wake_reader()
-                    return
-                # The rest waits for the socket to drain: counted as one reply or more.
-                self._out[:] = [data[written:]]
-            self._out_lot.unpark_all()
-        if self._unsent > MAX_UNSENT_BYTES:
-            # What the socket did not take passes the cap: the client pipelines large
-            # replies faster than it reads them, beyond what the reservations foresaw.
-            event(log, logging.WARNING, "connection.backlog_too_large", peer=self.peer,
-                  unsent_bytes=self._unsent)  # fmt: skip
-            self._broken(trio.TooSlowError("the client left too many reply bytes unread"))
+        self._outbox.flush()
 
     def _broken(self, exc: BaseException) -> None:
         event(log, logging.DEBUG, "connection.send_failed", peer=self.peer, error=repr(exc))
-        self.closed = True
+        self._outbox.close()
         self._can_wait = False
-        self._out.clear()
-        self._out_count = 0
-        self._unsent = 0
         self.nursery.cancel_scope.cancel()
 
     # -- tasks -------------------------------------------------------------------------------
@@ -273,7 +230,7 @@ class Session:
         self._reading.cancel()
 
     def _owed(self) -> int:
-        return self.in_flight + self._out_count + self._sending
+        return self.in_flight + self._outbox.count + self._outbox.sending
 
     def _stop_waiting(self) -> None:
         """The client has stopped sending (EOF, a reset, a fatal frame, shutdown): its
@@ -287,8 +244,8 @@ class Session:
         MAX_OWED_BYTES. (Asked per request: written out rather than through _owed and
         reply_room.)"""
         return (
-            self.in_flight + self._out_count + self._sending >= self._max_in_flight
-            or self._reserved + self._unsent >= MAX_OWED_BYTES
+            self.in_flight + self._outbox.count + self._outbox.sending >= self._max_in_flight
+            or self._reserved + self._outbox.unsent >= MAX_OWED_BYTES
         )
 
     async def run(self) -> None:
@@ -299,7 +256,7 @@ class Session:
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
-                nursery.start_soon(self._send_loop)
+                nursery.start_soon(self._outbox.run_sender)
                 nursery.start_soon(self._watchdog)
                 with self._reading:
                     await self._read_loop()
@@ -313,7 +270,7 @@ class Session:
                         await self._linger()
                 nursery.cancel_scope.cancel()
         finally:
-            self.closed = True
+            self._outbox.close()
             self._stop_waiting()
             await trio.aclose_forcefully(self.stream)
 
@@ -470,29 +427,6 @@ class Session:
             self._full_read = len(data) == RECEIVE_BYTES
             return data
 
-    async def _send_loop(self) -> None:
-        """Write what the socket did not take at once, waiting for it to drain."""
-        try:
-            while True:
-                while not self._out:
-                    await self._out_lot.park()
-                data = memoryview(b"".join(self._out))
-                self._sending = self._out_count
-                self._out.clear()
-                self._out_count = 0
-                # In pieces, so that the watchdog sees progress: a client that reads a
-                # large backlog steadily is slow, not stalled.
-                for start in range(0, len(data), SEND_PIECE_BYTES):
-                    self._send_waiting_since = trio.current_time()
-                    piece = data[start : start + SEND_PIECE_BYTES]
-                    await self.stream.send_all(piece)
-                    self._unsent -= len(piece)
-                self._send_waiting_since = None
-                self._sending = 0
-                self._wake_reader()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._broken(exc)
-
     async def _watchdog(self) -> None:
         """Close a connection that has not taken any of its replies for ``idle_timeout``
         ("not reading"), and stop reading from one that idles: no bytes from the client for
@@ -502,7 +436,7 @@ class Session:
         reading = True
         while True:
             now = trio.current_time()
-            waiting = self._send_waiting_since
+            waiting = self._outbox.send_waiting_since
             if waiting is not None and now - waiting >= idle:
                 event(log, logging.INFO, "connection.not_reading", peer=self.peer)
                 self._broken(trio.TooSlowError("the client did not read its replies"))

@@ -22,6 +22,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
 from relay.errors import ShuttingDown
+from relay.server import outbox as outbox_module
 from relay.server import session as session_module
 from relay.server.dispatch import Dispatcher
 from relay.server.session import RECEIVE_BYTES, SLICE_LINES
@@ -153,7 +154,7 @@ async def test_client_leaving_too_many_reply_bytes_unread_is_closed_at_once(tmp_
     """max_in_flight counts replies, not bytes: 40 inspects of a big job owe ~8 MB. Past
     MAX_UNSENT_BYTES the connection is closed at once, not at the idle timeout, and the
     memory is let go."""
-    monkeypatch.setattr(session_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
+    monkeypatch.setattr(outbox_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
     async with custom_server(tmp_path) as srv, connected(srv) as good:  # idle timeout 300 s
         with session_events() as events:
             stalled = await stall_with_big_replies(srv, good)
@@ -629,7 +630,7 @@ async def test_long_polls_woken_together_stay_within_the_reply_budget(tmp_path, 
     park again until the client reads. Then every lease gets jobs, and every job leased
     is received."""
     monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 1024 * 1024)
-    monkeypatch.setattr(session_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
+    monkeypatch.setattr(outbox_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
     payload = "x" * 40 * 1024
     limits = wire.Limits(max_frame_bytes=8 * 1024 * 1024)  # all 100 jobs in one commit
     async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:

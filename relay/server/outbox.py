@@ -1,0 +1,125 @@
+"""The replies one connection owes its client: written through at once, the rest as the
+socket drains.
+
+Write-through: replies are written with a non-blocking ``write`` from the trio thread when
+nothing is queued before them, so a request costs no task switch of its own; only what the
+kernel does not take goes to the sender task (``run_sender``, one per connection), which
+waits for the socket to drain. While the sender writes, later replies queue behind it, so
+bytes never interleave. The owner (``relay.server.session.Session``) decides when to
+flush (it holds the replies of a slice of one read, and of one delivery, to write them
+together) and is told when room is made or the connection breaks. Trio thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import trio
+
+from relay.log import event
+
+log = logging.getLogger("relay.session")
+
+# The sender writes a backlog in pieces of this size; each one written counts as progress.
+SEND_PIECE_BYTES = 64 * 1024
+# A connection whose unwritten replies exceed this is closed: its client pipelines large
+# replies faster than it reads them, beyond what the reservations foresaw (as Redis's client
+# output buffer limit). A reader drains a burst at the speed of the network long before.
+MAX_UNSENT_BYTES = 64 * 1024 * 1024
+
+
+class Outbox:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        fd: int | None,
+        peer: str,
+        on_room: Callable[[], None],
+        on_broken: Callable[[BaseException], None],
+    ) -> None:
+        self._stream = stream
+        self._fd = fd  # None: every reply goes through the sender task
+        self._peer = peer
+        self._on_room = on_room  # everything queued is written: the owner's room grew
+        self._on_broken = on_broken  # a write failed, or too much is left unread
+        self.parts: list[bytes] = []  # reply bytes not yet written, in order
+        self.count = 0  # replies (whole or partly) in parts
+        self.unsent = 0  # bytes of replies not yet written (in parts or being sent)
+        self.sending = 0  # replies taken by the sender, not yet written
+        self.closed = False  # replies are dropped
+        # For the owner's watchdog (trio clock): since when a write has been waiting for
+        # the client to read (None: not waiting).
+        self.send_waiting_since: float | None = None
+        self._lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
+
+    def add(self, data: bytes) -> None:
+        """Queue one reply (written at the next ``flush``)."""
+        if not self.closed:
+            self.parts.append(data)
+            self.count += 1
+            self.unsent += len(data)
+
+    def close(self) -> None:
+        """Drop what is queued and every later reply."""
+        self.closed = True
+        self.parts.clear()
+        self.count = 0
+        self.unsent = 0
+
+    def flush(self) -> None:
+        """Write what is queued, without waiting; what the socket does not take now is
+        left to the sender task. Only while the sender is not itself writing: two writers
+        would interleave bytes."""
+        if not self.parts or self.closed:
+            return
+        if not self.sending:
+            if self._fd is not None:
+                data = b"".join(self.parts) if len(self.parts) > 1 else self.parts[0]
+                try:
+                    written = os.write(self._fd, data)
+                except BlockingIOError:
+                    written = 0
+                except OSError as exc:  # reset or closed by the peer
+                    self._on_broken(exc)
+                    return
+                self.unsent -= written
+                if written == len(data):
+                    self.parts.clear()
+                    self.count = 0
+                    self._on_room()
+                    return
+                # The rest waits for the socket to drain: counted as one reply or more.
+                self.parts[:] = [data[written:]]
+            self._lot.unpark_all()
+        if self.unsent > MAX_UNSENT_BYTES:
+            # What the socket did not take passes the cap: the client pipelines large
+            # replies faster than it reads them, beyond what the reservations foresaw.
+            event(log, logging.WARNING, "connection.backlog_too_large", peer=self._peer,
+                  unsent_bytes=self.unsent)  # fmt: skip
+            self._on_broken(trio.TooSlowError("the client left too many reply bytes unread"))
+
+    async def run_sender(self) -> None:
+        """Write what the socket did not take at once, waiting for it to drain. Until
+        cancelled (a task of the owner's nursery)."""
+        try:
+            while True:
+                while not self.parts:
+                    await self._lot.park()
+                data = memoryview(b"".join(self.parts))
+                self.sending = self.count
+                self.parts.clear()
+                self.count = 0
+                # In pieces, so that the watchdog sees progress: a client that reads a
+                # large backlog steadily is slow, not stalled.
+                for start in range(0, len(data), SEND_PIECE_BYTES):
+                    self.send_waiting_since = trio.current_time()
+                    piece = data[start : start + SEND_PIECE_BYTES]
+                    await self._stream.send_all(piece)
+                    self.unsent -= len(piece)
+                self.send_waiting_since = None
+                self.sending = 0
+                self._on_room()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._on_broken(exc)
