@@ -139,27 +139,20 @@ class Dispatcher:
                 _give_back(connection, item[4])
             self._answer_now(connection, item[0].name, item[3], wire.encode_error(item[2], exc))
             return
-        connection.begin_request()
-        self.in_flight += 1
-        if self.in_flight == 1:
-            self._idle = trio.Event()
+        self._count_in(connection)
 
     def answered(self, connection: Connection, item: Item, now: float) -> None:
         """``item`` is answered (or dropped with its connection) at ``now``: count it out."""
         op = item[0]
         if op.reserves:
             _give_back(connection, item[4])
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+        self._count_out(1)
         self._histogram(op.name).observe(now - item[3])
 
     def answered_lines(self, items: list[Item], now: float) -> None:
         """``items`` (none holding a reservation) are answered at ``now``: count them out,
         one histogram observation per run of items of one op that arrived together."""
-        self.in_flight -= len(items)
-        if self.in_flight == 0:
-            self._idle.set()
+        self._count_out(len(items))
         op, started, n = items[0][0], items[0][3], 0
         for item in items:
             if item[0] is op and item[3] == started:
@@ -168,6 +161,18 @@ class Dispatcher:
             self._histogram(op.name).observe(now - started, n)
             op, started, n = item[0], item[3], 1
         self._histogram(op.name).observe(now - started, n)
+
+    def _count_in(self, connection: Connection) -> None:
+        """A request handed on (to the writer, or to a task): in flight until answered."""
+        connection.begin_request()
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self._idle = trio.Event()
+
+    def _count_out(self, n: int) -> None:
+        self.in_flight -= n
+        if self.in_flight == 0:
+            self._idle.set()
 
     def _histogram(self, op: str) -> Histogram:
         histogram = self._durations.get(op)
@@ -331,10 +336,7 @@ class Dispatcher:
         # task in the connection's nursery (the one exception to "no task per request"),
         # so the connection keeps reading and the writer serves others between chunks.
         assert request.queue is not None
-        connection.begin_request()
-        self.in_flight += 1
-        if self.in_flight == 1:
-            self._idle = trio.Event()
+        self._count_in(connection)
         item = (one, connection, rid, started, None)
         connection.nursery.start_soon(self._dead_queue, connection, item, request.queue, chunk)
 
