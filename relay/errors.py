@@ -15,6 +15,8 @@ The tree:
       Unauthorized                  unauthorized
       InternalError                 internal
       QueueFull                     queue_full   (extension: a queue at its max depth)
+      Unavailable                   unavailable  (extension: not committed, the store
+                                                 cannot write now: disk full, I/O error)
       ConnectionLost                (client side: the connection dropped mid-request)
       StoreError                    (fatal at start, never sent on the wire)
         NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt
@@ -143,6 +145,13 @@ class QueueFull(RelayError):
     code = "queue_full"
 
 
+class Unavailable(RelayError):
+    """The store could not commit (disk full, an I/O error): nothing of the request was
+    kept, and the server stays up. Safe to retry later."""
+
+    code = "unavailable"
+
+
 class ConnectionLost(RelayError):
     """The connection dropped while the request was in flight: it may or may not have
     taken effect. Raised by the client; never sent by the server."""
@@ -182,6 +191,7 @@ ERRORS_BY_CODE: dict[str, type[RelayError]] = {
     for cls in (
         BadRequest, FrameTooLarge, UnknownOp, JobNotFound, StaleToken, LeaseExpired,
         InvalidState, Overloaded, ShuttingDown, Unauthorized, InternalError, QueueFull,
+        Unavailable,
     )
 }  # fmt: skip
 
