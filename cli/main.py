@@ -36,6 +36,7 @@ from relay import wire
 from relay.client import Client, open_client
 from relay.errors import RelayError, StoreError
 from relay.model import QUEUE_NAME_RE, WIRE_PRIORITIES
+from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig
 from relay.worker import DEFAULT_LEASE_MS, Worker, run_worker
 
@@ -163,8 +164,10 @@ def call(address: str, action: Callable[[Client], Awaitable[T]]) -> T:
     """Connect to the server at ``address``, run ``action`` with the client, disconnect.
     A one-shot command does not reconnect: a dropped connection is an error at once."""
 
+    token = client_token()
+
     async def session() -> T:
-        async with open_client(address, reconnect=False) as client:
+        async with open_client(address, reconnect=False, token=token) as client:
             try:
                 with trio.fail_after(REPLY_TIMEOUT_S):
                     return await action(client)
@@ -205,10 +208,44 @@ def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> st
     return value
 
 
-address_option = click.option(
-    "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
-    callback=_check_address, metavar="HOST:PORT", help="The server (env RELAY_ADDRESS).",
-)  # fmt: skip
+def read_client_token(path: str | None) -> str | None:
+    """The token a client command says hello with: the one in the file at ``path``
+    (its only line that is not blank or a ``#`` comment), else RELAY_AUTH_TOKEN, else
+    None. Never a command-line value: argv is visible to every user of the machine."""
+    if path is None:
+        return os.environ.get("RELAY_AUTH_TOKEN") or None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}") from None
+    if len(lines) != 1 or len(lines[0].split()) != 1:
+        raise click.BadParameter(f"{path}: expected one token on one line")
+    return lines[0]
+
+
+def _token_option(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    ctx.meta["relay.token"] = read_client_token(value)
+
+
+def client_token() -> str | None:
+    """The token of the running command (--token-file or RELAY_AUTH_TOKEN)."""
+    return click.get_current_context().meta.get("relay.token")
+
+
+def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--address, and --token-file for a server with access control."""
+    fn = click.option(
+        "--token-file", metavar="PATH", expose_value=False, callback=_token_option,
+        help="A file holding the access token to say hello with (default: env "
+        "RELAY_AUTH_TOKEN).",
+    )(fn)  # fmt: skip
+    return click.option(
+        "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
+        callback=_check_address, metavar="HOST:PORT", help="The server (env RELAY_ADDRESS).",
+    )(fn)  # fmt: skip
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
 
@@ -267,6 +304,17 @@ _LIMITS = wire.Limits()
     "submit answers queue_full. Default: unbounded.",
 )  # fmt: skip
 @click.option(
+    "--auth-token-file", metavar="PATH",
+    help="Tokens with roles, one 'ROLE TOKEN' per line (roles: producer, worker, admin), or "
+    "one bare admin token. Env RELAY_AUTH_TOKEN adds one admin token. With any token, a "
+    "connection must say hello with one first. See docs/security.md.",
+)  # fmt: skip
+@click.option(
+    "--insecure", is_flag=True,
+    help="Allow listening beyond loopback without tokens: anyone who can reach the port "
+    "may submit, lease and purge.",
+)  # fmt: skip
+@click.option(
     "--queue-depth", "queue_depths", multiple=True, metavar="QUEUE=N",
     callback=lambda ctx, param, value: _parse_depths(value),
     help="The same for one queue (repeatable); overrides --max-queue-depth for it.",
@@ -278,10 +326,17 @@ def server(
     synchronous: str,
     max_queue_depth: int | None,
     queue_depths: dict[str, int],
+    auth_token_file: str | None,
+    insecure: bool,
     **numbers: int,
 ) -> None:
     """Run the server until SIGINT or SIGTERM (a second one exits at once)."""
     relay_log.configure()
+    try:
+        tokens = load_tokens(auth_token_file, os.environ.get("RELAY_AUTH_TOKEN"))
+    except AuthConfigError as exc:
+        click.echo(f"relay-trio: {exc}", err=True)
+        sys.exit(2)
     host, port = parse_address(address)
     metrics_host, metrics_port = "127.0.0.1", None
     if metrics_address != "off":
@@ -299,12 +354,16 @@ def server(
         synchronous=synchronous,
         max_queue_depth=max_queue_depth,
         queue_depths=queue_depths,
+        tokens=tokens,
+        insecure=insecure,
         **{k: v for k, v in numbers.items() if k not in limit_fields},
     )
     # serve() runs under a nursery, so a start-up failure arrives in an exception group.
     failure: tuple[int, str] | None = None
     try:
         trio.run(_run_server, config)
+    except* ExposureError as group:
+        failure = (2, f"relay-trio: {group.exceptions[0]}")
     except* StoreError as group:
         exc = group.exceptions[0]
         assert isinstance(exc, StoreError)
@@ -458,12 +517,12 @@ def worker(
         Worker, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
         lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000,
     )  # fmt: skip
-    run(_work, address, worker, address=address)
+    run(_work, address, worker, client_token(), address=address)
 
 
-async def _work(address: str, make_worker: Callable[[Client], Worker]) -> None:
+async def _work(address: str, make_worker: Callable[[Client], Worker], token: str | None):
     # The worker rides out server restarts, so its client reconnects (open_client's default).
-    async with open_client(address) as client:
+    async with open_client(address, token=token) as client:
         hello = await client.hello("relay-trio worker")
         worker = make_worker(client)
         _check_worker_limits(worker, hello.limits)

@@ -32,7 +32,7 @@ from relay.client import (
     structure_reply,
     submit_result,
 )
-from relay.errors import ConnectionLost, reply_fields
+from relay.errors import ConnectionLost, RelayError, reply_fields
 from relay.model import SubmitResult
 from relay.tcp import CONNECT_TIMEOUT_S
 
@@ -59,8 +59,10 @@ class BlockingClient:
         timeout: float = 30.0,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         coalesce: bool = False,
+        token: str | None = None,
     ) -> None:
         self.address = parse_address(address)
+        self.token = token  # sent in a hello first on every connection, and in every hello
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.coalesce = coalesce
@@ -90,7 +92,26 @@ class BlockingClient:
         sock = socket.create_connection(self.address, timeout=self.connect_timeout)
         sock.settimeout(self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.token is not None:
+            try:
+                self._authenticate(sock)
+            except BaseException:
+                sock.close()
+                raise
         return sock
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        """Say hello with the token before anything else; raises Unauthorized if the
+        server refuses it."""
+        sock.sendall(orjson.dumps({"op": "hello", "id": 0, "token": self.token}) + b"\n")
+        data = b""
+        while b"\n" not in data:
+            more = sock.recv(READ_BYTES)
+            if not more:
+                raise ConnectionLost("the server closed the connection during hello")
+            data += more
+        line, self._buffer = data.split(b"\n", 1)
+        reply_fields(orjson.loads(line))
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply's fields, or raise its error.
@@ -99,6 +120,8 @@ class BlockingClient:
         and those of threads that queued behind the request before, and answers them all;
         a thread whose call another one answered just returns its answer.
         """
+        if op == "hello" and self.token is not None:
+            fields["token"] = self.token  # a hello without it would end the authentication
         call = _Call(op, fields)
         with self._queue_lock:
             self._waiting.append(call)
@@ -125,6 +148,11 @@ class BlockingClient:
             replies = self._read_replies({request_id for request_id, _, _ in requests})
             for request_id, _, answer in requests:
                 answer(replies[request_id])
+        except RelayError as exc:  # refused at hello: the token, or overloaded
+            self._drop()
+            for call in calls:
+                if not call.done:
+                    call.error, call.done = exc, True
         except OSError as exc:
             self._drop()
             for call in calls:

@@ -319,6 +319,7 @@ async def open_client(
     connect_timeout: float = CONNECT_TIMEOUT_S,
     reconnect_timeout: float = RECONNECT_TIMEOUT_S,
     batch_window_ms: float | None = None,
+    token: str | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a relay-trio server and yield a ``Client``.
 
@@ -328,6 +329,9 @@ async def open_client(
     getting its own result or error (relay/coalesce.py). It trades that much latency for
     far fewer requests when many tasks submit at once.
 
+    ``token``: for a server with access control, sent in a ``hello`` first on every
+    connection (and reconnection); a token the server refuses raises ``Unauthorized``.
+
     Owns two background tasks (the reply reader, which also reconnects, and the writer of
     queued lines) in a nursery of its own; leaving the block closes the connection and
     cancels them. Raises OSError (or ``trio.TooSlowError``) if the first connection
@@ -336,7 +340,7 @@ async def open_client(
     host, port = parse_address(address)
     transport = TcpTransport(
         host, port, reconnect=reconnect, connect_timeout=connect_timeout,
-        reconnect_timeout=reconnect_timeout,
+        reconnect_timeout=reconnect_timeout, token=token,
     )  # fmt: skip
     await transport.first_connect()
     async with open_service_nursery() as nursery:

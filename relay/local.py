@@ -23,6 +23,7 @@ import trio
 
 from relay.client import Client
 from relay.errors import RelayError, ShuttingDown, reply_fields
+from relay.server.auth import Role
 from relay.server.core import Core, ServerConfig, open_core
 
 
@@ -37,6 +38,9 @@ class LocalTransport:
         self.closed = False
         self.can_wait = True
         self.nursery = core.nursery  # the dispatcher's admin tasks (dead retry of a queue)
+        self.peer = "local"
+        # In-process: the program that opened the queue may do everything.
+        core.dispatcher.set_role(self, Role.ADMIN)
 
     # -- the dispatcher's Connection interface ----------------------------------------------
 
@@ -55,6 +59,10 @@ class LocalTransport:
 
     def still_wanted(self) -> bool:  # the writer thread's question (Session.still_wanted)
         return self.can_wait
+
+    def refuse(self, data: bytes, delay: float) -> None:  # never: it is admin
+        self.begin_request()
+        self.reply(data)
 
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1

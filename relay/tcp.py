@@ -17,7 +17,7 @@ import attrs
 import orjson
 import trio
 
-from relay.errors import ConnectionLost, RelayError, reply_error, reply_fields
+from relay.errors import ConnectionLost, RelayError, Unauthorized, reply_error, reply_fields
 
 CONNECT_TIMEOUT_S = 5.0
 RECONNECT_TIMEOUT_S = 30.0
@@ -69,8 +69,10 @@ class TcpTransport:
         reconnect: bool = True,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         reconnect_timeout: float = RECONNECT_TIMEOUT_S,
+        token: str | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self.token = token  # sent in a hello first on every connection, and in every hello
         self.reconnect = reconnect
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
@@ -95,6 +97,9 @@ class TcpTransport:
         self.nursery: trio.Nursery | None = None  # open_client's, for release tasks
 
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        if op == "hello" and self.token is not None:
+            # A hello without the token would end the connection's authentication.
+            fields = {**fields, "token": self.token}
         request_id = next(self._ids)
         line = orjson.dumps({"op": op, "id": request_id, **fields}) + b"\n"
         call = _Call(op, line, request_id, fields.get("worker_id"))
@@ -199,7 +204,14 @@ class TcpTransport:
 
     async def _connect(self) -> trio.SocketStream:
         with trio.fail_after(self.connect_timeout):
-            return await trio.open_tcp_stream(self.host, self.port)
+            stream = await trio.open_tcp_stream(self.host, self.port)
+            if self.token is not None:
+                try:
+                    await _authenticate(stream, self.token)
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+            return stream
 
     def _give_up(self, error: RelayError) -> None:
         self._failure = error
@@ -241,9 +253,10 @@ class TcpTransport:
                 try:
                     self._stream = await self._reconnect()
                     break
-                except ConnectionLost as exc:
+                except (ConnectionLost, Unauthorized) as exc:
                     # Fail what waits, then sleep until someone calls again: a worker
-                    # outliving a long outage reconnects once the server is back.
+                    # outliving a long outage (or a token's rotation) reconnects once
+                    # the server is back (or takes the token again).
                     self._give_up(exc)
                     self._demand = trio.Event()
                     await self._demand.wait()
@@ -270,8 +283,10 @@ class TcpTransport:
                 self._backoff = min(self._backoff * 2, RECONNECT_CAP_S)
                 try:
                     return await self._connect()
-                except (OSError, trio.TooSlowError):
-                    pass
+                except Unauthorized:
+                    raise  # waiting will not make the token right
+                except (OSError, trio.TooSlowError, trio.BrokenResourceError, RelayError):
+                    pass  # not up yet, or refused for now (overloaded): try again
         raise ConnectionLost(
             f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
         )
@@ -371,6 +386,23 @@ class TcpTransport:
 def _wanted(call: _Call) -> bool:
     """Whether a call's line is still to be written: not answered, not given up."""
     return not call.done.is_set() and not call.abandoned
+
+
+async def _authenticate(stream: trio.SocketStream, token: str) -> None:
+    """Say hello with ``token`` on a new connection, before anything else is sent, and
+    read its answer. Raises Unauthorized if the server refuses the token."""
+    await stream.send_all(orjson.dumps({"op": "hello", "id": 0, "token": token}) + b"\n")
+    data = b""
+    while b"\n" not in data:
+        more = await stream.receive_some(READ_BYTES)
+        if not more:
+            raise ConnectionLost("the server closed the connection during hello")
+        data += more
+    try:
+        reply = orjson.loads(data.split(b"\n", 1)[0])
+        reply_fields(reply)
+    except orjson.JSONDecodeError:
+        raise RelayError("the server does not answer as a relay-trio server") from None
 
 
 class _CutShort(Exception):

@@ -182,9 +182,12 @@ class Worker:
         wait_ms: int = LEASE_WAIT_MS,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         worker_id: str | None = None,
+        token: str | None = None,
     ) -> None:
         """Args:
         server: an address "HOST:PORT", or a ``Client`` (e.g. from ``open_local``).
+        token: with an address, the access token (role ``worker`` or ``admin``) that its
+            connection says hello with; a given ``Client`` brings its own.
         queues: the queues to lease from; with ``handlers``, defaults to its keys.
         handler: one handler for every queue; or ``handlers``, one per queue.
         concurrency: slots, the most jobs held at once.
@@ -198,7 +201,10 @@ class Worker:
             raise ValueError("no queues to lease from")
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if token is not None and isinstance(server, Client):
+            raise ValueError("a Client brings its own token: give the token to open_client")
         self._server = server
+        self._token = token
         self.concurrency = concurrency
         self.lease_ms = lease_ms
         self.wait_ms = wait_ms
@@ -290,7 +296,7 @@ class Worker:
         if isinstance(self._server, Client):
             yield self._server
         else:
-            async with open_client(self._server) as client:
+            async with open_client(self._server, token=self._token) as client:
                 yield client
 
     async def _lease_loop(self, client: Client, jobs: trio.Nursery) -> None:

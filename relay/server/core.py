@@ -18,6 +18,7 @@ import trio
 from relay import wire
 from relay.log import event
 from relay.nursery import open_service_nursery
+from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
@@ -46,6 +47,10 @@ class ServerConfig:
     max_queue_depth: int | None = None
     queue_depths: dict[str, int] = attrs.Factory(dict)
     clock: Callable[[], int] = wall_clock_ms
+    # Access control (relay/server/auth.py): None, every connection may do everything,
+    # and no listener may be reachable from other machines unless ``insecure``.
+    tokens: Tokens | None = None
+    insecure: bool = False
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
@@ -98,7 +103,7 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         longpolls = LongPolls(writer)
         promoter, reaper = Alarm(), Alarm()
         writer.commit_listeners += [longpolls.on_commit, commit_listener(promoter, reaper)]
-        dispatcher = Dispatcher(writer, config.limits, longpolls)
+        dispatcher = Dispatcher(writer, config.limits, longpolls, config.tokens)
         async with open_service_nursery() as services:
             await services.start(longpolls.run)
             await services.start(run_promoter, writer, promoter, config.clock)

@@ -22,9 +22,17 @@ import orjson
 import trio
 
 from relay import requests, wire
-from relay.errors import BadRequest, InternalError, RelayError, ShuttingDown, UnknownOp
+from relay.errors import (
+    BadRequest,
+    InternalError,
+    RelayError,
+    ShuttingDown,
+    Unauthorized,
+    UnknownOp,
+)
 from relay.histogram import Histogram
 from relay.server import ops
+from relay.server.auth import Role, Throttle, Tokens, required_role
 from relay.server.longpoll import LongPolls
 from relay.store import commands as cmd
 from relay.store.items import Item
@@ -50,6 +58,9 @@ class Connection(Protocol):
     nursery: trio.Nursery
     closed: bool  # replies are dropped
     can_wait: bool  # a long-poll may park for this connection
+    peer: str  # "host:port", for logs and for slowing repeated failed hellos
+    role: Role  # what the connection may do (Dispatcher.set_role)
+    ops: dict[str, Any]  # the handlers of its role: the dispatcher's to set and read
 
     def begin_request(self) -> None: ...
     def reserve(self, nbytes: int) -> None: ...  # a large reply is coming
@@ -58,6 +69,8 @@ class Connection(Protocol):
     def reply(self, data: bytes) -> None: ...
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
     def still_wanted(self) -> bool: ...  # asked by the writer thread (Session.still_wanted)
+    # Answer with ``data`` after ``delay`` seconds and close: read and run nothing more.
+    def refuse(self, data: bytes, delay: float) -> None: ...
 
 
 def _job_reply_bytes(limits: wire.Limits) -> int:
@@ -77,10 +90,20 @@ class DispatchStatistics:
 class Dispatcher:
     """Turns request lines into writer items, and answers, for every connection."""
 
-    def __init__(self, writer: Writer, limits: wire.Limits, longpolls: LongPolls) -> None:
+    def __init__(
+        self,
+        writer: Writer,
+        limits: wire.Limits,
+        longpolls: LongPolls,
+        tokens: Tokens | None = None,
+    ) -> None:
         self.writer = writer
         self.limits = limits
         self.longpolls = longpolls
+        # With tokens, a connection starts with no role and must say hello with one.
+        self.tokens = tokens
+        self.first_role = Role.NONE if tokens is not None else Role.ADMIN
+        self.throttle = Throttle()  # failed hellos, per peer host
         # How many client connections are open, for stats; the transport sets it.
         self.connections: Callable[[], int] = lambda: 0
         self._started_ns = time.monotonic_ns()
@@ -90,7 +113,7 @@ class Dispatcher:
         self._idle.set()
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
         self._job_bytes = _job_reply_bytes(limits)
-        self._ops: dict[str, Callable[[Connection, Any, float, dict], None]] = {
+        handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
             "hello": self._hello,
             "ping": self._ping,
             "submit": self._submit,
@@ -107,6 +130,19 @@ class Dispatcher:
             "dead_retry": self._dead_retry,
             "dead_purge": self._dead_purge,
         }
+        # The handlers each role may use; the others answer unauthorized. A connection
+        # holds its role's table (``set_role``): checking access costs no lookup.
+        self._tables = {
+            role: {
+                name: handler if role >= required_role(name) else self._forbidden
+                for name, handler in handlers.items()
+            }
+            for role in Role
+        }
+
+    def set_role(self, connection: Connection, role: Role) -> None:
+        connection.role = role
+        connection.ops = self._tables[role]
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -196,7 +232,7 @@ class Dispatcher:
                 raise BadRequest("a request must be a JSON object")
             request_id = fields.get("id")
             name = fields.get("op")
-            handler = self._ops.get(name) if type(name) is str else None
+            handler = connection.ops.get(name) if type(name) is str else None
             if handler is None or not (type(request_id) is int or wire.valid_id(request_id)):
                 if not wire.valid_id(request_id):
                     request_id = None
@@ -205,6 +241,10 @@ class Dispatcher:
             op = name
             handler(connection, request_id, started, fields)
         except RelayError as exc:
+            if connection.role is Role.NONE:
+                # Not a hello (not even JSON, perhaps): the first request must be one.
+                self._refuse(connection, op, started, request_id, f"not a hello: {exc.code}")
+                return
             self._answer_now(connection, op, started, wire.encode_error(request_id, exc))
         except Exception:
             log.exception("request.internal_error", extra={"fields": {"op": op}})
@@ -216,14 +256,47 @@ class Dispatcher:
         return requests.parse_request(requests.Frame(fields.get("id"), name, fields), self.limits)
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        self._typed(fields, "hello")
+        token = self._typed(fields, "hello").token
+        if self.tokens is not None:
+            # Also a later hello: a valid token sets the connection's role anew.
+            role = None if token is None else self.tokens.role_of(token)
+            if role is None:
+                reason = "no token" if token is None else "wrong token"
+                self._refuse(connection, "hello", started, rid, reason)
+                return
+            self.set_role(connection, role)
         reply = {
             "server": "relay-trio",
             "version": VERSION,
             "protocol": wire.PROTOCOL_VERSION,
             "limits": self.limits.advertised(),
+            "role": connection.role.label,
         }
         self._answer_now(connection, "hello", started, wire.encode_ok(rid, reply))
+
+    def _forbidden(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        """An op the connection's role does not allow: unauthorized, and the connection
+        stays open; before a hello, unauthorized and closed."""
+        name = fields["op"]
+        if connection.role is Role.NONE:
+            self._refuse(connection, name, started, rid, f"{name} before hello")
+            return
+        need = required_role(name).label
+        error = Unauthorized(f"{name} needs the {need} role; this token is {connection.role.label}")
+        self._answer_now(connection, name, started, wire.encode_error(rid, error))
+
+    def _refuse(
+        self, connection: Connection, op: str, started: float, rid: Any, reason: str
+    ) -> None:
+        """A failed authentication: counted, logged (never with a token), answered
+        unauthorized, after a delay if the peer keeps failing, and the connection closed."""
+        now = trio.current_time()
+        delay = self.throttle.failed(connection.peer, reason, now)
+        error = Unauthorized("a hello with a valid token must come first")
+        if reason == "wrong token":
+            error = Unauthorized("invalid token")
+        self._histogram(op).observe(now - started)
+        connection.refuse(wire.encode_error(rid, error), delay)
 
     def _ping(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         self._answer_now(connection, "ping", started, wire.encode_ok(rid, {}))

@@ -26,7 +26,7 @@ log = logging.getLogger("relay.listener")
 REFUSE_TIMEOUT_S = 1.0
 
 
-def _peer(stream: trio.SocketStream) -> str:
+def peer_name(stream: trio.SocketStream) -> str:
     try:
         host, port = stream.socket.getpeername()[:2]
     except OSError:
@@ -92,7 +92,7 @@ class Listener:
     async def _refuse(self, stream: trio.SocketStream) -> None:
         self.refused += 1
         if n := self._refusals.count(trio.current_time()):
-            event(log, logging.WARNING, "connection.refused", peer=_peer(stream),
+            event(log, logging.WARNING, "connection.refused", peer=peer_name(stream),
                   reason="max_connections", refused=n)  # fmt: skip
         error = Overloaded(f"too many connections (max {self.limiter.total_tokens})")
         with trio.move_on_after(REFUSE_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
@@ -100,7 +100,7 @@ class Listener:
         await trio.aclose_forcefully(stream)
 
     async def _run_session(self, stream: trio.SocketStream, owner: object) -> None:
-        peer = _peer(stream)
+        peer = peer_name(stream)
         event(log, logging.DEBUG, "connection.open", peer=peer)
         try:
             await self._handle(stream, peer)

@@ -15,12 +15,18 @@ import attrs
 import h11
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from relay.histogram import HistogramSnapshot
 from relay.log import Summary, event
 from relay.model import JobState
+from relay.server.listener import peer_name
 
 log = logging.getLogger("relay.metrics")
 
@@ -54,6 +60,7 @@ class MetricsSnapshot:
     durations: dict[str, HistogramSnapshot]  # op -> request durations (seconds)
     batch_sizes: HistogramSnapshot
     commit_seconds: HistogramSnapshot
+    auth_failures: int = 0  # refused hellos and metrics requests without a valid token
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
@@ -69,6 +76,10 @@ class _SnapshotCollector:
         s = self.s
         yield GaugeMetricFamily("relay_connections", "Open client connections.",
                                 value=s.connections)  # fmt: skip
+        yield CounterMetricFamily(
+            "relay_auth_failures", "Refused hellos and metrics requests without a valid token.",
+            value=s.auth_failures,
+        )  # fmt: skip
         durations = HistogramMetricFamily(
             "relay_request_duration_seconds", "From a request read to its reply.", labels=["op"]
         )
@@ -114,14 +125,21 @@ def render(snapshot: MetricsSnapshot) -> bytes:
     return _per_queue_text(snapshot) + generate_latest(registry)
 
 
+# Given the request's headers and the peer ("host:port"), whether to serve it (it may
+# wait first: a peer failing again and again is slowed down).
+Authorize = Callable[[list[tuple[bytes, bytes]], str], Awaitable[bool]]
+
+
 async def serve_metrics(
     listeners: list[trio.SocketListener],
     gather: Callable[[], Awaitable[MetricsSnapshot]],
+    authorize: Authorize | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve /metrics and /healthz until cancelled (one request per connection, at most
-    ``MAX_HTTP_CONNECTIONS`` at once)."""
+    ``MAX_HTTP_CONNECTIONS`` at once). With ``authorize``, a request it refuses gets 401
+    and nothing else."""
     limiter = trio.CapacityLimiter(MAX_HTTP_CONNECTIONS)
     refusals = Summary()  # logged in summary: they come in floods
 
@@ -136,7 +154,7 @@ async def serve_metrics(
             return
         try:
             with trio.move_on_after(HTTP_TIMEOUT_S):
-                await _exchange(stream, gather)
+                await _exchange(stream, gather, authorize)
             await trio.aclose_forcefully(stream)
         finally:
             limiter.release()
@@ -145,7 +163,9 @@ async def serve_metrics(
 
 
 async def _exchange(
-    stream: trio.SocketStream, gather: Callable[[], Awaitable[MetricsSnapshot]]
+    stream: trio.SocketStream,
+    gather: Callable[[], Awaitable[MetricsSnapshot]],
+    authorize: Authorize | None,
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
     try:
@@ -158,7 +178,9 @@ async def _exchange(
         if not isinstance(incoming, h11.Request):
             return
         target = incoming.target.split(b"?", 1)[0]
-        if incoming.method not in (b"GET", b"HEAD"):
+        if authorize is not None and not await authorize(incoming.headers, peer_name(stream)):
+            status, body, kind = 401, b"unauthorized\n", b"text/plain"
+        elif incoming.method not in (b"GET", b"HEAD"):
             status, body, kind = 405, b"method not allowed\n", b"text/plain"
         elif target == b"/metrics":
             status, body, kind = 200, render(await gather()), CONTENT_TYPE_LATEST.encode()
@@ -167,6 +189,7 @@ async def _exchange(
         else:
             status, body, kind = 404, b"not found\n", b"text/plain"
         headers = [
+            *([(b"www-authenticate", b"Bearer")] if status == 401 else []),
             (b"content-type", kind),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),

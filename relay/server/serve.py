@@ -35,6 +35,7 @@ import attrs
 import trio
 
 from relay.log import event
+from relay.server.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.core import Core, ServerConfig, open_core
 from relay.server.dispatch import VERSION
 from relay.server.listener import Listener
@@ -66,6 +67,9 @@ async def serve(
     """
     began = time.monotonic()
     stop = trio.Event()
+    # Before anything is opened: an exposed listener without tokens changes nothing.
+    exposed = await trio.to_thread.run_sync(check_exposure, _hosts(config), config.tokens,
+                                            config.insecure)  # fmt: skip
     async with open_core(config) as core:
         tcp = await trio.open_tcp_listeners(config.port, host=config.host)
         dispatcher = core.dispatcher
@@ -85,6 +89,7 @@ async def serve(
                 queues=await core.writer.execute(cmd.Stats()),
                 events=await core.writer.execute(cmd.EventTotals()),
                 connections=listener.connections,
+                auth_failures=dispatcher.throttle.failures_total,
                 durations=dispatcher.statistics().durations,
                 batch_sizes=w.batch_sizes,
                 commit_seconds=w.commit_seconds,
@@ -96,7 +101,12 @@ async def serve(
             if config.metrics_port is not None:
                 http = await trio.open_tcp_listeners(config.metrics_port, host=config.metrics_host)
                 metrics_address = http[0].socket.getsockname()[:2]
-                await transports.start(serve_metrics, http, gather)
+                # Open to anyone who can reach it on loopback; elsewhere, with tokens,
+                # a bearer token of any role.
+                guard = None
+                if config.tokens is not None and not is_loopback(config.metrics_host):
+                    guard = bearer_guard(config.tokens, dispatcher.throttle)
+                await transports.start(serve_metrics, http, gather, guard)
             address = tcp[0].socket.getsockname()[:2]
             event(
                 log,
@@ -108,15 +118,27 @@ async def serve(
                 db=config.db,
                 synchronous=config.synchronous,
                 limits=attrs.asdict(config.limits),
+                tokens=len(config.tokens) if config.tokens is not None else 0,
                 shutdown_timeout_ms=config.shutdown_timeout_ms,
                 startup_ms=round((time.monotonic() - began) * 1000),
             )
+            for host in exposed:
+                event(log, logging.WARNING, "server.insecure", host=host,
+                      problem="listening beyond loopback without tokens (--insecure)")  # fmt: skip
             task_status.started(ServerHandle(address, metrics_address, stop.set))
             await stop.wait()
             await _shut_down(config, listener, core, sessions)
             transports.cancel_scope.cancel()
         t = time.monotonic()
     event(log, logging.INFO, "server.stopped", writer_close_ms=round((time.monotonic() - t) * 1000))
+
+
+def _hosts(config: ServerConfig) -> list[tuple[str, str]]:
+    """Every listener's (name, host), for the exposure check."""
+    hosts = [("jobs", config.host)]
+    if config.metrics_port is not None:
+        hosts.append(("metrics", config.metrics_host))
+    return hosts
 
 
 async def _shut_down(

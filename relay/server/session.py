@@ -36,6 +36,7 @@ from relay import wire
 from relay.errors import FrameTooLarge
 from relay.framing import LineSplitter
 from relay.log import event
+from relay.server.auth import Role
 from relay.server.dispatch import Dispatcher
 from relay.server.outbox import Outbox
 from relay.store.items import Item
@@ -62,6 +63,9 @@ TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8
 # written but not yet sent. max_in_flight alone counts requests, and 256 inspects of big
 # jobs would hold ~500 MiB.
 MAX_OWED_BYTES = 32 * 1024 * 1024
+# With tokens configured, a connection that has not said hello with a valid token within
+# this is closed: an unauthenticated client holds a connection slot for no longer.
+HELLO_TIMEOUT_S = 10.0
 
 
 def _socket_fd(stream: trio.abc.Stream) -> int | None:
@@ -86,6 +90,10 @@ class Session:
         self.limits = dispatcher.limits
         self.idle_timeout = idle_timeout
         self.peer = peer
+        self.role = dispatcher.first_role  # and self.ops: set by the dispatcher
+        dispatcher.set_role(self, self.role)
+        # A failed authentication's answer and its delay: the last thing sent (refuse).
+        self._refusal: tuple[bytes, float] | None = None
         self.splitter = LineSplitter(self.limits.max_frame_bytes)
         self._max_in_flight = self.limits.max_in_flight
         self.in_flight = 0  # requests taken, not yet answered
@@ -214,6 +222,11 @@ class Session:
                 dispatcher.answered_lines(lines, now)
         self._flush()
 
+    def refuse(self, data: bytes, delay: float) -> None:
+        """Read and run nothing more; answer ``data`` after ``delay``, then close."""
+        self._refusal = (data, delay)
+        self._reading.cancel()
+
     def _flush(self) -> None:
         self._outbox.flush()
 
@@ -258,6 +271,8 @@ class Session:
                 self.nursery = nursery
                 nursery.start_soon(self._outbox.run_sender)
                 nursery.start_soon(self._watchdog)
+                if self.role is Role.NONE:
+                    nursery.start_soon(self._hello_deadline)
                 with self._reading:
                     await self._read_loop()
                 self._stop_waiting()
@@ -266,13 +281,30 @@ class Session:
                 with trio.move_on_after(self.limits.max_wait_ms / 1000 + DRAIN_GRACE_S):
                     while self._owed():
                         await self._room_lot.park()
-                    if self.splitter.overflow:
+                    if self._refusal is not None:
+                        await self._send_refusal()
+                    if self.splitter.overflow or self._refusal is not None:
                         await self._linger()
                 nursery.cancel_scope.cancel()
         finally:
             self._outbox.close()
             self._stop_waiting()
             await trio.aclose_forcefully(self.stream)
+
+    async def _send_refusal(self) -> None:
+        assert self._refusal is not None
+        data, delay = self._refusal
+        await trio.sleep(delay)
+        self.begin_request()
+        self.reply(data)
+        while self._owed():
+            await self._room_lot.park()
+
+    async def _hello_deadline(self) -> None:
+        await trio.sleep(HELLO_TIMEOUT_S)
+        if self.role is Role.NONE and self._refusal is None:
+            event(log, logging.INFO, "connection.hello_timeout", peer=self.peer)
+            self._broken(trio.TooSlowError("no hello in time"))
 
     async def _linger(self) -> None:
         # Closing a socket with unread input makes the kernel reset the connection, which
@@ -302,6 +334,8 @@ class Session:
                 return
             self._last_read = trio.current_time()
             await self._dispatch_all(self.splitter.feed(data))
+            if self._refusal is not None:
+                return
             if self.splitter.overflow:
                 # Nothing after the oversized frame is read. The lines before it are
                 # answered first (their commits may still be on the way; a parked
@@ -343,11 +377,14 @@ class Session:
                         # read at most. (Not when the connection was closed for a fault:
                         # nobody would read their replies, and a lease would hold jobs
                         # for nobody.)
-                        if not self.closed:
-                            for rest in lines[n - 1 :]:
-                                dispatch(self, rest, started)
+                        for rest in lines[n - 1 :]:
+                            if self.closed or self._refusal is not None:
+                                break
+                            dispatch(self, rest, started)
                         raise
                 dispatch(self, line, started)
+                if self._refusal is not None:
+                    return  # nothing after a failed authentication runs
                 if n % SLICE_LINES == 0:
                     self._flush()
                     await trio.lowlevel.checkpoint()

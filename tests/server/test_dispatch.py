@@ -35,8 +35,10 @@ class BlockingWriter:
 
 
 class FakeConnection:
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery, dispatcher: Dispatcher) -> None:
         self.nursery = nursery
+        self.peer = "127.0.0.1:1"
+        dispatcher.set_role(self, dispatcher.first_role)  # type: ignore[arg-type]
         self.closed = False
         self.can_wait = True
         self.in_flight = 0
@@ -64,7 +66,7 @@ async def test_a_whole_queue_retry_cut_short_is_still_answered_and_accounted():
     writer = BlockingWriter()
     dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
     async with trio.open_nursery() as connection_nursery:
-        connection = FakeConnection(connection_nursery)
+        connection = FakeConnection(connection_nursery, dispatcher)
         line = orjson.dumps({"op": "dead_retry", "id": 7, "queue": "q", "all": True})
         dispatcher.dispatch(connection, line, trio.current_time())
         with trio.fail_after(5):
@@ -92,7 +94,7 @@ async def test_a_request_the_writer_refuses_is_answered_and_accounted():
     writer = ClosedWriter()
     dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
-        connection = FakeConnection(nursery)
+        connection = FakeConnection(nursery, dispatcher)
         line = orjson.dumps({"op": "submit", "id": 9, "queue": "q", "payload": 1})
         dispatcher.dispatch(connection, line, trio.current_time())
     assert dispatcher.in_flight == 0 and connection.in_flight == 0
@@ -111,7 +113,7 @@ async def test_a_large_reply_reserved_for_a_request_not_queued_is_given_back(req
     writer = ClosedWriter()
     dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
-        connection = FakeConnection(nursery)
+        connection = FakeConnection(nursery, dispatcher)
         dispatcher.dispatch(connection, orjson.dumps(request_fields), trio.current_time())
     assert connection.reserved == 0 and connection.in_flight == 0
     (reply,) = connection.replies
