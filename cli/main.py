@@ -216,7 +216,7 @@ def read_client_token(path: str | None) -> str | None:
         return os.environ.get("RELAY_AUTH_TOKEN") or None
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+            lines = [line for raw in f if (line := raw.strip()) and not line.startswith("#")]
     except (OSError, UnicodeDecodeError) as exc:
         raise click.BadParameter(f"cannot read {path}: {exc}") from None
     if len(lines) != 1 or len(lines[0].split()) != 1:
@@ -525,6 +525,10 @@ async def _work(address: str, make_worker: Callable[[Client], Worker], token: st
     async with open_client(address, token=token) as client:
         hello = await client.hello("relay-trio worker")
         worker = make_worker(client)
+        if hello.role == "producer":
+            raise click.ClickException(
+                f"the token's role is {hello.role}: a worker needs the worker or admin role"
+            )
         _check_worker_limits(worker, hello.limits)
         await run_worker(worker)
 

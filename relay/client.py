@@ -96,6 +96,7 @@ class Hello:
     version: str
     protocol: int
     limits: dict[str, int]
+    role: str = "admin"  # what the connection may do (a server without tokens: admin)
 
 
 _converter = make_converter(forbid_extra_keys=False)

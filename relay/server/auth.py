@@ -30,6 +30,9 @@ from relay.log import Summary, event
 log = logging.getLogger("relay.auth")
 
 MIN_TOKEN_CHARS = 16
+# A hello's token is at most max_id_bytes (256) bytes of UTF-8: a longer one could never
+# be said, so it is refused at start.
+MAX_TOKEN_BYTES = 256
 # A failed hello is answered at once for the first few failures of a peer (a client with
 # the wrong token gets its error promptly); after that, each costs a delay that doubles up
 # to the cap. A peer's record is forgotten FORGET_S after its last failure.
@@ -126,8 +129,9 @@ def parse_token_file(text: str, source: str) -> list[tuple[str, Role]]:
             )
         role = ROLES_BY_NAME.get(fields[0])
         if role is None:
+            # Not quoted: a line written the wrong way round would show its token.
             raise AuthConfigError(
-                f"{source}:{n}: unknown role {fields[0]!r} (roles: {', '.join(ROLES_BY_NAME)})"
+                f"{source}:{n}: the first field is not a role (roles: {', '.join(ROLES_BY_NAME)})"
             )
         pairs.append((fields[1], role))
     return pairs
@@ -158,6 +162,10 @@ def _checked(pairs: Iterable[tuple[str, Role, str]]) -> Tokens:
             raise AuthConfigError(
                 f"{source}: a token must be at least {MIN_TOKEN_CHARS} characters "
                 f"(one of {len(token)} found)"
+            )
+        if len(token.encode("utf-8", "surrogatepass")) > MAX_TOKEN_BYTES:
+            raise AuthConfigError(
+                f"{source}: a token must be at most {MAX_TOKEN_BYTES} bytes (a hello's limit)"
             )
         if roles.get(token, role) is not role:
             raise AuthConfigError(f"{source}: one token is given two roles")
