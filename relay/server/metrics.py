@@ -15,7 +15,12 @@ import attrs
 import h11
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from relay.histogram import HistogramSnapshot
@@ -54,6 +59,8 @@ class MetricsSnapshot:
     durations: dict[str, HistogramSnapshot]  # op -> request durations (seconds)
     batch_sizes: HistogramSnapshot
     commit_seconds: HistogramSnapshot
+    # Transactions the disk refused, by kind ("full", "ioerr"): WriterStatistics.store_errors
+    store_errors: dict[str, int] = attrs.Factory(dict)
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
@@ -81,6 +88,15 @@ class _SnapshotCollector:
             ("relay_store_commit_seconds", "Time to run and commit one batch.", s.commit_seconds),
         ):
             yield HistogramMetricFamily(name, text, buckets=_buckets(h), sum_value=h.total)
+        errors = CounterMetricFamily(
+            "relay_store_errors",
+            "Transactions not committed because the disk refused them (full: SQLITE_FULL, "
+            "ioerr: SQLITE_IOERR); their requests were answered unavailable.",
+            labels=["kind"],
+        )
+        for kind in sorted(s.store_errors):
+            errors.add_metric([kind], s.store_errors[kind])
+        yield errors
 
 
 def _per_queue_text(s: MetricsSnapshot) -> bytes:
