@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from relay import open_client
 from tests.server.conftest import LineClient
-from tests.worker_helpers import BOUND_S, Server, start_server
+from tests.worker_helpers import BOUND_S, Server, start_server, wait_until
 
 # Room for the schema and a few big jobs: the database (and its WAL) fill it in ~10 submits.
 SMALL = "2m"
@@ -101,13 +102,37 @@ async def test_a_full_disk_refuses_writes_keeps_serving_and_recovers_with_room(s
             assert await server.metric("relay_store_errors_total", kind="full") >= 3
             assert await server.metric("relay_store_errors_total", kind="ioerr") == 0
 
+            # The async client retries a keyed submit until the disk has room.
+            retried: dict = {}
+            retried_done = trio.Event()
+
+            async def submit_with_retries() -> None:
+                async with open_client(server.address) as relay_client:
+                    retried["result"] = await relay_client.submit(
+                        "big", {"i": "retried", "pad": PAD}, idempotency_key="during"
+                    )
+                retried_done.set()
+
+            failures_before = await server.metric("relay_store_errors_total", kind="full")
+            nursery.start_soon(submit_with_retries)
+
+            async def refused_again() -> bool:
+                now = await server.metric("relay_store_errors_total", kind="full")
+                return now > failures_before
+
+            await wait_until(refused_again, what="the client's keyed submit refused")
+            assert not retried_done.is_set()
+
             resize(LARGE)  # room again, same server
 
             after = await submit(client, 1000)
             assert after["ok"], after
-            # The keyed submit refused during the episode was not kept: it makes its job now.
-            keyed = await submit(client, -2, idempotency_key="during")
-            assert keyed["ok"] and keyed["duplicate"] is False, keyed
+            with trio.fail_after(BOUND_S):
+                await retried_done.wait()
+            result = retried["result"]
+            assert result.duplicate is False
+            job = (await client.request("inspect", job_id=result.job_id))["job"]
+            assert job["payload"]["i"] == "retried" and job["idempotency_key"] == "during"
             stats = await client.request("stats")
             assert stats["queues"]["big"]["ready"] == len(acknowledged) + 2
             for job_id, i in acknowledged.items():
