@@ -10,12 +10,18 @@ group. When the connection drops, a call in flight raises ``ConnectionLost`` (it
 may not have taken effect) — except ``ack``, ``ack_batch``, ``renew`` and ``release``,
 which are safe to repeat and are sent again on the new connection. New calls wait for the
 reconnection, with exponential backoff bounded by ``reconnect_timeout``.
+
+An ``unavailable`` reply (the server could not commit: its disk is full, or failing; nothing
+was kept) is retried with backoff by the calls that are safe to repeat (``ack``,
+``ack_batch``, ``renew``, ``release``, and a ``submit`` or ``submit_batch`` whose jobs all
+have an idempotency key), within the caller's deadline; the others raise ``Unavailable``.
 """
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -25,7 +31,7 @@ import trio
 from cattrs.preconf.orjson import make_converter
 
 from relay.coalesce import Coalescer
-from relay.errors import InternalError, QueueFull, RelayError, error_from_wire
+from relay.errors import InternalError, QueueFull, RelayError, Unavailable, error_from_wire
 from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
 from relay.nursery import open_service_nursery
 from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport
@@ -34,6 +40,11 @@ DEFAULT_ADDRESS = "127.0.0.1:7400"
 # submit(wait=True) backoff while the queue is full.
 QUEUE_FULL_FIRST_S = 0.05
 QUEUE_FULL_CAP_S = 2.0
+# Retries of ``unavailable``: a full disk is freed by an operator or a retention prune, in
+# seconds or minutes, so waits grow quickly to a second, and stay there (the caller's
+# deadline, if any, bounds the whole).
+UNAVAILABLE_FIRST_S = 0.05
+UNAVAILABLE_CAP_S = 1.0
 
 
 @attrs.frozen
@@ -137,6 +148,23 @@ class Client:
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         return await self._transport.request(op, {k: v for k, v in fields.items() if v is not None})
 
+    async def _retrying(self, send: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
+        """``await send(*args, **kw)``, sent again while the server answers ``unavailable``
+        (nothing was committed; the caller knows a repeat is safe): after 50 ms, doubling
+        to 1 s, with jitter. A wait that would reach the caller's deadline
+        (``trio.current_effective_deadline()``) is not begun: the ``Unavailable`` is raised.
+        """
+        delay = UNAVAILABLE_FIRST_S
+        while True:
+            try:
+                return await send(*args, **kw)
+            except Unavailable:
+                wait = delay * random.uniform(0.5, 1.0)
+                if trio.current_time() + wait >= trio.current_effective_deadline():
+                    raise
+            await trio.sleep(wait)
+            delay = min(delay * 2, UNAVAILABLE_CAP_S)
+
     async def hello(self, client: str | None = None) -> Hello:
         reply = await self._call("hello", client=client)
         return structure_reply(reply, Hello)
@@ -158,33 +186,36 @@ class Client:
         wait: bool = False,
     ) -> SubmitResult:
         """Create a job. With ``wait``, a full queue (``QueueFull``) is retried with backoff
-        until it has room; without, ``QueueFull`` is raised."""
+        until it has room; without, ``QueueFull`` is raised. With an ``idempotency_key``,
+        ``Unavailable`` is retried too (a repeat cannot make a second job)."""
         job = job_fields(
             queue, payload, priority=priority, delay_ms=delay_ms, run_at=run_at,
             retries=retries, backoff=backoff, idempotency_key=idempotency_key,
         )  # fmt: skip
-        if self._coalescer is None:
-            reply = await self._while_full(wait, "submit", job)
-        else:
-            reply = await self._while_full(wait, "submit", job, self._coalescer.submit)
+        send = None if self._coalescer is None else self._coalescer.submit
+        reply = await self._while_full(wait, "submit", job, send, idempotency_key is not None)
         return submit_result(reply)
 
     async def submit_batch(
         self, jobs: Sequence[dict[str, Any]], *, wait: bool = False
     ) -> list[SubmitResult]:
-        """Create many jobs, all or none. Build each with ``job_fields``."""
-        reply = await self._while_full(wait, "submit_batch", {"jobs": list(jobs)})
+        """Create many jobs, all or none. Build each with ``job_fields``. ``Unavailable``
+        is retried if every job has an idempotency key."""
+        keyed = all(job.get("idempotency_key") is not None for job in jobs)
+        reply = await self._while_full(wait, "submit_batch", {"jobs": list(jobs)}, None, keyed)
         return [submit_result(r) for r in reply["results"]]
 
     async def _while_full(
-        self, wait: bool, op: str, fields: dict[str, Any], send: Any = None
+        self, wait: bool, op: str, fields: dict[str, Any], send: Any, retry: bool
     ) -> dict[str, Any]:
         delay = QUEUE_FULL_FIRST_S
+        if send is None:
+            send = functools.partial(self._transport.request, op)
+        if retry:
+            send = functools.partial(self._retrying, send)
         while True:
             try:
-                if send is not None:
-                    return await send(fields)
-                return await self._transport.request(op, fields)
+                return await send(fields)
             except QueueFull:
                 if not wait:
                     raise
@@ -209,19 +240,22 @@ class Client:
     async def renew(
         self, job_id: str, worker_id: str, token: str, *, lease_ms: int | None = None
     ) -> int:
-        reply = await self._call(
-            "renew", job_id=job_id, worker_id=worker_id, token=token, lease_ms=lease_ms
-        )
+        reply = await self._retrying(
+            self._call, "renew", job_id=job_id, worker_id=worker_id, token=token,
+            lease_ms=lease_ms,
+        )  # fmt: skip
         return reply["lease_expires_at"]
 
     async def ack(self, job_id: str, worker_id: str, token: str, result: Any = None) -> None:
         if self._coalescer is None:
-            await self._call("ack", job_id=job_id, worker_id=worker_id, token=token, result=result)
+            await self._retrying(
+                self._call, "ack", job_id=job_id, worker_id=worker_id, token=token, result=result
+            )
             return
         item = {"job_id": job_id, "token": token}
         if result is not None:
             item["result"] = result
-        await self._coalescer.ack(worker_id, item)
+        await self._retrying(self._coalescer.ack, worker_id, item)
 
     async def ack_batch(
         self, worker_id: str, acks: Sequence[tuple[str, str] | tuple[str, str, Any]]
@@ -236,7 +270,7 @@ class Client:
             if rest and rest[0] is not None:
                 item["result"] = rest[0]
             items.append(item)
-        reply = await self._call("ack_batch", worker_id=worker_id, acks=items)
+        reply = await self._retrying(self._call, "ack_batch", worker_id=worker_id, acks=items)
         if len(reply["results"]) != len(items):
             raise InternalError(f"ack_batch: {len(items)} acks, {len(reply['results'])} results")
         return [
@@ -254,7 +288,7 @@ class Client:
         return FailOutcome(JobState(reply["state"]), reply.get("retry_at"))
 
     async def release(self, job_id: str, worker_id: str, token: str) -> None:
-        await self._call("release", job_id=job_id, worker_id=worker_id, token=token)
+        await self._retrying(self._call, "release", job_id=job_id, worker_id=worker_id, token=token)
 
     async def inspect(self, job_id: str) -> JobView:
         reply = await self._call("inspect", job_id=job_id)

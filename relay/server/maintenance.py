@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from relay.errors import ShuttingDown
+from relay.errors import ShuttingDown, Unavailable
 from relay.log import event
 from relay.model import JobState
 from relay.store import commands as cmd
@@ -31,7 +31,10 @@ PASS_LIMIT = 1000
 MAX_SLEEP_MS = 5_000
 # Retention pruning is not urgent: once a minute is plenty.
 PRUNE_INTERVAL_S = 60.0
-# After an unexpected error, a loop waits this long before trying again.
+# After an unexpected error, a loop waits this long before trying again. So it does when
+# the store cannot write (``Unavailable``: disk full, I/O errors), which the writer logs
+# once per episode: then the loop tries again quietly, so that due jobs are promoted and
+# expired leases reaped within about this long of the disk having room again.
 ERROR_BACKOFF_S = 1.0
 
 
@@ -132,6 +135,10 @@ async def _run_timed(
             next_at = pick(await writer.execute(cmd.NextDeadlines()))
         except ShuttingDown:
             return
+        except Unavailable:
+            log.debug(f"{name}.unavailable")
+            await trio.sleep(ERROR_BACKOFF_S)
+            continue
         except Exception:
             log.exception(f"{name}.failed")
             await trio.sleep(ERROR_BACKOFF_S)
@@ -174,6 +181,8 @@ async def run_pruner(
             await prune_once(writer)
         except ShuttingDown:
             return
+        except Unavailable:
+            log.debug("pruner.unavailable")  # (the writer logs the episode) next minute
         except Exception:
             log.exception("pruner.failed")
         await trio.sleep(PRUNE_INTERVAL_S)

@@ -23,6 +23,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from relay.errors import RelayError
 from relay.histogram import HistogramSnapshot
 from relay.log import Summary, event
 from relay.model import JobState
@@ -61,6 +62,8 @@ class MetricsSnapshot:
     batch_sizes: HistogramSnapshot
     commit_seconds: HistogramSnapshot
     auth_failures: int = 0  # refused hellos and metrics requests without a valid token
+    # Transactions the disk refused, by kind ("full", "ioerr"): WriterStatistics.store_errors
+    store_errors: dict[str, int] = attrs.Factory(dict)
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
@@ -92,6 +95,15 @@ class _SnapshotCollector:
             ("relay_store_commit_seconds", "Time to run and commit one batch.", s.commit_seconds),
         ):
             yield HistogramMetricFamily(name, text, buckets=_buckets(h), sum_value=h.total)
+        errors = CounterMetricFamily(
+            "relay_store_errors",
+            "Transactions not committed because the disk refused them (full: SQLITE_FULL, "
+            "ioerr: SQLITE_IOERR); their requests were answered unavailable.",
+            labels=["kind"],
+        )
+        for kind in sorted(s.store_errors):
+            errors.add_metric([kind], s.store_errors[kind])
+        yield errors
 
 
 def _per_queue_text(s: MetricsSnapshot) -> bytes:
@@ -183,7 +195,11 @@ async def _exchange(
         elif incoming.method not in (b"GET", b"HEAD"):
             status, body, kind = 405, b"method not allowed\n", b"text/plain"
         elif target == b"/metrics":
-            status, body, kind = 200, render(await gather()), CONTENT_TYPE_LATEST.encode()
+            try:
+                status, body, kind = 200, render(await gather()), CONTENT_TYPE_LATEST.encode()
+            except RelayError as exc:  # the store cannot answer now (disk, shutdown)
+                event(log, logging.WARNING, "metrics.unavailable", error=repr(exc))
+                status, body, kind = 503, b"unavailable\n", b"text/plain"  # no error text
         elif target == b"/healthz":
             status, body, kind = 200, b"ok\n", b"text/plain"
         else:

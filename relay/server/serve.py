@@ -93,6 +93,7 @@ async def serve(
                 durations=dispatcher.statistics().durations,
                 batch_sizes=w.batch_sizes,
                 commit_seconds=w.commit_seconds,
+                store_errors=w.store_errors,
             )
 
         async with trio.open_nursery() as transports:

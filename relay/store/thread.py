@@ -6,7 +6,9 @@ transaction, commits once, makes the replies, and posts them back to trio with o
 that SQLite commits on its own (``Op.run_alone``). The items of one batch were all sent
 before any of their replies, so any order of them is valid: the batch runs grouped by op,
 in the ops' ``phase`` order (leases first), each op's items as they came. See
-docs/architecture.md, "The writer thread".
+docs/architecture.md, "The writer thread". A batch whose writes the disk refuses (full,
+or failing: SQLITE_FULL, SQLITE_IOERR) keeps nothing and is answered ``unavailable``
+(``_unavailable``); see docs/failure-model.md.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from relay.errors import InternalError, RelayError, ShuttingDown
+from relay.errors import InternalError, RelayError, ShuttingDown, Unavailable
+from relay.log import event
 from relay.store.items import Item, Op, deliver
 from relay.store.sqlite import Changes, SqliteStore
 
@@ -29,6 +32,29 @@ if TYPE_CHECKING:
     from relay.store.writer import Writer
 
 log = logging.getLogger("relay.writer")
+
+# SQLite's primary result codes that mean "cannot write now", not a bug: the file system is
+# full (or over its quota), or the device failed a read or a write. They are answered
+# ``unavailable`` and counted by kind; the extended codes (SQLITE_IOERR_WRITE, ...) carry
+# the primary one in their low byte.
+STORE_ERRORS = {
+    sqlite3.SQLITE_FULL: ("full", "disk full (SQLITE_FULL)"),
+    sqlite3.SQLITE_IOERR: ("ioerr", "I/O error (SQLITE_IOERR)"),
+}
+STORE_ERROR_KINDS = tuple(kind for kind, _ in STORE_ERRORS.values())
+
+
+def store_error(exc: BaseException | None) -> tuple[str, str] | None:
+    """(kind, description) if ``exc`` comes from the disk (SQLITE_FULL, SQLITE_IOERR_*), else
+    None. The chain of contexts is searched too: a savepoint's ``ROLLBACK TO`` fails
+    ("no such savepoint") after SQLite rolled the whole transaction back, and its error
+    then hides the one that did it."""
+    while exc is not None:
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF in STORE_ERRORS:
+            return STORE_ERRORS[code & 0xFF]
+        exc = exc.__context__
+    return None
 
 
 class WriterThread:
@@ -43,11 +69,19 @@ class WriterThread:
         self.max_batch = max_batch
         self.token = trio.lowlevel.current_trio_token()
         self.finished = trio.Event()
+        # The store error episode under way (disk full, I/O errors): its kind, when it
+        # began (perf_counter) and its failed batches. Logged once as it starts and once
+        # as commits succeed again, not per batch. (Writer thread only.)
+        self.episode: str | None = None
+        self.episode_began = 0.0
+        self.episode_failures = 0
 
     # -- the trio side (called with run_sync_soon) -------------------------------------------
 
-    def _delivered(self, pairs: list, changes: Changes | None, seconds: float | None) -> None:
-        self.writer._answered(len(pairs), seconds)
+    def _delivered(
+        self, pairs: list, changes: Changes | None, seconds: float | None, failure: str | None
+    ) -> None:
+        self.writer._answered(len(pairs), seconds, failure)
         deliver(pairs)
         # Wake-ups after replies: a long-poll that a reply of this very batch parks is
         # registered by then, so a job made ready in the same batch still wakes it.
@@ -99,8 +133,8 @@ class WriterThread:
                         more = False  # the stop marker: after this batch
                         break
                     batch.append(item)
-                pairs, changes, seconds = self._execute(batch)
-                self.token.run_sync_soon(self._delivered, pairs, changes, seconds)
+                pairs, changes, seconds, failure = self._execute(batch)
+                self.token.run_sync_soon(self._delivered, pairs, changes, seconds, failure)
                 batch = []
         except trio.RunFinishedError:
             log.warning("trio stopped before the writer was closed")
@@ -115,20 +149,27 @@ class WriterThread:
                 with contextlib.suppress(trio.RunFinishedError):
                     self.token.run_sync_soon(self._stopped, batch, crashed)
 
-    def _execute(self, batch: list[Item]) -> tuple[list, Changes | None, float | None]:
-        """Run ``batch`` in one transaction; the (item, reply) pairs, what changed, and how
-        long it took (None: not committed)."""
+    def _execute(self, batch: list[Item]) -> tuple[list, Changes | None, float | None, str | None]:
+        """Run ``batch`` in one transaction; the (item, reply) pairs, what changed, how
+        long it took (None: not committed), and the kind of store error that stopped its
+        commit (None: it committed, or failed otherwise)."""
         store = self.store
         started = time.perf_counter()
         now = self.clock()
         runs = _runs(batch)
+        written = store.write_mark()[0]
         # (Never inside a transaction left open: its commit would be the one that counts.)
         if len(runs) == 1 and runs[0][0].run_alone is not None and not store.in_transaction:
-            outcomes = self._apply_alone(batch, runs[0][0], now)
+            try:
+                outcomes = self._apply_alone(batch, runs[0][0], now)
+            except Exception as exc:  # only a store error: the disk refused it, nothing written
+                # (All its items are submits: none has an answer without writing.)
+                return self._unavailable(batch, [], now, exc)
             if outcomes is not None:
                 seconds = time.perf_counter() - started
+                self._written(written)
                 pairs = [(item, _reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
-                return pairs, store.take_changes(), seconds
+                return pairs, store.take_changes(), seconds, None
         try:
             store.begin()
             outcomes = self._apply_fast(batch, runs, now)
@@ -139,15 +180,55 @@ class WriterThread:
                 outcomes = self._apply_careful(batch, runs, now)
             changes = store.commit()
         except Exception as exc:
-            log.exception("transaction of %d items failed; none is committed", len(batch))
             store.rollback()
+            if store_error(exc) is not None:
+                return self._unavailable(batch, runs, now, exc)
+            log.exception("transaction of %d items failed; none is committed", len(batch))
             error = InternalError(f"not committed: {type(exc).__name__}: {exc}")
-            return [(item, item[0].reply(item, error)) for item in batch], None, None
+            return [(item, item[0].reply(item, error)) for item in batch], None, None, None
         seconds = time.perf_counter() - started
+        self._written(written)
         pairs = [
             (item, _reply(item, outcome)) for item, outcome in zip(batch, outcomes, strict=True)
         ]
-        return pairs, changes, seconds
+        return pairs, changes, seconds, None
+
+    def _unavailable(
+        self, batch: list[Item], runs: list, now: int, exc: Exception
+    ) -> tuple[list, None, None, str]:
+        """The answers to a batch whose writes the disk refused (``exc``: SQLITE_FULL,
+        SQLITE_IOERR_*); nothing of it was kept, the counts included (rolled back with it).
+        Every item that writes is answered ``unavailable``; the others (reads, refusals,
+        repeats) get their own answers (``_apply_unwritten``): a full disk stops writes,
+        not reads."""
+        found = store_error(exc)
+        assert found is not None, "only for store errors"
+        kind, description = found
+        if self.episode != kind:
+            event(
+                log, logging.WARNING, "store.unavailable", kind=kind,
+                error=f"{getattr(exc, 'sqlite_errorname', type(exc).__name__)}: {exc}",
+            )  # fmt: skip
+            if self.episode is None:
+                self.episode_began = time.perf_counter()
+            self.episode = kind
+        self.episode_failures += 1
+        error = Unavailable(f"not committed: {description}; retry later")
+        outcomes = self._apply_unwritten(batch, runs, now, error)
+        pairs = [(item, _reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
+        return pairs, None, None, kind
+
+    def _written(self, before: int) -> None:
+        """After a commit: one that wrote ends the store error episode, if one is under
+        way (a commit that wrote nothing proves nothing about the disk)."""
+        if self.episode is not None and self.store.write_mark()[0] != before:
+            event(
+                log, logging.INFO, "store.available", kind=self.episode,
+                failed_batches=self.episode_failures,
+                seconds=round(time.perf_counter() - self.episode_began, 3),
+            )  # fmt: skip
+            self.episode = None
+            self.episode_failures = 0
 
     def _apply_alone(self, batch: list[Item], op: Op, now: int) -> list[Any] | None:
         """The outcomes of a batch that one statement committed on its own, or None (it
@@ -157,7 +238,7 @@ class WriterThread:
         mark = self.store.write_mark()
         try:
             return op.run_alone(self.store, now, [item[4] for item in batch])
-        except Exception:
+        except Exception as exc:
             if self.store.write_mark() != mark:
                 log.exception("a batch failed after its statement committed")
                 # Its counts may not have moved (outside a transaction nothing is
@@ -165,6 +246,8 @@ class WriterThread:
                 self.store.recount()
                 error = InternalError("committed, but no reply could be made; see the log")
                 return [error] * len(batch)
+            if store_error(exc) is not None:
+                raise  # the disk refused it: a transaction would fare no better
             log.debug("a batch could not run alone; it runs in a transaction", exc_info=True)
             return None
 
@@ -191,7 +274,9 @@ class WriterThread:
                     # its items on its own, for its own answer.
                     if store.write_mark() != mark:
                         return None
-                except Exception:
+                except Exception as exc:
+                    if store_error(exc) is not None:
+                        raise  # nothing of the batch can commit: no second pass
                     log.warning("a merged run failed; the batch runs again", exc_info=True)
                     return None
                 else:
@@ -206,7 +291,9 @@ class WriterThread:
                     if store.write_mark() != mark:
                         return None
                     outcomes[i] = exc
-                except Exception:
+                except Exception as exc:
+                    if store_error(exc) is not None:
+                        raise
                     log.warning("an item failed; the batch runs again", exc_info=True)
                     return None
         return outcomes
@@ -221,7 +308,9 @@ class WriterThread:
                 try:
                     with store.command():
                         merged = op.run_many(store, now, [batch[i][4] for i in indexes])
-                except Exception:
+                except Exception as exc:
+                    if store_error(exc) is not None:
+                        raise  # the whole batch is answered unavailable
                     self._check_transaction()
                 else:
                     for i, outcome in zip(indexes, merged, strict=True):
@@ -234,10 +323,55 @@ class WriterThread:
                 except RelayError as exc:
                     outcomes[i] = exc
                 except Exception as exc:
+                    if store_error(exc) is not None:
+                        raise
                     log.exception("item %r failed", op.name)
                     outcomes[i] = InternalError(f"{type(exc).__name__}: {exc}")
                 self._check_transaction()
         return outcomes
+
+    def _apply_unwritten(
+        self, batch: list[Item], runs: list, now: int, error: Unavailable
+    ) -> list[Any]:
+        """The outcomes of a batch that could not commit: each item run again on its own, in
+        a savepoint, on what is committed; an item that wrote nothing (a read, a refusal, a
+        repeated ack, a duplicate submit) keeps its answer, which does not depend on the
+        disk; an item that wrote (or failed) is undone and answered ``error``, as is every
+        item if the commit of nothing at the end fails too."""
+        store = self.store
+        outcomes: list[Any] = [error] * len(batch)
+        if not runs:
+            return outcomes
+        try:
+            store.begin()
+            for op, indexes in runs:
+                for i in indexes:
+                    with contextlib.suppress(Exception):
+                        outcomes[i] = self._unwritten(op, now, batch[i][4])
+                    if not store.in_transaction:
+                        # SQLite rolled it all back (the disk again). Nothing of it was
+                        # to stand anyway: go on in a new one, or later items would each
+                        # commit on their own.
+                        store.rollback()
+                        store.begin()
+            store.commit()
+        except Exception:
+            store.rollback()
+            return [error] * len(batch)
+        return outcomes
+
+    def _unwritten(self, op: Op, now: int, args: Any) -> Any:
+        """``op.run``'s outcome (or refusal) if it writes nothing; else undone, and raises."""
+        store = self.store
+        with store.command():
+            mark = store.write_mark()
+            try:
+                outcome = op.run(store, now, args)
+            except RelayError as exc:
+                outcome = exc
+            if store.write_mark() != mark:
+                raise _Wrote
+        return outcome
 
     def _check_transaction(self) -> None:
         # On some errors (SQLITE_FULL, IOERR, NOMEM) SQLite rolls back the whole
@@ -245,6 +379,10 @@ class WriterThread:
         # while the batch is answered "not committed": stop the batch instead.
         if not self.store.in_transaction:
             raise sqlite3.OperationalError("SQLite rolled the transaction back")
+
+
+class _Wrote(Exception):
+    """An item of a batch that could not commit wrote when run again: undo it."""
 
 
 def _runs(batch: list[Item]) -> list[tuple[Any, list[int]]]:

@@ -31,7 +31,7 @@ from relay.histogram import Histogram, HistogramSnapshot
 from relay.store.commands import Command
 from relay.store.items import Item, ReplySink, command_op
 from relay.store.sqlite import Changes, SqliteStore
-from relay.store.thread import WriterThread
+from relay.store.thread import STORE_ERROR_KINDS, WriterThread
 
 log = logging.getLogger("relay.writer")
 
@@ -59,6 +59,7 @@ class WriterStatistics:
     batches: int  # transactions committed
     commands: int  # items in committed transactions
     failed_commits: int  # transactions that could not commit (their items got errors)
+    store_errors: dict[str, int]  # of those, the disk's: "full", "ioerr" -> transactions
     batch_sizes: HistogramSnapshot
     commit_seconds: HistogramSnapshot
 
@@ -91,6 +92,7 @@ class Writer:
         self._batches = 0
         self._commands = 0
         self._failed_commits = 0
+        self._store_errors = dict.fromkeys(STORE_ERROR_KINDS, 0)
         # Called in the trio thread after each commit's replies are delivered.
         self.commit_listeners: list[Callable[[Changes], None]] = []
 
@@ -146,14 +148,17 @@ class Writer:
             batches=self._batches,
             commands=self._commands,
             failed_commits=self._failed_commits,
+            store_errors=dict(self._store_errors),
             batch_sizes=self._batch_sizes.snapshot(),
             commit_seconds=self._commit_seconds.snapshot(),
         )
 
-    def _answered(self, n: int, seconds: float | None) -> None:
+    def _answered(self, n: int, seconds: float | None, store_error: str | None = None) -> None:
         self.queued -= n
         if seconds is None:
             self._failed_commits += 1
+            if store_error is not None:
+                self._store_errors[store_error] += 1
         else:
             self._batches += 1
             self._commands += n
