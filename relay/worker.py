@@ -182,12 +182,16 @@ class Worker:
         wait_ms: int = LEASE_WAIT_MS,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         worker_id: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         """Args:
-        server: an address "HOST:PORT", or a ``Client`` (e.g. from ``open_local``).
+        server: an address "HOST:PORT" (or "tls://HOST:PORT"), or a ``Client`` (e.g. from
+            ``open_local``).
         queues: the queues to lease from; with ``handlers``, defaults to its keys.
         handler: one handler for every queue; or ``handlers``, one per queue.
         concurrency: slots, the most jobs held at once.
+        tls_ca: with an address, a private CA's PEM file to verify the server with (implies
+            TLS; see ``open_client``).
         """
         if (handler is None) == (handlers is None):
             raise ValueError("give handler or handlers (one per queue), not both or neither")
@@ -199,6 +203,7 @@ class Worker:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self._server = server
+        self._tls_ca = tls_ca
         self.concurrency = concurrency
         self.lease_ms = lease_ms
         self.wait_ms = wait_ms
@@ -290,7 +295,7 @@ class Worker:
         if isinstance(self._server, Client):
             yield self._server
         else:
-            async with open_client(self._server) as client:
+            async with open_client(self._server, tls_ca=self._tls_ca) as client:
                 yield client
 
     async def _lease_loop(self, client: Client, jobs: trio.Nursery) -> None:
