@@ -1,8 +1,9 @@
 """The relay-trio command line: arguments in, calls out. Rendering lives in cli/views.py.
 
-Every command that talks to a server takes ``--address`` (env ``RELAY_ADDRESS``); the read
-commands take ``--json``. An expected failure (no server, a bad argument, an error reply)
-is one line on stderr, "relay-trio: ...", and a non-zero exit: 2 for usage errors, else 1.
+Every command that talks to a server takes ``--address`` (env ``RELAY_ADDRESS``), ``--tls``
+and ``--tls-ca`` (env ``RELAY_TLS_CA``); the read commands take ``--json``. An expected
+failure (no server, a bad argument, an error reply) is one line on stderr, "relay-trio:
+...", and a non-zero exit: 2 for usage errors, else 1.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import resource
 import signal
 import socket
 import sqlite3
+import ssl
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,11 +35,12 @@ from cli import views
 from cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
 from relay import log as relay_log
 from relay import wire
-from relay.client import Client, open_client
+from relay.client import TLS_SCHEME, Client, open_client
 from relay.errors import RelayError, StoreError
 from relay.model import QUEUE_NAME_RE, WIRE_PRIORITIES
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig
+from relay.server.tls import TlsConfigError
 from relay.worker import DEFAULT_LEASE_MS, Worker, run_worker
 
 if TYPE_CHECKING:
@@ -121,6 +124,10 @@ def _reason(exc: BaseException) -> str:
             exc = first
     if isinstance(exc, socket.gaierror) and exc.strerror:
         return exc.strerror
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not the system's
+        return f"TLS handshake failed: {(exc.reason or str(exc)).lower().replace('_', ' ')}"
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         return os.strerror(exc.errno)
     return str(exc) or type(exc).__name__
@@ -165,9 +172,10 @@ def call(address: str, action: Callable[[Client], Awaitable[T]]) -> T:
     A one-shot command does not reconnect: a dropped connection is an error at once."""
 
     token = client_token()
+    address, tls_ca = client_target(address)
 
     async def session() -> T:
-        async with open_client(address, reconnect=False, token=token) as client:
+        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
             try:
                 with trio.fail_after(REPLY_TIMEOUT_S):
                     return await action(client)
@@ -202,7 +210,7 @@ def console() -> Console:
 
 def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:
-        parse_address(value)
+        parse_address(value.removeprefix(TLS_SCHEME))
     except click.BadParameter as exc:
         raise click.BadParameter(exc.message) from None  # click names the option
     return value
@@ -233,17 +241,45 @@ def client_token() -> str | None:
     return click.get_current_context().meta.get("relay.token")
 
 
+def _keep_tls_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    # Kept on the context rather than passed to every command: see client_target.
+    ctx.meta[f"relay.{param.name}"] = value
+    return value
+
+
 def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--address, and --token-file for a server with access control."""
+    """``--address``; ``--token-file`` for a server with access control; ``--tls`` and
+    ``--tls-ca``, which ``client_target`` reads."""
     fn = click.option(
         "--token-file", metavar="PATH", expose_value=False, callback=_token_option,
         help="A file holding the access token to say hello with (default: env "
         "RELAY_AUTH_TOKEN).",
     )(fn)  # fmt: skip
+    fn = click.option(
+        "--tls-ca", envvar="RELAY_TLS_CA", type=click.Path(exists=True, dir_okay=False),
+        metavar="PATH", expose_value=False, callback=_keep_tls_option,
+        help="Use TLS, and trust the CA certificate(s) in this PEM file (env RELAY_TLS_CA).",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--tls", is_flag=True, expose_value=False, callback=_keep_tls_option,
+        help="Use TLS, verifying the server with the system's trust store.",
+    )(fn)  # fmt: skip
     return click.option(
         "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
-        callback=_check_address, metavar="HOST:PORT", help="The server (env RELAY_ADDRESS).",
+        callback=_check_address, metavar="[tls://]HOST:PORT",
+        help="The server (env RELAY_ADDRESS); a tls:// address uses TLS.",
     )(fn)  # fmt: skip
+
+
+def client_target(address: str) -> tuple[str, str | None]:
+    """The address to connect to and the CA file to trust, after the current command's
+    ``--tls`` and ``--tls-ca``: either makes the address tls:// (the form errors name)."""
+    ctx = click.get_current_context(silent=True)
+    meta = ctx.meta if ctx is not None else {}
+    tls_ca = meta.get("relay.tls_ca")
+    if (meta.get("relay.tls") or tls_ca) and not address.startswith(TLS_SCHEME):
+        address = TLS_SCHEME + address
+    return address, tls_ca
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
@@ -319,6 +355,12 @@ _LIMITS = wire.Limits()
     callback=lambda ctx, param, value: _parse_depths(value),
     help="The same for one queue (repeatable); overrides --max-queue-depth for it.",
 )  # fmt: skip
+@click.option(
+    "--tls-cert", metavar="PATH",
+    help="Serve clients over TLS with this certificate (PEM, the chain after it); with "
+    "--tls-key. The metrics endpoint stays plain HTTP.",
+)  # fmt: skip
+@click.option("--tls-key", metavar="PATH", help="The certificate's private key (PEM).")
 def server(
     db: str,
     address: str,
@@ -328,9 +370,13 @@ def server(
     queue_depths: dict[str, int],
     auth_token_file: str | None,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
     **numbers: int,
 ) -> None:
     """Run the server until SIGINT or SIGTERM (a second one exits at once)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("give --tls-cert and --tls-key together")
     relay_log.configure()
     try:
         tokens = load_tokens(auth_token_file, os.environ.get("RELAY_AUTH_TOKEN"))
@@ -356,13 +402,15 @@ def server(
         queue_depths=queue_depths,
         tokens=tokens,
         insecure=insecure,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
         **{k: v for k, v in numbers.items() if k not in limit_fields},
     )
     # serve() runs under a nursery, so a start-up failure arrives in an exception group.
     failure: tuple[int, str] | None = None
     try:
         trio.run(_run_server, config)
-    except* ExposureError as group:
+    except* (ExposureError, TlsConfigError) as group:
         failure = (2, f"relay-trio: {group.exceptions[0]}")
     except* StoreError as group:
         exc = group.exceptions[0]
@@ -517,12 +565,15 @@ def worker(
         Worker, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
         lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000,
     )  # fmt: skip
-    run(_work, address, worker, client_token(), address=address)
+    address, tls_ca = client_target(address)
+    run(_work, address, tls_ca, client_token(), worker, address=address)
 
 
-async def _work(address: str, make_worker: Callable[[Client], Worker], token: str | None):
+async def _work(
+    address: str, tls_ca: str | None, token: str | None, make_worker: Callable[[Client], Worker]
+) -> None:
     # The worker rides out server restarts, so its client reconnects (open_client's default).
-    async with open_client(address, token=token) as client:
+    async with open_client(address, tls_ca=tls_ca, token=token) as client:
         hello = await client.hello("relay-trio worker")
         worker = make_worker(client)
         if hello.role == "producer":

@@ -8,7 +8,8 @@ on the wire wait for it, then go out together: their lines in one write, their r
 read in one pass (``coalesce=True``: their plain submits as one ``submit_batch``, each
 caller still getting its own result or error). A dropped connection raises
 ``ConnectionLost`` for the calls in flight (they may or may not have taken effect: use an
-``idempotency_key`` to make a resubmit safe); the next call connects again.
+``idempotency_key`` to make a resubmit safe); the next call connects again. TLS as for
+the async client: a "tls://HOST:PORT" address, or ``tls_ca`` (a private CA's PEM file).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import itertools
 import select
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,10 +33,11 @@ from relay.client import (
     parse_address,
     structure_reply,
     submit_result,
+    uses_tls,
 )
 from relay.errors import ConnectionLost, RelayError, reply_fields
 from relay.model import SubmitResult
-from relay.tcp import CONNECT_TIMEOUT_S
+from relay.tcp import CONNECT_TIMEOUT_S, client_context
 
 READ_BYTES = 64 * 1024
 
@@ -60,9 +63,11 @@ class BlockingClient:
         connect_timeout: float = CONNECT_TIMEOUT_S,
         coalesce: bool = False,
         token: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         self.address = parse_address(address)
         self.token = token  # sent in a hello first on every connection, and in every hello
+        self._ssl_context = client_context(tls_ca) if uses_tls(address, tls_ca) else None
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.coalesce = coalesce
@@ -90,8 +95,14 @@ class BlockingClient:
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.address, timeout=self.connect_timeout)
-        sock.settimeout(self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl_context is not None:
+            try:  # the handshake, within the connect timeout
+                sock = self._ssl_context.wrap_socket(sock, server_hostname=self.address[0])
+            except BaseException:
+                sock.close()
+                raise
+        sock.settimeout(self.timeout)
         if self.token is not None:
             try:
                 self._authenticate(sock)
@@ -138,7 +149,7 @@ class BlockingClient:
     def _exchange(self, calls: list[_Call]) -> None:
         """Send ``calls`` in one write and read their replies; every call gets its reply
         or an error. Holds the socket (``_lock``)."""
-        if self._sock is not None and not self._alive(self._sock):
+        if self._sock is not None and not self._alive():
             self._drop()  # the server closed it while we were idle: nothing was lost
         requests = self._requests(calls)
         try:
@@ -199,18 +210,36 @@ class BlockingClient:
 
         return request_id, line, answer
 
-    @staticmethod
-    def _alive(sock: socket.socket) -> bool:
+    def _alive(self) -> bool:
         """False if the server has closed the connection (a pending EOF or reset).
 
         Between requests nothing should be readable; if something is, peeking at it does
         not block (a socket with a timeout would wait out its timeout on an empty peek).
         """
+        sock = self._sock
+        assert sock is not None
         try:
             readable, _, _ = select.select([sock], [], [], 0)
+            if readable and isinstance(sock, ssl.SSLSocket):
+                return self._tls_alive(sock)
             return not readable or sock.recv(1, socket.MSG_PEEK) != b""
         except (OSError, ValueError):
             return False
+
+    def _tls_alive(self, sock: ssl.SSLSocket) -> bool:
+        """``_alive`` for TLS, which cannot peek: what is readable may be records of TLS
+        alone (the session tickets a TLS 1.3 server sends after the handshake), so read
+        without waiting; data, unexpected, is kept for the next reply read."""
+        timeout = sock.gettimeout()
+        sock.settimeout(0)
+        try:
+            data = sock.recv(READ_BYTES)
+        except ssl.SSLWantReadError:
+            return True  # only TLS records: still open
+        finally:
+            sock.settimeout(timeout)
+        self._buffer += data
+        return data != b""
 
     def _read_replies(self, request_ids: set[int]) -> dict[int, dict[str, Any]]:
         """The replies to ``request_ids``, which may come in any order. An error without

@@ -34,7 +34,7 @@ from relay.coalesce import Coalescer
 from relay.errors import InternalError, QueueFull, RelayError, Unavailable, error_from_wire
 from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
 from relay.nursery import open_service_nursery
-from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport
+from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport, client_context
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 # submit(wait=True) backoff while the queue is full.
@@ -121,13 +121,23 @@ def structure_reply(data: Any, cls: type) -> Any:
         raise RelayError(f"unexpected reply from the server: {exc}") from None
 
 
+# An address that starts with this asks for TLS, verified with the system's trust store.
+TLS_SCHEME = "tls://"
+
+
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """(host, port) of "HOST:PORT" or "tls://HOST:PORT" (see ``uses_tls``)."""
     if isinstance(address, tuple):
         return address
-    host, sep, port = address.rpartition(":")
+    host, sep, port = address.removeprefix(TLS_SCHEME).rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not HOST:PORT")
+        raise ValueError(f"{address!r} is not HOST:PORT or tls://HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def uses_tls(address: str | tuple[str, int], tls_ca: str | None = None) -> bool:
+    """Whether a client of ``address`` speaks TLS: a tls:// address, or a private CA."""
+    return tls_ca is not None or (isinstance(address, str) and address.startswith(TLS_SCHEME))
 
 
 class Transport(Protocol):
@@ -355,6 +365,7 @@ async def open_client(
     reconnect_timeout: float = RECONNECT_TIMEOUT_S,
     batch_window_ms: float | None = None,
     token: str | None = None,
+    tls_ca: str | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a relay-trio server and yield a ``Client``.
 
@@ -367,15 +378,21 @@ async def open_client(
     ``token``: for a server with access control, sent in a ``hello`` first on every
     connection (and reconnection); a token the server refuses raises ``Unauthorized``.
 
+    TLS: a "tls://HOST:PORT" address verifies the server's certificate for HOST with the
+    system's trust store; ``tls_ca`` (a PEM file) trusts that CA instead, and implies TLS.
+    Every reconnection does its handshake again.
+
     Owns two background tasks (the reply reader, which also reconnects, and the writer of
     queued lines) in a nursery of its own; leaving the block closes the connection and
     cancels them. Raises OSError (or ``trio.TooSlowError``) if the first connection
-    cannot be made.
+    cannot be made: ``ssl.SSLCertVerificationError`` if the server's certificate is not
+    trusted.
     """
     host, port = parse_address(address)
+    context = client_context(tls_ca) if uses_tls(address, tls_ca) else None
     transport = TcpTransport(
         host, port, reconnect=reconnect, connect_timeout=connect_timeout,
-        reconnect_timeout=reconnect_timeout, token=token,
+        reconnect_timeout=reconnect_timeout, ssl_context=context, token=token,
     )  # fmt: skip
     await transport.first_connect()
     async with open_service_nursery() as nursery:

@@ -3,13 +3,15 @@
 Calls queue their lines in an outbox that one flusher task writes, so the calls that
 tasks make in one scheduler tick go out in one write; one reader task matches replies to
 calls by id and reconnects when the connection drops. Both tasks belong to ``open_client``
-(relay/client.py), which owns this transport.
+(relay/client.py), which owns this transport. With an SSL context, every connection (each
+reconnection too) does its TLS handshake within the connect timeout.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import ssl
 from contextlib import suppress
 from typing import Any
 
@@ -69,16 +71,18 @@ class TcpTransport:
         reconnect: bool = True,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         reconnect_timeout: float = RECONNECT_TIMEOUT_S,
+        ssl_context: ssl.SSLContext | None = None,
         token: str | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self.ssl_context = ssl_context  # None: plain TCP
         self.token = token  # sent in a hello first on every connection, and in every hello
         self.reconnect = reconnect
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
         self._ids = itertools.count(1)
         self._pending: dict[int, _Call] = {}
-        self._stream: trio.SocketStream | None = None
+        self._stream: trio.abc.Stream | None = None
         self._generation = 0  # which connection _stream is
         self._unread_generation = -1  # a connection whose later lines the server ignored
         self._connected = trio.Event()  # set while _stream is usable
@@ -152,7 +156,8 @@ class TcpTransport:
         write got: a line fully written counts as sent on that connection (and, once the
         connection drops unanswered, is sent again only if its op is safe to repeat); a
         line cut short was not acted on (the server acts on a line at its newline) and
-        goes first on the next connection."""
+        goes first on the next connection. A TLS write that failed cannot tell how far it
+        got: its calls are settled at once (``_lost_in_write``)."""
         while True:
             while not self._outbox:
                 await self._outbox_lot.park()
@@ -173,10 +178,13 @@ class TcpTransport:
                 async with self._send_lock:
                     written = await _write(stream, data)
             except _CutShort as exc:
-                written = exc.written
                 if generation == self._generation:
                     self._disconnected()
                     await trio.aclose_forcefully(stream)  # the reader notices, reconnects
+                if exc.written is None:
+                    self._lost_in_write(calls)
+                    continue
+                written = exc.written
             end = 0
             for i, call in enumerate(calls):
                 end += len(call.line)
@@ -191,6 +199,23 @@ class TcpTransport:
                     break
                 call.sent_on = generation
 
+    def _lost_in_write(self, calls: list[_Call]) -> None:
+        """Settle the calls of a write that failed after an unknown part of it was sent
+        (TLS): each may or may not have taken effect, as when a connection drops before
+        the reply. The ops safe to repeat go first on the next connection; the others
+        raise ``ConnectionLost``. Done here, not by the reader, which may already have
+        settled that connection's calls."""
+        again = []
+        for call in calls:
+            if call.orphaned:  # given up: no reply will be waited for
+                self._pending.pop(call.request_id, None)
+            elif call.op in RETRY_SAFE_OPS and self.reconnect and _wanted(call):
+                call.resent = call.queued = True
+                again.append(call)
+            else:
+                call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
+        self._outbox[:0] = again
+
     def _disconnected(self) -> None:
         # Senders wait on the current event; replace it only once it has been set, so
         # that no sender is left waiting on an event that nobody will set.
@@ -202,9 +227,11 @@ class TcpTransport:
         self._generation = self.connections = 1
         self._connected.set()
 
-    async def _connect(self) -> trio.SocketStream:
+    async def _connect(self) -> trio.abc.Stream:
         with trio.fail_after(self.connect_timeout):
             stream = await trio.open_tcp_stream(self.host, self.port)
+            if self.ssl_context is not None:
+                stream = await _handshake(stream, self.ssl_context, self.host)
             if self.token is not None:
                 try:
                     await _authenticate(stream, self.token)
@@ -276,7 +303,7 @@ class TcpTransport:
                             await self._stream.send_all(call.line)
             self._connected.set()
 
-    async def _reconnect(self) -> trio.SocketStream:
+    async def _reconnect(self) -> trio.abc.Stream:
         with trio.move_on_after(self.reconnect_timeout):
             while True:
                 await trio.sleep(self._backoff * random.uniform(0.5, 1.0))
@@ -291,7 +318,7 @@ class TcpTransport:
             f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
         )
 
-    async def _read_replies(self, stream: trio.SocketStream) -> None:
+    async def _read_replies(self, stream: trio.abc.Stream) -> None:
         buffer = bytearray()
         while True:
             data = await stream.receive_some(READ_BYTES)
@@ -353,7 +380,7 @@ class TcpTransport:
         self._unread_generation = generation
 
     async def _release(
-        self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
+        self, stream: trio.abc.Stream, worker_id: str | None, jobs: list[dict[str, Any]]
     ) -> None:
         """Send a release for each job; nobody waits for the replies (their ids are not
         pending, so the reader drops them). If the connection is gone, the leases expire
@@ -362,7 +389,7 @@ class TcpTransport:
             await self._send_releases(stream, worker_id, jobs)
 
     async def _send_releases(
-        self, stream: trio.SocketStream, worker_id: str | None, jobs: list[dict[str, Any]]
+        self, stream: trio.abc.Stream, worker_id: str | None, jobs: list[dict[str, Any]]
     ) -> None:
         for job in jobs:
             fields = {
@@ -406,15 +433,21 @@ async def _authenticate(stream: trio.SocketStream, token: str) -> None:
 
 
 class _CutShort(Exception):
-    """A write that the connection cut short after ``written`` bytes."""
+    """A write that the connection cut short after ``written`` bytes (None: unknown)."""
 
-    def __init__(self, written: int) -> None:
+    def __init__(self, written: int | None) -> None:
         super().__init__(f"the connection dropped after {written} bytes")
         self.written = written
 
 
-async def _write(stream: trio.SocketStream, data: bytes) -> int:
+async def _write(stream: trio.abc.Stream, data: bytes) -> int:
     """Write all of ``data``, or raise ``_CutShort`` with how much the kernel took."""
+    if not isinstance(stream, trio.SocketStream):
+        try:  # TLS: a failed write cannot tell how much of it the kernel took
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise _CutShort(None) from exc
+        return len(data)
     sock = stream.socket
     view = memoryview(data)
     written = 0
@@ -424,3 +457,36 @@ async def _write(stream: trio.SocketStream, data: bytes) -> int:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _CutShort(written) from exc
     return written
+
+
+async def _handshake(
+    stream: trio.SocketStream, context: ssl.SSLContext, host: str
+) -> trio.SSLStream[trio.SocketStream]:
+    """The client's side of the TLS handshake, verifying the server's certificate for
+    ``host``. Raises the ``ssl`` error (an OSError) that failed it, as a refused connection
+    raises its own, or ConnectionResetError if the server closed the connection."""
+    tls = trio.SSLStream(stream, context, server_hostname=host)
+    try:
+        await tls.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(stream)
+        cause = exc.__cause__
+        # (OpenSSL reports an EOF during the handshake as either of the two.)
+        closed = isinstance(cause, ssl.SSLEOFError | ssl.SSLSyscallError)
+        if isinstance(cause, ssl.SSLError) and not closed:
+            raise cause from None  # e.g. SSLCertVerificationError: the reason is in it
+        raise ConnectionResetError(
+            "the server closed the connection during the TLS handshake"
+        ) from None
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return tls
+
+
+def client_context(tls_ca: str | None = None) -> ssl.SSLContext:
+    """The context a client verifies servers with: the system's trust store, or only the
+    CA certificates in the PEM file ``tls_ca``; TLS 1.2 at least, host names checked."""
+    context = ssl.create_default_context(cafile=tls_ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context

@@ -183,14 +183,18 @@ class Worker:
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         worker_id: str | None = None,
         token: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         """Args:
-        server: an address "HOST:PORT", or a ``Client`` (e.g. from ``open_local``).
+        server: an address "HOST:PORT" (or "tls://HOST:PORT"), or a ``Client`` (e.g. from
+            ``open_local``).
         token: with an address, the access token (role ``worker`` or ``admin``) that its
             connection says hello with; a given ``Client`` brings its own.
         queues: the queues to lease from; with ``handlers``, defaults to its keys.
         handler: one handler for every queue; or ``handlers``, one per queue.
         concurrency: slots, the most jobs held at once.
+        tls_ca: with an address, a private CA's PEM file to verify the server with (implies
+            TLS; see ``open_client``).
         """
         if (handler is None) == (handlers is None):
             raise ValueError("give handler or handlers (one per queue), not both or neither")
@@ -205,6 +209,7 @@ class Worker:
             raise ValueError("a Client brings its own token: give the token to open_client")
         self._server = server
         self._token = token
+        self._tls_ca = tls_ca
         self.concurrency = concurrency
         self.lease_ms = lease_ms
         self.wait_ms = wait_ms
@@ -296,7 +301,7 @@ class Worker:
         if isinstance(self._server, Client):
             yield self._server
         else:
-            async with open_client(self._server, token=self._token) as client:
+            async with open_client(self._server, token=self._token, tls_ca=self._tls_ca) as client:
                 yield client
 
     async def _lease_loop(self, client: Client, jobs: trio.Nursery) -> None:

@@ -3,6 +3,7 @@
     relay-bench                 # full run (a few minutes), server started on a temp db
     relay-bench --quick         # reduced sizes, one run each: under 30 s
     relay-bench --json out.json --address 127.0.0.1:7400   # against a running server
+    relay-bench --tls           # the submit scenarios over plain TCP and over TLS
 
 Each scenario runs ``--runs`` times; the table shows the median with min and max. The
 server is a subprocess with ``synchronous=FULL`` unless stated: every ok reply it sends is
@@ -21,6 +22,7 @@ import os
 import re
 import signal
 import sqlite3
+import ssl
 import statistics
 import subprocess
 import sys
@@ -62,8 +64,31 @@ def _relay_trio() -> str:
     return str(Path(sys.executable).parent / "relay-trio")
 
 
+@attrs.frozen
+class Tls:
+    """A self-signed certificate for 127.0.0.1, and a client context that trusts it."""
+
+    cert: str
+    key: str
+    context: ssl.SSLContext
+
+
+def make_tls(directory: str) -> Tls:
+    """Made with the openssl command (trustme is a test dependency, not the bench's): RSA
+    2048, the common choice; the handshake is paid once per connection anyway."""
+    cert, key = os.path.join(directory, "bench-cert.pem"), os.path.join(directory, "bench-key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
+         "-keyout", key, "-out", cert],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return Tls(cert, key, ssl.create_default_context(cafile=cert))
+
+
 @contextmanager
-def running_server(sync: str, db_dir: str) -> Iterator[ServerProcess]:
+def running_server(sync: str, db_dir: str, tls: Tls | None = None) -> Iterator[ServerProcess]:
     """A ``relay-trio server`` on a fresh database, stopped (SIGTERM) afterwards."""
     db = os.path.join(db_dir, f"bench-{sync}-{time.monotonic_ns()}.db")
     args = [
@@ -71,6 +96,8 @@ def running_server(sync: str, db_dir: str) -> Iterator[ServerProcess]:
         "--metrics-address", "127.0.0.1:0", "--synchronous", sync,
         "--max-in-flight", "1024", "--max-batch", "1000",
     ]  # fmt: skip
+    if tls is not None:
+        args += ["--tls-cert", tls.cert, "--tls-key", tls.key]
     env = dict(os.environ, RELAY_LOG="info")
     process = subprocess.Popen(args, stderr=subprocess.PIPE, env=env, text=True)
     try:
@@ -158,14 +185,19 @@ async def scrape(metrics: tuple[str, int] | None) -> dict[str, float]:
 class Conn:
     """A raw connection: pre-encoded lines out, replies counted (parsed only when asked)."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.buffer = b""
         self.ids = itertools.count(1)
 
     @classmethod
-    async def open(cls, address: tuple[str, int]) -> Conn:
-        return cls(await trio.open_tcp_stream(*address))
+    async def open(cls, address: tuple[str, int], context: ssl.SSLContext | None = None) -> Conn:
+        """A connection; with ``context``, over TLS (the handshake done before returning)."""
+        stream: trio.abc.Stream = await trio.open_tcp_stream(*address)
+        if context is not None:
+            stream = trio.SSLStream(stream, context, server_hostname=address[0])
+            await stream.do_handshake()
+        return cls(stream)
 
     def line(self, op: str, **fields: Any) -> bytes:
         return orjson.dumps({"op": op, "id": next(self.ids), **fields}) + b"\n"
@@ -219,10 +251,13 @@ def _payload(i: int) -> dict[str, Any]:
 
 
 async def _timed_connections(
-    address, connections: int, produce: Callable[[Conn], Awaitable[None]]
+    address,
+    connections: int,
+    produce: Callable[[Conn], Awaitable[None]],
+    context: ssl.SSLContext | None = None,
 ) -> float:
     """Open ``connections``, run ``produce`` on each concurrently; the seconds it took."""
-    conns = [await Conn.open(address) for _ in range(connections)]
+    conns = [await Conn.open(address, context) for _ in range(connections)]
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for conn in conns:
@@ -233,17 +268,22 @@ async def _timed_connections(
     return elapsed
 
 
-async def submit_one_at_a_time(address, producers: int, per_producer: int) -> float:
+async def submit_one_at_a_time(
+    address, producers: int, per_producer: int, context: ssl.SSLContext | None = None
+) -> float:
     async def produce(conn: Conn) -> None:
         for i in range(per_producer):
             await conn.stream.send_all(conn.line("submit", queue="bench", payload=_payload(i)))
             await conn.read_count(1)
 
-    return producers * per_producer / await _timed_connections(address, producers, produce)
+    elapsed = await _timed_connections(address, producers, produce, context)
+    return producers * per_producer / elapsed
 
 
-async def submit_pipelined(address, window: int, total: int) -> float:
-    conn = await Conn.open(address)
+async def submit_pipelined(
+    address, window: int, total: int, context: ssl.SSLContext | None = None
+) -> float:
+    conn = await Conn.open(address, context)
     lines = [conn.line("submit", queue="bench", payload=_payload(i)) for i in range(total)]
     started = time.perf_counter()
 
@@ -595,6 +635,23 @@ async def submit_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync:
         )  # fmt: skip
 
 
+async def tls_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync: str, tls: Tls | None):
+    """The one-at-a-time and pipelined submits, over TLS when given ``tls`` (the server
+    then has its certificate): ``--tls`` runs these against a plain server and a TLS one."""
+    a, context = server.address, None if tls is None else tls.context
+    over = "" if tls is None else ", TLS"
+    for producers in (1, 8):
+        yield await measure(
+            server, f"submit, {producers} producer(s) one-at-a-time{over}", "jobs/s", runs,
+            lambda p=producers: submit_one_at_a_time(a, p, sizes.per_producer, context),
+            sync=sync,
+        )  # fmt: skip
+    yield await measure(
+        server, f"submit, 1 connection pipelining (window 64){over}", "jobs/s", runs,
+        lambda: submit_pipelined(a, 64, sizes.pipelined, context), sync=sync,
+    )  # fmt: skip
+
+
 async def consume_scenarios(server: ServerProcess, sizes: Sizes, runs: int):
     a = server.address
     yield await measure(
@@ -635,7 +692,7 @@ async def depth_scenario(server: ServerProcess, sizes: Sizes, runs: int, depth: 
 
 async def run_all(
     sizes: Sizes, runs: int, syncs: tuple[str, ...], address: str | None, db_dir: str,
-    console: Console,
+    console: Console, tls: Tls | None = None,
 ) -> list[Result]:  # fmt: skip
     results: list[Result] = []
 
@@ -647,6 +704,13 @@ async def run_all(
             highlight=False, soft_wrap=True,
         )  # fmt: skip
 
+    if tls is not None:
+        for sync in syncs:
+            for over in (None, tls):
+                with running_server(sync, db_dir, over) as server:
+                    async for result in tls_scenarios(server, sizes, runs, sync, over):
+                        note(result)
+        return results
     for sync in syncs:
         with _server(sync, address, db_dir) as server:
             async for result in submit_scenarios(server, sizes, runs, sync):
@@ -745,9 +809,17 @@ def _latency_table(latencies: list[Result]) -> Table:
     help="Also write the results as JSON here.",
 )
 @click.option("--address", default=None, help="Target a running server instead.")
+@click.option(
+    "--tls",
+    is_flag=True,
+    help="Only the one-at-a-time and pipelined submits, against a plain server and a TLS "
+    "one (a self-signed certificate made with the openssl command).",
+)
 def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
-         address: str | None) -> None:  # fmt: skip
+         address: str | None, tls: bool) -> None:  # fmt: skip
     """Measure a relay-trio server: submit, lease+ack, latency, claim cost, memory."""
+    if tls and address is not None:
+        raise click.UsageError("--tls starts its own servers: it does not take --address")
     if runs is None:
         runs = 1 if quick else 3
     # Not a terminal (a file, a CI log): wide enough that no scenario name wraps.
@@ -757,7 +829,8 @@ def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="relay-bench-") as db_dir:
         before = commit_baseline_us(db_dir, sizes.baseline_commits)
-        results = trio.run(run_all, sizes, runs, syncs, address, db_dir, console)
+        certificate = make_tls(db_dir) if tls else None
+        results = trio.run(run_all, sizes, runs, syncs, address, db_dir, console, certificate)
         after = commit_baseline_us(db_dir, sizes.baseline_commits)
     render(results, console)
     console.print(f"{len(results)} scenarios in {time.monotonic() - started:.0f} s; "

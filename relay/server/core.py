@@ -22,6 +22,7 @@ from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
+from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.store import commands as cmd
 from relay.store.sqlite import SqliteStore, StoreConfig
 from relay.store.writer import Writer, open_writer, wall_clock_ms
@@ -46,6 +47,11 @@ class ServerConfig:
     # answers queue_full: per queue, and a default for the others (None: unbounded).
     max_queue_depth: int | None = None
     queue_depths: dict[str, int] = attrs.Factory(dict)
+    # PEM files of the job listener's certificate (chain) and key: both, or neither (plain
+    # TCP). A client's handshake must finish within the timeout (relay/server/tls.py).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_handshake_timeout_ms: int = HANDSHAKE_TIMEOUT_MS
     clock: Callable[[], int] = wall_clock_ms
     # Access control (relay/server/auth.py): None, every connection may do everything,
     # and no listener may be reachable from other machines unless ``insecure``.

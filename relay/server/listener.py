@@ -5,12 +5,20 @@ listener acquires it, the session's task releases it), so ``max_connections`` bo
 sessions alive at once. The contract asks that a connection over the cap be told so, so
 the listener accepts it, writes one ``overloaded`` line and closes it, rather than
 leaving it unaccepted in the kernel's backlog.
+
+With TLS, the session's task does the handshake, within a deadline, after the connection
+has taken its slot: so handshakes in progress count against ``max_connections``, and a
+client that connects and stalls holds one slot, for the deadline, and never the accept
+loop. A connection over the cap is closed without its line there, which would need a
+handshake of its own (the cap exists to bound those); the client sees the connection
+close during its handshake.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -18,6 +26,7 @@ import trio
 from relay import wire
 from relay.errors import Overloaded
 from relay.log import Summary, event
+from relay.server import tls
 
 log = logging.getLogger("relay.listener")
 
@@ -40,8 +49,11 @@ class Listener:
     def __init__(
         self,
         listeners: list[trio.SocketListener],
-        handle: Callable[[trio.SocketStream, str], Awaitable[None]],
+        handle: Callable[[trio.abc.Stream, str], Awaitable[None]],
         max_connections: int,
+        *,
+        tls_context: ssl.SSLContext | None = None,
+        handshake_timeout: float = tls.HANDSHAKE_TIMEOUT_MS / 1000,
     ) -> None:
         self._listeners = listeners
         self._handle = handle
@@ -49,6 +61,10 @@ class Listener:
         self._accepting = trio.CancelScope()
         self.refused = 0
         self._refusals = Summary()  # logged in summary: they come in floods
+        self._tls_context = tls_context  # None: plain TCP
+        self._handshake_timeout = handshake_timeout
+        self.handshakes_failed = 0
+        self._handshake_failures = Summary()  # a scanner or a misconfigured pool floods too
 
     @property
     def connections(self) -> int:
@@ -94,6 +110,9 @@ class Listener:
         if n := self._refusals.count(trio.current_time()):
             event(log, logging.WARNING, "connection.refused", peer=peer_name(stream),
                   reason="max_connections", refused=n)  # fmt: skip
+        if self._tls_context is not None:
+            await trio.aclose_forcefully(stream)  # no line without a handshake: see above
+            return
         error = Overloaded(f"too many connections (max {self.limiter.total_tokens})")
         with trio.move_on_after(REFUSE_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(wire.encode_error(None, error))
@@ -103,7 +122,10 @@ class Listener:
         peer = peer_name(stream)
         event(log, logging.DEBUG, "connection.open", peer=peer)
         try:
-            await self._handle(stream, peer)
+            if self._tls_context is None:
+                await self._handle(stream, peer)
+            elif (secured := await self._handshake(stream, peer)) is not None:
+                await self._handle(secured, peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             event(log, logging.DEBUG, "connection.broken", peer=peer, error=repr(exc))
         except Exception:
@@ -113,3 +135,19 @@ class Listener:
         finally:
             self.limiter.release_on_behalf_of(owner)
             event(log, logging.DEBUG, "connection.close", peer=peer)
+
+    async def _handshake(self, stream: trio.SocketStream, peer: str) -> trio.abc.Stream | None:
+        """The TLS stream over ``stream``, or None if the handshake failed or stalled (the
+        connection is then closed, and logged in summary)."""
+        assert self._tls_context is not None
+        reason = f"no handshake within {self._handshake_timeout:g} s"
+        with trio.move_on_after(self._handshake_timeout):
+            try:
+                return await tls.handshake(stream, self._tls_context)
+            except tls.HandshakeFailed as exc:
+                reason = str(exc)
+        self.handshakes_failed += 1
+        if n := self._handshake_failures.count(trio.current_time()):
+            event(log, logging.INFO, "connection.tls_failed", peer=peer, reason=reason,
+                  failed=n)  # fmt: skip
+        return None

@@ -15,7 +15,9 @@ The task tree (every task has one owner; read top to bottom)::
             ├── Listener.serve                TCP accept loop (own cancel scope:
             │   └── sessions nursery            stop_accepting closes it first)
             │       └── Session.run  (xN)     reader, sender and watchdog tasks (+ a task per
-            │                                 dead retry/purge of a whole queue)
+            │                                 dead retry/purge of a whole queue); with TLS,
+            │                                 after the handshake (in the same task, within
+            │                                 its deadline)
             └── serve_metrics                 GET /metrics, GET /healthz
                 └── one task per HTTP exchange
 
@@ -41,6 +43,7 @@ from relay.server.dispatch import VERSION
 from relay.server.listener import Listener
 from relay.server.metrics import MetricsSnapshot, serve_metrics
 from relay.server.session import Session, Sessions
+from relay.server.tls import server_context
 from relay.store import commands as cmd
 
 log = logging.getLogger("relay.server")
@@ -62,11 +65,18 @@ async def serve(
 ) -> None:
     """Run the server until ``shutdown()`` is called on its handle, or until cancelled.
 
-    Raises StoreError (before ``task_status.started``) if the database is refused.
+    Raises TlsConfigError if the TLS certificate or key cannot be used, and StoreError if
+    the database is refused, both before ``task_status.started``.
     Cancellation from outside skips the grace period but still closes the store cleanly.
     """
     began = time.monotonic()
     stop = trio.Event()
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ValueError("tls_cert and tls_key go together")
+    # Before the database is opened: a bad certificate stops the server as early as it can.
+    tls_context = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        tls_context = server_context(config.tls_cert, config.tls_key)
     # Before anything is opened: an exposed listener without tokens changes nothing.
     exposed = await trio.to_thread.run_sync(check_exposure, _hosts(config), config.tokens,
                                             config.insecure)  # fmt: skip
@@ -76,11 +86,14 @@ async def serve(
 
         sessions = Sessions()
 
-        async def run_session(stream: trio.SocketStream, peer: str) -> None:
+        async def run_session(stream: trio.abc.Stream, peer: str) -> None:
             idle = config.idle_timeout_ms / 1000
             await sessions.run(Session(stream, dispatcher, idle_timeout=idle, peer=peer))
 
-        listener = Listener(tcp, run_session, config.limits.max_connections)
+        listener = Listener(
+            tcp, run_session, config.limits.max_connections, tls_context=tls_context,
+            handshake_timeout=config.tls_handshake_timeout_ms / 1000,
+        )  # fmt: skip
         dispatcher.connections = lambda: listener.connections
 
         async def gather() -> MetricsSnapshot:
@@ -115,6 +128,7 @@ async def serve(
                 "server.started",
                 version=VERSION,
                 address=f"{address[0]}:{address[1]}",
+                tls=tls_context is not None,
                 metrics=None if metrics_address is None else "{}:{}".format(*metrics_address),
                 db=config.db,
                 synchronous=config.synchronous,

@@ -68,10 +68,20 @@ MAX_OWED_BYTES = 32 * 1024 * 1024
 HELLO_TIMEOUT_S = 10.0
 
 
-def _socket_fd(stream: trio.abc.Stream) -> int | None:
-    """The file descriptor to write replies through, or None (not a TCP socket stream)."""
-    sock = getattr(stream, "socket", None)
+def _tcp_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
+    """The TCP socket under ``stream``: its own (``trio.SocketStream``) or its transport's
+    (``trio.SSLStream`` over one); None if there is none."""
+    sock = getattr(getattr(stream, "transport_stream", stream), "socket", None)
     if sock is None or sock.type != socket.SOCK_STREAM:
+        return None
+    return sock
+
+
+def _socket_fd(stream: trio.abc.Stream) -> int | None:
+    """The file descriptor to read requests and write replies through, or None (not a
+    plain TCP socket stream: TLS bytes go through their stream)."""
+    sock = _tcp_socket(stream)
+    if sock is None or getattr(stream, "socket", None) is not sock:
         return None
     return sock.fileno()
 
@@ -103,7 +113,8 @@ class Session:
         self._can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
-        self._socket = stream.socket if self._fd is not None else None  # type: ignore[attr-defined]
+        # The TCP socket, also under TLS: for its state and a peek for EOF, never its bytes.
+        self._socket = _tcp_socket(stream)
         # The replies owed (relay/server/outbox.py): written through, or by its sender.
         self._outbox = Outbox(stream, self._fd, peer, self._wake_reader, self._broken)
         # The same socket where its TCP state can be read (TCP on Linux: TCP_INFO; other
@@ -312,7 +323,9 @@ class Session:
         # and discard what the client is still sending, bounded in time and bytes.
         with trio.move_on_after(LINGER_S):
             try:
-                await self.stream.send_eof()  # type: ignore[attr-defined]
+                # A TLS stream cannot half-close: it only reads and discards.
+                if (send_eof := getattr(self.stream, "send_eof", None)) is not None:
+                    await send_eof()
                 discarded = 0
                 while discarded < LINGER_BYTES:
                     data = await self.stream.receive_some(RECEIVE_BYTES)
@@ -413,7 +426,9 @@ class Session:
 
     async def _watch_for_goodbye(self) -> bool:
         """Wait for room or for the client's next bytes. On EOF or a reset, answer the
-        parked long-polls. Returns whether to go on watching."""
+        parked long-polls. Returns whether to go on watching. (Under TLS the peek sees
+        records, not requests: any, a close_notify too, ends the watch as a request would,
+        and the TCP state in ``can_wait`` still sees the FIN that follows.)"""
         assert self._socket is not None
         with trio.CancelScope() as self._room_watch:
             try:
