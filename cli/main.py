@@ -53,6 +53,7 @@ T = TypeVar("T")
 PROG = "relay-trio"
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:7401"
+DEFAULT_WS_ADDRESS = "127.0.0.1:7402"
 # Exit code when a second SIGINT/SIGTERM cuts the graceful shutdown short.
 EXIT_SECOND_SIGNAL = 130
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
@@ -318,6 +319,11 @@ _LIMITS = wire.Limits()
     "--metrics-address", default=DEFAULT_METRICS_ADDRESS, show_default=True,
     help="HOST:PORT for GET /metrics and /healthz; 'off' disables it.",
 )  # fmt: skip
+@click.option(
+    "--ws-address", default=DEFAULT_WS_ADDRESS, show_default=True,
+    help="HOST:PORT for the WebSocket endpoint (the same requests, one per text message); "
+    "'off' disables it.",
+)  # fmt: skip
 @_limit("max_connections", _LIMITS.max_connections, "Client connections at once.")
 @_limit("max_in_flight", _LIMITS.max_in_flight, "Unanswered requests per connection.")
 @_limit("max_frame_bytes", _LIMITS.max_frame_bytes, "Longest request line.")
@@ -365,6 +371,7 @@ def server(
     db: str,
     address: str,
     metrics_address: str,
+    ws_address: str,
     synchronous: str,
     max_queue_depth: int | None,
     queue_depths: dict[str, int],
@@ -387,6 +394,9 @@ def server(
     metrics_host, metrics_port = "127.0.0.1", None
     if metrics_address != "off":
         metrics_host, metrics_port = parse_address(metrics_address, "--metrics-address")
+    ws_host, ws_port = "127.0.0.1", None
+    if ws_address != "off":
+        ws_host, ws_port = parse_address(ws_address, "--ws-address")
     limit_fields = {f.name for f in attrs.fields(wire.Limits)}
     limits = wire.Limits(**{k: v for k, v in numbers.items() if k in limit_fields})
     raise_open_files_limit(limits.max_connections)
@@ -396,6 +406,8 @@ def server(
         port=port,
         metrics_host=metrics_host,
         metrics_port=metrics_port,
+        ws_host=ws_host,
+        ws_port=ws_port,
         limits=limits,
         synchronous=synchronous,
         max_queue_depth=max_queue_depth,

@@ -93,7 +93,7 @@ def running_server(sync: str, db_dir: str, tls: Tls | None = None) -> Iterator[S
     db = os.path.join(db_dir, f"bench-{sync}-{time.monotonic_ns()}.db")
     args = [
         _relay_trio(), "server", "--db", db, "--address", "127.0.0.1:0",
-        "--metrics-address", "127.0.0.1:0", "--synchronous", sync,
+        "--metrics-address", "127.0.0.1:0", "--ws-address", "off", "--synchronous", sync,
         "--max-in-flight", "1024", "--max-batch", "1000",
     ]  # fmt: skip
     if tls is not None:

@@ -37,6 +37,10 @@ class ServerConfig:
     port: int = 7400
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 7401  # None: no metrics endpoint
+    # The WebSocket endpoint (relay/server/websocket.py); None: none. The command line's
+    # default is 7402; a library user asks for it.
+    ws_host: str = "127.0.0.1"
+    ws_port: int | None = None
     limits: wire.Limits = attrs.Factory(wire.Limits)
     synchronous: str = "full"
     idempotency_window_ms: int = 24 * 3_600_000

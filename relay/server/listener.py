@@ -43,6 +43,10 @@ def peer_name(stream: trio.SocketStream) -> str:
     return f"{host}:{port}"
 
 
+def _overloaded_line(limit: int) -> bytes:
+    return wire.encode_error(None, Overloaded(f"too many connections (max {limit})"))
+
+
 class Listener:
     """Accepts connections until ``stop_accepting``; owns every session task it starts."""
 
@@ -52,12 +56,16 @@ class Listener:
         handle: Callable[[trio.abc.Stream, str], Awaitable[None]],
         max_connections: int,
         *,
+        limiter: trio.CapacityLimiter | None = None,
+        refusal: Callable[[int], bytes] | None = None,
         tls_context: ssl.SSLContext | None = None,
         handshake_timeout: float = tls.HANDSHAKE_TIMEOUT_MS / 1000,
     ) -> None:
         self._listeners = listeners
         self._handle = handle
-        self.limiter = trio.CapacityLimiter(max_connections)
+        # Shared by the listeners of one server (TCP, WebSocket): one cap for all.
+        self.limiter = limiter or trio.CapacityLimiter(max_connections)
+        self._refusal = refusal or _overloaded_line  # what a connection over the cap gets
         self._accepting = trio.CancelScope()
         self.refused = 0
         self._refusals = Summary()  # logged in summary: they come in floods
@@ -113,9 +121,8 @@ class Listener:
         if self._tls_context is not None:
             await trio.aclose_forcefully(stream)  # no line without a handshake: see above
             return
-        error = Overloaded(f"too many connections (max {self.limiter.total_tokens})")
         with trio.move_on_after(REFUSE_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
-            await stream.send_all(wire.encode_error(None, error))
+            await stream.send_all(self._refusal(int(self.limiter.total_tokens)))
         await trio.aclose_forcefully(stream)
 
     async def _run_session(self, stream: trio.SocketStream, owner: object) -> None:

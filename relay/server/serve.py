@@ -18,6 +18,10 @@ The task tree (every task has one owner; read top to bottom)::
             │                                 dead retry/purge of a whole queue); with TLS,
             │                                 after the handshake (in the same task, within
             │                                 its deadline)
+            ├── Listener.serve                WebSocket accept loop (the same cap, the
+            │   └── sessions nursery            same sessions; relay/server/websocket.py)
+            │       └── run_websocket (xN)    opening handshake, then Session.run over
+            │           └── reader task       its MessageStream; trio-websocket's reader
             └── serve_metrics                 GET /metrics, GET /healthz
                 └── one task per HTTP exchange
 
@@ -30,8 +34,9 @@ the transports (sessions close); leaving the core cancels its services, and leav
 from __future__ import annotations
 
 import logging
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -44,6 +49,7 @@ from relay.server.listener import Listener
 from relay.server.metrics import MetricsSnapshot, serve_metrics
 from relay.server.session import Session, Sessions
 from relay.server.tls import server_context
+from relay.server.websocket import accept_websocket, overloaded_response
 from relay.store import commands as cmd
 
 log = logging.getLogger("relay.server")
@@ -58,6 +64,7 @@ class ServerHandle:
     address: tuple[str, int]
     metrics_address: tuple[str, int] | None
     shutdown: Callable[[], None]
+    ws_address: tuple[str, int] | None = None
 
 
 async def serve(
@@ -94,6 +101,12 @@ async def serve(
             tcp, run_session, config.limits.max_connections, tls_context=tls_context,
             handshake_timeout=config.tls_handshake_timeout_ms / 1000,
         )  # fmt: skip
+        listeners = [listener]
+        ws_address = None
+        if config.ws_port is not None:
+            ws = await trio.open_tcp_listeners(config.ws_port, host=config.ws_host)
+            ws_address = ws[0].socket.getsockname()[:2]
+            listeners.append(_websocket_listener(ws, config, run_session, listener, tls_context))
         dispatcher.connections = lambda: listener.connections
 
         async def gather() -> MetricsSnapshot:
@@ -110,7 +123,8 @@ async def serve(
             )
 
         async with trio.open_nursery() as transports:
-            await transports.start(listener.serve)
+            for each in listeners:
+                await transports.start(each.serve)
             metrics_address = None
             if config.metrics_port is not None:
                 http = await trio.open_tcp_listeners(config.metrics_port, host=config.metrics_host)
@@ -130,6 +144,7 @@ async def serve(
                 address=f"{address[0]}:{address[1]}",
                 tls=tls_context is not None,
                 metrics=None if metrics_address is None else "{}:{}".format(*metrics_address),
+                websocket=None if ws_address is None else "{}:{}".format(*ws_address),
                 db=config.db,
                 synchronous=config.synchronous,
                 limits=attrs.asdict(config.limits),
@@ -140,9 +155,9 @@ async def serve(
             for host in exposed:
                 event(log, logging.WARNING, "server.insecure", host=host,
                       problem="listening beyond loopback without tokens (--insecure)")  # fmt: skip
-            task_status.started(ServerHandle(address, metrics_address, stop.set))
+            task_status.started(ServerHandle(address, metrics_address, stop.set, ws_address))
             await stop.wait()
-            await _shut_down(config, listener, core, sessions)
+            await _shut_down(config, listeners, core, sessions)
             transports.cancel_scope.cancel()
         t = time.monotonic()
     event(log, logging.INFO, "server.stopped", writer_close_ms=round((time.monotonic() - t) * 1000))
@@ -153,16 +168,47 @@ def _hosts(config: ServerConfig) -> list[tuple[str, str]]:
     hosts = [("jobs", config.host)]
     if config.metrics_port is not None:
         hosts.append(("metrics", config.metrics_host))
+    if config.ws_port is not None:
+        hosts.append(("websocket", config.ws_host))
     return hosts
 
 
+def _websocket_listener(
+    sockets: list[trio.SocketListener],
+    config: ServerConfig,
+    run_session: Callable[[trio.abc.Stream, str], Awaitable[None]],
+    jobs: Listener,
+    tls_context: ssl.SSLContext | None,
+) -> Listener:
+    """The WebSocket endpoint: its connections share the job listener's cap and run the
+    same sessions, each over the opening handshake's ``MessageStream``."""
+
+    async def run_websocket(stream: trio.abc.Stream, peer: str) -> None:
+        async with trio.open_nursery() as websocket_tasks:  # trio-websocket's reader
+            messages = await accept_websocket(
+                stream, websocket_tasks, config.limits.max_frame_bytes
+            )
+            if messages is None:
+                await trio.aclose_forcefully(stream)
+            else:
+                await run_session(messages, peer)
+            websocket_tasks.cancel_scope.cancel()
+
+    return Listener(
+        sockets, run_websocket, config.limits.max_connections, limiter=jobs.limiter,
+        refusal=overloaded_response, tls_context=tls_context,
+        handshake_timeout=config.tls_handshake_timeout_ms / 1000,
+    )  # fmt: skip
+
+
 async def _shut_down(
-    config: ServerConfig, listener: Listener, core: Core, sessions: Sessions
+    config: ServerConfig, listeners: list[Listener], core: Core, sessions: Sessions
 ) -> None:
     """Everything before cancelling the transports, within one grace deadline."""
     t = time.monotonic()
     deadline = trio.current_time() + config.shutdown_timeout_ms / 1000
-    listener.stop_accepting()
+    for listener in listeners:
+        listener.stop_accepting()
     event(log, logging.INFO, "shutdown.stopped_accepting", in_flight=core.dispatcher.in_flight)
     drained = await core.drain(deadline - trio.current_time())
     event(

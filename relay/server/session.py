@@ -24,6 +24,7 @@ back on the client.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -63,6 +64,9 @@ TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8
 # written but not yet sent. max_in_flight alone counts requests, and 256 inspects of big
 # jobs would hold ~500 MiB.
 MAX_OWED_BYTES = 32 * 1024 * 1024
+# Closing a connection gracefully (a TLS close_notify, a WebSocket's close frame) may take
+# this long; then it is closed forcefully.
+CLOSE_GRACE_S = 1.0
 # With tokens configured, a connection that has not said hello with a valid token within
 # this is closed: an unauthenticated client holds a connection slot for no longer.
 HELLO_TIMEOUT_S = 10.0
@@ -236,6 +240,7 @@ class Session:
     def refuse(self, data: bytes, delay: float) -> None:
         """Read and run nothing more; answer ``data`` after ``delay``, then close."""
         self._refusal = (data, delay)
+        self._closing("unauthorized")
         self._reading.cancel()
 
     def _flush(self) -> None:
@@ -251,7 +256,14 @@ class Session:
 
     def stop_reading(self) -> None:
         """Take no more requests; write the replies still owed, then close (shutdown)."""
+        self._closing("shutting_down")
         self._reading.cancel()
+
+    def _closing(self, reason: str) -> None:
+        """Tell a stream that can say why it closes (a WebSocket's close code) why."""
+        closing = getattr(self.stream, "closing", None)
+        if closing is not None:
+            closing(reason)
 
     def _owed(self) -> int:
         return self.in_flight + self._outbox.count + self._outbox.sending
@@ -300,7 +312,7 @@ class Session:
         finally:
             self._outbox.close()
             self._stop_waiting()
-            await trio.aclose_forcefully(self.stream)
+            await _close(self.stream)
 
     async def _send_refusal(self) -> None:
         assert self._refusal is not None
@@ -357,6 +369,7 @@ class Session:
                 with trio.move_on_after(DRAIN_GRACE_S):
                     while self._owed():
                         await self._room_lot.park()
+                self._closing("frame_too_large")
                 error = FrameTooLarge(f"frame longer than {self.limits.max_frame_bytes} bytes")
                 self.begin_request()
                 self.reply(wire.encode_error(None, error))
@@ -506,6 +519,17 @@ class Session:
             if waiting is not None:
                 wake = min(wake, waiting + idle)
             await trio.sleep_until(wake)
+
+
+async def _close(stream: trio.abc.Stream) -> None:
+    """Close ``stream``, also when cancelled: gracefully within CLOSE_GRACE_S (a TLS
+    close_notify, a WebSocket's close frame), else forcefully."""
+    deadline = trio.current_time() + CLOSE_GRACE_S
+    closed = contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError)
+    with trio.CancelScope(shield=True, deadline=deadline) as scope, closed:
+        await stream.aclose()
+    if scope.cancelled_caught:
+        await trio.aclose_forcefully(stream)
 
 
 class Sessions:

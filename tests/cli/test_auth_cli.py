@@ -162,7 +162,7 @@ async def test_submit_with_a_producer_token(address, admin):
 
 def server_args(db: Path, *extra: str) -> tuple[str, ...]:
     return ("server", "--db", str(db), "--address", "127.0.0.1:0", "--metrics-address", "off",
-            *extra)  # fmt: skip
+            "--ws-address", "off", *extra)  # fmt: skip
 
 
 def assert_one_plain_line(result: Result, *fragments: str, code: int = 2) -> str:
@@ -190,7 +190,17 @@ async def test_server_refuses_bad_tokens_with_one_line(tmp_path):
 
 async def test_server_refuses_every_interface_without_tokens(tmp_path):
     db = tmp_path / "relay.db"
-    args = ("server", "--db", str(db), "--address", "0.0.0.0:0", "--metrics-address", "off")
+    args = (
+        "server",
+        "--db",
+        str(db),
+        "--address",
+        "0.0.0.0:0",
+        "--metrics-address",
+        "off",
+        "--ws-address",
+        "off",
+    )
     (result,) = await run_all((args, env_with(None)))
     assert_one_plain_line(result, "0.0.0.0", "--insecure", "--auth-token-file",
                           "RELAY_AUTH_TOKEN")  # fmt: skip

@@ -144,7 +144,7 @@ async def test_server_refuses_tls_files_it_cannot_use_at_start(
     db = tmp_path / "relay.db"
     command = [
         str(RELAY), "server", "--db", str(db), "--address", "127.0.0.1:0",
-        "--metrics-address", "off", *make_args(tls_files, tmp_path),
+        "--metrics-address", "off", "--ws-address", "off", *make_args(tls_files, tmp_path),
     ]  # fmt: skip
     with trio.fail_after(BOUND_S):
         done = await trio.run_process(

@@ -10,6 +10,7 @@ import attrs
 import orjson
 import pytest
 import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, connect_websocket
 
 from relay import wire
 from relay.server.serve import ServerConfig, ServerHandle, serve
@@ -82,6 +83,40 @@ class LineClient:
         await self.stream.aclose()
 
 
+class WebSocketLineClient(LineClient):
+    """The same client over the WebSocket endpoint: each line it sends is one text
+    message, each message it gets one line."""
+
+    def __init__(self, ws: WebSocketConnection) -> None:
+        self.ws = ws
+        self._buffer = b""
+        self._unsent = b""
+        self._ids = itertools.count(1)
+
+    async def send_raw(self, data: bytes) -> None:
+        *lines, self._unsent = (self._unsent + data).split(b"\n")
+        for line in lines:
+            # A text message cannot hold invalid UTF-8: such bytes go as U+FFFD.
+            await self.ws.send_message(line.decode(errors="replace"))
+
+    async def read_line(self) -> bytes | None:
+        with trio.fail_after(BOUND_S):
+            try:
+                message = await self.ws.get_message()
+            except ConnectionClosed:
+                return None
+        assert isinstance(message, str), "replies are text messages"
+        return message.encode()
+
+    async def at_eof(self) -> bool:
+        while await self.read_line() is not None:
+            pass
+        return True
+
+    async def aclose(self) -> None:
+        await self.ws.aclose()
+
+
 @attrs.define
 class RunningServer:
     handle: ServerHandle
@@ -92,11 +127,24 @@ class RunningServer:
         host, port = self.handle.address
         return LineClient(await trio.open_tcp_stream(host, port))
 
+    async def connect_websocket(self) -> WebSocketLineClient:
+        assert self.handle.ws_address is not None, "started without ws_port"
+        host, port = self.handle.ws_address
+        with trio.fail_after(BOUND_S):
+            ws = await connect_websocket(self.nursery, host, port, "/", use_ssl=False)
+        return WebSocketLineClient(ws)
+
+    async def connect_by(self, transport: str) -> LineClient:
+        """A client over ``transport``: "tcp" or "websocket"."""
+        if transport == "websocket":
+            return await self.connect_websocket()
+        return await self.connect()
+
 
 async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> RunningServer:
     limits = overrides.pop("limits", wire.Limits())
     config = ServerConfig(
-        db=db, host="127.0.0.1", port=0, metrics_port=0, limits=limits, **overrides
+        db=db, host="127.0.0.1", port=0, metrics_port=0, ws_port=0, limits=limits, **overrides
     )
     handle = await nursery.start(serve, config)
     return RunningServer(handle, config, nursery)

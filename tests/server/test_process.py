@@ -87,7 +87,8 @@ async def server_process(db: Path, *args: str) -> AsyncIterator[ServerProcess]:
     """Start a server on ``db`` and wait until it serves; kill it on the way out if needed."""
     command = [
         str(RELAY), "server", "--db", str(db), "--address", "127.0.0.1:0",
-        "--metrics-address", "off", "--shutdown-timeout-ms", str(SHUTDOWN_TIMEOUT_MS), *args,
+        "--metrics-address", "off", "--ws-address", "off",
+        "--shutdown-timeout-ms", str(SHUTDOWN_TIMEOUT_MS), *args,
     ]  # fmt: skip
     async with trio.open_nursery() as nursery:
         process = await trio.lowlevel.open_process(
@@ -360,7 +361,7 @@ async def test_refused_database_exits_2_and_leaves_the_file_unchanged(tmp_path, 
     siblings = sorted(p.name for p in tmp_path.iterdir())
     command = [
         str(RELAY), "server", "--db", str(db), "--address", "127.0.0.1:0",
-        "--metrics-address", "off",
+        "--metrics-address", "off", "--ws-address", "off",
     ]  # fmt: skip
     with trio.fail_after(BOUND_S):
         done = await trio.run_process(

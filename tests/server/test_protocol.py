@@ -1,4 +1,5 @@
-"""The wire contract (docs: /work/shared/protocol.md) exercised over real TCP sockets.
+"""The wire contract (docs: /work/shared/protocol.md) exercised over real sockets: the
+tests that take ``client`` run over TCP and over the WebSocket endpoint.
 
 Every op, every error code a client can reach over TCP, framing, pipelining,
 backpressure, and hostile clients that must not disturb well-behaved ones. Each test
@@ -81,6 +82,16 @@ async def custom_server(tmp_path, **overrides: Any) -> AsyncIterator[RunningServ
     start = functools.partial(start_server, **overrides)
     async with serving(start, str(tmp_path / "custom.db")) as running:
         yield running
+
+
+@pytest.fixture(params=["tcp", "websocket"])
+async def client(request, server: RunningServer) -> AsyncIterator[LineClient]:
+    """The contract holds over both transports: each test using ``client`` runs on each."""
+    c = await server.connect_by(request.param)
+    try:
+        yield c
+    finally:
+        await c.aclose()
 
 
 @contextlib.asynccontextmanager
