@@ -24,11 +24,7 @@ back on the client.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import socket
-import sys
 from typing import Any
 
 import trio
@@ -40,54 +36,25 @@ from relay.log import event
 from relay.server.auth import Role
 from relay.server.dispatch import Dispatcher
 from relay.server.outbox import Outbox
+from relay.server.streamio import TCP_CLOSE, TCP_CLOSE_WAIT, StreamIO
 from relay.store.items import Item
 
 log = logging.getLogger("relay.session")
 
-# Bytes per receive: large enough for a pipelined burst of small requests in one call.
-RECEIVE_BYTES = 64 * 1024
 # After the client stops sending (EOF, or a fatal frame), replies still owed are written
 # for at most this long beyond the longest long-poll.
 DRAIN_GRACE_S = 5.0
-# Before closing a connection over a too-large frame: how long, and how many bytes, to
-# read and discard so that the error line is not lost to a TCP reset (see _linger).
-LINGER_S = 1.0
-LINGER_BYTES = 4 * 1024 * 1024
 # The reader yields to other tasks, and writes the replies it gave at once, after this
 # many lines of one read: a ping costs ~10 us, so a slice stays well under a millisecond.
 SLICE_LINES = 64
-# TCP states (linux/tcp_states.h, the first byte of TCP_INFO) in which the peer has closed
-# or reset its side.
-TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8
 # The reader stops reading while the replies it owes may take this many bytes: reserved by
 # large requests in flight (inspect, dead_list, lease: their most, see dispatch.py), or
 # written but not yet sent. max_in_flight alone counts requests, and 256 inspects of big
 # jobs would hold ~500 MiB.
 MAX_OWED_BYTES = 32 * 1024 * 1024
-# Closing a connection gracefully (a TLS close_notify, a WebSocket's close frame) may take
-# this long; then it is closed forcefully.
-CLOSE_GRACE_S = 1.0
 # With tokens configured, a connection that has not said hello with a valid token within
 # this is closed: an unauthenticated client holds a connection slot for no longer.
 HELLO_TIMEOUT_S = 10.0
-
-
-def _tcp_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
-    """The TCP socket under ``stream``: its own (``trio.SocketStream``) or its transport's
-    (``trio.SSLStream`` over one); None if there is none."""
-    sock = getattr(getattr(stream, "transport_stream", stream), "socket", None)
-    if sock is None or sock.type != socket.SOCK_STREAM:
-        return None
-    return sock
-
-
-def _socket_fd(stream: trio.abc.Stream) -> int | None:
-    """The file descriptor to read requests and write replies through, or None (not a
-    plain TCP socket stream: TLS bytes go through their stream)."""
-    sock = _tcp_socket(stream)
-    if sock is None or getattr(stream, "socket", None) is not sock:
-        return None
-    return sock.fileno()
 
 
 class Session:
@@ -116,21 +83,9 @@ class Session:
         # claimed again: a job must not be leased to a client that has gone.
         self._can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
-        self._fd = _socket_fd(stream)  # None: every reply goes through the sender task
-        # The TCP socket, also under TLS: for its state and a peek for EOF, never its bytes.
-        self._socket = _tcp_socket(stream)
+        self._io = StreamIO(stream)  # its bytes, its socket
         # The replies owed (relay/server/outbox.py): written through, or by its sender.
-        self._outbox = Outbox(stream, self._fd, peer, self._wake_reader, self._broken)
-        # The same socket where its TCP state can be read (TCP on Linux: TCP_INFO; other
-        # systems number their states differently), else None.
-        self._tcp = (
-            self._socket
-            if self._socket is not None
-            and self._socket.family in (socket.AF_INET, socket.AF_INET6)
-            and sys.platform.startswith("linux")
-            else None
-        )
-        self._full_read = False  # the last read filled its buffer: more is likely waiting
+        self._outbox = Outbox(stream, self._io.fd, peer, self._wake_reader, self._broken)
         self._reserved = 0  # bytes set aside for large replies of requests in flight
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
@@ -163,7 +118,7 @@ class Session:
         if self.closed:
             return False
         if self._can_wait:
-            state = self._tcp_state()
+            state = self._io.tcp_state()
             if state == TCP_CLOSE:
                 self._broken(ConnectionResetError("reset by the peer"))
             if state in (TCP_CLOSE, TCP_CLOSE_WAIT):
@@ -175,15 +130,6 @@ class Session:
         the trio thread last saw it (``can_wait``). Asked by the writer thread just before
         the claim: plain attributes only."""
         return not self.closed and self._can_wait
-
-    def _tcp_state(self) -> int | None:
-        """The connection's TCP state, where the socket tells it, else None."""
-        if self._tcp is None:
-            return None
-        try:
-            return self._tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
-        except OSError:
-            return None  # cannot tell: the reader finds out when it reads
 
     # -- called by the dispatcher and the writer's hand-off (sync, trio thread) --------------
 
@@ -307,12 +253,12 @@ class Session:
                     if self._refusal is not None:
                         await self._send_refusal()
                     if self.splitter.overflow or self._refusal is not None:
-                        await self._linger()
+                        await self._io.linger()
                 nursery.cancel_scope.cancel()
         finally:
             self._outbox.close()
             self._stop_waiting()
-            await _close(self.stream)
+            await self._io.close()
 
     async def _send_refusal(self) -> None:
         assert self._refusal is not None
@@ -329,30 +275,12 @@ class Session:
             event(log, logging.INFO, "connection.hello_timeout", peer=self.peer)
             self._broken(trio.TooSlowError("no hello in time"))
 
-    async def _linger(self) -> None:
-        # Closing a socket with unread input makes the kernel reset the connection, which
-        # can destroy the frame_too_large line still on its way. So: half-close, then read
-        # and discard what the client is still sending, bounded in time and bytes.
-        with trio.move_on_after(LINGER_S):
-            try:
-                # A TLS stream cannot half-close: it only reads and discards.
-                if (send_eof := getattr(self.stream, "send_eof", None)) is not None:
-                    await send_eof()
-                discarded = 0
-                while discarded < LINGER_BYTES:
-                    data = await self.stream.receive_some(RECEIVE_BYTES)
-                    if not data:
-                        return
-                    discarded += len(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-
     async def _read_loop(self) -> None:
         while True:
             if self._full():
                 await self._wait_for_room(line_waiting=False)
             try:
-                data = await self._receive()
+                data = await self._io.receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # reset by the peer: as good as EOF (and it reads nothing more)
             if not data:
@@ -429,7 +357,7 @@ class Session:
         the watch ends at the client's first byte, as it does when a line is waiting.
         """
         longpolls = self.dispatcher.longpolls
-        watch = not line_waiting and self._socket is not None
+        watch = not line_waiting and self._io.socket is not None
         self._flush()  # held replies count as owed: write them first
         while self._full():
             if watch and longpolls.parked_for(self):
@@ -442,12 +370,9 @@ class Session:
         parked long-polls. Returns whether to go on watching. (Under TLS the peek sees
         records, not requests: any, a close_notify too, ends the watch as a request would,
         and the TCP state in ``can_wait`` still sees the FIN that follows.)"""
-        assert self._socket is not None
         with trio.CancelScope() as self._room_watch:
             try:
-                more = await self._socket.recv(1, socket.MSG_PEEK)  # waits until readable
-            except OSError:  # reset by the peer
-                more = b""
+                more = await self._io.peek()
             finally:
                 self._room_watch = None
             if not more:  # EOF or a reset; requests would wait for room, unread
@@ -465,32 +390,6 @@ class Session:
         longpolls = self.dispatcher.longpolls
         if longpolls.short_of_room(self):
             longpolls.room_made(self)
-
-    async def _receive(self) -> bytes:
-        """The client's next bytes (b"" at EOF).
-
-        After a short read (a client that waits for its replies) wait for the socket
-        first, then read once; after a full read (a pipelining client) read at once. A
-        stream's ``receive_some`` tries the read first every time, and for a one-at-a-time
-        client that first try is a failing system call per request: one more release and
-        retake of the GIL while the writer thread wants it."""
-        fd = self._fd
-        if fd is None:
-            return await self.stream.receive_some(RECEIVE_BYTES)
-        if self._full_read:
-            await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.wait_readable(fd)
-        while True:
-            try:
-                data = os.read(fd, RECEIVE_BYTES)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(fd)
-                continue
-            except OSError as exc:
-                raise trio.BrokenResourceError from exc
-            self._full_read = len(data) == RECEIVE_BYTES
-            return data
 
     async def _watchdog(self) -> None:
         """Close a connection that has not taken any of its replies for ``idle_timeout``
@@ -519,17 +418,6 @@ class Session:
             if waiting is not None:
                 wake = min(wake, waiting + idle)
             await trio.sleep_until(wake)
-
-
-async def _close(stream: trio.abc.Stream) -> None:
-    """Close ``stream``, also when cancelled: gracefully within CLOSE_GRACE_S (a TLS
-    close_notify, a WebSocket's close frame), else forcefully."""
-    deadline = trio.current_time() + CLOSE_GRACE_S
-    closed = contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError)
-    with trio.CancelScope(shield=True, deadline=deadline) as scope, closed:
-        await stream.aclose()
-    if scope.cancelled_caught:
-        await trio.aclose_forcefully(stream)
 
 
 class Sessions:

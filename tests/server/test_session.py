@@ -25,7 +25,8 @@ from relay.errors import ShuttingDown
 from relay.server import outbox as outbox_module
 from relay.server import session as session_module
 from relay.server.dispatch import Dispatcher
-from relay.server.session import RECEIVE_BYTES, SLICE_LINES
+from relay.server.session import SLICE_LINES
+from relay.server.streamio import RECEIVE_BYTES
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
 from tests.server.test_lifecycle import scrape
 from tests.server.test_protocol import (
