@@ -795,6 +795,9 @@ async def test_a_server_answers_every_bad_frame_and_keeps_serving(tmp_path, case
         for reply in replies:
             if not reply["ok"]:
                 check_error(reply)
+            for result in reply.get("results", []):  # an ack_batch's acks, one by one
+                if result.get("ok") is False:
+                    check_error(result)
         for reply in replies:
             event("server: " + ("ok" if reply["ok"] else reply["error"]["code"]))
 
