@@ -573,8 +573,10 @@ class RecordingWriter:
 
 
 class FakeConnection:
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery, dispatcher: Dispatcher) -> None:
         self.nursery = nursery
+        self.peer = "127.0.0.1:1"
+        dispatcher.set_role(self, dispatcher.first_role)  # type: ignore[arg-type]
         self.closed = False
         self.can_wait = True
         self.in_flight = 0
@@ -681,7 +683,7 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
     writer = RecordingWriter()
     dispatcher = Dispatcher(writer, LIMITS, LongPolls(writer))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
-        connection = FakeConnection(nursery)
+        connection = FakeConnection(nursery, dispatcher)
         for case, line in zip(cases, got, strict=True):
             n_replies, n_items, n_commands = (
                 len(connection.replies), len(writer.items), len(writer.commands),
