@@ -103,12 +103,19 @@ class Reaped:
     attempt: int
 
 
+# One state change of a job, recorded while ``SqliteStore.recording``: (job id, queue,
+# state it entered, its attempt after the change, the ``now`` of the call that made it).
+JobEvent = tuple[str, str, str, int, int]
+
+
 @attrs.define
 class Changes:
     """What committed changes mean for the trio side: whom to wake, and when.
 
     Collected while a transaction runs and taken by the writer after its commit. A command
-    that is rolled back may leave a spurious entry here; a spurious wake-up is harmless.
+    that is rolled back may leave a spurious entry in ``ready_queues`` and the times; a
+    spurious wake-up is harmless. ``events`` is exact: a rolled-back command's are removed
+    (``SqliteStore.command``), a rolled-back transaction's dropped with it.
     """
 
     ready_queues: set[str] = attrs.Factory(set)
@@ -116,6 +123,9 @@ class Changes:
     # lease expiry: the promoter and the reaper sleep until these if they are sooner.
     next_due_at: int | None = None
     next_expiry_at: int | None = None
+    # Every state change of a job, in the order made, while the store is ``recording``
+    # (for ``watch``); else empty.
+    events: list[JobEvent] = attrs.Factory(list)
 
     def due(self, at: int) -> None:
         if self.next_due_at is None or at < self.next_due_at:
@@ -283,6 +293,11 @@ _DUE_ROWS_SQL = _json_select(
     "id, queue, state",
     "FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
 )
+# The same rows with their attempts, for ``changes.events`` (only while recording).
+_DUE_EVENT_ROWS_SQL = _json_select(
+    "id, queue, state, attempt",
+    "FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
+)
 _EXPIRED_ROWS_SQL = _json_select(
     "id, queue, attempt, max_attempts, lease_expires_at",
     "FROM jobs WHERE state = 'leased' AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?",
@@ -365,6 +380,9 @@ class SqliteStore:
         # While a transaction runs: every counter change, to undo them on rollback.
         self._journal: list[tuple[Counter[tuple[str, str]], tuple[str, str], int]] | None = None
         self.changes = Changes()
+        # Whether transitions append to ``changes.events``. Off, they cost one check of
+        # this flag per call and no statement more; the writer sets it per batch.
+        self.recording = False
 
     @classmethod
     def open(
@@ -408,6 +426,8 @@ class SqliteStore:
         """One command inside the transaction: on any exception its changes are undone."""
         assert self._journal is not None, "command() outside begin()"
         mark = len(self._journal)
+        events = self.changes.events
+        events_mark = len(events)
         self._db.execute("SAVEPOINT command")
         try:
             yield
@@ -415,6 +435,7 @@ class SqliteStore:
             self._db.execute("ROLLBACK TO command")
             self._db.execute("RELEASE command")
             self._undo(mark)
+            del events[events_mark:]  # no event of what did not happen
             raise
         self._db.execute("RELEASE command")
 
@@ -489,6 +510,10 @@ class SqliteStore:
 
     def _count(self, queue: str, event: str, n: int = 1) -> None:
         self._bump(self._totals, (queue, event), n)
+
+    def _record(self, key: int, queue: str, state: str, attempt: int, now: int) -> None:
+        """One job's state change, for ``changes.events`` (call only while recording)."""
+        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now))
 
     def recount(self) -> None:
         """Count the jobs per queue and state again from the table (after a failure that
@@ -587,6 +612,12 @@ class SqliteStore:
         for (queue, state), n in per_queue.items():
             self._move(queue, None, state, n)
             self._count(queue, "submitted", n)
+        if self.recording:  # (a duplicate created nothing: no event)
+            self.changes.events += [
+                (result[0], spec.queue, result[1].value, 0, now)
+                for spec, result in zip(specs, results, strict=True)
+                if not result[2]
+            ]
         return results
 
     def _submit_plain(
@@ -623,6 +654,11 @@ class SqliteStore:
         for (queue, state), n in per_queue.items():
             self._move(queue, None, state, n)
             self._count(queue, "submitted", n)
+        if self.recording:
+            self.changes.events += [
+                (result[0], spec.queue, "ready", 0, now)
+                for spec, result in zip(specs, results, strict=True)
+            ]
         return results
 
     def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:
@@ -750,6 +786,12 @@ class SqliteStore:
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
+        if self.recording:  # in the order of the update: claim by claim
+            self.changes.events += [
+                (lease.job_id, lease.queue, "leased", lease.attempt, now)
+                for leases in results
+                for lease in leases
+            ]
         return results
 
     def _held_lease(
@@ -791,6 +833,8 @@ class SqliteStore:
         )
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked")
+        if self.recording:
+            self._record(row[0], row[1], "succeeded", row[3], now)
 
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
@@ -817,6 +861,10 @@ class SqliteStore:
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n)
+        if self.recording:
+            for key, _result in updates:
+                row = rows[key]
+                self._record(key, row[1], "succeeded", row[3], now)
         return [None] * len(acks)
 
     def jobs_fail(
@@ -840,6 +888,8 @@ class SqliteStore:
             self._move(queue, LEASED, RETRYING)
             self._count(queue, "retried")
             self.changes.due(retry_at)
+            if self.recording:
+                self._record(key, queue, "retrying", attempt, now)
             return FailOutcome(RETRYING, retry_at)
         self._db.execute(
             "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ?, "
@@ -848,6 +898,8 @@ class SqliteStore:
         )
         self._move(queue, LEASED, DEAD)
         self._count(queue, "dead")
+        if self.recording:
+            self._record(key, queue, "dead", attempt, now)
         return FailOutcome(DEAD, None)
 
     def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
@@ -862,6 +914,8 @@ class SqliteStore:
         )
         self._move(row[1], LEASED, READY)
         self.changes.ready_queues.add(row[1])
+        if self.recording:  # the attempt given back
+            self._record(row[0], row[1], "ready", row[3] - 1, now)
 
     def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
         _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", [(key, attempt, error, now)])
@@ -873,15 +927,22 @@ class SqliteStore:
 
         A promoted job counts as ready from its due time, not from when this pass ran.
         """
-        rows = _json_rows(self._db, _DUE_ROWS_SQL, (now, limit))
+        recording = self.recording
+        # Recording, the rows come with their attempts: the same statement, one column more.
+        sql = _DUE_EVENT_ROWS_SQL if recording else _DUE_ROWS_SQL
+        rows = _json_rows(self._db, sql, (now, limit))
         if rows:
             self._db.execute(
                 f"UPDATE jobs SET state = 'ready', ready_at = run_at WHERE id IN {_JSON_IDS}",
                 (_json_ids([row[0] for row in rows]),),
             )
-        for _key, queue, state in rows:
-            self._move(queue, state, READY)
+        for row in rows:
+            queue = row[1]
+            self._move(queue, row[2], READY)
             self.changes.ready_queues.add(queue)
+        if recording:
+            for key, queue, _state, attempt in rows:
+                self._record(key, queue, "ready", attempt, now)
         return len(rows)
 
     def leases_reap_expired(self, now: int, limit: int) -> list[Reaped]:
@@ -915,6 +976,10 @@ class SqliteStore:
                 f"WHERE id IN {_JSON_IDS}",
                 (now, LEASE_EXPIRED_ERROR, _json_ids(dead)),
             )
+        if self.recording:  # in the order of their expiry (one change per job)
+            self.changes.events += [
+                (r.job_id, r.queue, r.state.value, r.attempt, now) for r in reaped
+            ]
         return reaped
 
     def leases_recover(self, now: int) -> int:
@@ -936,6 +1001,9 @@ class SqliteStore:
             "last_error = ? WHERE state = 'leased'",
             (now, RESTART_ERROR),
         )
+        if self.recording:  # the attempt given back, as the update does
+            for key, queue, attempt in rows:
+                self._record(key, queue, "ready", attempt - 1, now)
         return len(rows)
 
     def next_due_at(self) -> int | None:
@@ -1117,6 +1185,9 @@ class SqliteStore:
         for _key, queue in rows:
             self._move(queue, DEAD, READY)
             self.changes.ready_queues.add(queue)
+        if self.recording:  # with fresh attempts
+            for key, queue in rows:
+                self._record(key, queue, "ready", 0, now)
 
     def dead_purge(self, job_id: str) -> int:
         """Delete one dead job and its history."""

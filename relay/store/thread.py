@@ -156,6 +156,9 @@ class WriterThread:
         store = self.store
         started = time.perf_counter()
         now = self.clock()
+        # Once per batch, so that a batch records all its state changes or none (a watcher
+        # that starts meanwhile sees whole batches from the next one on).
+        store.recording = self.writer.recording
         runs = _runs(batch)
         written = store.write_mark()[0]
         # (Never inside a transaction left open: its commit would be the one that counts.)

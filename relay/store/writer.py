@@ -95,6 +95,10 @@ class Writer:
         self._store_errors = dict.fromkeys(STORE_ERROR_KINDS, 0)
         # Called in the trio thread after each commit's replies are delivered.
         self.commit_listeners: list[Callable[[Changes], None]] = []
+        # Whether the store records each job state change in the Changes given to the
+        # listeners (``Changes.events``): set while someone watches. The thread reads it
+        # at the start of each batch.
+        self.recording = False
 
     @property
     def full(self) -> bool:

@@ -374,6 +374,122 @@ async def test_commit_listeners_hear_which_queues_got_ready_jobs(db_path):
     assert due == [T0 + 60_000]
 
 
+# -- job state changes for watchers (Writer.recording) -------------------------------------
+
+
+def heard_events(heard: list[Changes]) -> list[tuple[str, str, int]]:
+    """(queue, state, attempt) of every event the listeners heard, in order."""
+    return [(queue, state, attempt) for c in heard for _, queue, state, attempt, _ in c.events]
+
+
+async def test_commit_listeners_get_the_events_while_the_writer_records(db_path):
+    store = SqliteStore.open(db_path)
+    heard: list[Changes] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            await writer.execute(cmd.Submit((spec("off"),)))
+            writer.recording = True
+            (result,) = await writer.execute(cmd.Submit((spec(),)))
+            (lease,) = await writer.execute(cmd.Claim(("q",), "w", 1, 60_000))
+            await writer.execute(cmd.Ack(lease.job_id, "w", lease.token))
+            writer.recording = False
+            await writer.execute(cmd.Submit((spec("off"),)))
+    assert [c.events for c in heard] == [
+        [],
+        [(result.job_id, "q", "ready", 0, T0)],
+        [(result.job_id, "q", "leased", 1, T0)],
+        [(result.job_id, "q", "succeeded", 1, T0)],
+        [],
+    ]
+
+
+async def test_a_batch_records_all_of_its_changes_or_none(db_path):
+    # Recording is read once as a batch starts: turned on halfway, it records from the
+    # next batch on, never half of one.
+    store = SqliteStore.open(db_path)
+    heard: list[Changes] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            await writer.execute(cmd.Submit((spec("leased"),)))
+            (lease,) = await writer.execute(cmd.Claim(("leased",), "w", 1, 60_000))
+            first = await hold_writer(writer)
+            sink = Collect(4)
+            second = Gate()
+            await writer.send(cmd.Submit((spec("before"),)), sink)
+            await writer.send(second, sink)
+            await writer.send(cmd.Ack(lease.job_id, "w", lease.token), sink, tag="ack")
+            first.release.set()
+            # That batch runs its submit, the gate, then the ack (acks last).
+            await trio.to_thread.run_sync(second.entered.wait, BOUND_S)
+            writer.recording = True  # halfway through it
+            await writer.send(cmd.Submit((spec("late"),)), sink)  # the next batch
+            second.release.set()
+            await sink.done.wait()
+            await writer.execute(cmd.Submit((spec("after"),)))
+            stats = await writer.execute(cmd.Stats())
+    assert sink.outcomes["ack"] is None and stats["leased"]["succeeded"] == 1
+    batch = next(c for c in heard if c.ready_queues == {"before"})
+    assert batch.events == []
+    assert heard_events(heard) == [("late", "ready", 0), ("after", "ready", 0)]
+
+
+async def test_a_command_undone_in_the_careful_pass_leaves_no_event(db_path):
+    store = SqliteStore.open(db_path)
+    heard: list[Changes] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            writer.recording = True
+            sink = await one_batch(writer, [
+                ("kept", cmd.Submit((spec("a"),))),
+                ("explode", WriteThenExplode()),
+                ("refuse", WriteThenRefuse()),
+                ("also kept", cmd.Submit((spec("b"),))),
+            ])  # fmt: skip
+    assert isinstance(sink.outcomes["explode"], InternalError)
+    assert isinstance(sink.outcomes["refuse"], StaleToken)
+    # (Both submits ran first, merged: one run of the Submit class.)
+    assert heard_events(heard) == [("a", "ready", 0), ("b", "ready", 0)]
+    assert [job for c in heard for job, *_ in c.events] == [
+        sink.outcomes["kept"][0].job_id,
+        sink.outcomes["also kept"][0].job_id,
+    ]
+
+
+async def test_a_batch_of_plain_submits_alone_delivers_its_events(db_path):
+    from relay.server import ops
+
+    store = SqliteStore.open(db_path)
+    heard: list[Changes] = []
+    statements: list[str] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            writer.recording = True
+            gate = await hold_writer(writer)
+            sink = Collect(3)
+            for i in range(3):
+                writer.put((ops.SUBMIT, sink, i, trio.current_time(), spec(f"q{i}")))
+            store._db.set_trace_callback(statements.append)
+            gate.release.set()
+            await sink.done.wait()
+            store._db.set_trace_callback(None)
+    # The gate's batch committed; then the three submits, as one statement alone.
+    assert statements[0] == "COMMIT"
+    assert len(statements) == 2 and statements[1].startswith("INSERT INTO jobs")
+    assert heard_events(heard) == [("q0", "ready", 0), ("q1", "ready", 0), ("q2", "ready", 0)]
+    ids = [wire_job_id(sink.outcomes[i]) for i in range(3)]
+    assert [job for c in heard for job, *_ in c.events] == ids
+
+
+def wire_job_id(line: bytes) -> str:
+    import orjson
+
+    return orjson.loads(line)["job_id"]
+
+
 async def test_shutdown_commits_everything_queued_then_refuses(db_path):
     store = SqliteStore.open(db_path)
     sink = Collect(100)

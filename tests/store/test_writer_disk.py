@@ -21,9 +21,10 @@ from relay.errors import InternalError, JobNotFound, Unavailable
 from relay.model import JobInfo, JobState, Lease, SubmitSpec, parse_job_id
 from relay.server import ops
 from relay.store import commands as cmd
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite import Changes, SqliteStore
 from relay.store.thread import store_error
 from relay.store.writer import Writer, open_writer
+from tests.conftest import T0
 from tests.store.test_writer import (
     BOUND_S,
     Collect,
@@ -169,6 +170,50 @@ async def test_a_commit_the_disk_refuses_answers_every_write_unavailable(
     assert statistics.failed_commits == 1
     assert statistics.store_errors == {"full": 0, "ioerr": 0, kind: 1}
     assert recovered == {"q": {**zeros(), "succeeded": 1}}
+
+
+async def test_a_batch_the_disk_refuses_delivers_no_events(db_path):
+    store, conn = failing_store(db_path)
+    heard: list[Changes] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            writer.recording = True
+            lease = await leased_job(writer)
+            heard.clear()
+            conn.fail_next(lambda sql: sql == "COMMIT", disk_error(sqlite3.SQLITE_FULL, "x"), nth=2)
+            sink = await one_batch(writer, [
+                ("submit", cmd.Submit((spec("lost"),))),
+                ("ack", cmd.Ack(lease.job_id, "w", lease.token)),
+                ("stale", cmd.Ack("job_0000000000000001", "w", "t")),
+                ("inspect", cmd.Inspect(lease.job_id)),
+            ])  # fmt: skip
+            # (Its reads and refusals were run again, on what is committed.)
+            assert isinstance(sink.outcomes["inspect"], JobInfo)
+            await writer.execute(cmd.Ack(lease.job_id, "w", lease.token))
+    assert conn.failed == ["COMMIT"]
+    assert isinstance(sink.outcomes["ack"], Unavailable)
+    # The gate's batch (no event), then the ack that committed: nothing of the lost batch.
+    assert [c.events for c in heard] == [[], [(lease.job_id, "q", "succeeded", 1, T0)]]
+
+
+async def test_a_plain_submit_batch_the_disk_refuses_delivers_no_events(db_path):
+    store, conn = failing_store(db_path)
+    heard: list[Changes] = []
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock()) as writer:
+            writer.commit_listeners.append(heard.append)
+            writer.recording = True
+            conn.fail_next(
+                lambda sql: sql.startswith("INSERT INTO jobs"),
+                disk_error(sqlite3.SQLITE_FULL, "SQLITE_FULL"),
+            )
+            failed = await put_batch(writer, [(ops.SUBMIT, spec("lost")) for _ in range(3)])
+            again = await put_batch(writer, [(ops.SUBMIT, spec("kept"))])
+    assert len(conn.failed) == 1
+    assert all(b"unavailable" in failed.outcomes[i] for i in range(3))
+    kept = orjson_loads(again.outcomes[0])["job_id"]
+    assert [event for c in heard for event in c.events] == [(kept, "kept", "ready", 0, T0)]
 
 
 def zeros() -> dict[str, int]:
