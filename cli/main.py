@@ -37,7 +37,7 @@ from relay import log as relay_log
 from relay import wire
 from relay.client import TLS_SCHEME, Client, open_client
 from relay.errors import RelayError, StoreError
-from relay.model import QUEUE_NAME_RE, WIRE_PRIORITIES
+from relay.model import QUEUE_NAME_RE, WIRE_PRIORITIES, JobState
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig
 from relay.server.tls import TlsConfigError
@@ -54,6 +54,7 @@ PROG = "relay-trio"
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:7401"
 DEFAULT_WS_ADDRESS = "127.0.0.1:7402"
+STATE_NAMES = [str(state) for state in JobState]
 # Exit code when a second SIGINT/SIGTERM cuts the graceful shutdown short.
 EXIT_SECOND_SIGNAL = 130
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
@@ -709,6 +710,31 @@ def inspect_command(job_id: str, address: str, as_json: bool) -> None:
         print_json(job)
     else:
         console().print(views.job_panel(job))
+
+
+@main.command()
+@click.option("--queue", "queues", multiple=True, callback=_check_queues,
+              help="Only this queue's jobs (repeatable). Default: every queue.")  # fmt: skip
+@click.option("--state", "states", multiple=True, type=click.Choice(STATE_NAMES),
+              help="Only changes into this state (repeatable). Default: every state.")  # fmt: skip
+@address_option
+def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> None:
+    """Print job events as JSON lines, one per state change, after its commit, until
+    Ctrl-C: {"event":"job","job_id","queue","state","attempt","at"}, and
+    {"event":"lagged","dropped":N} where N were lost to a slow reader."""
+    token = client_token()
+    address, tls_ca = client_target(address)
+    out = click.get_text_stream("stdout")
+
+    async def session() -> None:
+        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
+            events = client.watch(queues or None, states or None)
+            async with events:
+                async for event in events:
+                    out.write(orjson.dumps(event).decode() + "\n")
+                    out.flush()
+
+    run(session, address=address)
 
 
 @main.command()

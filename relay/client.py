@@ -19,8 +19,10 @@ have an idempotency key), within the caller's deadline; the others raise ``Unava
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -31,7 +33,15 @@ import trio
 from cattrs.preconf.orjson import make_converter
 
 from relay.coalesce import Coalescer
-from relay.errors import InternalError, QueueFull, RelayError, Unavailable, error_from_wire
+from relay.errors import (
+    ConnectionLost,
+    InternalError,
+    QueueFull,
+    RelayError,
+    Unavailable,
+    UnknownOp,
+    error_from_wire,
+)
 from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
 from relay.nursery import open_service_nursery
 from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport, client_context
@@ -146,6 +156,53 @@ class Transport(Protocol):
         ...
 
 
+class EventStream:
+    """The events of one watch (``Client.watch``): the first ``__anext__`` starts it."""
+
+    def __init__(self, client: Client, transport: Any, fields: dict[str, Any]) -> None:
+        self._client = client
+        self._transport = transport
+        self._fields = fields
+        self._connection: int | None = None  # which connection the watch is on
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __aenter__(self) -> EventStream:
+        await self._start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _start(self) -> None:
+        if self._connection is not None:
+            return
+        transport = self._transport
+        if not hasattr(transport, "events_lot"):
+            raise UnknownOp("watch needs a network connection (TCP or WebSocket)")
+        transport.events, transport.events_dropped = deque(), 0  # before the ok: none lost
+        await self._client._call("watch", **self._fields)
+        self._connection = transport.connections
+
+    async def __anext__(self) -> dict[str, Any]:
+        await self._start()
+        transport = self._transport
+        while not transport.events:
+            gone = transport.connections != self._connection or transport.events is None
+            if gone or transport._failure is not None:
+                raise ConnectionLost("the connection dropped: the watch ended")
+            await transport.events_lot.park()
+        return transport.events.popleft()
+
+    async def aclose(self) -> None:
+        """End the watch (on the server too, if the connection still stands)."""
+        self._transport.events = None
+        if self._connection is not None and self._transport.connections == self._connection:
+            with contextlib.suppress(RelayError):
+                await self._client._call("unwatch")
+
+
 class Client:
     """Typed calls on a transport (TCP, or in-process for ``open_local``). With a
     ``coalescer`` (``open_client(batch_window_ms=...)``), submits and acks that tasks make
@@ -174,6 +231,20 @@ class Client:
                     raise
             await trio.sleep(wait)
             delay = min(delay * 2, UNAVAILABLE_CAP_S)
+
+    def watch(
+        self, queues: Sequence[str] | None = None, states: Sequence[str] | None = None
+    ) -> EventStream:
+        """Job events, as an async iterator of dicts: ``{"event": "job", "job_id",
+        "queue", "state", "attempt", "at"}`` for each state change of a job of ``queues``
+        in ``states`` (None: all), after its commit; ``{"event": "lagged", "dropped": N}``
+        where N were lost because this client read too slowly. It ends with
+        ``ConnectionLost`` if the connection drops (watch again to go on). Use it as
+        ``async with client.watch(...) as events:`` to end the watch on the server as the
+        block ends; one watch per client at a time."""
+        fields = {"queues": list(queues) if queues is not None else None,
+                  "states": list(states) if states is not None else None}  # fmt: skip
+        return EventStream(self, self._transport, fields)
 
     async def hello(self, client: str | None = None) -> Hello:
         reply = await self._call("hello", client=client)

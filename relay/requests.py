@@ -21,6 +21,7 @@ from relay.model import (
     PRIORITY_BY_WIRE,
     WIRE_PRIORITIES,
     Backoff,
+    JobState,
     SubmitSpec,
     parse_job_id,
 )
@@ -284,6 +285,38 @@ class DeadPurge(DeadSelect):
     pass
 
 
+# A watch names at most this many queues (it may name none: every queue).
+MAX_WATCH_QUEUES = 256
+_STATES = frozenset(str(state) for state in JobState)
+
+
+@attrs.frozen
+class Watch:
+    """``watch``: job events of these queues and states (omitted: all)."""
+
+    queues: list[str] | None = None
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.queues is not None:
+            if not 1 <= len(self.queues) <= MAX_WATCH_QUEUES:
+                raise _bad("queues", f"must name 1 to {MAX_WATCH_QUEUES} queues (omit it: all)")
+            for i, queue in enumerate(self.queues):
+                check_queue(f"queues[{i}]", queue)
+        if self.states is not None:
+            if not 1 <= len(self.states) <= len(_STATES):
+                raise _bad("states", f"must name 1 to {len(_STATES)} states (omit it: all)")
+            for i, state in enumerate(self.states):
+                if state not in _STATES:
+                    raise _bad(f"states[{i}]", f"must be one of {', '.join(sorted(_STATES))}")
+
+
+@attrs.frozen
+class Unwatch:
+    def check(self, limits: Limits) -> None:
+        pass
+
+
 REQUEST_TYPES: dict[str, type] = {
     "hello": Hello,
     "ping": Ping,
@@ -300,6 +333,8 @@ REQUEST_TYPES: dict[str, type] = {
     "dead_list": DeadList,
     "dead_retry": DeadRetry,
     "dead_purge": DeadPurge,
+    "watch": Watch,
+    "unwatch": Unwatch,
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import ssl
+from collections import deque
 from contextlib import suppress
 from typing import Any
 
@@ -27,6 +28,8 @@ RECONNECT_TIMEOUT_S = 30.0
 RECONNECT_FIRST_S = 0.05
 RECONNECT_CAP_S = 2.0
 READ_BYTES = 64 * 1024
+# Job events a watch may have unread before the client drops (and counts) more.
+MAX_EVENTS = 10_000
 
 # Ops that are safe to send again after a reconnection: repeating them changes nothing
 # that the first one did not (a repeated ack with the completing token answers ok).
@@ -98,6 +101,11 @@ class TcpTransport:
         # refuses us with overloaded), reset by the first good reply.
         self._backoff = RECONNECT_FIRST_S
         self.connections = 0  # how many times a connection was established
+        # Job events (lines without an id) while a watch is on: read by Client.watch. The
+        # reader never waits for them: past MAX_EVENTS unread, they are dropped and counted.
+        self.events: deque[dict[str, Any]] | None = None
+        self.events_dropped = 0
+        self.events_lot = trio.lowlevel.ParkingLot()
         self.nursery: trio.Nursery | None = None  # open_client's, for release tasks
 
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +224,20 @@ class TcpTransport:
                 call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
         self._outbox[:0] = again
 
+    def _event(self, event: dict[str, Any]) -> None:
+        if self.events is None:
+            return
+        if len(self.events) >= MAX_EVENTS:
+            self.events_dropped += 1
+            return
+        if self.events_dropped:
+            self.events.append({"event": "lagged", "dropped": self.events_dropped})
+            self.events_dropped = 0
+        self.events.append(event)
+        self.events_lot.unpark_all()
+
     def _disconnected(self) -> None:
+        self.events_lot.unpark_all()  # a watch ends with the connection
         # Senders wait on the current event; replace it only once it has been set, so
         # that no sender is left waiting on an event that nobody will set.
         if self._connected.is_set():
@@ -354,6 +375,8 @@ class TcpTransport:
                     if reply.get("ok"):
                         self._backoff = RECONNECT_FIRST_S
                     call.settle(reply)
+                elif "event" in reply:
+                    self._event(reply)
                 elif reply.get("id") is None and reply.get("ok") is False:
                     self._connection_error(reply)
 

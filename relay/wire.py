@@ -56,6 +56,10 @@ class Limits:
     # A lease or dead_list reply stops adding jobs once their texts reach this (at least
     # one job is always given), so a reply stays near a frame's size whatever count asked.
     max_reply_bytes: int = MiB
+    # Connections watching job events at once, and the events each may have waiting to be
+    # sent before it loses some (relay/server/watch.py). Advertised by hello.
+    max_watchers: int = 64
+    max_watch_buffer: int = 4096
 
     def advertised(self) -> dict[str, int]:
         return {
@@ -67,6 +71,8 @@ class Limits:
             "max_wait_ms": self.max_wait_ms,
             "max_batch": self.max_batch,
             "max_queues_per_lease": self.max_queues_per_lease,
+            "max_watchers": self.max_watchers,
+            "max_watch_buffer": self.max_watch_buffer,
         }
 
 

@@ -69,6 +69,8 @@ OP_ROLES: dict[str, Role] = {
     "ack_batch": Role.WORKER,
     "fail": Role.WORKER,
     "release": Role.WORKER,
+    "watch": Role.WORKER,
+    "unwatch": Role.WORKER,
     "dead_list": Role.ADMIN,
     "dead_retry": Role.ADMIN,
     "dead_purge": Role.ADMIN,

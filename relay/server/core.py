@@ -23,6 +23,7 @@ from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
+from relay.server.watch import Watchers
 from relay.store import commands as cmd
 from relay.store.sqlite import SqliteStore, StoreConfig
 from relay.store.writer import Writer, open_writer, wall_clock_ms
@@ -77,6 +78,7 @@ class Core:
     writer: Writer
     dispatcher: Dispatcher
     longpolls: LongPolls
+    watchers: Watchers
     nursery: trio.Nursery  # the services nursery: for tasks that live as long as the core
 
     async def drain(self, timeout_s: float) -> bool:
@@ -113,10 +115,13 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         longpolls = LongPolls(writer)
         promoter, reaper = Alarm(), Alarm()
         writer.commit_listeners += [longpolls.on_commit, commit_listener(promoter, reaper)]
-        dispatcher = Dispatcher(writer, config.limits, longpolls, config.tokens)
+        limits = config.limits
+        watchers = Watchers(writer, limits.max_watchers, limits.max_watch_buffer)
+        writer.commit_listeners.append(watchers.on_commit)
+        dispatcher = Dispatcher(writer, limits, longpolls, config.tokens, watchers)
         async with open_service_nursery() as services:
             await services.start(longpolls.run)
             await services.start(run_promoter, writer, promoter, config.clock)
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
-            yield Core(writer, dispatcher, longpolls, services)
+            yield Core(writer, dispatcher, longpolls, watchers, services)

@@ -34,6 +34,7 @@ from relay.histogram import Histogram
 from relay.server import ops
 from relay.server.auth import Role, Throttle, Tokens, required_role
 from relay.server.longpoll import LongPolls
+from relay.server.watch import Watchers
 from relay.store import commands as cmd
 from relay.store.items import Item
 from relay.store.sqlite import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
@@ -96,10 +97,12 @@ class Dispatcher:
         limits: wire.Limits,
         longpolls: LongPolls,
         tokens: Tokens | None = None,
+        watchers: Watchers | None = None,
     ) -> None:
         self.writer = writer
         self.limits = limits
         self.longpolls = longpolls
+        self.watchers = watchers  # None: no watch (embedded mode)
         # With tokens, a connection starts with no role and must say hello with one.
         self.tokens = tokens
         self.first_role = Role.NONE if tokens is not None else Role.ADMIN
@@ -129,6 +132,8 @@ class Dispatcher:
             "dead_list": self._dead_list,
             "dead_retry": self._dead_retry,
             "dead_purge": self._dead_purge,
+            "watch": self._watch,
+            "unwatch": self._unwatch,
         }
         # The handlers each role may use; the others answer unauthorized. A connection
         # holds its role's table (``set_role``): checking access costs no lookup.
@@ -384,6 +389,20 @@ class Dispatcher:
         args = ops.Reserving(page, self.limits.max_reply_bytes + self._job_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
+
+    def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "watch")
+        if self.watchers is None or not hasattr(connection, "push"):
+            raise UnknownOp("watch needs a network connection (TCP or WebSocket)")
+        self.watchers.watch(connection, request.queues, request.states)  # type: ignore[arg-type]
+        # Answered after the next commit, which records events already (see watch.py).
+        self._queue(connection, (ops.WATCH, connection, rid, started, None))
+
+    def _unwatch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._typed(fields, "unwatch")
+        if self.watchers is not None:
+            self.watchers.unwatch(connection)
+        self._answer_now(connection, "unwatch", started, wire.encode_ok(rid, {}))
 
     def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_retry")

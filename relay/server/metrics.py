@@ -62,6 +62,8 @@ class MetricsSnapshot:
     batch_sizes: HistogramSnapshot
     commit_seconds: HistogramSnapshot
     auth_failures: int = 0  # refused hellos and metrics requests without a valid token
+    watchers: int = 0  # connections watching job events
+    watch_buffered: int = 0  # events waiting in their buffers
     # Transactions the disk refused, by kind ("full", "ioerr"): WriterStatistics.store_errors
     store_errors: dict[str, int] = attrs.Factory(dict)
 
@@ -79,6 +81,12 @@ class _SnapshotCollector:
         s = self.s
         yield GaugeMetricFamily("relay_connections", "Open client connections.",
                                 value=s.connections)  # fmt: skip
+        yield GaugeMetricFamily("relay_watchers", "Connections watching job events.",
+                                value=s.watchers)  # fmt: skip
+        yield GaugeMetricFamily(
+            "relay_watch_buffered_events", "Job events waiting to be sent to watchers.",
+            value=s.watch_buffered,
+        )  # fmt: skip
         yield CounterMetricFamily(
             "relay_auth_failures", "Refused hellos and metrics requests without a valid token.",
             value=s.auth_failures,

@@ -295,6 +295,14 @@ class _DeadOne(RequestOp):
         return {"count": outcome}
 
 
+class _Watch(RequestOp):
+    """``watch``: nothing to run; its reply comes after a commit made while recording
+    (relay/server/watch.py)."""
+
+    def run(self, store: SqliteStore, now: int, args: Any) -> Any:
+        return None
+
+
 SUBMIT = _Submit("submit")
 SUBMIT_BATCH = _SubmitBatch("submit_batch")
 ACK = _Ack("ack")
@@ -308,3 +316,4 @@ DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
+WATCH = _Watch("watch")

@@ -116,6 +116,8 @@ async def serve(
                 events=await core.writer.execute(cmd.EventTotals()),
                 connections=listener.connections,
                 auth_failures=dispatcher.throttle.failures_total,
+                watchers=len(core.watchers),
+                watch_buffered=core.watchers.buffered(),
                 durations=dispatcher.statistics().durations,
                 batch_sizes=w.batch_sizes,
                 commit_seconds=w.commit_seconds,

@@ -93,6 +93,7 @@ class Session:
         # are written at once, as the reader may be waiting meanwhile.
         self._holder: trio.lowlevel.Task | None = None
         self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
+        self._sent_lot = trio.lowlevel.ParkingLot()  # a watch's pump waits here
         # The reader's watch for the client's next bytes while it waits for room: cancelled
         # when room is made (see _wait_for_room).
         self._room_watch: trio.CancelScope | None = None
@@ -182,6 +183,19 @@ class Session:
                 self.in_flight -= len(lines)
                 dispatcher.answered_lines(lines, now)
         self._flush()
+
+    # -- for a watch (relay/server/watch.py): lines that answer no request -----------------
+
+    def unsent_bytes(self) -> int:
+        return self._outbox.unsent
+
+    async def wait_sent(self) -> None:
+        await self._sent_lot.park()
+
+    def push(self, data: bytes) -> None:
+        if not self.closed:
+            self._outbox.add(data)
+            self._flush()
 
     def refuse(self, data: bytes, delay: float) -> None:
         """Read and run nothing more; answer ``data`` after ``delay``, then close."""
@@ -385,6 +399,8 @@ class Session:
         long-polls woken while there was none (LongPolls.run)."""
         if self._room_lot:
             self._room_lot.unpark_all()
+        if self._sent_lot:
+            self._sent_lot.unpark_all()
         if self._room_watch is not None:
             self._room_watch.cancel()
         longpolls = self.dispatcher.longpolls
@@ -395,7 +411,7 @@ class Session:
         """Close a connection that has not taken any of its replies for ``idle_timeout``
         ("not reading"), and stop reading from one that idles: no bytes from the client for
         ``idle_timeout`` while nothing of its own is in flight or unsent, or with a line
-        left half-sent. Waiting on its own long-poll is not idleness."""
+        left half-sent. Waiting on its own long-poll, or watching, is not idleness."""
         idle = self.idle_timeout
         reading = True
         while True:
@@ -406,7 +422,8 @@ class Session:
                 self._broken(trio.TooSlowError("the client did not read its replies"))
                 return
             if reading and now - self._last_read >= idle:
-                if self.splitter.buffered or self._owed() == 0:
+                watching = self in (self.dispatcher.watchers or ())
+                if self.splitter.buffered or (self._owed() == 0 and not watching):
                     event(log, logging.INFO, "connection.idle_timeout", peer=self.peer)
                     # The replies still owed are written (run() drains them, and this
                     # task still closes a client that does not take them).

@@ -177,7 +177,10 @@ def test_roles_and_the_op_they_need():
     expected = {
         "hello": Role.NONE,
         **dict.fromkeys(("ping", "submit", "submit_batch", "inspect", "stats"), Role.PRODUCER),
-        **dict.fromkeys(("lease", "renew", "ack", "ack_batch", "fail", "release"), Role.WORKER),
+        **dict.fromkeys(
+            ("lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch"),
+            Role.WORKER,
+        ),
         **dict.fromkeys(("dead_list", "dead_retry", "dead_purge"), Role.ADMIN),
     }
     assert dict(OP_ROLES) == expected

@@ -35,6 +35,7 @@ from relay.model import QUEUE_NAME_RE
 from relay.requests import REQUEST_TYPES
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
+from relay.server.watch import Watchers
 from tests.server.conftest import BOUND_S, LineClient
 from tests.worker_helpers import serving, start_server
 
@@ -428,6 +429,17 @@ OPS: list[tuple[str, dict[str, Field]]] = [
     ("dead_retry", DEAD_QUEUE),
     ("dead_purge", DEAD_ONE),
     ("dead_purge", DEAD_QUEUE),
+    (
+        "watch",
+        {
+            "queues": list_field(queue_names, bad_queue_names | wrong_value("str", False), 256),
+            "states": list_field(
+                st.sampled_from(["pending", "ready", "leased", "retrying", "succeeded", "dead"]),
+                st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 6,
+            ),
+        },
+    ),
+    ("unwatch", {}),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 
@@ -595,6 +607,16 @@ class FakeConnection:
     def reply_room(self) -> int:
         return 2**40
 
+    # A watch's (relay/server/watch.py): no event is ever recorded here.
+    def unsent_bytes(self) -> int:
+        return 0
+
+    async def wait_sent(self) -> None:
+        await trio.sleep_forever()
+
+    def push(self, data: bytes) -> None:
+        raise AssertionError("no events without a store")
+
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
         assert data.endswith(b"\n") and data.count(b"\n") == 1, data
@@ -681,7 +703,8 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
     assert splitter.overflow == (last is not None and last.startswith("over"))
 
     writer = RecordingWriter()
-    dispatcher = Dispatcher(writer, LIMITS, LongPolls(writer))  # type: ignore[arg-type]
+    watchers = Watchers(writer, LIMITS.max_watchers, LIMITS.max_watch_buffer)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(writer, LIMITS, LongPolls(writer), watchers=watchers)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         connection = FakeConnection(nursery, dispatcher)
         for case, line in zip(cases, got, strict=True):
@@ -706,7 +729,7 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
                 assert reply["id"] == want_id
                 if reply["ok"]:  # answered at once: hello, ping, or a whole queue's dead op
                     name = orjson.loads(line)["op"]
-                    assert name in ("hello", "ping", "dead_retry", "dead_purge"), reply
+                    assert name in ("hello", "ping", "unwatch", "dead_retry", "dead_purge"), reply
                     assert (name in ("dead_retry", "dead_purge")) == bool(commands)
                     assert len(commands) <= 1
                     outcome = "accept"
@@ -721,6 +744,7 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
                 assert outcome == code, (replies, items, case)
                 message = replies[0]["error"]["message"]
                 assert field is None or message.startswith(field), (replies, case)
+        watchers.unwatch(connection)  # its pump would wait for events forever
     # Nothing answered counts as answered: in flight are exactly the items handed over.
     assert dispatcher.in_flight == len(writer.items) == connection.in_flight
 
@@ -754,7 +778,9 @@ async def send_and_read_all(client: LineClient, data: bytes) -> tuple[list[dict[
                     break
                 if line is None:
                     break
-                replies.append(orjson.loads(line))
+                message = orjson.loads(line)
+                if "event" not in message:  # a watch's events answer no request
+                    replies.append(message)
     return replies, reset
 
 

@@ -36,6 +36,8 @@ ADVERTISED_LIMITS = {
     "max_wait_ms",
     "max_batch",
     "max_queues_per_lease",
+    "max_watchers",
+    "max_watch_buffer",
 }
 LEASE_FIELDS = {
     "job_id",
