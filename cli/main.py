@@ -8,6 +8,7 @@ failure (no server, a bad argument, an error reply) is one line on stderr, "rela
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib
@@ -735,6 +736,20 @@ def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> Non
                     out.flush()
 
     run(session, address=address)
+
+
+@main.command()
+@address_option
+def top(address: str) -> None:
+    """A live view of the queues until Ctrl-C: counts by state, jobs submitted, succeeded
+    and failed per second over the last 10 s, and the latest failures. Reconnects when
+    the server restarts."""
+    from cli.top import TopView, run_top
+
+    token = client_token()
+    address, tls_ca = client_target(address)
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(run_top, address, token, tls_ca, TopView())
 
 
 @main.command()

@@ -307,7 +307,7 @@ class Watch:
             if not 1 <= len(self.states) <= len(_STATES):
                 raise _bad("states", f"must name 1 to {len(_STATES)} states (omit it: all)")
             for i, state in enumerate(self.states):
-                if state not in _STATES:
+                if type(state) is not str or state not in _STATES:
                     raise _bad(f"states[{i}]", f"must be one of {', '.join(sorted(_STATES))}")
 
 

@@ -95,7 +95,8 @@ async def test_filters_by_queue_and_state_and_a_second_watch_replaces_them(serve
 @pytest.mark.parametrize(
     ("fields", "field"),
     [({"queues": []}, "queues"), ({"states": []}, "states"), ({"states": ["gone"]}, "states[0]"),
-     ({"queues": ["bad queue"]}, "queues[0]"), ({"queues": "a"}, "queues")],
+     ({"queues": ["bad queue"]}, "queues[0]"), ({"queues": "a"}, "queues"),
+     ({"states": [["ready"]]}, "states[0]"), ({"queues": [7]}, "queues[0]")],
 )  # fmt: skip
 async def test_empty_or_invalid_filters_are_bad_request(client, fields, field):
     error = await client.error("watch", **fields)

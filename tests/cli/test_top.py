@@ -1,0 +1,61 @@
+"""``relay-trio top``: its view, drawn into a recording Console, shows what the server says."""
+
+from __future__ import annotations
+
+import trio
+from rich.console import Console
+
+import relay
+from cli.top import TopView, _follow
+from tests.server.conftest import BOUND_S
+
+W = "top-worker"
+
+
+def draw(view: TopView) -> str:
+    console = Console(record=True, width=200, color_system=None)
+    console.print(view.render())
+    return console.export_text()
+
+
+async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server):
+    now = [0.0]
+    view = TopView(clock=lambda: now[0])
+    host, port = server.handle.address
+    async with relay.open_client(f"{host}:{port}") as client, trio.open_nursery() as nursery:
+        nursery.start_soon(_follow, client, view)
+        with trio.fail_after(BOUND_S):
+            while view.server is None:  # noqa: ASYNC110 (its first stats)
+                await trio.sleep(0.01)
+        for n in range(5):
+            await client.submit("mail", {"n": n}, retries=0)
+        leased = await client.lease(["mail"], W, count=2)
+        await client.ack(leased[0].job_id, W, leased[0].token)
+        await client.fail(leased[1].job_id, W, leased[1].token, "smtp said no\ntrace")
+        stats = await client.stats()
+        with trio.fail_after(BOUND_S):
+            while view.queues.get("mail") != stats.queues["mail"] or not view.failures:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    text = draw(view)
+    row = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("mail"))
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    counts = dict(zip(["pending", "ready", "leased", "retrying", "succeeded", "dead"],
+                      cells[1:7], strict=True))  # fmt: skip
+    assert counts == {s: str(n) for s, n in stats.queues["mail"].items()}
+    assert counts["ready"] == "3" and counts["succeeded"] == "1" and counts["dead"] == "1"
+    # 5 submitted, 1 succeeded, 1 failed within the 10 s window: per second.
+    assert cells[7:10] == ["0.5", "0.1", "0.1"]
+    assert leased[1].job_id in text and "smtp said no" in text and "trace" not in text
+    now[0] += 11  # the window moves on: the rates fall to zero, the counts stay
+    assert [c.strip() for c in next(
+        line for line in draw(view).splitlines() if line.lstrip("│ ").startswith("mail")
+    ).strip("│ ").split("│")][7:10] == ["0.0", "0.0", "0.0"]  # fmt: skip
+
+
+def test_top_says_when_it_reconnects_and_what_it_lost():
+    view = TopView(clock=lambda: 0.0)
+    view.status = "reconnecting to 127.0.0.1:7400 (ConnectionLost)"
+    view.event({"event": "lagged", "dropped": 12})
+    text = draw(view)
+    assert "reconnecting to 127.0.0.1:7400" in text and "12 events lost to lag" in text
