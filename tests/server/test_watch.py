@@ -195,3 +195,23 @@ async def test_the_async_client_watches_as_an_iterator(server):
         assert seen == [(job.job_id, "ready"), (job.job_id, "leased"),
                         (job.job_id, "succeeded")]  # fmt: skip
         assert (await client.stats()).queues["it"]["succeeded"] == 1  # the client goes on
+
+
+@pytest.mark.parametrize("transport", ["tcp", "websocket"])
+async def test_shutdown_with_open_watchers_ends_within_the_grace_period(tmp_path, transport):
+    from tests.server.conftest import start_server
+
+    grace_s = 2.0
+    async with trio.open_nursery() as nursery:
+        server = await start_server(
+            nursery, str(tmp_path / "relay.db"), shutdown_timeout_ms=int(grace_s * 1000)
+        )
+        watcher = await start_watch(server, transport)
+        c = await server.connect()
+        await c.ok("submit", queue="s", payload=1)
+        assert (await next_event(watcher))["state"] == "ready"
+        started = trio.current_time()
+        server.handle.shutdown()
+        assert await watcher.at_eof()  # the server closed it
+        # Serving ends (the nursery exits) within the grace period and the closing.
+    assert trio.current_time() - started < grace_s + 1.5
