@@ -190,10 +190,13 @@ def _websocket_listener(
             messages = await accept_websocket(
                 stream, websocket_tasks, config.limits.max_frame_bytes
             )
-            if messages is None:
+            try:
+                if messages is not None:
+                    await run_session(messages, peer)
+            finally:
+                # The TCP (or TLS) stream is this task's: closed here, after the session's
+                # closing handshake, or if the opening one failed or was cut short.
                 await trio.aclose_forcefully(stream)
-            else:
-                await run_session(messages, peer)
             websocket_tasks.cancel_scope.cancel()
 
     return Listener(

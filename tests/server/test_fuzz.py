@@ -37,6 +37,7 @@ from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
 from tests.server.conftest import BOUND_S, LineClient
+from tests.server.test_dispatch import FakeConnection as DispatchConnection
 from tests.worker_helpers import serving, start_server
 
 # The error codes of the contract. `internal` is among them, but it means a bug.
@@ -586,30 +587,13 @@ class RecordingWriter:
         pass
 
 
-class FakeConnection:
-    def __init__(self, nursery: trio.Nursery, dispatcher: Dispatcher) -> None:
-        self.nursery = nursery
-        self.peer = "127.0.0.1:1"
-        dispatcher.set_role(self, dispatcher.first_role)  # type: ignore[arg-type]
-        self.closed = False
-        self.can_wait = True
-        self.in_flight = 0
-        self.reserved = 0
-        self.replies: list[dict[str, Any]] = []
-
-    def begin_request(self) -> None:
-        self.in_flight += 1
-
-    def reserve(self, nbytes: int) -> None:
-        self.reserved += nbytes
-
-    def release(self, nbytes: int) -> None:
-        self.reserved -= nbytes
+class FakeConnection(DispatchConnection):
+    """The dispatch tests' connection, which also checks that each reply is one line and
+    takes a watch (no event is ever recorded here)."""
 
     def reply_room(self) -> int:
         return 2**40
 
-    # A watch's (relay/server/watch.py): no event is ever recorded here.
     def unsent_bytes(self) -> int:
         return 0
 
@@ -620,9 +604,8 @@ class FakeConnection:
         raise AssertionError("no events without a store")
 
     def reply(self, data: bytes) -> None:
-        self.in_flight -= 1
         assert data.endswith(b"\n") and data.count(b"\n") == 1, data
-        self.replies.append(orjson.loads(data))
+        super().reply(data)
 
     def deliver(self, pairs: list[tuple[Any, Any]]) -> None:
         raise AssertionError("the fake writer answers nothing")
