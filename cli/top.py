@@ -117,16 +117,20 @@ async def run_top(address: str, token: str | None, tls_ca: str | None, view: Top
     with Live(view.render(), refresh_per_second=REFRESH_PER_S, screen=True) as live:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_redraw, live, view)
-            while True:
-                try:
-                    async with open_client(
-                        address, reconnect=False, token=token, tls_ca=tls_ca
-                    ) as client:
-                        view.status = f"connected to {address}"
-                        await _follow(client, view)
-                except (RelayError, OSError, trio.TooSlowError) as exc:
-                    view.status = f"reconnecting to {address} ({type(exc).__name__})"
-                await trio.sleep(RECONNECT_S)
+            await follow(address, token, tls_ca, view)
+
+
+async def follow(address: str, token: str | None, tls_ca: str | None, view: TopView) -> None:
+    """Feed the view until cancelled: connect, follow, and after the connection is lost
+    (or cannot be made) say so in the view and try again every RECONNECT_S."""
+    while True:
+        try:
+            async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
+                view.status = f"connected to {address}"
+                await _follow(client, view)
+        except* (RelayError, OSError, trio.TooSlowError) as lost:  # from any of _follow's tasks
+            view.status = f"reconnecting to {address} ({type(lost.exceptions[0]).__name__})"
+        await trio.sleep(RECONNECT_S)
 
 
 async def _redraw(live: Live, view: TopView) -> None:

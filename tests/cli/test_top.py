@@ -6,8 +6,8 @@ import trio
 from rich.console import Console
 
 import relay
-from cli.top import TopView, _follow
-from tests.server.conftest import BOUND_S
+from cli.top import TopView, _follow, follow
+from tests.server.conftest import BOUND_S, start_server
 
 W = "top-worker"
 
@@ -59,3 +59,37 @@ def test_top_says_when_it_reconnects_and_what_it_lost():
     view.event({"event": "lagged", "dropped": 12})
     text = draw(view)
     assert "reconnecting to 127.0.0.1:7400" in text and "12 events lost to lag" in text
+
+
+async def test_top_follows_the_server_across_a_restart(tmp_path):
+    """The server goes away: top says it is reconnecting; the server comes back on the same
+    address: top says connected again and shows the new counts."""
+    db = str(tmp_path / "relay.db")
+    view = TopView()
+
+    async def until(done) -> None:
+        with trio.fail_after(BOUND_S):
+            while not done():  # noqa: ASYNC110 (the view is fed by its own task)
+                await trio.sleep(0.01)
+
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as nursery:
+            first = await start_server(nursery, db, shutdown_timeout_ms=1000)
+            host, port = first.handle.address
+            address = f"{host}:{port}"
+            async with relay.open_client(address) as client:
+                await client.submit("mail", {"n": 1})
+            outer.start_soon(follow, address, None, None, view)
+            await until(lambda: view.queues.get("mail", {}).get("ready") == 1)
+            assert view.status == f"connected to {address}"
+            first.handle.shutdown()
+        await until(lambda: view.status.startswith("reconnecting"))
+        assert "reconnecting" in draw(view)
+        async with trio.open_nursery() as nursery:
+            second = await start_server(nursery, db, port=port, shutdown_timeout_ms=1000)
+            async with relay.open_client(address) as client:
+                await client.submit("mail", {"n": 2})
+            await until(lambda: view.queues.get("mail", {}).get("ready") == 2)
+            assert view.status == f"connected to {address}"
+            outer.cancel_scope.cancel()
+            second.handle.shutdown()

@@ -143,9 +143,8 @@ class RunningServer:
 
 async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> RunningServer:
     limits = overrides.pop("limits", wire.Limits())
-    config = ServerConfig(
-        db=db, host="127.0.0.1", port=0, metrics_port=0, ws_port=0, limits=limits, **overrides
-    )
+    defaults = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "ws_port": 0}
+    config = ServerConfig(db=db, limits=limits, **(defaults | overrides))
     handle = await nursery.start(serve, config)
     return RunningServer(handle, config, nursery)
 
