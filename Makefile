@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint run bench clean
+.PHONY: install test lint run bench bench-watchers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/relay-bench --json bench.json
+
+# What a watcher costs: each scenario with none, an idle one and one of every event.
+bench-watchers: $(STAMP)
+	$(BIN)/relay-bench --watchers --json bench-watchers.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

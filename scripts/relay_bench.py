@@ -4,6 +4,7 @@
     relay-bench --quick         # reduced sizes, one run each: under 30 s
     relay-bench --json out.json --address 127.0.0.1:7400   # against a running server
     relay-bench --tls           # the submit scenarios over plain TCP and over TLS
+    relay-bench --watchers      # submit and lease+ack with no, an idle, an all-events watcher
 
 Each scenario runs ``--runs`` times; the table shows the median with min and max. The
 server is a subprocess with ``synchronous=FULL`` unless stated: every ok reply it sends is
@@ -692,18 +693,24 @@ async def depth_scenario(server: ServerProcess, sizes: Sizes, runs: int, depth: 
 
 async def run_all(
     sizes: Sizes, runs: int, syncs: tuple[str, ...], address: str | None, db_dir: str,
-    console: Console, tls: Tls | None = None,
+    console: Console, tls: Tls | None = None, watchers: bool = False,
 ) -> list[Result]:  # fmt: skip
     results: list[Result] = []
 
     def note(result: Result) -> None:
         results.append(result)
+        extra = "".join(f", {k} {v:,}" for k, v in result.extra.items() if isinstance(v, int))
         console.print(
             f"{time.strftime('%H:%M:%S')} {result.scenario} [{result.sync}]: "
-            f"{result.median:,.1f} {result.unit}",
+            f"{result.median:,.1f} {result.unit}{extra}",
             highlight=False, soft_wrap=True,
         )  # fmt: skip
 
+    if watchers:
+        from scripts.bench_watchers import run_watchers
+
+        await run_watchers(sizes, runs, db_dir, note)
+        return results
     if tls is not None:
         for sync in syncs:
             for over in (None, tls):
@@ -815,11 +822,19 @@ def _latency_table(latencies: list[Result]) -> Table:
     help="Only the one-at-a-time and pipelined submits, against a plain server and a TLS "
     "one (a self-signed certificate made with the openssl command).",
 )
+@click.option(
+    "--watchers",
+    is_flag=True,
+    help="Only submit and lease+ack, each with no watcher, an idle one and one of every "
+    "event, interleaved on one server (FULL).",
+)
 def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
-         address: str | None, tls: bool) -> None:  # fmt: skip
+         address: str | None, tls: bool, watchers: bool) -> None:  # fmt: skip
     """Measure a relay-trio server: submit, lease+ack, latency, claim cost, memory."""
-    if tls and address is not None:
-        raise click.UsageError("--tls starts its own servers: it does not take --address")
+    if (tls or watchers) and address is not None:
+        raise click.UsageError("--tls and --watchers start their own servers: no --address")
+    if tls and watchers:
+        raise click.UsageError("--tls and --watchers are separate runs")
     if runs is None:
         runs = 1 if quick else 3
     # Not a terminal (a file, a CI log): wide enough that no scenario name wraps.
@@ -830,7 +845,9 @@ def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
     with tempfile.TemporaryDirectory(prefix="relay-bench-") as db_dir:
         before = commit_baseline_us(db_dir, sizes.baseline_commits)
         certificate = make_tls(db_dir) if tls else None
-        results = trio.run(run_all, sizes, runs, syncs, address, db_dir, console, certificate)
+        results = trio.run(
+            run_all, sizes, runs, syncs, address, db_dir, console, certificate, watchers
+        )
         after = commit_baseline_us(db_dir, sizes.baseline_commits)
     render(results, console)
     console.print(f"{len(results)} scenarios in {time.monotonic() - started:.0f} s; "
