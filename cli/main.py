@@ -757,7 +757,7 @@ def top(address: str) -> None:
 @json_option
 def stats(address: str, as_json: bool) -> None:
     """Jobs per queue and state, and the server's version, uptime and connections."""
-    result = call(address, lambda client: client.stats())
+    result = call(address, lambda client: client.stats(oldest_ready=True))
     if as_json:
         data = _converter.unstructure(result)
         data["queues"] = dict(sorted(data["queues"].items()))

@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from cli.views import format_duration
 from relay.client import Client, open_client
 from relay.errors import RelayError
 from relay.model import JobState
@@ -40,6 +41,7 @@ class TopView:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.queues: dict[str, dict[str, int]] = {}
+        self.oldest_ready_ms: dict[str, int] = {}  # per queue with ready jobs
         self.server: Any = None  # the stats' ServerInfo
         # (when, queue, kind): kind is submitted, succeeded or failed.
         self.recent: collections.deque[tuple[float, str, str]] = collections.deque()
@@ -49,8 +51,10 @@ class TopView:
         self.lagged = 0
         self.status = "connecting"
 
-    def stats(self, queues: dict[str, dict[str, int]], server: Any) -> None:
-        self.queues, self.server = queues, server
+    def stats(
+        self, queues: dict[str, dict[str, int]], server: Any, oldest_ready_ms: dict[str, int]
+    ) -> None:
+        self.queues, self.server, self.oldest_ready_ms = queues, server, oldest_ready_ms
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
@@ -89,6 +93,7 @@ class TopView:
         table.add_column("queue")
         for state in STATES:
             table.add_column(state, justify="right")
+        table.add_column("oldest ready", justify="right")
         for kind in ("submitted/s", "succeeded/s", "failed/s"):
             table.add_column(kind, justify="right")
         for queue in sorted(set(self.queues) | set(rates)):
@@ -97,6 +102,7 @@ class TopView:
             table.add_row(
                 queue,
                 *(f"{counts.get(state, 0):,}" for state in STATES),
+                age(self.oldest_ready_ms.get(queue)),
                 *(f"{rate.get(kind, 0.0):.1f}" for kind in ("submitted", "succeeded", "failed")),
             )
         failures = Table(title="Latest failures", expand=True)
@@ -110,6 +116,11 @@ class TopView:
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
         return Group(status, table, failures)
+
+
+def age(ms: int | None) -> str:
+    """How long the oldest ready job has waited; "-" for a queue with none ready."""
+    return "-" if ms is None else format_duration(ms)
 
 
 async def run_top(address: str, token: str | None, tls_ca: str | None, view: TopView) -> None:
@@ -146,8 +157,8 @@ async def _follow(client: Client, view: TopView) -> None:
 
     async def poll_stats() -> None:
         while True:
-            stats = await client.stats()
-            view.stats(stats.queues, stats.server)
+            stats = await client.stats(oldest_ready=True)
+            view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {})
             await trio.sleep(STATS_EVERY_S)
 
     async def fetch_errors() -> None:

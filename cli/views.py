@@ -123,8 +123,9 @@ def _count(count: int, state: str | None = None) -> Text:
 
 
 def stats_table(stats: Stats) -> Table:
-    """Queues (rows, sorted by name) by states (columns), a total per queue and a totals row;
-    the server's version, uptime and connections in the caption."""
+    """Queues (rows, sorted by name) by states (columns), a total per queue, how long its
+    oldest ready job has waited, and a totals row; the server's version, uptime and
+    connections in the caption."""
     server = stats.server
     connections = f"{server.connections} connection" + ("" if server.connections == 1 else "s")
     table = Table(
@@ -137,21 +138,26 @@ def stats_table(stats: Stats) -> Table:
     for state in STATES:
         table.add_column(state, justify="right", header_style=STATE_STYLES[state])
     table.add_column("total", justify="right", style="bold")
+    table.add_column("oldest ready", justify="right")
+    oldest = stats.oldest_ready_ms or {}
     for name in sorted(stats.queues):
         counts = stats.queues[name]
+        wait = oldest.get(name)
         table.add_row(
             name,
             *(_count(counts.get(state, 0), state) for state in STATES),
             str(sum(counts.values())),
+            "-" if wait is None else format_duration(wait),
         )
     if not stats.queues:
-        table.add_row(Text("no jobs yet", style="dim"), *("" for _ in STATES), "")
+        table.add_row(Text("no jobs yet", style="dim"), *("" for _ in STATES), "", "")
     totals = totals_by_state(stats)
     table.add_section()
     table.add_row(
         Text("total", style="bold"),
         *(_count(totals[state], state) for state in STATES),
         str(sum(totals.values())),
+        "",
         style="bold",
     )
     return table

@@ -273,8 +273,9 @@ class BlockingClient:
     def inspect(self, job_id: str) -> JobView:
         return structure_reply(self.request("inspect", job_id=job_id)["job"], JobView)
 
-    def stats(self) -> Stats:
-        return structure_reply(self.request("stats"), Stats)
+    def stats(self, *, oldest_ready: bool = False) -> Stats:
+        fields = {"oldest_ready": True} if oldest_ready else {}
+        return structure_reply(self.request("stats", **fields), Stats)
 
 
 def _answer(call: _Call, reply: dict[str, Any]) -> None:

@@ -103,6 +103,9 @@ class ServerInfo:
 class Stats:
     queues: dict[str, dict[str, int]]
     server: ServerInfo
+    # With ``stats(oldest_ready=True)``: per queue with ready jobs, how long (ms) its
+    # oldest ready job has waited.
+    oldest_ready_ms: dict[str, int] | None = None
 
 
 @attrs.frozen
@@ -375,8 +378,8 @@ class Client:
         reply = await self._call("inspect", job_id=job_id)
         return structure_reply(reply["job"], JobView)
 
-    async def stats(self) -> Stats:
-        reply = await self._call("stats")
+    async def stats(self, *, oldest_ready: bool = False) -> Stats:
+        reply = await self._call("stats", oldest_ready=oldest_ready or None)
         return structure_reply(reply, Stats)
 
     async def dead_list(

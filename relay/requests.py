@@ -236,6 +236,9 @@ class Inspect:
 
 @attrs.frozen
 class Stats:
+    # Also how long the oldest ready job of each queue has waited (an extension).
+    oldest_ready: bool = False
+
     def check(self, limits: Limits) -> None:
         pass
 

@@ -831,8 +831,9 @@ def _latency_table(latencies: list[Result]) -> Table:
 def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
          address: str | None, tls: bool, watchers: bool) -> None:  # fmt: skip
     """Measure a relay-trio server: submit, lease+ack, latency, claim cost, memory."""
-    if (tls or watchers) and address is not None:
-        raise click.UsageError("--tls and --watchers start their own servers: no --address")
+    for flag, given in (("--tls", tls), ("--watchers", watchers)):
+        if given and address is not None:
+            raise click.UsageError(f"{flag} starts its own servers: it does not take --address")
     if tls and watchers:
         raise click.UsageError("--tls and --watchers are separate runs")
     if runs is None:

@@ -375,13 +375,13 @@ class Dispatcher:
         self._queue(connection, (ops.INSPECT, connection, rid, started, args))
 
     def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        self._typed(fields, "stats")
+        r = self._typed(fields, "stats")
         server = {
             "version": VERSION,
             "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
             "connections": self.connections(),
         }
-        self._queue(connection, (ops.STATS, connection, rid, started, server))
+        self._queue(connection, (ops.STATS, connection, rid, started, (server, r.oldest_ready)))
 
     def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "dead_list")

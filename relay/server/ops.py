@@ -274,13 +274,19 @@ class _DeadList(RequestOp):
 
 
 class _Stats(RequestOp):
-    """``stats``: args is the server's own fields, taken when the request arrived."""
+    """``stats``: args is the server's own fields, taken when the request arrived, and
+    whether the ages of the oldest ready jobs were asked for."""
 
-    def run(self, store: SqliteStore, now: int, args: dict[str, Any]) -> Any:
-        return store.queue_stats()
+    def run(self, store: SqliteStore, now: int, args: tuple[dict[str, Any], bool]) -> Any:
+        if not args[1]:
+            return store.queue_stats(), None
+        return store.queue_stats(), store.oldest_ready_ms(now)
 
-    def fields(self, outcome: dict[str, dict[str, int]], args: Any) -> dict[str, Any]:
-        return {"queues": outcome, "server": args}
+    def fields(self, outcome: tuple, args: tuple[dict[str, Any], bool]) -> dict[str, Any]:
+        queues, oldest = outcome
+        if oldest is None:
+            return {"queues": queues, "server": args[0]}
+        return {"queues": queues, "server": args[0], "oldest_ready_ms": oldest}
 
 
 class _DeadOne(RequestOp):

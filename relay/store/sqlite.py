@@ -185,6 +185,16 @@ _REAP_READY = (
     "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
 )
 _LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
+# The oldest ready_at of a queue: the least of each priority's first entry in jobs_ready.
+_OLDEST_READY_SQL = (
+    "SELECT min(oldest) FROM ("
+    + " UNION ALL ".join(
+        "SELECT min(ready_at) AS oldest FROM jobs INDEXED BY jobs_ready "
+        f"WHERE state = 'ready' AND queue = ?1 AND priority = {p}"
+        for p in _PRIORITIES_HIGH_FIRST
+    )
+    + ")"
+)
 
 
 def _plain(spec: SubmitSpec) -> bool:
@@ -1107,6 +1117,19 @@ class SqliteStore:
         return {
             queue: {str(s): n for s, n in by_state.items()} for queue, by_state in stats.items()
         }
+
+    def oldest_ready_ms(self, now: int) -> dict[str, int]:
+        """Per queue with ready jobs: how long its oldest ready job has waited (ms).
+
+        One index seek per queue and priority (the ``jobs_ready`` index is ordered by
+        ready_at within each), never a scan of the ready jobs."""
+        ages = {}
+        for (queue, state), n in self._counts.items():
+            if n and state == READY:
+                oldest = self._db.execute(_OLDEST_READY_SQL, (queue,)).fetchone()[0]
+                if oldest is not None:
+                    ages[queue] = max(0, now - oldest)
+        return ages
 
     def event_totals(self) -> dict[tuple[str, str], int]:
         """(queue, event) -> how many times it happened since this store was opened."""

@@ -116,16 +116,20 @@ async def test_stats_shows_queues_by_state_with_totals(address, client):
     assert table.code == 0, table
     lines = table.stdout.splitlines()
     email = next(line for line in lines if "email" in line)
-    assert [w for w in email.split() if w.isdigit()] == ["0", "3", "0", "0", "0", "0", "3"]
+    assert [w for w in email.split() if w.isdigit()][:7] == ["0", "3", "0", "0", "0", "0", "3"]
+    # The last column: how long the oldest of its 3 ready jobs has waited.
+    assert re.search(r"\d+(\.\d)? m?s\s*$", email.rstrip("│ ")), email
     images = next(line for line in lines if "images" in line)
     assert [w for w in images.split() if w.isdigit()] == ["1", "0", "0", "0", "0", "1", "2"]
+    assert images.rstrip("│ ").endswith("-"), images  # none ready
     total = next(line for line in lines if "total" in line and "pending" not in line)
     assert [w for w in total.split() if w.isdigit()] == ["1", "3", "0", "0", "0", "1", "5"]
     assert "relay-trio 0.1.0" in table.stdout and "connection" in table.stdout
 
     as_json = (await relay_trio("stats", "--json", address=address)).json()
-    assert list(as_json) == ["queues", "server"]
+    assert list(as_json) == ["queues", "server", "oldest_ready_ms"]
     assert list(as_json["queues"]) == ["email", "images"]
+    assert set(as_json["oldest_ready_ms"]) == {"email"}  # images has no ready job
     assert as_json["queues"]["email"]["ready"] == 3 and as_json["queues"]["images"]["dead"] == 1
     assert set(as_json["server"]) == {"version", "uptime_ms", "connections"}
 

@@ -6,7 +6,7 @@ import trio
 from rich.console import Console
 
 import relay
-from cli.top import TopView, _follow, follow
+from cli.top import TopView, _follow, age, follow
 from tests.server.conftest import BOUND_S, start_server
 
 W = "top-worker"
@@ -45,12 +45,13 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
     assert counts == {s: str(n) for s, n in stats.queues["mail"].items()}
     assert counts["ready"] == "3" and counts["succeeded"] == "1" and counts["dead"] == "1"
     # 5 submitted, 1 succeeded, 1 failed within the 10 s window: per second.
-    assert cells[7:10] == ["0.5", "0.1", "0.1"]
+    assert cells[7] == age(view.oldest_ready_ms["mail"])  # the 3 ready jobs' wait
+    assert cells[8:11] == ["0.5", "0.1", "0.1"]
     assert leased[1].job_id in text and "smtp said no" in text and "trace" not in text
     now[0] += 11  # the window moves on: the rates fall to zero, the counts stay
     assert [c.strip() for c in next(
         line for line in draw(view).splitlines() if line.lstrip("│ ").startswith("mail")
-    ).strip("│ ").split("│")][7:10] == ["0.0", "0.0", "0.0"]  # fmt: skip
+    ).strip("│ ").split("│")][8:11] == ["0.0", "0.0", "0.0"]  # fmt: skip
 
 
 def test_top_says_when_it_reconnects_and_what_it_lost():

@@ -353,6 +353,22 @@ async def test_submit_batch_is_all_or_nothing(client, bad_job):
     assert (await client.ok("stats"))["queues"] == {}
 
 
+async def test_stats_tells_how_long_the_oldest_ready_job_has_waited_when_asked(client):
+    before = time.time()
+    await submit(client, "a")
+    await submit(client, "a", priority="high")
+    await submit(client, "later", delay_ms=60_000)
+    assert "oldest_ready_ms" not in await client.ok("stats")
+    reply = await client.ok("stats", oldest_ready=True)
+    # Only queues with ready jobs; a wait no longer than the test has run.
+    assert set(reply["oldest_ready_ms"]) == {"a"}
+    assert 0 <= reply["oldest_ready_ms"]["a"] <= (time.time() - before) * 1000 + 1
+    await client.ok("lease", queues=["a"], worker_id="w", count=2)
+    assert (await client.ok("stats", oldest_ready=True))["oldest_ready_ms"] == {}
+    error = await client.error("stats", oldest_ready="yes")
+    assert error["code"] == "bad_request" and "oldest_ready" in error["message"]
+
+
 async def test_submit_batch_over_max_batch(tmp_path):
     async with custom_server(tmp_path, limits=wire.Limits(max_batch=3)) as srv, connected(srv) as c:
         jobs = [{"queue": "b", "payload": i} for i in range(4)]

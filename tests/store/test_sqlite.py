@@ -1078,6 +1078,23 @@ def test_queue_stats_show_all_six_states_per_queue(store):
     assert stats["b"] == {**dict.fromkeys(map(str, JobState), 0), "pending": 1}
 
 
+def test_oldest_ready_is_the_longest_wait_over_every_priority_of_a_queue(store):
+    submit(store, T0, "a", priority=LOW)
+    submit(store, T0 + 500, "a", priority=CRITICAL)
+    submit(store, T0 + 900, "a", priority=NORMAL)
+    submit(store, T0 + 200, "b")
+    submit(store, T0, "c", delay_ms=MINUTE)  # pending: not waiting to be leased yet
+    assert store.oldest_ready_ms(T0 + 1000) == {"a": 1000, "b": 800}
+    # Leased in priority order: the critical job, then the normal one; the low one waits on.
+    assert len(store.jobs_claim(["a"], "w1", 2, LEASE_MS, T0 + 1000)) == 2
+    assert store.oldest_ready_ms(T0 + 3000) == {"a": 3000, "b": 2800}
+    store.jobs_claim(["a"], "w1", 1, LEASE_MS, T0 + 3000)
+    assert store.oldest_ready_ms(T0 + 3000) == {"b": 2800}
+    # A promoted job counts as ready from its due time.
+    store.jobs_promote_due(T0 + MINUTE + 100, 10)
+    assert store.oldest_ready_ms(T0 + MINUTE + 100) == {"b": MINUTE - 100, "c": 100}
+
+
 def test_queue_stats_match_a_recount_after_every_kind_of_transition(store):
     steps: list[str] = []
 
