@@ -14,7 +14,8 @@ import attrs
 
 from relay.errors import RelayError
 from relay.model import SubmitSpec
-from relay.store.sqlite import ClaimArgs, SqliteStore
+from relay.store.base import ClaimArgs
+from relay.store.sqlite import SqliteStore
 
 
 class Command(Protocol):
@@ -148,7 +149,7 @@ def ack_each(store: SqliteStore, now: int, acks: Sequence[AckArgs]) -> list[Any]
     """Each ack's outcome (None, or the ``RelayError`` that refused it), exactly as if each
     had been its own ``Ack``, in order: one store call unless one is refused."""
     # No savepoints: an ack, or a run of them, that is refused raises before it writes
-    # anything (see relay/store/sqlite.py), so a refusal leaves nothing to undo.
+    # anything (see Store in relay/store/base.py), so a refusal leaves nothing to undo.
     mark = store.write_mark()
     try:
         return store.jobs_ack_many(acks, now)

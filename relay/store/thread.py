@@ -25,8 +25,9 @@ import trio
 
 from relay.errors import InternalError, RelayError, ShuttingDown, Unavailable
 from relay.log import event
+from relay.store.base import Changes
 from relay.store.items import Item, Op, deliver
-from relay.store.sqlite import Changes, SqliteStore
+from relay.store.sqlite import SqliteStore
 
 if TYPE_CHECKING:
     from relay.store.writer import Writer
@@ -261,9 +262,9 @@ class WriterThread:
 
         Why: SAVEPOINT and RELEASE are statements, and each statement costs the thread a
         wait for the GIL. They are only needed when a command fails halfway, and a refusal
-        never does: the store refuses before it writes (relay/store/sqlite.py). That is
-        checked here, not assumed: a refusal after which the transaction has written rows
-        or moved counters sends the batch to the careful path, as does any other error.
+        never does: the store refuses before it writes (``Store``, relay/store/base.py).
+        That is checked here, not assumed: a refusal after which the transaction has written
+        rows or moved counters sends the batch to the careful path, as does any other error.
         """
         store = self.store
         outcomes: list[Any] = [None] * len(batch)

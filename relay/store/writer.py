@@ -28,9 +28,10 @@ import trio
 
 from relay.errors import ShuttingDown
 from relay.histogram import Histogram, HistogramSnapshot
+from relay.store.base import Changes
 from relay.store.commands import Command
 from relay.store.items import Item, ReplySink, command_op
-from relay.store.sqlite import Changes, SqliteStore
+from relay.store.sqlite import SqliteStore
 from relay.store.thread import STORE_ERROR_KINDS, WriterThread
 
 log = logging.getLogger("relay.writer")
