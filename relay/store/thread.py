@@ -25,9 +25,8 @@ import trio
 
 from relay.errors import InternalError, RelayError, ShuttingDown, Unavailable
 from relay.log import event
-from relay.store.base import Changes
+from relay.store.base import Changes, Store
 from relay.store.items import Item, Op, deliver
-from relay.store.sqlite import SqliteStore
 
 if TYPE_CHECKING:
     from relay.store.writer import Writer
@@ -62,7 +61,7 @@ class WriterThread:
     """Owns the store from start to close: ``run`` is the thread's body."""
 
     def __init__(
-        self, store: SqliteStore, writer: Writer, clock: Callable[[], int], max_batch: int
+        self, store: Store, writer: Writer, clock: Callable[[], int], max_batch: int
     ) -> None:
         self.store = store
         self.writer = writer
