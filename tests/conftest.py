@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay.store.sqlite import SqliteStore, StoreConfig
+from relay.store.base import StoreConfig
+from relay.store.sqlite import SqliteStore
 
 # Fixtures shared by the top-level test modules (a plugin's fixtures give way to any
 # conftest's of the same name, so tests/server and tests/cli keep their own `server`).

@@ -25,7 +25,8 @@ from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_p
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
-from relay.store.sqlite import SqliteStore, StoreConfig
+from relay.store.base import StoreConfig
+from relay.store.sqlite import SqliteStore
 from relay.store.writer import Writer, open_writer, wall_clock_ms
 
 log = logging.getLogger("relay.server")

@@ -36,8 +36,8 @@ from relay.server.auth import Role, Throttle, Tokens, required_role
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
+from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
-from relay.store.sqlite import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
 from relay.store.writer import Writer
 
 log = logging.getLogger("relay.dispatch")

@@ -18,8 +18,8 @@ import attrs
 import trio
 
 from relay.errors import ShuttingDown
+from relay.store.base import Changes
 from relay.store.items import Item, ReplySink
-from relay.store.sqlite import Changes
 from relay.store.writer import Writer
 
 # How many entries for leases no longer parked the deadline heap may hold beyond twice

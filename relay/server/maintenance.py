@@ -18,7 +18,7 @@ from relay.errors import ShuttingDown, Unavailable
 from relay.log import event
 from relay.model import JobState
 from relay.store import commands as cmd
-from relay.store.sqlite import Changes, Reaped
+from relay.store.base import Changes, Reaped
 from relay.store.writer import Writer
 
 log = logging.getLogger("relay.maintenance")

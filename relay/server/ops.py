@@ -21,8 +21,8 @@ from relay.errors import RelayError
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.store import commands as cmd
+from relay.store.base import Store
 from relay.store.items import Item
-from relay.store.sqlite import SqliteStore
 
 log = logging.getLogger("relay.dispatch")
 
@@ -69,7 +69,7 @@ class RequestOp:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def run(self, store: SqliteStore, now: int, args: Any) -> Any:
+    def run(self, store: Store, now: int, args: Any) -> Any:
         raise NotImplementedError
 
     def fields(self, outcome: Any, args: Any) -> dict[str, Any]:
@@ -98,14 +98,14 @@ class _Submit(RequestOp):
     phase = 1  # after the leases (see _Claim)
 
     @staticmethod
-    def run_many(store: SqliteStore, now: int, specs: list[SubmitSpec]) -> list[Any]:
+    def run_many(store: Store, now: int, specs: list[SubmitSpec]) -> list[Any]:
         return store.jobs_submit(specs, now)
 
     @staticmethod
-    def run_alone(store: SqliteStore, now: int, specs: list[SubmitSpec]) -> list[Any] | None:
+    def run_alone(store: Store, now: int, specs: list[SubmitSpec]) -> list[Any] | None:
         return store.jobs_submit(specs, now, alone=True)
 
-    def run(self, store: SqliteStore, now: int, spec: SubmitSpec) -> Any:
+    def run(self, store: Store, now: int, spec: SubmitSpec) -> Any:
         return store.jobs_submit([spec], now)[0]
 
     def reply(self, item: Item, outcome: Any) -> Any:
@@ -123,16 +123,16 @@ class _SubmitBatch(RequestOp):
     phase = 1
 
     @staticmethod
-    def run_many(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
+    def run_many(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
         results = store.jobs_submit([spec for specs in batches for spec in specs], now)
         return cmd.split_results(results, batches)
 
     @staticmethod
-    def run_alone(store: SqliteStore, now: int, batches: list[tuple[SubmitSpec, ...]]) -> Any:
+    def run_alone(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> Any:
         results = store.jobs_submit([spec for specs in batches for spec in specs], now, alone=True)
         return None if results is None else cmd.split_results(results, batches)
 
-    def run(self, store: SqliteStore, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
+    def run(self, store: Store, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
         return store.jobs_submit(specs, now)
 
     def reply(self, item: Item, outcome: Any) -> Any:
@@ -158,10 +158,10 @@ class _Ack(RequestOp):
     phase = 2
 
     @staticmethod
-    def run_many(store: SqliteStore, now: int, acks: list[cmd.AckArgs]) -> list[Any]:
+    def run_many(store: Store, now: int, acks: list[cmd.AckArgs]) -> list[Any]:
         return store.jobs_ack_many(acks, now)
 
-    def run(self, store: SqliteStore, now: int, args: cmd.AckArgs) -> Any:
+    def run(self, store: Store, now: int, args: cmd.AckArgs) -> Any:
         return store.jobs_ack(*args, now)
 
     def reply(self, item: Item, outcome: Any) -> Any:
@@ -175,7 +175,7 @@ class _AckBatch(RequestOp):
 
     phase = 2
 
-    def run(self, store: SqliteStore, now: int, acks: tuple[cmd.AckArgs, ...]) -> Any:
+    def run(self, store: Store, now: int, acks: tuple[cmd.AckArgs, ...]) -> Any:
         return cmd.ack_each(store, now, acks)
 
     def fields(self, outcome: list[RelayError | None], args: Any) -> dict[str, Any]:
@@ -191,7 +191,7 @@ class _AckBatch(RequestOp):
 
 class _Claim(RequestOp):
     """``lease``: args is a ``PendingLease``; a batch's leases are two or three
-    statements (SqliteStore.jobs_claim_many)."""
+    statements (Store.jobs_claim_many)."""
 
     # First: a lease claims what was ready before its batch, as it would have had it been
     # answered before the batch's submits and releases (a long-poll that finds nothing
@@ -201,7 +201,7 @@ class _Claim(RequestOp):
     reserves = True
 
     @staticmethod
-    def run_many(store: SqliteStore, now: int, leases: list[PendingLease]) -> list[Any]:
+    def run_many(store: Store, now: int, leases: list[PendingLease]) -> list[Any]:
         outcomes: list[Any] = [[] for _ in leases]
         wanted = [i for i, lease in enumerate(leases) if _wanted(lease)]
         claims = [leases[i].claim_args() for i in wanted]
@@ -209,7 +209,7 @@ class _Claim(RequestOp):
             outcomes[i] = jobs
         return outcomes
 
-    def run(self, store: SqliteStore, now: int, lease: PendingLease) -> Any:
+    def run(self, store: Store, now: int, lease: PendingLease) -> Any:
         return self.run_many(store, now, [lease])[0]
 
     def reply(self, item: Item, outcome: Any) -> Any:
@@ -222,7 +222,7 @@ class _Claim(RequestOp):
 
 
 class _Renew(RequestOp):
-    def run(self, store: SqliteStore, now: int, args: tuple) -> Any:
+    def run(self, store: Store, now: int, args: tuple) -> Any:
         return store.lease_renew(*args, now)
 
     def fields(self, outcome: int, args: Any) -> dict[str, Any]:
@@ -230,7 +230,7 @@ class _Renew(RequestOp):
 
 
 class _Fail(RequestOp):
-    def run(self, store: SqliteStore, now: int, args: tuple) -> Any:
+    def run(self, store: Store, now: int, args: tuple) -> Any:
         return store.jobs_fail(*args, now)
 
     def fields(self, outcome: FailOutcome, args: Any) -> dict[str, Any]:
@@ -245,7 +245,7 @@ class _Fail(RequestOp):
 
 
 class _Release(RequestOp):
-    def run(self, store: SqliteStore, now: int, args: tuple) -> Any:
+    def run(self, store: Store, now: int, args: tuple) -> Any:
         return store.jobs_release(*args, now)
 
     def fields(self, outcome: None, args: Any) -> dict[str, Any]:
@@ -255,7 +255,7 @@ class _Release(RequestOp):
 class _Inspect(RequestOp):
     reserves = True
 
-    def run(self, store: SqliteStore, now: int, args: Reserving) -> Any:
+    def run(self, store: Store, now: int, args: Reserving) -> Any:
         return store.job_inspect(args.args)
 
     def fields(self, outcome: JobInfo, args: Any) -> dict[str, Any]:
@@ -265,7 +265,7 @@ class _Inspect(RequestOp):
 class _DeadList(RequestOp):
     reserves = True
 
-    def run(self, store: SqliteStore, now: int, args: Reserving) -> Any:
+    def run(self, store: Store, now: int, args: Reserving) -> Any:
         return store.dead_list(*args.args)
 
     def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
@@ -277,7 +277,7 @@ class _Stats(RequestOp):
     """``stats``: args is the server's own fields, taken when the request arrived, and
     whether the ages of the oldest ready jobs were asked for."""
 
-    def run(self, store: SqliteStore, now: int, args: tuple[dict[str, Any], bool]) -> Any:
+    def run(self, store: Store, now: int, args: tuple[dict[str, Any], bool]) -> Any:
         if not args[1]:
             return store.queue_stats(), None
         return store.queue_stats(), store.oldest_ready_ms(now)
@@ -292,7 +292,7 @@ class _Stats(RequestOp):
 class _DeadOne(RequestOp):
     """``dead_retry`` / ``dead_purge`` of one job: args is its id."""
 
-    def run(self, store: SqliteStore, now: int, job_id: str) -> Any:
+    def run(self, store: Store, now: int, job_id: str) -> Any:
         if self.name == "dead_retry":
             return store.dead_retry(job_id, now)
         return store.dead_purge(job_id)
@@ -305,7 +305,7 @@ class _Watch(RequestOp):
     """``watch``: nothing to run; its reply comes after a commit made while recording
     (relay/server/watch.py)."""
 
-    def run(self, store: SqliteStore, now: int, args: Any) -> Any:
+    def run(self, store: Store, now: int, args: Any) -> Any:
         return None
 
 

@@ -24,7 +24,7 @@ import orjson
 import trio
 
 from relay.errors import Overloaded
-from relay.store.sqlite import Changes
+from relay.store.base import Changes
 from relay.store.writer import Writer
 
 # Lines of events moved into the connection's replies at once, and the reply bytes it may

@@ -14,11 +14,11 @@ import attrs
 
 from relay.errors import RelayError
 from relay.model import SubmitSpec
-from relay.store.sqlite import ClaimArgs, SqliteStore
+from relay.store.base import ClaimArgs, Store
 
 
 class Command(Protocol):
-    def apply(self, store: SqliteStore, now: int) -> Any: ...
+    def apply(self, store: Store, now: int) -> Any: ...
 
 
 # A command class may also offer ``apply_many(store, now, commands) -> outcomes``: the
@@ -26,7 +26,7 @@ class Command(Protocol):
 # raises, the writer runs them one by one instead, so each command still gets its own
 # outcome. Merging gives each command the answer it would have had alone, in some order
 # of the run: for submits and acks the order given; for leases, grouped by queue set
-# (see SqliteStore.jobs_claim_many), a valid order for requests that were concurrent.
+# (see Store.jobs_claim_many), a valid order for requests that were concurrent.
 # ``PHASE`` (default 1) orders the classes within a batch (relay/store/thread.py).
 
 # The reply budgets that one merged call of leases may add up to: bounds the memory and
@@ -43,11 +43,11 @@ class Submit:
 
     PHASE = 1  # after the claims (as relay/server/ops.py orders requests)
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_submit(self.specs, now)
 
     @staticmethod
-    def apply_many(store: SqliteStore, now: int, commands: list[Submit]) -> list[Any]:
+    def apply_many(store: Store, now: int, commands: list[Submit]) -> list[Any]:
         # One insert for the whole run; then each command gets its own slice.
         results = store.jobs_submit([spec for c in commands for spec in c.specs], now)
         return split_results(results, [c.specs for c in commands])
@@ -72,13 +72,13 @@ class Claim:
 
     PHASE = 0  # first: it claims what was ready before the batch
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_claim(
             self.queues, self.worker_id, self.count, self.lease_ms, now, self.max_bytes
         )
 
     @staticmethod
-    def apply_many(store: SqliteStore, now: int, commands: list[Claim]) -> list[Any]:
+    def apply_many(store: Store, now: int, commands: list[Claim]) -> list[Any]:
         return claim_in_pieces(
             store,
             now,
@@ -86,7 +86,7 @@ class Claim:
         )
 
 
-def claim_in_pieces(store: SqliteStore, now: int, claims: list[ClaimArgs]) -> list[Any]:
+def claim_in_pieces(store: Store, now: int, claims: list[ClaimArgs]) -> list[Any]:
     """``jobs_claim_many`` in pieces whose reply budgets add up to at most CLAIM_RUN_BYTES,
     one after the other (a claim without a budget counts as that much on its own)."""
     outcomes: list[Any] = []
@@ -109,7 +109,7 @@ class Renew:
     token: str
     lease_ms: int
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.lease_renew(self.job_id, self.worker_id, self.token, self.lease_ms, now)
 
 
@@ -122,11 +122,11 @@ class Ack:
 
     PHASE = 2
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_ack(self.job_id, self.worker_id, self.token, self.result, now)
 
     @staticmethod
-    def apply_many(store: SqliteStore, now: int, commands: list[Ack]) -> list[Any]:
+    def apply_many(store: Store, now: int, commands: list[Ack]) -> list[Any]:
         acks = [(c.job_id, c.worker_id, c.token, c.result) for c in commands]
         return store.jobs_ack_many(acks, now)
 
@@ -140,15 +140,15 @@ class AckBatch:
 
     PHASE = 2
 
-    def apply(self, store: SqliteStore, now: int) -> list[Any]:
+    def apply(self, store: Store, now: int) -> list[Any]:
         return ack_each(store, now, self.acks)
 
 
-def ack_each(store: SqliteStore, now: int, acks: Sequence[AckArgs]) -> list[Any]:
+def ack_each(store: Store, now: int, acks: Sequence[AckArgs]) -> list[Any]:
     """Each ack's outcome (None, or the ``RelayError`` that refused it), exactly as if each
     had been its own ``Ack``, in order: one store call unless one is refused."""
     # No savepoints: an ack, or a run of them, that is refused raises before it writes
-    # anything (see relay/store/sqlite.py), so a refusal leaves nothing to undo.
+    # anything (see Store in relay/store/base.py), so a refusal leaves nothing to undo.
     mark = store.write_mark()
     try:
         return store.jobs_ack_many(acks, now)
@@ -174,7 +174,7 @@ class Fail:
     error: str
     retryable: bool = True
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_fail(
             self.job_id, self.worker_id, self.token, self.error, self.retryable, now
         )
@@ -186,7 +186,7 @@ class Release:
     worker_id: str
     token: str
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_release(self.job_id, self.worker_id, self.token, now)
 
 
@@ -194,7 +194,7 @@ class Release:
 class PromoteDue:
     limit: int
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_promote_due(now, self.limit)
 
 
@@ -202,13 +202,13 @@ class PromoteDue:
 class ReapExpired:
     limit: int
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.leases_reap_expired(now, self.limit)
 
 
 @attrs.frozen
 class Recover:
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.leases_recover(now)
 
 
@@ -216,7 +216,7 @@ class Recover:
 class Prune:
     limit: int
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.jobs_prune(now, self.limit)
 
 
@@ -224,7 +224,7 @@ class Prune:
 class NextDeadlines:
     """(earliest due time of a pending/retrying job, earliest lease expiry), either None."""
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.next_due_at(), store.next_expiry_at()
 
 
@@ -232,19 +232,19 @@ class NextDeadlines:
 class Inspect:
     job_id: str
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.job_inspect(self.job_id)
 
 
 @attrs.frozen
 class Stats:
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.queue_stats()
 
 
 @attrs.frozen
 class EventTotals:
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.event_totals()
 
 
@@ -255,7 +255,7 @@ class DeadList:
     cursor: str | None = None
     max_bytes: int | None = None
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.dead_list(self.queue, self.limit, self.cursor, self.max_bytes)
 
 
@@ -263,7 +263,7 @@ class DeadList:
 class DeadRetry:
     job_id: str
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.dead_retry(self.job_id, now)
 
 
@@ -272,7 +272,7 @@ class DeadRetryQueue:
     queue: str
     limit: int
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.dead_retry_queue(self.queue, now, self.limit)
 
 
@@ -280,7 +280,7 @@ class DeadRetryQueue:
 class DeadPurge:
     job_id: str
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.dead_purge(self.job_id)
 
 
@@ -289,5 +289,5 @@ class DeadPurgeQueue:
     queue: str
     limit: int
 
-    def apply(self, store: SqliteStore, now: int) -> Any:
+    def apply(self, store: Store, now: int) -> Any:
         return store.dead_purge_queue(self.queue, self.limit)

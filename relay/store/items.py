@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from relay.store.base import Store
 from relay.store.commands import Command
-from relay.store.sqlite import SqliteStore
 
 log = logging.getLogger("relay.writer")
 
@@ -35,14 +35,14 @@ class Op(Protocol):
 
     name: str
     phase: int  # the batch runs ops in this order (lower first)
-    run_many: Callable[[SqliteStore, int, list[Any]], list[Any]] | None
+    run_many: Callable[[Store, int, list[Any]], list[Any]] | None
     # For a batch of this op alone: run it as one statement that commits on its own (no
     # BEGIN, no COMMIT: two waits for the GIL fewer), or return None having written
     # nothing. If it raises after its statement committed, the writer answers every item
     # ``internal`` and never runs them again (relay/store/thread.py).
-    run_alone: Callable[[SqliteStore, int, list[Any]], list[Any] | None] | None
+    run_alone: Callable[[Store, int, list[Any]], list[Any] | None] | None
 
-    def run(self, store: SqliteStore, now: int, args: Any) -> Any: ...
+    def run(self, store: Store, now: int, args: Any) -> Any: ...
     def reply(self, item: Item, outcome: Any) -> Any: ...  # writer thread, after commit
 
 
@@ -65,7 +65,7 @@ class CommandOp:
         self.run_many = getattr(kind, "apply_many", None)
 
     @staticmethod
-    def run(store: SqliteStore, now: int, command: Command) -> Any:
+    def run(store: Store, now: int, command: Command) -> Any:
         return command.apply(store, now)
 
     @staticmethod

@@ -36,7 +36,7 @@ SYNCHRONOUS_MODES = ("full", "normal")
 # sqlite3 shell) before failing. Our own writer never contends with itself.
 BUSY_TIMEOUT_MS = 5_000
 # Prepared statements the write connection keeps: a multi-row statement has one text per
-# row count up to relay.store.sqlite.ONE_STATEMENT_ROWS, for a few kinds of statement.
+# row count up to relay.store.sqlite.sql.ONE_STATEMENT_ROWS, for a few kinds of statement.
 CACHED_STATEMENTS = 512
 
 

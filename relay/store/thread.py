@@ -25,8 +25,8 @@ import trio
 
 from relay.errors import InternalError, RelayError, ShuttingDown, Unavailable
 from relay.log import event
+from relay.store.base import Changes, Store
 from relay.store.items import Item, Op, deliver
-from relay.store.sqlite import Changes, SqliteStore
 
 if TYPE_CHECKING:
     from relay.store.writer import Writer
@@ -61,7 +61,7 @@ class WriterThread:
     """Owns the store from start to close: ``run`` is the thread's body."""
 
     def __init__(
-        self, store: SqliteStore, writer: Writer, clock: Callable[[], int], max_batch: int
+        self, store: Store, writer: Writer, clock: Callable[[], int], max_batch: int
     ) -> None:
         self.store = store
         self.writer = writer
@@ -261,9 +261,9 @@ class WriterThread:
 
         Why: SAVEPOINT and RELEASE are statements, and each statement costs the thread a
         wait for the GIL. They are only needed when a command fails halfway, and a refusal
-        never does: the store refuses before it writes (relay/store/sqlite.py). That is
-        checked here, not assumed: a refusal after which the transaction has written rows
-        or moved counters sends the batch to the careful path, as does any other error.
+        never does: the store refuses before it writes (``Store``, relay/store/base.py).
+        That is checked here, not assumed: a refusal after which the transaction has written
+        rows or moved counters sends the batch to the careful path, as does any other error.
         """
         store = self.store
         outcomes: list[Any] = [None] * len(batch)

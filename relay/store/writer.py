@@ -28,9 +28,9 @@ import trio
 
 from relay.errors import ShuttingDown
 from relay.histogram import Histogram, HistogramSnapshot
+from relay.store.base import Changes, Store
 from relay.store.commands import Command
 from relay.store.items import Item, ReplySink, command_op
-from relay.store.sqlite import Changes, SqliteStore
 from relay.store.thread import STORE_ERROR_KINDS, WriterThread
 
 log = logging.getLogger("relay.writer")
@@ -178,7 +178,7 @@ class Writer:
 
 @asynccontextmanager
 async def open_writer(
-    store: SqliteStore,
+    store: Store,
     *,
     clock: Callable[[], int] = wall_clock_ms,
     capacity: int = DEFAULT_CAPACITY,

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay.histogram import Histogram
 from relay.server.metrics import EVENT_METRICS, MetricsSnapshot, render
-from relay.store.sqlite import EVENTS
+from relay.store.base import EVENTS
 
 
 def test_rendered_metrics_parse_with_every_queue_state_and_event():

@@ -11,7 +11,8 @@ import trio
 from relay.model import SubmitSpec, parse_job_id
 from relay.server import ops
 from relay.store import commands as cmd
-from relay.store.sqlite import SqliteStore, StoreConfig
+from relay.store.base import StoreConfig
+from relay.store.sqlite import SqliteStore
 from relay.store.writer import open_writer
 from tests.store.test_writer import BOUND_S, Collect, FakeClock, committed_ids, hold_writer
 

@@ -14,7 +14,8 @@ import pytest
 
 from relay.errors import RelayError
 from relay.model import Backoff, SubmitSpec
-from relay.store.sqlite import JobEvent, SqliteStore
+from relay.store.base import JobEvent
+from relay.store.sqlite import SqliteStore
 from tests.conftest import T0
 
 LEASE_MS = 30_000

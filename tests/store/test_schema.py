@@ -22,6 +22,7 @@ from relay.errors import (
     StoreError,
 )
 from relay.model import Backoff, JobState, Priority, SubmitSpec
+from relay.store.base import StoreConfig
 from relay.store.schema import (
     APPLICATION_ID,
     MIGRATIONS,
@@ -29,7 +30,7 @@ from relay.store.schema import (
     inspect_file,
     open_database,
 )
-from relay.store.sqlite import SqliteStore, StoreConfig
+from relay.store.sqlite import SqliteStore
 from tests.conftest import T0
 
 # PRAGMA synchronous answers a number: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.

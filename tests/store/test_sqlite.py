@@ -26,13 +26,9 @@ from relay.model import (
     parse_job_id,
 )
 from relay.store import commands as cmd
-from relay.store.sqlite import (
-    ERRORS_SHOWN,
-    Changes,
-    SqliteStore,
-    StoreConfig,
-    _claim_candidates_sql,
-)
+from relay.store.base import ERRORS_SHOWN, Changes, StoreConfig
+from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.sql import _claim_candidates_sql
 from tests.conftest import T0
 
 LOW, NORMAL, HIGH, CRITICAL = (int(p) for p in Priority)
@@ -1670,7 +1666,7 @@ def test_many_claims_at_once_lease_what_the_same_claims_one_by_one_would(jobs, c
 
 
 def test_a_claim_reads_no_more_candidates_for_what_claims_on_other_queues_took(monkeypatch):
-    import relay.store.sqlite as sqlite_module
+    import relay.store.sqlite.jobs as sqlite_module
 
     store = SqliteStore.open(":memory:")
     store.jobs_submit([spec("a")] * 300 + [spec("b")] * 10, T0)

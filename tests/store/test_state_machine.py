@@ -28,7 +28,8 @@ from hypothesis.stateful import (
 from relay.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
 from relay.model import AGING_STEP_MS, Backoff, JobState, Priority
 from relay.model import SubmitSpec as Spec
-from relay.store.sqlite import SqliteStore, StoreConfig
+from relay.store.base import StoreConfig
+from relay.store.sqlite import SqliteStore
 from tests.conftest import T0
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED

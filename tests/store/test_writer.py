@@ -25,7 +25,8 @@ from relay.errors import (
 )
 from relay.model import JobState, SubmitSpec, parse_job_id
 from relay.store import commands as cmd
-from relay.store.sqlite import Changes, SqliteStore
+from relay.store.base import Changes
+from relay.store.sqlite import SqliteStore
 from relay.store.writer import Writer, open_writer
 from tests.conftest import T0
 
@@ -559,7 +560,7 @@ async def test_a_run_of_submits_becomes_one_store_call(db_path):
 
 async def test_a_failing_submit_in_a_merged_run_fails_alone(db_path):
     from relay.errors import QueueFull
-    from relay.store.sqlite import StoreConfig
+    from relay.store.base import StoreConfig
 
     store = SqliteStore.open(db_path, StoreConfig(max_depth=3))
     with trio.fail_after(BOUND_S):

@@ -1,0 +1,384 @@
+"""The store interface, and what every store shares: its values, rules and counts.
+
+``Store`` is the interface (a ``Protocol``): the methods and attributes that the writer
+thread (relay/store/thread.py), the request ops (relay/server/ops.py), the typed commands
+(relay/store/commands.py) and the tests call. Each dialect implements it in its own
+package (relay/store/sqlite/), split by the same concerns: jobs and leases, maintenance,
+dead letters, reads.
+
+Also here, written once: the values a store reports (``Changes``, ``Reaped``, ``JobEvent``)
+and takes (``StoreConfig``, ``ClaimArgs``), the constants callers import, the dialect-free
+rules (``check_lease``, ``info_size``), and ``CountsBook``, the per-queue counts kept in
+memory with the journal that undoes them on rollback. Nothing here touches a database.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import attrs
+import orjson
+
+from relay.errors import JobNotFound, LeaseExpired, StaleToken
+from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
+
+PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
+RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
+UNFINISHED = (PENDING, READY, LEASED, RETRYING)
+
+LEASE_EXPIRED_ERROR = "lease expired"
+RESTART_ERROR = "lease lost: the server restarted while the job was leased"
+
+# Bytes of randomness per lease token: 128 bits, as the contract requires.
+TOKEN_BYTES = 16
+
+# Error history entries shown per job (inspect, dead_list): the most recent ones. With
+# errors of at most 8 KiB, a job's history stays under 256 KiB in a reply.
+ERRORS_SHOWN = 32
+# What a job's fields other than its texts add to a reply, roughly: for byte budgets.
+REPLY_OVERHEAD_BYTES = 256
+
+# Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
+EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
+
+
+# The arguments of one claim: queues, worker id, count, lease ms, reply budget in bytes.
+ClaimArgs = tuple[Sequence[str], str, int, int, int | None]
+
+
+@attrs.frozen
+class StoreConfig:
+    """Policies of the store. Durations in milliseconds."""
+
+    idempotency_window_ms: int = 24 * 3600 * 1000
+    retention_ms: int = 7 * 24 * 3600 * 1000
+    max_error_bytes: int = 8 * 1024
+    # Unfinished jobs a queue may hold (pending + ready + leased + retrying) before a
+    # submit is refused with QueueFull: per queue, else ``max_depth`` (None: unbounded).
+    max_depth: int | None = None
+    queue_depths: dict[str, int] = attrs.Factory(dict)
+
+    def depth_limit(self, queue: str) -> int | None:
+        return self.queue_depths.get(queue, self.max_depth)
+
+
+@attrs.frozen
+class Reaped:
+    """One expired lease the reaper ended: the job is now ``state`` (ready or dead)."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    attempt: int
+
+
+# One state change of a job, recorded while ``Store.recording``: (job id, queue, state it
+# entered, its attempt after the change, the ``now`` of the call that made it).
+JobEvent = tuple[str, str, str, int, int]
+
+
+@attrs.define
+class Changes:
+    """What committed changes mean for the trio side: whom to wake, and when.
+
+    Collected while a transaction runs and taken by the writer after its commit. A command
+    that is rolled back may leave a spurious entry in ``ready_queues`` and the times; a
+    spurious wake-up is harmless. ``events`` is exact: a rolled-back command's are removed
+    (``Store.command``), a rolled-back transaction's dropped with it.
+    """
+
+    ready_queues: set[str] = attrs.Factory(set)
+    # The earliest due time of a job that became pending or retrying, and the earliest new
+    # lease expiry: the promoter and the reaper sleep until these if they are sooner.
+    next_due_at: int | None = None
+    next_expiry_at: int | None = None
+    # Every state change of a job, in the order made, while the store is ``recording``
+    # (for ``watch``); else empty.
+    events: list[JobEvent] = attrs.Factory(list)
+
+    def due(self, at: int) -> None:
+        if self.next_due_at is None or at < self.next_due_at:
+            self.next_due_at = at
+
+    def expiry(self, at: int) -> None:
+        if self.next_expiry_at is None or at < self.next_expiry_at:
+            self.next_expiry_at = at
+
+
+def check_lease(
+    row: tuple | None, job_id: str, worker_id: str, token: str, now: int, operation: str
+) -> tuple | None:
+    """``row`` if the token and worker hold its unexpired lease; None for an ack repeated
+    with the completing token; else the refusal, raised.
+
+    ``row`` is the job's (id, queue, state, attempt, max_attempts, lease_token,
+    lease_worker, lease_expires_at, ...), or None if there is no such job.
+    """
+    if row is None:
+        raise JobNotFound(job_id)
+    state, lease_token, lease_worker, expires_at = row[2], row[5], row[6], row[7]
+    if lease_token is None or token != lease_token or worker_id != lease_worker:
+        raise StaleToken(job_id)
+    if state == LEASED:
+        if now >= expires_at:
+            raise LeaseExpired(job_id, expires_at)
+        return row
+    if state == SUCCEEDED and operation == "ack":
+        return None
+    # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
+    # restart recovery): the token held the lease and it expired. The holder's own ack,
+    # fail or release clears it: the token no longer holds the current lease.
+    if expires_at is not None:
+        raise LeaseExpired(job_id, expires_at)
+    raise StaleToken(job_id)
+
+
+def info_size(info: JobInfo) -> int:
+    """Roughly the bytes of ``info`` in a reply: payload and result go in as the JSON they
+    are, error texts as JSON strings (escaping can make one 6 times its UTF-8 length)."""
+    size = len(info.payload.encode()) + len((info.result or "").encode())
+    errors = [info.last_error or "", *(entry.error for entry in info.errors)]
+    return size + sum(len(orjson.dumps(text)) for text in errors) + REPLY_OVERHEAD_BYTES
+
+
+# (counter, key, n): one counter move, undone on rollback by subtracting n.
+JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]
+
+
+class CountsBook:
+    """Jobs per (queue, state) and events per (queue, event), in memory, with a journal.
+
+    A store inherits it: every transition moves the counts (``_move``, ``_count``) as it
+    writes, and the store loads ``_counts`` from its tables when it opens. Inside a
+    transaction (``_journal`` not None: the store sets it at ``begin``) every move is
+    journaled, so that a rolled-back savepoint (``_undo(mark)``) or transaction
+    (``_undo(0)``) takes back its own moves, and the counts always equal what is committed.
+    At commit the store hands the journal to ``_forget_empty``.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, str]] = Counter()  # (queue, state) -> jobs
+        self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
+        # While a transaction runs: every counter change, to undo them on rollback.
+        self._journal: list[JournalEntry] | None = None
+
+    def _forget_empty(self, journal: list[JournalEntry]) -> None:
+        """Drop the counts that this transaction brought to zero, and the event totals of
+        a queue left with no jobs at all: what is kept in memory then grows with the queues
+        that have jobs, not with every queue name ever used."""
+        emptied = set()
+        for counter, key, _ in journal:
+            if counter is self._counts and key in self._counts and not self._counts[key]:
+                del self._counts[key]
+                emptied.add(key[0])
+        for queue in emptied:
+            if not any(self._counts.get((queue, state)) for state in JobState):
+                for state in JobState:
+                    self._counts.pop((queue, state), None)
+                for event in EVENTS:
+                    self._totals.pop((queue, event), None)
+
+    def _undo(self, mark: int) -> None:
+        assert self._journal is not None
+        for counter, key, n in reversed(self._journal[mark:]):
+            counter[key] -= n
+        del self._journal[mark:]
+
+    def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
+        counter[key] += n
+        if self._journal is not None:
+            self._journal.append((counter, key, n))
+
+    def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
+        if src is not None:
+            self._bump(self._counts, (queue, src), -n)
+        if dst is not None:
+            self._bump(self._counts, (queue, dst), n)
+
+    def _count(self, queue: str, event: str, n: int = 1) -> None:
+        self._bump(self._totals, (queue, event), n)
+
+    def queue_stats(self) -> dict[str, dict[str, int]]:
+        """Jobs per queue and state (every state present, zeros included).
+
+        Kept in memory and updated by every transition, so this never scans the table.
+        """
+        stats: dict[str, dict[str, int]] = {}
+        for (queue, state), n in self._counts.items():
+            if n:
+                stats.setdefault(queue, dict.fromkeys(JobState, 0))[JobState(state)] = n
+        return {
+            queue: {str(s): n for s, n in by_state.items()} for queue, by_state in stats.items()
+        }
+
+    def event_totals(self) -> dict[tuple[str, str], int]:
+        """(queue, event) -> how many times it happened since this store was opened."""
+        return {key: n for key, n in self._totals.items() if n}
+
+
+class Store(Protocol):
+    """The job store: every state transition and read, synchronous, for one thread.
+
+    Exactly one thread (the writer) calls a store; it is not thread-safe. Every method
+    that depends on time takes ``now`` (milliseconds since the epoch) from its caller and
+    never reads a clock, so tests drive time with plain integers. Methods do not commit:
+    the writer groups many calls into one transaction with ``begin`` and ``commit`` (and
+    ``command``, a savepoint, when it must run them carefully). Called outside ``begin``,
+    each call commits on its own, which is what the synchronous unit tests do.
+
+    Every method that refuses (a ``RelayError``: ``JobNotFound``, ``StaleToken``,
+    ``LeaseExpired``, ``InvalidState``, ``QueueFull``) does so before it writes anything,
+    so a refused call never leaves a partial change behind, even without a savepoint; the
+    writer checks this with ``write_mark``. Job ids that do not parse are ``JobNotFound``.
+    """
+
+    config: StoreConfig
+    # What the calls since the last commit mean for the trio side (whom to wake, when).
+    changes: Changes
+    # Whether transitions append to ``changes.events``; the writer sets it per batch.
+    recording: bool
+
+    # -- transactions and lifetime (the writer's) --------------------------------------------
+
+    def begin(self) -> None:
+        """Start the transaction that the calls until ``commit`` or ``rollback`` share."""
+
+    @property
+    def in_transaction(self) -> bool:
+        """False if the database rolled the transaction back itself (disk full, I/O error)."""
+
+    def write_mark(self) -> tuple[int, int]:
+        """Where the writes stand: equal marks before and after a call mean it wrote nothing."""
+
+    def command(self) -> AbstractContextManager[None]:
+        """One command inside ``begin``: on any exception, its writes, counts and events are
+        undone and the exception propagates; the rest of the transaction stands."""
+
+    def commit(self) -> Changes:
+        """Commit (raises if the database cannot); return what changed, and start afresh."""
+
+    def rollback(self) -> None:
+        """Undo the transaction, its counts and its changes; raises no database error."""
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call or commit, after a call that committed on its
+        own (``jobs_submit(alone=True)``); start afresh."""
+
+    def recount(self) -> None:
+        """Count the jobs per queue and state again from the database."""
+
+    def close(self) -> None:
+        """Make the database's file complete (checkpoint) and close it; ends the store."""
+
+    # -- jobs and leases: the transitions a client makes -------------------------------------
+
+    def jobs_submit(
+        self, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False
+    ) -> list[SubmitResult] | None:
+        """Create jobs, all or none (``QueueFull`` over a depth limit); a (queue, key) seen
+        within the idempotency window answers the first job as a duplicate. ``alone``:
+        one self-committing statement, or None having written nothing."""
+
+    def jobs_claim(
+        self,
+        queues: Sequence[str],
+        worker_id: str,
+        count: int,
+        lease_ms: int,
+        now: int,
+        max_bytes: int | None = None,
+    ) -> list[Lease]:
+        """Lease up to ``count`` ready jobs, best effective priority first, each with a
+        fresh token and its attempt incremented; stops once payloads reach ``max_bytes``."""
+
+    def jobs_claim_many(self, claims: Sequence[ClaimArgs], now: int) -> list[list[Lease]]:
+        """Many claims, with the outcome of making them one after the other, grouped by
+        their set of queues (groups in order of first appearance)."""
+
+    def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
+        """Extend a held lease to ``now + lease_ms`` and return that; raises
+        ``JobNotFound``, ``StaleToken`` or ``LeaseExpired`` (see ``check_lease``)."""
+
+    def jobs_ack(
+        self, job_id: str, worker_id: str, token: str, result: str | None, now: int
+    ) -> None:
+        """Complete a held job (succeeded, with ``result``); an ack repeated with the
+        completing token is ok; else raises as ``lease_renew`` does."""
+
+    def jobs_ack_many(
+        self, acks: Sequence[tuple[str, str, str, str | None]], now: int
+    ) -> list[None]:
+        """Ack all of ``acks`` (job_id, worker_id, token, result), or raise (a
+        ``RelayError``, or ValueError for a job twice) having changed nothing."""
+
+    def jobs_fail(
+        self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int
+    ) -> FailOutcome:
+        """Record a failed attempt: retrying after its backoff, or dead when spent or not
+        ``retryable``; raises as ``lease_renew`` does."""
+
+    def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
+        """Give a held job back: ready at once in its old place, its attempt given back;
+        raises as ``lease_renew`` does."""
+
+    # -- maintenance: time-driven transitions ------------------------------------------------
+
+    def jobs_promote_due(self, now: int, limit: int) -> int:
+        """Make up to ``limit`` due pending and retrying jobs ready (from their due time);
+        return how many."""
+
+    def leases_reap_expired(self, now: int, limit: int) -> list[Reaped]:
+        """End up to ``limit`` leases expired at ``now``: ready again, or dead when spent
+        (error "lease expired")."""
+
+    def leases_recover(self, now: int) -> int:
+        """At start, before serving: every leased job ready again, its attempt given back;
+        return how many."""
+
+    def jobs_prune(self, now: int, limit: int) -> int:
+        """Delete up to ``limit`` succeeded jobs past retention, and up to ``limit``
+        expired idempotency keys; return the jobs deleted."""
+
+    def next_due_at(self) -> int | None:
+        """The earliest due time of a pending or retrying job, or None."""
+
+    def next_expiry_at(self) -> int | None:
+        """The earliest expiry of a held lease, or None."""
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def job_inspect(self, job_id: str) -> JobInfo:
+        """One job with its latest ``ERRORS_SHOWN`` errors; raises ``JobNotFound``."""
+
+    def queue_stats(self) -> dict[str, dict[str, int]]:
+        """Jobs per queue and state (every state present, zeros included)."""
+
+    def event_totals(self) -> dict[tuple[str, str], int]:
+        """(queue, event) -> how many times it happened since this store was opened."""
+
+    def oldest_ready_ms(self, now: int) -> dict[str, int]:
+        """Per queue with ready jobs: how long its oldest ready job has waited (ms)."""
+
+    def dead_list(
+        self, queue: str | None, limit: int, cursor: str | None, max_bytes: int | None = None
+    ) -> tuple[list[JobInfo], str | None]:
+        """Dead jobs oldest first, a page of at most ``limit`` (and ``max_bytes``, at least
+        one job), and the cursor of the next page or None."""
+
+    # -- dead letters ------------------------------------------------------------------------
+
+    def dead_retry(self, job_id: str, now: int) -> int:
+        """Make one dead job ready with fresh attempts, keeping its errors; return 1;
+        raises ``JobNotFound``, or ``InvalidState`` if it is not dead."""
+
+    def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
+        """Make up to ``limit`` dead jobs of ``queue`` ready; return how many."""
+
+    def dead_purge(self, job_id: str) -> int:
+        """Delete one dead job and its history; return 1; raises as ``dead_retry`` does."""
+
+    def dead_purge_queue(self, queue: str, limit: int) -> int:
+        """Delete up to ``limit`` dead jobs of ``queue``; return how many."""

@@ -1,0 +1,135 @@
+"""The reads, as SQLite: one job (``job_inspect``) and the dead letters a page at a time
+(``dead_list``), with their error histories; how long each queue's oldest ready job has
+waited (``oldest_ready_ms``).
+
+``queue_stats`` and ``event_totals`` read no table: they come from the counts kept in
+memory (``CountsBook``, relay/store/base.py).
+"""
+
+from __future__ import annotations
+
+from relay.errors import JobNotFound
+from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
+from relay.store.base import ERRORS_SHOWN, LEASED, READY, info_size
+from relay.store.sqlite.sql import _PRIORITIES_HIGH_FIRST, SqliteBase
+
+_JOB_COLUMNS = (
+    "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
+    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
+)
+
+# The oldest ready_at of a queue: the least of each priority's first entry in jobs_ready.
+_OLDEST_READY_SQL = (
+    "SELECT min(oldest) FROM ("
+    + " UNION ALL ".join(
+        "SELECT min(ready_at) AS oldest FROM jobs INDEXED BY jobs_ready "
+        f"WHERE state = 'ready' AND queue = ?1 AND priority = {p}"
+        for p in _PRIORITIES_HIGH_FIRST
+    )
+    + ")"
+)
+
+
+class SqliteReads(SqliteBase):
+    """Inspect and the dead list: part of ``SqliteStore``."""
+
+    def job_inspect(self, job_id: str) -> JobInfo:
+        """One job, with its latest ERRORS_SHOWN errors."""
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (key,)
+            ).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        return self._job_infos([row])[0]
+
+    def oldest_ready_ms(self, now: int) -> dict[str, int]:
+        """Per queue with ready jobs: how long its oldest ready job has waited (ms).
+
+        One index seek per queue and priority (the ``jobs_ready`` index is ordered by
+        ready_at within each), never a scan of the ready jobs."""
+        ages = {}
+        for (queue, state), n in self._counts.items():
+            if n and state == READY:
+                oldest = self._db.execute(_OLDEST_READY_SQL, (queue,)).fetchone()[0]
+                if oldest is not None:
+                    ages[queue] = max(0, now - oldest)
+        return ages
+
+    def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
+        errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
+        if rows:
+            marks = ", ".join("?" * len(rows))
+            # The most recent ERRORS_SHOWN entries of each job, oldest first: the history
+            # of a job with a thousand retries would not fit a reply.
+            for key, attempt, error, at in self._db.execute(
+                "SELECT job_id, attempt, error, at FROM (SELECT rowid AS seq, *, "
+                "row_number() OVER (PARTITION BY job_id ORDER BY rowid DESC) AS back "
+                f"FROM job_errors WHERE job_id IN ({marks})) WHERE back <= ? ORDER BY seq",
+                [*errors, ERRORS_SHOWN],
+            ):
+                errors[key].append(ErrorEntry(attempt, error, at))
+        infos = []
+        for row in rows:
+            state = JobState(row[2])
+            leased = state == LEASED
+            infos.append(
+                JobInfo(
+                    job_id=format_job_id(row[0]),
+                    queue=row[1],
+                    state=state,
+                    priority=row[3],
+                    payload=row[4],
+                    attempt=row[5],
+                    max_attempts=row[6],
+                    created_at=row[7],
+                    ready_at=row[8],
+                    run_at=row[9],
+                    lease_expires_at=row[10] if leased else None,
+                    worker_id=row[11],
+                    last_error=row[12],
+                    errors=tuple(errors[row[0]]),
+                    result=row[13],
+                    idempotency_key=row[14],
+                    finished_at=row[15],
+                )
+            )
+        return infos
+
+    def dead_list(
+        self, queue: str | None, limit: int, cursor: str | None, max_bytes: int | None = None
+    ) -> tuple[list[JobInfo], str | None]:
+        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page.
+
+        With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
+        least one job); ``next_cursor`` then continues after the last job given.
+        """
+        after = -1
+        if cursor is not None:
+            after = parse_job_id(cursor)
+            if after is None:
+                after = -1
+        if queue is None:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+                "WHERE state = 'dead' AND id > ? ORDER BY id LIMIT ?",
+                (after, limit + 1),
+            ).fetchall()
+        else:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
+                "WHERE state = 'dead' AND queue = ? AND id > ? ORDER BY id LIMIT ?",
+                (queue, after, limit + 1),
+            ).fetchall()
+        more = len(rows) > limit
+        infos = self._job_infos(rows[:limit])
+        if max_bytes is not None:
+            size = 0
+            for i, info in enumerate(infos):
+                size += info_size(info)
+                if size >= max_bytes and i + 1 < len(infos):
+                    infos, more = infos[: i + 1], True
+                    break
+        return infos, (infos[-1].job_id if more else None)

@@ -1,0 +1,159 @@
+"""What every part of the SQLite store shares: statements of many rows, reads as one row of
+JSON, the claim's candidates statement, and ``SqliteBase``, the state and the few helper
+transitions that the parts (jobs.py, maintenance.py, dead.py, reads.py) are written against.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+
+import orjson
+
+from relay.model import JobIdGenerator, Priority
+from relay.store.base import Changes, CountsBook, StoreConfig
+
+_PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
+
+# "id IN" this, bound to a JSON array of ids: any number of ids with one parameter.
+_JSON_IDS = "(SELECT value FROM json_each(?))"
+_INSERT_ERRORS = "INSERT INTO job_errors (job_id, attempt, error, at) VALUES {values}"
+
+
+# Few steps, not one per row. Python's sqlite3 releases the GIL around every sqlite3_step,
+# and the writer thread must then take it back from the trio thread: on a busy two-core
+# machine that wait is tens of microseconds each time (an executemany of 4 rows took about
+# 45 µs a row inside the server, against 7 µs alone). So the paths that touch many rows do
+# it in a handful of steps however many rows there are: writes are one multi-row statement
+# per chunk of rows, and reads of many rows come back as one row of JSON.
+ROWS_PER_STATEMENT = 256  # a power of two: chunks are powers of two (few distinct SQL texts)
+# Up to this many rows are one statement whatever their number (so at most this many
+# distinct texts per kind of statement; the connection caches 512, see schema.py). A
+# submit_batch of 100 plain jobs is then one statement that commits on its own.
+ONE_STATEMENT_ROWS = 128
+# A batch of plain submits is one statement outside a transaction (``jobs_submit(alone=
+# True)``) up to this many jobs and payload characters: about one frame's worth, so that
+# its one statement's text stays small (the transaction path takes anything larger).
+ALONE_ROWS = 1000
+ALONE_PAYLOAD_CHARS = 1024 * 1024
+
+
+def _chunks(rows: Sequence[tuple]) -> Iterator[Sequence[tuple]]:
+    """``rows`` in one chunk if there are at most ONE_STATEMENT_ROWS, else in chunks of a
+    power-of-two length, largest first, at most ROWS_PER_STATEMENT each: 100 rows are
+    64 + 32 + 4. So few distinct statements are prepared, and a small batch is one."""
+    if len(rows) <= ONE_STATEMENT_ROWS:
+        if rows:
+            yield rows
+        return
+    start = 0
+    while start < len(rows):
+        n = min(ROWS_PER_STATEMENT, 1 << ((len(rows) - start).bit_length() - 1))
+        yield rows[start : start + n]
+        start += n
+
+
+@functools.lru_cache(maxsize=1024)  # a text per (statement, row count): a few hundred
+def _values_sql(template: str, row: str, n: int) -> str:
+    return template.format(values=", ".join([row] * n))
+
+
+def _execute_rows(
+    db: sqlite3.Connection, template: str, row: str, rows: Sequence[tuple], head: tuple = ()
+) -> None:
+    """Run ``template`` with ``{values}`` replaced by ``row`` once per row, a chunk of rows
+    per statement; each statement binds ``head``, then the chunk's values in order."""
+    for chunk in _chunks(rows):
+        params = list(head)
+        for values in chunk:
+            params += values
+        db.execute(_values_sql(template, row, len(chunk)), params)
+
+
+def _json_ids(keys: Iterable[int]) -> str:
+    """Job ids as the text of a JSON array, the parameter of ``_JSON_IDS``."""
+    return orjson.dumps(list(keys)).decode()
+
+
+def _json_select(columns: str, rest: str) -> str:
+    """``SELECT {columns} {rest}`` as one row of JSON, for ``_json_rows``."""
+    return f"SELECT json_group_array(json_array({columns})) FROM (SELECT {columns} {rest})"
+
+
+def _json_rows(db: sqlite3.Connection, sql: str, params: Sequence[object] = ()) -> list[list]:
+    """The rows of ``sql``, a ``SELECT json_group_array(json_array(...))``: one step."""
+    return orjson.loads(db.execute(sql, params).fetchone()[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_candidates_sql(queue_count: int, inline: bool) -> str:
+    # One sub-select per (queue, priority class), each a seek on jobs_ready returning that
+    # class's oldest ready jobs, so the cost is independent of the backlog.
+    # The payload's size in bytes (for the reply bound) costs a row lookup per candidate;
+    # with ``inline``, a payload of at most INLINE_PAYLOAD_BYTES comes too, so that the
+    # leased jobs need no read after the update.
+    payload = f"CASE WHEN size <= {INLINE_PAYLOAD_BYTES} THEN payload END" if inline else "NULL"
+    part = (
+        "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) AS size, "
+        "queue, attempt, max_attempts, payload FROM jobs INDEXED BY jobs_ready "
+        "WHERE state = 'ready' AND queue = ? AND priority = ? ORDER BY ready_at, id LIMIT ?)"
+    )
+    parts = " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
+    return (
+        "SELECT json_group_array(json_array(id, priority, ready_at, size, queue, attempt, "
+        f"max_attempts, {payload})) FROM ({parts})"
+    )
+
+
+# Small payloads come with the claim's candidates (above), while a claim's candidates are
+# at most INLINE_CANDIDATES: their JSON row then stays under ~1.5 MiB (payload bytes
+# escaped at most 6 times), and a lease of a few jobs takes two statements, not three.
+INLINE_PAYLOAD_BYTES = 512
+INLINE_CANDIDATES = 256
+
+
+class SqliteBase(CountsBook):
+    """What the parts of ``SqliteStore`` share (relay/store/sqlite/store.py sets it up).
+
+    Not thread-safe: exactly one thread (the writer) may call a store.
+    """
+
+    _db: sqlite3.Connection  # the store's one connection, which it owns
+    config: StoreConfig
+    _rng: random.Random  # backoff jitter
+    _ids: JobIdGenerator  # job ids, above every id ever committed
+    changes: Changes  # what the calls since the last commit changed
+    recording: bool  # whether transitions append to ``changes.events``
+
+    def _record(self, key: int, queue: str, state: str, attempt: int, now: int) -> None:
+        """One job's state change, for ``changes.events`` (call only while recording)."""
+        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now))
+
+    def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
+        """One entry of a job's error history."""
+        _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", [(key, attempt, error, now)])
+
+    def _save_last_id(self) -> None:
+        # The high-water mark of issued ids, written only where jobs are deleted: with it,
+        # and max(id) of the jobs that remain, the generator starts above every id ever
+        # committed, also after a restart with the clock set back. (A submit needs no
+        # write of its own: its job is the max(id) until it is deleted.)
+        self._db.execute(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_job_id', ?)",
+            (str(self._ids.last_id),),
+        )
+
+    def _delete_jobs(self, rows: Iterable[tuple[int, str]], state: str) -> None:
+        """Delete these jobs (id, queue), all in ``state``, with their errors and keys."""
+        rows = list(rows)
+        if not rows:
+            return
+        self._save_last_id()
+        keys = (_json_ids([row[0] for row in rows]),)
+        self._db.execute(f"DELETE FROM job_errors WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(f"DELETE FROM idempotency_keys WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(f"DELETE FROM jobs WHERE id IN {_JSON_IDS}", keys)
+        for _key, queue in rows:
+            self._move(queue, state, None)

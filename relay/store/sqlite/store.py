@@ -1,0 +1,144 @@
+"""``SqliteStore``: the store on one SQLite connection, assembled from its parts.
+
+Here: opening and closing, the transactions the writer runs (``begin``, ``command``,
+``commit``, ``rollback``, ``write_mark``) and loading the counts. The transitions live by
+concern: jobs.py (submit, claim, renew, ack, fail, release), maintenance.py (promote,
+reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge), reads.py
+(inspect, dead list). Never imports trio; never reads the clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sqlite3
+from collections.abc import Iterator
+
+from relay.model import JobIdGenerator
+from relay.store.base import Changes, StoreConfig
+from relay.store.schema import open_database
+from relay.store.sqlite.dead import SqliteDead
+from relay.store.sqlite.jobs import SqliteJobs
+from relay.store.sqlite.maintenance import SqliteMaintenance
+from relay.store.sqlite.reads import SqliteReads
+
+
+class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
+    """The job store on one SQLite connection, which it owns (the ``Store`` interface of
+    relay/store/base.py).
+
+    Not thread-safe: exactly one thread (the writer) may call it.
+    """
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        config: StoreConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._db = conn
+        self.config = config or StoreConfig()
+        # Jitter needs no cryptographic strength; tokens do, and use `secrets`.
+        self._rng = rng or random.Random()
+        last = conn.execute("SELECT value FROM meta WHERE key = 'last_job_id'").fetchone()
+        top = conn.execute("SELECT max(id) FROM jobs").fetchone()[0]
+        self._ids = JobIdGenerator(max(int(last[0]) if last else 0, top or 0))
+        super().__init__()  # the counts book (relay/store/base.py): empty, no transaction
+        self._load_counts()
+        self.changes = Changes()
+        # Whether transitions append to ``changes.events``. Off, they cost one check of
+        # this flag per call and no statement more; the writer sets it per batch.
+        self.recording = False
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        config: StoreConfig | None = None,
+        *,
+        synchronous: str = "full",
+        rng: random.Random | None = None,
+    ) -> SqliteStore:
+        """Open or create the database at ``path`` (see ``schema.open_database``)."""
+        return cls(open_database(path, synchronous=synchronous), config, rng=rng)
+
+    def close(self) -> None:
+        """Checkpoint the WAL into the main file and close the connection."""
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+
+    # -- transactions (used by the writer) -------------------------------------------------
+
+    def begin(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        self._journal = []
+
+    @property
+    def in_transaction(self) -> bool:
+        """False if SQLite itself rolled the transaction back (disk full, I/O error):
+        then nothing of it stands, and nothing more may run as if it did."""
+        return self._db.in_transaction
+
+    def write_mark(self) -> tuple[int, int]:
+        """Where the transaction's writes stand (rows changed, counter moves): equal marks
+        before and after a call mean that it wrote nothing."""
+        # (total_changes counts a statement once it has finished; the store leaves no
+        # statement unfinished, e.g. no RETURNING cursor, when a method returns or raises.)
+        return self._db.total_changes, len(self._journal or ())
+
+    @contextlib.contextmanager
+    def command(self) -> Iterator[None]:
+        """One command inside the transaction: on any exception its changes are undone."""
+        assert self._journal is not None, "command() outside begin()"
+        mark = len(self._journal)
+        events = self.changes.events
+        events_mark = len(events)
+        self._db.execute("SAVEPOINT command")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK TO command")
+            self._db.execute("RELEASE command")
+            self._undo(mark)
+            del events[events_mark:]  # no event of what did not happen
+            raise
+        self._db.execute("RELEASE command")
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call (or commit), after a statement that committed
+        on its own (``jobs_submit(alone=True)``)."""
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def commit(self) -> Changes:
+        """Commit; return what changed and start collecting afresh."""
+        self._db.execute("COMMIT")
+        journal, self._journal = self._journal, None
+        if journal:
+            self._forget_empty(journal)
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("ROLLBACK")
+        # Ids issued in the rolled-back transaction stay used in this process (the
+        # generator never goes back); none was committed or answered, so none needs
+        # remembering across a restart.
+        if self._journal is not None:
+            self._undo(0)
+        self._journal = None
+        self.changes = Changes()
+
+    def recount(self) -> None:
+        """Count the jobs per queue and state again from the table (after a failure that
+        may have left the counts short of what was committed outside a transaction)."""
+        self._load_counts()
+
+    def _load_counts(self) -> None:
+        self._counts.clear()
+        rows = self._db.execute("SELECT queue, state, count(*) FROM jobs GROUP BY queue, state")
+        for queue, state, n in rows:
+            self._counts[(queue, state)] = n
