@@ -1,4 +1,5 @@
-"""``GET /metrics`` (Prometheus text format) and ``GET /healthz`` over a small h11 handler.
+"""``GET /metrics`` (Prometheus text format), ``GET /healthz`` and the dashboard page
+(``GET /``, relay/server/dashboard.py) over a small h11 handler.
 
 This is the only module that imports prometheus_client. Core components expose frozen
 ``statistics()`` snapshots and the store answers counts; a scrape gathers them into a
@@ -27,6 +28,8 @@ from relay.errors import RelayError
 from relay.histogram import HistogramSnapshot
 from relay.log import Summary, event
 from relay.model import JobState
+from relay.server.dashboard import CONTENT_TYPE as PAGE_TYPE
+from relay.server.dashboard import Dashboard
 from relay.server.listener import peer_name
 
 log = logging.getLogger("relay.metrics")
@@ -154,12 +157,14 @@ async def serve_metrics(
     listeners: list[trio.SocketListener],
     gather: Callable[[], Awaitable[MetricsSnapshot]],
     authorize: Authorize | None = None,
+    dashboard: Dashboard | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve /metrics and /healthz until cancelled (one request per connection, at most
-    ``MAX_HTTP_CONNECTIONS`` at once). With ``authorize``, a request it refuses gets 401
-    and nothing else."""
+    """Serve /metrics and /healthz, and with ``dashboard`` the page at /, until cancelled
+    (one request per connection, at most ``MAX_HTTP_CONNECTIONS`` at once). With
+    ``authorize``, a request it refuses gets 401 and nothing else; the page needs no
+    authorization (it holds no data: see relay/server/dashboard.py)."""
     limiter = trio.CapacityLimiter(MAX_HTTP_CONNECTIONS)
     refusals = Summary()  # logged in summary: they come in floods
 
@@ -174,7 +179,7 @@ async def serve_metrics(
             return
         try:
             with trio.move_on_after(HTTP_TIMEOUT_S):
-                await _exchange(stream, gather, authorize)
+                await _exchange(stream, gather, authorize, dashboard)
             await trio.aclose_forcefully(stream)
         finally:
             limiter.release()
@@ -186,6 +191,7 @@ async def _exchange(
     stream: trio.SocketStream,
     gather: Callable[[], Awaitable[MetricsSnapshot]],
     authorize: Authorize | None,
+    dashboard: Dashboard | None,
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
     try:
@@ -198,22 +204,30 @@ async def _exchange(
         if not isinstance(incoming, h11.Request):
             return
         target = incoming.target.split(b"?", 1)[0]
-        if authorize is not None and not await authorize(incoming.headers, peer_name(stream)):
-            status, body, kind = 401, b"unauthorized\n", b"text/plain"
+        headers: list[tuple[bytes, bytes]] = []
+        kind = b"text/plain"
+        if target == b"/" and dashboard is not None and incoming.method in (b"GET", b"HEAD"):
+            # No token, on any address: the page holds no data (its data comes over the
+            # WebSocket, after a hello with the token of whoever opened it).
+            local_host = stream.socket.getsockname()[0]
+            status, kind = 200, PAGE_TYPE
+            body, headers = dashboard.response(incoming.headers, local_host)
+        elif authorize is not None and not await authorize(incoming.headers, peer_name(stream)):
+            status, body = 401, b"unauthorized\n"
+            headers = [(b"www-authenticate", b"Bearer")]
         elif incoming.method not in (b"GET", b"HEAD"):
-            status, body, kind = 405, b"method not allowed\n", b"text/plain"
+            status, body = 405, b"method not allowed\n"
         elif target == b"/metrics":
             try:
                 status, body, kind = 200, render(await gather()), CONTENT_TYPE_LATEST.encode()
             except RelayError as exc:  # the store cannot answer now (disk, shutdown)
                 event(log, logging.WARNING, "metrics.unavailable", error=repr(exc))
-                status, body, kind = 503, b"unavailable\n", b"text/plain"  # no error text
+                status, body = 503, b"unavailable\n"  # no error text
         elif target == b"/healthz":
-            status, body, kind = 200, b"ok\n", b"text/plain"
+            status, body = 200, b"ok\n"
         else:
-            status, body, kind = 404, b"not found\n", b"text/plain"
-        headers = [
-            *([(b"www-authenticate", b"Bearer")] if status == 401 else []),
+            status, body = 404, b"not found\n"
+        headers += [
             (b"content-type", kind),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),

@@ -22,7 +22,7 @@ The task tree (every task has one owner; read top to bottom)::
             │   └── sessions nursery            same sessions; relay/server/websocket.py)
             │       └── run_websocket (xN)    opening handshake, then Session.run over
             │           └── reader task       its MessageStream; trio-websocket's reader
-            └── serve_metrics                 GET /metrics, GET /healthz
+            └── serve_metrics                 GET /metrics, /healthz, / (the dashboard)
                 └── one task per HTTP exchange
 
 Shutdown (``ServerHandle.shutdown``): stop accepting; stop leasing and answer parked
@@ -44,6 +44,7 @@ import trio
 from relay.log import event
 from relay.server.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.core import Core, ServerConfig, open_core
+from relay.server.dashboard import Dashboard
 from relay.server.dispatch import VERSION
 from relay.server.listener import Listener
 from relay.server.metrics import MetricsSnapshot, serve_metrics
@@ -136,7 +137,12 @@ async def serve(
                 guard = None
                 if config.tokens is not None and not is_loopback(config.metrics_host):
                     guard = bearer_guard(config.tokens, dispatcher.throttle)
-                await transports.start(serve_metrics, http, gather, guard)
+                # The page is told where the WebSocket endpoint is (the port bound, not 0).
+                dashboard = Dashboard(
+                    config.metrics_host, config.ws_host, None if ws_address is None else
+                    ws_address[1], tls=tls_context is not None, tokens=config.tokens is not None,
+                )  # fmt: skip
+                await transports.start(serve_metrics, http, gather, guard, dashboard)
             address = tcp[0].socket.getsockname()[:2]
             event(
                 log,
