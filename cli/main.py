@@ -327,6 +327,11 @@ _LIMITS = wire.Limits()
     help="HOST:PORT for the WebSocket endpoint (the same requests, one per text message); "
     "'off' disables it.",
 )  # fmt: skip
+@click.option(
+    "--ws-origin", "ws_origins", multiple=True, metavar="ORIGIN",
+    help="A web page origin (scheme://host[:port]) that may open a WebSocket, besides the "
+    "dashboard's own page on an IP address or localhost; repeat for several.",
+)  # fmt: skip
 @_limit("max_connections", _LIMITS.max_connections, "Client connections at once.")
 @_limit("max_in_flight", _LIMITS.max_in_flight, "Unanswered requests per connection.")
 @_limit("max_frame_bytes", _LIMITS.max_frame_bytes, "Longest request line.")
@@ -375,6 +380,7 @@ def server(
     address: str,
     metrics_address: str,
     ws_address: str,
+    ws_origins: tuple[str, ...],
     synchronous: str,
     max_queue_depth: int | None,
     queue_depths: dict[str, int],
@@ -411,6 +417,7 @@ def server(
         metrics_port=metrics_port,
         ws_host=ws_host,
         ws_port=ws_port,
+        ws_origins=ws_origins,
         limits=limits,
         synchronous=synchronous,
         max_queue_depth=max_queue_depth,

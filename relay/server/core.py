@@ -43,6 +43,8 @@ class ServerConfig:
     # default is 7402; a library user asks for it.
     ws_host: str = "127.0.0.1"
     ws_port: int | None = None
+    # Origins of pages (besides the dashboard's own) that may open a WebSocket.
+    ws_origins: tuple[str, ...] = ()
     limits: wire.Limits = attrs.Factory(wire.Limits)
     synchronous: str = "full"
     idempotency_window_ms: int = 24 * 3_600_000

@@ -50,7 +50,7 @@ from relay.server.listener import Listener
 from relay.server.metrics import MetricsSnapshot, serve_metrics
 from relay.server.session import Session, Sessions
 from relay.server.tls import server_context
-from relay.server.websocket import accept_websocket, overloaded_response
+from relay.server.websocket import Origins, accept_websocket, overloaded_response
 from relay.store import commands as cmd
 
 log = logging.getLogger("relay.server")
@@ -104,10 +104,13 @@ async def serve(
         )  # fmt: skip
         listeners = [listener]
         ws_address = None
+        origins = Origins(frozenset(config.ws_origins))
         if config.ws_port is not None:
             ws = await trio.open_tcp_listeners(config.ws_port, host=config.ws_host)
             ws_address = ws[0].socket.getsockname()[:2]
-            listeners.append(_websocket_listener(ws, config, run_session, listener, tls_context))
+            listeners.append(
+                _websocket_listener(ws, config, run_session, listener, tls_context, origins)
+            )
         dispatcher.connections = lambda: listener.connections
 
         async def gather() -> MetricsSnapshot:
@@ -132,6 +135,7 @@ async def serve(
             if config.metrics_port is not None:
                 http = await trio.open_tcp_listeners(config.metrics_port, host=config.metrics_host)
                 metrics_address = http[0].socket.getsockname()[:2]
+                origins.page_port = metrics_address[1]  # the dashboard's page may connect
                 # Open to anyone who can reach it on loopback; elsewhere, with tokens,
                 # a bearer token of any role.
                 guard = None
@@ -187,6 +191,7 @@ def _websocket_listener(
     run_session: Callable[[trio.abc.Stream, str], Awaitable[None]],
     jobs: Listener,
     tls_context: ssl.SSLContext | None,
+    origins: Origins,
 ) -> Listener:
     """The WebSocket endpoint: its connections share the job listener's cap and run the
     same sessions, each over the opening handshake's ``MessageStream``."""
@@ -194,7 +199,7 @@ def _websocket_listener(
     async def run_websocket(stream: trio.abc.Stream, peer: str) -> None:
         async with trio.open_nursery() as websocket_tasks:  # trio-websocket's reader
             messages = await accept_websocket(
-                stream, websocket_tasks, config.limits.max_frame_bytes
+                stream, websocket_tasks, config.limits.max_frame_bytes, origins
             )
             try:
                 if messages is not None:

@@ -13,13 +13,21 @@ answered ``frame_too_large`` and closed with 1009 (message too big; one over twi
 many characters is closed with 1009 by trio-websocket as it arrives, unanswered, so that
 memory stays bounded); a refused hello closes with 1008 (policy violation), shutdown with
 1001 (going away), a connection over ``max_connections`` gets an HTTP 503 instead of the handshake.
+
+A browser's handshake carries the ``Origin`` of the page that opens it, and any page may
+try, so a handshake from another site's page is refused with HTTP 403 (``Origins``):
+without tokens, a page from anywhere would otherwise act as admin through the browser of
+someone on the server's machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
+import urllib.parse
 
+import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
 
@@ -39,6 +47,56 @@ CLOSE_CODES = {
     "frame_too_large": TOO_BIG,
     "shutting_down": GOING_AWAY,
 }
+
+
+@attrs.define
+class Origins:
+    """Which pages may open a WebSocket: ``allowed`` (exact origins, ``--ws-origin``), and
+    the dashboard's own page (the metrics listener's ``page_port``) reached by the address
+    the WebSocket connection arrived on (or by ``localhost``, on loopback). A handshake
+    without an Origin (not from a browser: a script, a worker) is not a page's and is let
+    through."""
+
+    allowed: frozenset[str] = frozenset()
+    page_port: int | None = None  # set once the metrics listener is bound
+
+    def permit(self, origin: str | None, local: str) -> bool:
+        """Whether a handshake from ``origin`` that arrived on address ``local`` may go on."""
+        if origin is None or origin in self.allowed:
+            return True
+        try:
+            page = urllib.parse.urlsplit(origin)
+            port = page.port or {"http": 80, "https": 443}.get(page.scheme)
+            here = _address(local)
+        except ValueError:
+            return False
+        if page.scheme not in ("http", "https") or page.hostname is None:
+            return False
+        if port != self.page_port or here is None:
+            return False
+        # Only an address (or localhost) is trusted: a name could be made to point here by
+        # whoever owns it (DNS rebinding), and its page would then pass for the dashboard.
+        if page.hostname == "localhost":
+            return here.is_loopback
+        return _address(page.hostname) == here
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP address (an IPv4-mapped IPv6 one as IPv4), or None for a name."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1").strip()
+    return None
 
 
 class MessageStream(trio.abc.HalfCloseableStream):
@@ -112,10 +170,11 @@ async def accept_websocket(
     stream: trio.abc.Stream,
     nursery: trio.Nursery,
     max_frame_bytes: int,
+    origins: Origins,
 ) -> MessageStream | None:
     """The opening handshake on an accepted connection, within HANDSHAKE_TIMEOUT_S; None
-    if it failed (the caller closes the stream). The connection's reader task goes into
-    ``nursery``, which must outlive the session."""
+    if it failed or ``origins`` refused it (the caller closes the stream). The
+    connection's reader task goes into ``nursery``, which must outlive the session."""
     with trio.move_on_after(HANDSHAKE_TIMEOUT_S):
         try:
             # Twice the frame limit in characters: a message up to that gets its
@@ -123,6 +182,11 @@ async def accept_websocket(
             request = await wrap_server_stream(
                 nursery, stream, message_queue_size=1, max_message_size=2 * max_frame_bytes
             )
+            origin = _header(request.headers, b"origin")
+            if not origins.permit(origin, str(request.local.address)):
+                event(log, logging.WARNING, "websocket.origin_refused", origin=origin[:200])
+                await request.reject(403, body=b"this page's origin may not connect\n")
+                return None
             return MessageStream(await request.accept())
         except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             event(log, logging.DEBUG, "websocket.handshake_failed", error=repr(exc))

@@ -200,3 +200,66 @@ def _limits(**fields):
     from relay import wire
 
     return wire.Limits(**fields)
+
+
+# -- which pages may open a WebSocket ------------------------------------------------------
+
+
+async def status_with_origin(server: RunningServer, origin: str) -> int | None:
+    """The HTTP status a handshake from a page of ``origin`` is refused with, or None."""
+    host, port = server.handle.ws_address
+    try:
+        with trio.fail_after(BOUND_S):
+            async with open_websocket(
+                host, port, "/", use_ssl=False, extra_headers=[(b"origin", origin.encode())]
+            ) as ws:
+                assert (await ask(ws, op="ping", id=1))["ok"] is True
+                return None
+    except ConnectionRejected as exc:
+        return exc.status_code
+
+
+async def test_only_the_dashboards_page_and_allowed_origins_may_open_a_websocket(tmp_path):
+    async with custom_server(tmp_path, ws_origins=("https://ops.example.com",)) as server:
+        page_port = server.handle.metrics_address[1]
+        # The dashboard's own page, as the browser reached it (the handshake's Host).
+        assert await status_with_origin(server, f"http://127.0.0.1:{page_port}") is None
+        assert await status_with_origin(server, f"http://localhost:{page_port}") is None
+        assert await status_with_origin(server, "https://ops.example.com") is None
+        for foreign in (
+            "https://evil.example",  # another site's page
+            f"http://127.0.0.1:{page_port + 1}",  # another port on this host: not the page
+            "https://ops.example.com:8443",  # not the allowed origin exactly
+            "null",  # a sandboxed frame, a file
+        ):
+            assert await status_with_origin(server, foreign) == 403, foreign
+        # Refused at the handshake: no session was opened, everyone else is served.
+        c = await server.connect()
+        assert (await c.ok("ping"))["ok"] is True
+        await c.aclose()
+
+
+@pytest.mark.parametrize(
+    ("origin", "local", "permitted"),
+    [
+        (None, "127.0.0.1", True),  # not a browser
+        ("http://127.0.0.1:7401", "127.0.0.1", True),
+        ("http://127.0.0.1:7401", "::ffff:127.0.0.1", True),  # a dual-stack socket
+        ("http://[::1]:7401", "::1", True),
+        ("http://localhost:7401", "127.0.0.1", True),
+        ("http://localhost:7401", "10.0.0.5", False),  # localhost is not this address
+        ("http://10.0.0.5:7401", "10.0.0.5", True),  # the page reached by its address
+        ("http://10.0.0.6:7401", "10.0.0.5", False),  # another machine's page
+        # DNS rebinding: a name its owner points at this server.
+        ("http://rebind.example:7401", "10.0.0.5", False),
+        ("http://127.0.0.1:80", "127.0.0.1", False),
+        ("http://127.0.0.1", "127.0.0.1", False),  # port 80 by default
+        ("ftp://127.0.0.1:7401", "127.0.0.1", False),
+        ("http://127.0.0.1:99999", "127.0.0.1", False),  # not a port
+        ("null", "127.0.0.1", False),
+        ("https://ops.example.com", "10.0.0.5", True),  # allowed by name
+    ],
+)
+def test_origins_permit_the_page_by_address_and_named_origins_only(origin, local, permitted):
+    origins = websocket.Origins(frozenset({"https://ops.example.com"}), page_port=7401)
+    assert origins.permit(origin, local) is permitted
