@@ -10,7 +10,9 @@ two servers at once makes one job.
 
 from __future__ import annotations
 
+import functools
 import random
+import re
 import secrets
 import threading
 import time
@@ -26,6 +28,10 @@ from psycopg.conninfo import make_conninfo
 from relay.errors import LeaseExpired, QueueFull, StaleToken
 from relay.model import Backoff, JobState, SubmitSpec
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import dead as dead_sql
+from relay.store.postgres import jobs as jobs_sql
+from relay.store.postgres import maintenance as maintenance_sql
+from relay.store.postgres import reads as reads_sql
 from relay.store.postgres.sql import decode_text, encode_text
 from relay.store.sqlite import StoreConfig
 from tests.conftest import T0
@@ -423,3 +429,79 @@ def test_nul_in_worker_ids_errors_and_keys_round_trips_and_keys_stay_distinct(se
     assert info.idempotency_key == "k\x00"
     assert info.errors[0].error == "bad\x00byte"
     assert Counter(r.job_id for r in results)[results[0].job_id] == 2
+
+
+# -- query plans -------------------------------------------------------------------------------
+
+
+# Runs of a prepared statement before the plan that PostgreSQL's plan cache settles on is
+# the one to check: it plans the first five with their values, then compares.
+PREPARED_RUNS = 10
+
+
+def _plan(conn: psycopg.Connection, statement: str, params: tuple | dict, prepared: bool) -> str:
+    """EXPLAIN of ``statement`` as the store runs it: with its values (its first runs), or
+    prepared, as psycopg runs it from its sixth run on, after PREPARED_RUNS runs (in a
+    transaction rolled back afterwards). ``conn``: a connection of the test's own."""
+    if not prepared:
+        return "\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
+    if isinstance(params, dict):
+        names: list[str] = []
+
+        def number(match: re.Match) -> str:
+            if match[1] not in names:
+                names.append(match[1])
+            return f"${names.index(match[1]) + 1}"
+
+        text = re.sub(r"%\((\w+)\)s", number, statement)
+        values = [params[name] for name in names]
+    else:
+        count = iter(range(1, 100))
+        text = re.sub("%s", lambda _: f"${next(count)}", statement)
+        values = list(params)
+    arguments = f"({', '.join(sql.quote(value) for value in values)})" if values else ""
+    # (prepare=False throughout: psycopg must not prepare these statements in turn.)
+    run = functools.partial(conn.execute, prepare=False)
+    run("PREPARE planned AS " + text)
+    run("BEGIN")
+    try:
+        for _ in range(PREPARED_RUNS):
+            run(f"EXECUTE planned{arguments}")
+        return "\n".join(row[0] for row in run(f"EXPLAIN EXECUTE planned{arguments}"))
+    finally:
+        run("ROLLBACK")
+        run("DEALLOCATE ALL")
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["first-runs", "prepared"])
+def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, prepared):
+    store = servers()
+    for minute in range(4):
+        store.jobs_submit(
+            [SubmitSpec(f"q{i % 3}", "{}", priority=i % 4) for i in range(1_000)]
+            + specs(500, "later", delay_ms=3_600_000),
+            T0 + minute * 60_000,
+        )
+    leases = store.jobs_claim(["q0", "q1"], "w", 600, LEASE_MS, T0 + 300_000)
+    store.jobs_ack_many([(x.job_id, "w", x.token, None) for x in leases[:200]], T0 + 300_001)
+    for lease in leases[200:300]:
+        store.jobs_fail(lease.job_id, "w", lease.token, "x", False, T0 + 300_001)
+    store._db.execute("ANALYZE")
+    now = T0 + 300_002
+    with psycopg.connect(url, autocommit=True) as conn:
+        for statement, params, index in [
+            (jobs_sql._CANDIDATES, (["q0", "q2"], 10), "jobs_ready"),
+            (maintenance_sql._PROMOTE, (now, 100), "jobs_due"),
+            (maintenance_sql._REAP, {"now": now, "limit": 100, "error": "e"}, "jobs_leased"),
+            (maintenance_sql._PRUNE_JOBS, (now, 100), "jobs_succeeded"),
+            ("SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')", (), "jobs_due"),
+            ("SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'", (), "jobs_leased"),
+            (reads_sql._DEAD, (-1, 10), "jobs_dead"),
+            (reads_sql._DEAD_OF_QUEUE, ("q0", -1, 10), "jobs_dead_queue"),
+            (dead_sql._PURGE_QUEUE, ("q0", 10), "jobs_dead_queue"),
+        ]:
+            plan = _plan(conn, statement, params, prepared)
+            assert f"using {index} on jobs" in plan, plan
+            assert "Seq Scan on jobs" not in plan, plan
+            if index == "jobs_ready":  # each class's oldest first, in the index's order
+                assert "Sort" not in plan, plan
