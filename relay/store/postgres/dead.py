@@ -46,7 +46,7 @@ class DeadLetters:
         key = parse_job_id(job_id)
         row = None
         if key is not None:
-            row = self._db.execute(
+            row = self._read(
                 "SELECT queue, state FROM jobs WHERE id = %s FOR UPDATE", (key,)
             ).fetchone()
         if row is None:

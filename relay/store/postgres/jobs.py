@@ -233,7 +233,7 @@ class Jobs:
     ) -> dict[tuple[str, str], SubmitResult]:
         """The duplicate answer of each of ``keys`` that names a job within its window."""
         ordered = sorted(keys)
-        rows = self._db.execute(
+        rows = self._read(
             _LIVE_KEYS, ([queue for queue, _ in ordered], [key for _, key in ordered], now)
         )
         return {
@@ -243,12 +243,12 @@ class Jobs:
 
     def _next_ids(self: PostgresStore, n: int, now: int) -> list[int]:
         """``n`` new job ids, ascending (see ID_LAG_MS)."""
-        ids = [row[0] for row in self._db.execute(_NEXT_IDS, (n,))]
+        ids = [row[0] for row in self._read(_NEXT_IDS, (n,))]
         floor = now << ID_SEQ_BITS
         if ids[0] < floor - _ID_LAG:
-            self._db.execute("SELECT pg_advisory_xact_lock(%s)", (ID_LOCK,))
-            self._db.execute(_CATCH_UP, (floor, floor - _ID_LAG))
-            ids = [row[0] for row in self._db.execute(_NEXT_IDS, (n,))]
+            self._read("SELECT pg_advisory_xact_lock(%s)", (ID_LOCK,))
+            self._read(_CATCH_UP, (floor, floor - _ID_LAG))
+            ids = [row[0] for row in self._read(_NEXT_IDS, (n,))]
         ids.sort()
         return ids
 
@@ -409,7 +409,7 @@ class Jobs:
             # Enough candidates for every member, even if earlier groups (claims on some of
             # these queues among others) took some of them.
             wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
-            candidates = self._db.execute(_CANDIDATES, (list(queues), wanted)).fetchall()
+            candidates = self._read(_CANDIDATES, (list(queues), wanted)).fetchall()
             # The same order as SqliteStore's: effective priority, then ready time, then id.
             if len(candidates) > 1:
                 candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
@@ -491,7 +491,7 @@ class Jobs:
         key = parse_job_id(job_id)
         row = None
         if key is not None:
-            row = self._db.execute(_LEASE_ROW, (key,)).fetchone()
+            row = self._read(_LEASE_ROW, (key,)).fetchone()
         return check_lease(row, job_id, encode_text(worker_id), token, now, operation)
 
     @atomic
@@ -533,7 +533,7 @@ class Jobs:
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
         if None in keys or len(set(keys)) != len(keys):
             raise ValueError("not a run of distinct job ids")
-        rows = {row[0]: row for row in self._db.execute(_LEASE_ROWS, (keys,))}
+        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (keys,))}
         updates: list[tuple[int, str | None]] = []
         per_queue: dict[str, int] = {}
         for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):

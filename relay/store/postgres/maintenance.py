@@ -122,16 +122,14 @@ class Maintenance:
 
     def next_due_at(self: PostgresStore) -> int | None:
         """The earliest due time of a pending or retrying job (the start of jobs_due)."""
-        row = self._db.execute(
+        row = self._read(
             "SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')"
         ).fetchone()
         return None if row is None else row[0]
 
     def next_expiry_at(self: PostgresStore) -> int | None:
         """The earliest expiry of a held lease (the start of jobs_leased)."""
-        row = self._db.execute(
-            "SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'"
-        ).fetchone()
+        row = self._read("SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'").fetchone()
         return None if row is None else row[0]
 
     @atomic

@@ -1,7 +1,7 @@
 """Reads on PostgreSQL: a job, the dead letters, the counts and the event totals.
 
 None of these locks or writes anything. ``queue_stats`` sums every server's counts (see
-``PostgresStore._flush_counts``), so it answers for the whole database, not for what this
+``PostgresStore._flush_counts_and_commit``), so it answers for the whole database, not for what this
 server committed; ``event_totals`` stays this process's own (Prometheus sums counters over
 the servers).
 """
@@ -48,7 +48,7 @@ class Reads:
         key = parse_job_id(job_id)
         row = None
         if key is not None:
-            row = self._db.execute(_JOB, (key,)).fetchone()
+            row = self._read(_JOB, (key,)).fetchone()
         if row is None:
             raise JobNotFound(job_id)
         return self._job_infos([row])[0]
@@ -56,7 +56,7 @@ class Reads:
     def _job_infos(self: PostgresStore, rows: list[tuple]) -> list[JobInfo]:
         errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
         if rows:
-            for key, attempt, error, at in self._db.execute(_ERRORS, (list(errors), ERRORS_SHOWN)):
+            for key, attempt, error, at in self._read(_ERRORS, (list(errors), ERRORS_SHOWN)):
                 errors[key].append(ErrorEntry(attempt, decode_text(error), at))
         infos = []
         for row in rows:
@@ -116,9 +116,9 @@ class Reads:
             if after is None:
                 after = -1
         if queue is None:
-            rows = self._db.execute(_DEAD, (after, limit + 1)).fetchall()
+            rows = self._read(_DEAD, (after, limit + 1)).fetchall()
         else:
-            rows = self._db.execute(_DEAD_OF_QUEUE, (queue, after, limit + 1)).fetchall()
+            rows = self._read(_DEAD_OF_QUEUE, (queue, after, limit + 1)).fetchall()
         more = len(rows) > limit
         infos = self._job_infos(rows[:limit])
         if max_bytes is not None:

@@ -16,7 +16,7 @@ with SQLite. What differs is that other servers commit to the same tables meanwh
   ``d`` reaps leases ``d`` early and lets aging advance ``d`` sooner, one behind accepts a
   late ack up to ``d`` after the lease expired.
 - Counts per queue and state (``queue_stats``, the depth limits) come from the database,
-  since this server's memory knows only its own commits: see ``_flush_counts``. Event
+  since this server's memory knows only its own commits: see ``_flush_counts_and_commit``. Event
   totals (``event_totals``) stay per process, as Prometheus counters are summed over
   instances anyway.
 - ``leases_recover`` does nothing: see maintenance.py.
@@ -59,6 +59,9 @@ _ADD_COUNTS = (
     "AS t(queue, state, n) "
     "ON CONFLICT (slot, queue, state) DO UPDATE SET n = job_counts.n + EXCLUDED.n"
 )
+_DROP_ZEROS = "DELETE FROM job_counts WHERE slot = %s AND queue = ANY(%s) AND n = 0"
+# Of these queues, the ones that still hold jobs.
+_HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
 
 Journal = list[tuple[Counter[tuple[str, str]], tuple[str, str], int]]
 
@@ -97,6 +100,8 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         self._journal: Journal | None = None
         # Rows written by every statement so far (for ``write_mark``).
         self._rows = 0
+        # BEGIN not sent yet: it goes with the transaction's first statement (``_read``).
+        self._begin_pending = False
         self.changes = Changes()
         # Whether transitions append to ``changes.events``; the writer sets it per batch.
         self.recording = False
@@ -120,9 +125,21 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
 
     # -- statements --------------------------------------------------------------------------
 
+    def _read(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """Run a statement, in the open transaction if there is one."""
+        if not self._begin_pending:
+            return self._db.execute(sql, params)
+        # The transaction's first statement: BEGIN goes with it, in one round trip (a
+        # pipeline: the results come back once both have run).
+        self._begin_pending = False
+        with self._db.pipeline():
+            self._db.execute("BEGIN")
+            cursor = self._db.execute(sql, params)
+        return cursor
+
     def _write(self, sql: str, params: Any = None) -> psycopg.Cursor:
         """Run a statement that writes; its rows count in ``write_mark``."""
-        cursor = self._db.execute(sql, params)
+        cursor = self._read(sql, params)
         if cursor.rowcount > 0:
             self._rows += cursor.rowcount
         return cursor
@@ -130,13 +147,17 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
     # -- transactions (used by the writer) -------------------------------------------------
 
     def begin(self) -> None:
-        self._db.execute("BEGIN")
+        """Start a transaction. Nothing is sent yet: BEGIN goes with its first statement,
+        and a transaction that runs none costs no round trip at all."""
+        self._begin_pending = True
         self._journal = []
 
     @property
     def in_transaction(self) -> bool:
         """False once PostgreSQL has failed the transaction (a statement raised outside a
         savepoint, or the connection broke): nothing of it can commit then."""
+        if self._begin_pending:
+            return True
         return self._db.info.transaction_status == TransactionStatus.INTRANS
 
     def write_mark(self) -> tuple[int, int]:
@@ -151,7 +172,7 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         mark = len(self._journal)
         events = self.changes.events
         events_mark = len(events)
-        self._db.execute("SAVEPOINT command")
+        self._read("SAVEPOINT command")
         try:
             yield
         except BaseException:
@@ -175,13 +196,17 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         return changes
 
     def _commit(self) -> None:
-        if self._db.info.transaction_status != TransactionStatus.INTRANS:
-            # COMMIT would answer ROLLBACK without an error: say so instead.
-            raise psycopg.errors.InFailedSqlTransaction(
-                "the transaction failed before its commit; nothing of it was kept"
-            )
-        empty = self._flush_counts()
-        self._db.execute("COMMIT")
+        if self._begin_pending:  # no statement ran: nothing to send
+            assert not any(self._moves.values()), "counts moved without a statement"
+            self._begin_pending = False
+            empty: list[str] = []
+        else:
+            if self._db.info.transaction_status != TransactionStatus.INTRANS:
+                # COMMIT would answer ROLLBACK without an error: say so instead.
+                raise psycopg.errors.InFailedSqlTransaction(
+                    "the transaction failed before its commit; nothing of it was kept"
+                )
+            empty = self._flush_counts_and_commit()
         self._journal = None
         self._moves.clear()
         self._deleted_from.clear()
@@ -194,8 +219,11 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         self.changes = Changes()
 
     def _roll_back(self) -> None:
-        with contextlib.suppress(psycopg.Error):
-            self._db.execute("ROLLBACK")
+        if self._begin_pending:  # nothing was sent
+            self._begin_pending = False
+        else:
+            with contextlib.suppress(psycopg.Error):
+                self._db.execute("ROLLBACK")
         if self._journal is not None:
             self._undo(0)
         self._journal = None
@@ -246,41 +274,36 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
 
     # -- counts ------------------------------------------------------------------------------
 
-    def _flush_counts(self) -> list[str]:
-        """Add the transaction's moves to this store's slot of job_counts, in the open
-        transaction; return the queues it left without jobs (whose event totals are then
-        forgotten, once it commits).
+    def _flush_counts_and_commit(self) -> list[str]:
+        """Add the transaction's moves to this store's slot of job_counts and commit, in
+        one round trip (a pipeline); return the queues the transaction left without jobs
+        (whose event totals are then forgotten).
 
         One statement for all the moves, its rows in (queue, state) order: two stores that
         share a slot lock its rows in the same order, so they never deadlock. A transaction
         that deleted jobs also drops the rows of this slot that it brought to zero."""
         moves = sorted((key, n) for key, n in self._moves.items() if n)
-        if moves:
-            self._write(
-                _ADD_COUNTS,
-                (
+        queues = sorted(self._deleted_from)
+        written: list[psycopg.Cursor] = []
+        held: psycopg.Cursor | None = None
+        with self._db.pipeline():
+            if moves:
+                params = (
                     self.slot,
                     [queue for (queue, _), _ in moves],
                     [state for (_, state), _ in moves],
                     [n for _, n in moves],
-                ),
-            )
-        if not self._deleted_from:
+                )
+                written.append(self._db.execute(_ADD_COUNTS, params))
+            if queues:
+                written.append(self._db.execute(_DROP_ZEROS, (self.slot, queues)))
+                held = self._db.execute(_HOLDING, (queues,))
+            self._db.execute("COMMIT")
+        self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
+        if held is None:
             return []
-        queues = sorted(self._deleted_from)
-        self._write(
-            "DELETE FROM job_counts WHERE slot = %s AND queue = ANY(%s) AND n = 0",
-            (self.slot, queues),
-        )
-        held = {
-            queue
-            for (queue,) in self._db.execute(
-                "SELECT queue FROM job_counts WHERE queue = ANY(%s) "
-                "GROUP BY queue HAVING sum(n) <> 0",
-                (queues,),
-            )
-        }
-        return [queue for queue in queues if queue not in held]
+        holding = {queue for (queue,) in held}
+        return [queue for queue in queues if queue not in holding]
 
     def recount(self) -> None:
         """Nothing to do: the counts are rows, written in the same transactions as the jobs
@@ -290,11 +313,11 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
     def _counts(self, queues: list[str] | None = None) -> Counter[tuple[str, str]]:
         """(queue, state) -> jobs, over every server's slot, with this transaction's moves."""
         if queues is None:
-            rows = self._db.execute(
+            rows = self._read(
                 "SELECT queue, state, sum(n)::bigint FROM job_counts GROUP BY queue, state"
             )
         else:
-            rows = self._db.execute(
+            rows = self._read(
                 "SELECT queue, state, sum(n)::bigint FROM job_counts WHERE queue = ANY(%s) "
                 "GROUP BY queue, state",
                 (queues,),
