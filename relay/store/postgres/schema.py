@@ -27,6 +27,10 @@ SCHEMA_VERSION = 1
 # so two schemas of one database migrate one after the other; that costs nothing.
 MIGRATION_LOCK = 0x524C5954_00000001
 
+# How long connecting may take where the URL does not say (connect_timeout): a server that
+# cannot reach its database says so at start instead of hanging.
+CONNECT_TIMEOUT_S = 10
+
 # The relations relay-trio creates. Any of them present without our marker in relay_meta
 # means another application's tables: refused, never altered.
 META_TABLE = "relay_meta"
@@ -142,7 +146,10 @@ def open_connection(url: str) -> psycopg.Connection:
     """
     where = display_url(url)
     try:
-        conn = psycopg.connect(make_conninfo(url, application_name=APPLICATION), autocommit=True)
+        given = conninfo_to_dict(url)
+        defaults = {"application_name": APPLICATION, "connect_timeout": CONNECT_TIMEOUT_S}
+        extra = {key: value for key, value in defaults.items() if key not in given}
+        conn = psycopg.connect(make_conninfo(url, **extra), autocommit=True)
     except psycopg.Error as exc:
         raise StoreError(where, f"cannot connect: {_first_line(exc)}") from exc
     try:
