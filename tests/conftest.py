@@ -9,6 +9,7 @@ import pytest
 
 from relay.store.base import StoreConfig
 from relay.store.sqlite import SqliteStore
+from tests import pg
 
 # Fixtures shared by the top-level test modules (a plugin's fixtures give way to any
 # conftest's of the same name, so tests/server and tests/cli keep their own `server`).
@@ -26,3 +27,11 @@ def store() -> Iterator[SqliteStore]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """The URL of this run's own PostgreSQL database (tests/pg.py), made on first use and
+    dropped at the end of the run. Fails, never skips, where PostgreSQL does not answer."""
+    with pg.run_database() as url:
+        yield url

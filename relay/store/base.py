@@ -240,6 +240,9 @@ class Store(Protocol):
     changes: Changes
     # Whether transitions append to ``changes.events``; the writer sets it per batch.
     recording: bool
+    # Whether ``leases_recover`` at start returns every leased job (one server owns the
+    # database), or leaves them to expire (servers sharing it hold live leases).
+    recovers_on_start: bool
 
     # -- transactions and lifetime (the writer's) --------------------------------------------
 

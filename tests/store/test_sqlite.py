@@ -1,6 +1,10 @@
 """The job store, driven synchronously: every call gets its ``now`` explicitly and commits
 on its own (no writer, no trio, no sleeps).
 
+Every test that takes ``store`` (or ``stores``) runs on both stores, SQLite and PostgreSQL
+(tests/store/conftest.py); the few about SQLite's own statements and query plans are marked
+``sqlite_only``.
+
 Expectations come from the wire contract (/work/shared/protocol.md) and the store's
 documented semantics, not from the SQL: times and counts are derived from the rules.
 """
@@ -12,7 +16,7 @@ import re
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings, strategies
+from hypothesis import HealthCheck, given, settings, strategies
 
 from relay.errors import InvalidState, JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.model import (
@@ -30,6 +34,15 @@ from relay.store.base import ERRORS_SHOWN, Changes, StoreConfig
 from relay.store.sqlite import SqliteStore
 from relay.store.sqlite.sql import _claim_candidates_sql
 from tests.conftest import T0
+from tests.store.conformance import (
+    Store,
+    Stores,
+    counted_queues,
+    recovers_on_start,
+    rows,
+    scalar,
+    sqlite_only,
+)
 
 LOW, NORMAL, HIGH, CRITICAL = (int(p) for p in Priority)
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
@@ -49,12 +62,12 @@ def spec(queue: str = "q", **kw) -> SubmitSpec:
     return SubmitSpec(queue=queue, **kw)
 
 
-def submit(store: SqliteStore, now: int = T0, queue: str = "q", **kw) -> str:
+def submit(store: Store, now: int = T0, queue: str = "q", **kw) -> str:
     return store.jobs_submit([spec(queue, **kw)], now)[0].job_id
 
 
 def claim_one(
-    store: SqliteStore,
+    store: Store,
     now: int = T0,
     queues: tuple[str, ...] = ("q",),
     worker: str = "w1",
@@ -65,11 +78,11 @@ def claim_one(
     return leases[0]
 
 
-def claimed_ids(store: SqliteStore, now: int, count: int = 10, queues=("q",)) -> list[str]:
+def claimed_ids(store: Store, now: int, count: int = 10, queues=("q",)) -> list[str]:
     return [lease.job_id for lease in store.jobs_claim(list(queues), "w1", count, LEASE_MS, now)]
 
 
-def make_dead(store: SqliteStore, now: int = T0, queue: str = "q", **kw) -> str:
+def make_dead(store: Store, now: int = T0, queue: str = "q", **kw) -> str:
     """A job that failed non-retryably on its only attempt."""
     job = submit(store, now, queue, max_attempts=1, **kw)
     lease = claim_one(store, now, (queue,))
@@ -78,19 +91,19 @@ def make_dead(store: SqliteStore, now: int = T0, queue: str = "q", **kw) -> str:
     return job
 
 
-def state(store: SqliteStore, job_id: str) -> JobState:
+def state(store: Store, job_id: str) -> JobState:
     return store.job_inspect(job_id).state
 
 
-def dump(store: SqliteStore) -> tuple:
+def dump(store: Store) -> tuple:
     """Every stored row: a refused command must leave all of it as it was."""
     return tuple(
-        store._db.execute(f"SELECT * FROM {table} ORDER BY 1, 2").fetchall()
+        rows(store, f"SELECT * FROM {table} ORDER BY 1, 2")
         for table in ("jobs", "job_errors", "idempotency_keys")
     )
 
 
-def snapshot(store: SqliteStore, job_id: str) -> tuple:
+def snapshot(store: Store, job_id: str) -> tuple:
     return (
         store.job_inspect(job_id),
         store.queue_stats(),
@@ -100,10 +113,9 @@ def snapshot(store: SqliteStore, job_id: str) -> tuple:
     )
 
 
-def recount(store: SqliteStore) -> dict[str, dict[str, int]]:
+def recount(store: Store) -> dict[str, dict[str, int]]:
     stats: dict[str, dict[str, int]] = {}
-    rows = store._db.execute("SELECT queue, state, count(*) FROM jobs GROUP BY 1, 2")
-    for queue, st, n in rows:
+    for queue, st, n in rows(store, "SELECT queue, state, count(*) FROM jobs GROUP BY 1, 2"):
         stats.setdefault(queue, {str(s): 0 for s in JobState})[st] = n
     return stats
 
@@ -197,27 +209,23 @@ def test_job_ids_keep_increasing_when_the_clock_steps_back(store):
     assert ids == sorted(ids) and len(set(ids)) == 4
 
 
-def test_job_ids_keep_increasing_across_reopen_after_newest_job_was_purged(tmp_path):
-    path = str(tmp_path / "relay.db")
-    store = SqliteStore.open(path, StoreConfig(), rng=random.Random(1))
+def test_job_ids_keep_increasing_across_reopen_after_newest_job_was_purged(stores: Stores):
+    store = stores.open("relay", rng=random.Random(1))
     submit(store, T0, "other")
     newest = make_dead(store, T0 + 10_000)
     store.dead_purge(newest)
     store.close()
-    store = SqliteStore.open(path, StoreConfig(), rng=random.Random(1))
-    try:
-        after_restart = submit(store, T0)  # the clock also went back
-        assert after_restart > newest
-    finally:
-        store.close()
+    store = stores.open("relay", rng=random.Random(1))
+    after_restart = submit(store, T0)  # the clock also went back
+    assert after_restart > newest
 
 
-def test_job_ids_keep_increasing_across_reopen_after_every_job_was_pruned(tmp_path):
+def test_job_ids_keep_increasing_across_reopen_after_every_job_was_pruned(stores: Stores):
     # Pruning deletes the newest jobs too; max(id) is then gone, and only the high-water
-    # mark written by the deleting transaction keeps an id from coming back.
-    path = str(tmp_path / "relay.db")
+    # mark written by the deleting transaction (SQLite) or the sequence (PostgreSQL) keeps
+    # an id from coming back.
     config = StoreConfig()
-    store = SqliteStore.open(path, config, rng=random.Random(1))
+    store = stores.open("relay", config, rng=random.Random(1))
     newest = ""
     for offset in (0, 5_000):
         newest = submit(store, T0 + offset)
@@ -225,13 +233,10 @@ def test_job_ids_keep_increasing_across_reopen_after_every_job_was_pruned(tmp_pa
         store.jobs_ack(newest, "w1", lease.token, None, T0 + offset)
     assert store.jobs_prune(T0 + 5_000 + config.retention_ms + 1, 100) == 2
     store.close()
-    store = SqliteStore.open(path, config, rng=random.Random(1))
-    try:
-        assert store.queue_stats() == {}
-        after_restart = submit(store, T0)  # the clock also went back
-        assert after_restart > newest
-    finally:
-        store.close()
+    store = stores.open("relay", config, rng=random.Random(1))
+    assert store.queue_stats() == {}
+    after_restart = submit(store, T0)  # the clock also went back
+    assert after_restart > newest
 
 
 # -- idempotency -------------------------------------------------------------------------
@@ -285,19 +290,16 @@ def test_same_key_in_another_queue_is_a_new_job(store):
 
 
 @pytest.mark.parametrize("window", [24 * 3600 * 1000, 5_000])
-def test_same_key_after_the_window_creates_a_new_job(window):
-    store = SqliteStore.open(":memory:", StoreConfig(idempotency_window_ms=window))
-    try:
-        first = submit(store, T0, idempotency_key="k")
-        [inside] = store.jobs_submit([spec(idempotency_key="k")], T0 + window - 1)
-        assert (inside.job_id, inside.duplicate) == (first, True)
-        [after] = store.jobs_submit([spec(idempotency_key="k")], T0 + window + 1)
-        assert after.duplicate is False and after.job_id != first
-        # The new job now owns the key for a window of its own.
-        [third] = store.jobs_submit([spec(idempotency_key="k")], T0 + window + 2)
-        assert (third.job_id, third.duplicate) == (after.job_id, True)
-    finally:
-        store.close()
+def test_same_key_after_the_window_creates_a_new_job(stores: Stores, window):
+    store = stores.open(config=StoreConfig(idempotency_window_ms=window))
+    first = submit(store, T0, idempotency_key="k")
+    [inside] = store.jobs_submit([spec(idempotency_key="k")], T0 + window - 1)
+    assert (inside.job_id, inside.duplicate) == (first, True)
+    [after] = store.jobs_submit([spec(idempotency_key="k")], T0 + window + 1)
+    assert after.duplicate is False and after.job_id != first
+    # The new job now owns the key for a window of its own.
+    [third] = store.jobs_submit([spec(idempotency_key="k")], T0 + window + 2)
+    assert (third.job_id, third.duplicate) == (after.job_id, True)
 
 
 def test_duplicates_within_one_submit_call_yield_one_job(store):
@@ -817,7 +819,14 @@ def _end_by_reap(store, lease):
 
 
 def _end_by_recover(store, lease):
-    store.leases_recover(T0 + 5)
+    if recovers_on_start(store):
+        store.leases_recover(T0 + 5)
+        return
+    # Where several servers share the store, a starting server leaves every lease alone;
+    # a lost one ends at its expiry, through the reaper.
+    assert store.leases_recover(T0 + 5) == 0
+    assert store.job_inspect(lease.job_id).lease_expires_at == lease.lease_expires_at
+    store.leases_reap_expired(lease.lease_expires_at, 10)
 
 
 @op_names
@@ -859,6 +868,16 @@ def test_recover_makes_every_leased_job_ready_at_once_and_gives_the_attempt_back
     pending = submit(store, T0, delay_ms=DAY)
     claim_one(store, T0 + 10, lease_ms=DAY)
     claim_one(store, T0 + 10, lease_ms=100)  # expired but never reaped
+    if not recovers_on_start(store):
+        # Other servers' leases are alive: nothing is taken back; the reaper ends the
+        # expired one, and the held one stays held.
+        before = dump(store), store.queue_stats()
+        assert store.leases_recover(T0 + 1_000) == 0
+        assert (dump(store), store.queue_stats()) == before
+        assert [r.job_id for r in store.leases_reap_expired(T0 + 1_000, 10)] == [expired]
+        assert (state(store, held), state(store, expired)) == (LEASED, READY)
+        assert store.next_expiry_at() == T0 + 10 + DAY
+        return
     assert store.leases_recover(T0 + 1_000) == 2
     for job in (held, expired):
         info = store.job_inspect(job)
@@ -1002,9 +1021,8 @@ def test_dead_purge_deletes_the_job_its_errors_and_its_idempotency_key(store):
     with pytest.raises(JobNotFound):
         store.job_inspect(job)
     key = parse_job_id(job)
-    db = store._db
-    assert db.execute("SELECT count(*) FROM job_errors WHERE job_id = ?", (key,)).fetchone()[0] == 0
-    assert db.execute("SELECT count(*) FROM idempotency_keys").fetchone()[0] == 0
+    assert scalar(store, "SELECT count(*) FROM job_errors WHERE job_id = ?", key) == 0
+    assert scalar(store, "SELECT count(*) FROM idempotency_keys") == 0
     [again] = store.jobs_submit([spec(idempotency_key="k")], T0 + 1)
     assert again.duplicate is False and again.job_id != job
 
@@ -1042,7 +1060,7 @@ def test_prune_respects_its_limit_and_deletes_errors_of_pruned_jobs(store):
     assert store.jobs_prune(later, 2) == 2
     assert store.jobs_prune(later, 2) == 1
     assert store.jobs_prune(later, 2) == 0
-    assert store._db.execute("SELECT count(*) FROM job_errors").fetchone()[0] == 0
+    assert scalar(store, "SELECT count(*) FROM job_errors") == 0
 
 
 def test_prune_deletes_expired_idempotency_keys_only(store):
@@ -1051,7 +1069,7 @@ def test_prune_deletes_expired_idempotency_keys_only(store):
     submit(store, T0 + DAY // 2, idempotency_key="new")
 
     def keys():
-        return sorted(k for (k,) in store._db.execute("SELECT key FROM idempotency_keys"))
+        return sorted(k for (k,) in rows(store, "SELECT key FROM idempotency_keys"))
 
     store.jobs_prune(T0 + window - 1, 100)
     assert keys() == ["new", "old"]
@@ -1184,7 +1202,7 @@ def test_a_queue_left_without_jobs_is_forgotten_when_that_commits(store):
     in_one_transaction(lambda: store.jobs_prune(T0 + store.config.retention_ms + DAY, 100))
     assert set(store.queue_stats()) == {"kept"}
     assert {queue for queue, _ in store.event_totals()} == {"kept"}
-    assert {queue for queue, _ in store._counts} == {"kept"}  # no zero entries either
+    assert counted_queues(store) == {"kept"}  # no zero entries either
     # A rolled-back deletion forgets nothing.
     make_dead(store, T0, "dq")
     store.begin()
@@ -1225,7 +1243,7 @@ def test_next_expiry_at_is_the_earliest_held_lease_expiry(store):
 # -- changes (whom the writer wakes) -----------------------------------------------------
 
 
-def _fresh_changes(store: SqliteStore) -> None:
+def _fresh_changes(store: Store) -> None:
     store.changes = Changes()
 
 
@@ -1316,9 +1334,10 @@ def test_changes_track_the_earliest_new_lease_expiry(store):
 
 
 # -- claim cost is independent of the backlog --------------------------------------------
+# SQLite's query plans and VM steps: PostgreSQL's plans are checked in test_postgres.py.
 
 
-def _plan(store: SqliteStore, sql: str, params=()) -> list[str]:
+def _plan(store: Store, sql: str, params=()) -> list[str]:
     return [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, params)]
 
 
@@ -1332,6 +1351,7 @@ def _assert_seeks_only(details: list[str], index: str) -> list[str]:
     return on_jobs
 
 
+@sqlite_only
 @pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("queue_count", [1, 3])
 def test_claim_query_seeks_jobs_ready_once_per_queue_and_class(store, queue_count, inline):
@@ -1344,7 +1364,7 @@ def test_claim_query_seeks_jobs_ready_once_per_queue_and_class(store, queue_coun
     assert len(seeks) == queue_count * len(Priority)
 
 
-def _traced_selects(store: SqliteStore, call: Callable[[], object]) -> list[str]:
+def _traced_selects(store: Store, call: Callable[[], object]) -> list[str]:
     statements: list[str] = []
     store._db.set_trace_callback(statements.append)
     try:
@@ -1363,6 +1383,7 @@ def _traced_selects(store: SqliteStore, call: Callable[[], object]) -> list[str]
     ],
     ids=["promote", "reap", "prune"],
 )
+@sqlite_only
 def test_time_driven_pass_seeks_its_partial_index(store, call, index):
     submit(store, T0, delay_ms=10)
     selects = _traced_selects(store, lambda: call(store))
@@ -1370,6 +1391,7 @@ def test_time_driven_pass_seeks_its_partial_index(store, call, index):
     _assert_seeks_only(_plan(store, selects[0]), index)
 
 
+@sqlite_only
 def test_claim_cost_does_not_grow_with_the_backlog(store):
     # One spec per (queue, class), repeated: a backlog over every candidate the claim sees.
     kinds = [spec(queue, priority=int(p)) for queue in ("q", "other") for p in Priority]
@@ -1520,7 +1542,7 @@ ACK_AT = T0 + 1_000
 WRONG_TOKEN = "0" * 32
 
 
-def _ack_scene(store: SqliteStore) -> list[tuple[str, str]]:
+def _ack_scene(store: Store) -> list[tuple[str, str]]:
     """(job_id, the token of its lease, if any) for: two held leases, a lease that ends at
     ACK_AT, a job acked already, a ready job never leased, an unknown id, a malformed one."""
     jobs = [submit(store, T0) for _ in range(5)]
@@ -1541,7 +1563,10 @@ def _outcome(outcome: object) -> tuple[type, str] | None:
     return None if outcome is None else (type(outcome), str(outcome))
 
 
-@settings(max_examples=150, deadline=None)
+# (The `stores` fixture opens fresh stores for each example.)
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     strategies.lists(
         strategies.tuples(
@@ -1554,10 +1579,10 @@ def _outcome(outcome: object) -> tuple[type, str] | None:
         max_size=8,
     )
 )
-def test_an_ack_batch_does_exactly_what_its_acks_one_by_one_would(items):
+def test_an_ack_batch_does_exactly_what_its_acks_one_by_one_would(stores: Stores, items):
     # Two fresh stores per example (the `store` fixture is one per test): the same scene in
     # each, the batch as one command in one, the same acks one by one in the other.
-    batched, alone = (SqliteStore.open(":memory:", rng=random.Random(1)) for _ in range(2))
+    batched, alone = (stores.open(rng=random.Random(1)) for _ in range(2))
     try:
         scenes = [_ack_scene(s) for s in (batched, alone)]
 
@@ -1593,7 +1618,9 @@ def test_an_ack_batch_does_exactly_what_its_acks_one_by_one_would(items):
 QUEUE_SETS = [("a",), ("b",), ("a", "b"), ("b", "a")]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     jobs=strategies.lists(
         strategies.tuples(
@@ -1614,11 +1641,13 @@ QUEUE_SETS = [("a",), ("b",), ("a", "b"), ("b", "a")]
         max_size=6,
     ),
 )
-def test_many_claims_at_once_lease_what_the_same_claims_one_by_one_would(jobs, claims):
+def test_many_claims_at_once_lease_what_the_same_claims_one_by_one_would(
+    stores: Stores, jobs, claims
+):
     # The documented order: claims on the same queue set in the order given, the sets in
     # the order they first appear among the claims that ask for a job; each claim takes
     # the best jobs the ones before it left.
-    merged, alone = (SqliteStore.open(":memory:", rng=random.Random(1)) for _ in range(2))
+    merged, alone = (stores.open(rng=random.Random(1)) for _ in range(2))
     now = T0 + 10 * MINUTE
     try:
         for store in (merged, alone):
@@ -1689,9 +1718,10 @@ def test_a_claim_reads_no_more_candidates_for_what_claims_on_other_queues_took(m
 
 
 # -- a claim's statements ----------------------------------------------------------------------
+# How many statements SQLite runs (its trace callback); PostgreSQL's claim is always two.
 
 
-def _traced(store: SqliteStore, call: Callable[[], object]) -> tuple[object, list[str]]:
+def _traced(store: Store, call: Callable[[], object]) -> tuple[object, list[str]]:
     statements: list[str] = []
     store._db.set_trace_callback(statements.append)
     try:
@@ -1701,6 +1731,16 @@ def _traced(store: SqliteStore, call: Callable[[], object]) -> tuple[object, lis
     return result, statements
 
 
+def test_a_claim_gives_each_job_its_own_payload_small_or_large(store):
+    small, large = '{"s": "\\u00e9 \\" x"}', '"' + "y" * 70_000 + '"'
+    ids = [submit(store, payload=small), submit(store, payload=large), submit(store, payload=small)]
+    leases = store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0)
+    assert [(lease.job_id, lease.payload) for lease in leases] == list(
+        zip(ids, [small, large, small], strict=True)
+    )
+
+
+@sqlite_only
 def test_a_claim_of_a_few_small_jobs_is_two_statements(store):
     ids = [submit(store, payload=f'{{"n": {i}}}') for i in range(3)]
     leases, statements = _traced(store, lambda: store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0))
@@ -1710,6 +1750,7 @@ def test_a_claim_of_a_few_small_jobs_is_two_statements(store):
     ]
 
 
+@sqlite_only
 def test_a_claim_reads_back_only_the_payloads_too_large_to_come_with_it(store):
     small, large = '{"s": "\\u00e9 \\" x"}', '"' + "y" * 2000 + '"'
     ids = [submit(store, payload=small), submit(store, payload=large), submit(store, payload=small)]
@@ -1720,6 +1761,7 @@ def test_a_claim_reads_back_only_the_payloads_too_large_to_come_with_it(store):
     )
 
 
+@sqlite_only
 def test_a_claim_of_many_jobs_reads_their_payloads_after_the_update(store):
     store.jobs_submit([spec(payload=f"[{i}]") for i in range(100)], T0)
     leases, statements = _traced(store, lambda: store.jobs_claim(["q"], "w1", 100, LEASE_MS, T0))

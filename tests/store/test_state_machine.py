@@ -5,6 +5,8 @@ semantics, never by asking the store what should happen. Where the
 contract leaves a choice open (which of several equally ranked jobs a claim, promote,
 reap or prune with a small limit takes), the test checks that the store's choice is one
 of the allowed ones and then follows it.
+
+The machine runs on both stores (``test_store_state_machine[sqlite]``, ``[postgres]``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -23,14 +26,15 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from relay.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
 from relay.model import AGING_STEP_MS, Backoff, JobState, Priority
 from relay.model import SubmitSpec as Spec
 from relay.store.base import StoreConfig
-from relay.store.sqlite import SqliteStore
 from tests.conftest import T0
+from tests.store.conformance import Store, Stores, recovers_on_start, rows, scalar
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
@@ -137,9 +141,9 @@ specs = st.fixed_dictionaries(
 class StoreMachine(RuleBasedStateMachine):
     """The store against the model; ``now`` only moves forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, open_store: Callable[[], Store]) -> None:
         super().__init__()
-        self.store = SqliteStore.open(":memory:", CONFIG, rng=random.Random(0))
+        self.store = open_store()
         self.now = T0
         self.jobs: dict[str, ModelJob] = {}
         self.gone: list[str] = []  # ids of purged or pruned jobs
@@ -167,16 +171,13 @@ class StoreMachine(RuleBasedStateMachine):
         return int(job_id[4:], 16) if JOB_ID_RE.fullmatch(job_id) else -1
 
     def row(self, job_id: str) -> tuple | None:
-        return self.store._db.execute(
-            "SELECT * FROM jobs WHERE id = ?", (self.key(job_id),)
-        ).fetchone()
+        found = rows(self.store, "SELECT * FROM jobs WHERE id = ?", self.key(job_id))
+        return found[0] if found else None
 
     def footprint(self, job_id: str) -> tuple:
         """Everything a refused operation must leave as it was."""
         key = self.key(job_id)
-        errors = self.store._db.execute(
-            "SELECT count(*) FROM job_errors WHERE job_id = ?", (key,)
-        ).fetchone()[0]
+        errors = scalar(self.store, "SELECT count(*) FROM job_errors WHERE job_id = ?", key)
         return self.row(job_id), errors, self.store.queue_stats()
 
     def expected_lease_check(
@@ -535,10 +536,11 @@ class StoreMachine(RuleBasedStateMachine):
         if limit >= len(due):
             self.full_promotes += 1
             self.full_promote_at = self.now
-            leftover = self.store._db.execute(
+            leftover = scalar(
+                self.store,
                 "SELECT count(*) FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ?",
-                (self.now,),
-            ).fetchone()[0]
+                self.now,
+            )
             assert leftover == 0
 
     def chosen(self, eligible: list[ModelJob], n: int, order) -> list[ModelJob]:
@@ -600,7 +602,14 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(j.state is LEASED for j in self.jobs.values()))
     @rule()
     def recover(self) -> None:
-        # What a restart does before serving: every leased job is ready again at once.
+        # What a restart does before serving: every leased job is ready again at once
+        # (SQLite), or nothing at all, leases being left to expire (PostgreSQL, whose other
+        # servers hold live leases).
+        if not recovers_on_start(self.store):
+            before = self.all_rows(), self.store.queue_stats()
+            assert self.store.leases_recover(self.now) == 0
+            assert (self.all_rows(), self.store.queue_stats()) == before
+            return
         leased = [j for j in self.jobs.values() if j.state is LEASED]
         assert self.store.leases_recover(self.now) == len(leased)
         for job in leased:
@@ -700,13 +709,14 @@ class StoreMachine(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------------------
 
     def all_rows(self) -> dict[int, tuple]:
-        return {row[0]: row for row in self.store._db.execute("SELECT * FROM jobs")}
+        return {row[0]: row for row in rows(self.store, "SELECT * FROM jobs")}
 
     @invariant()
     def queue_stats_match_a_recount_and_the_model(self) -> None:
         recount: dict[str, dict[str, int]] = {}
-        rows = self.store._db.execute("SELECT queue, state, count(*) FROM jobs GROUP BY 1, 2")
-        for queue, state, n in rows:
+        for queue, state, n in rows(
+            self.store, "SELECT queue, state, count(*) FROM jobs GROUP BY 1, 2"
+        ):
             recount.setdefault(queue, {str(s): 0 for s in JobState})[state] = n
         assert self.store.queue_stats() == recount
         model: dict[str, dict[str, int]] = {}
@@ -716,7 +726,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_job_looks_as_the_model_says(self) -> None:
-        stored = {row[0] for row in self.store._db.execute("SELECT id FROM jobs")}
+        stored = {row[0] for row in rows(self.store, "SELECT id FROM jobs")}
         assert stored == {self.key(job_id) for job_id in self.jobs}
         for job in self.jobs.values():
             info = self.store.job_inspect(job.job_id)
@@ -745,35 +755,43 @@ class StoreMachine(RuleBasedStateMachine):
     def at_most_one_live_lease_per_job(self) -> None:
         # Every leased job holds exactly the token the model issued last, with an expiry;
         # the lease rules check that every other token of it is refused.
-        rows = self.store._db.execute(
+        leased = rows(
+            self.store,
             "SELECT id, lease_token, lease_worker, lease_expires_at FROM jobs "
-            "WHERE state = 'leased'"
-        ).fetchall()
-        for key, token, worker, expires_at in rows:
+            "WHERE state = 'leased'",
+        )
+        for key, token, worker, expires_at in leased:
             job = self.jobs[f"job_{key:016x}"]
             assert job.state is LEASED
             assert (token, worker, expires_at) == (job.token, job.worker, job.lease_expires_at)
-        assert len(rows) == sum(j.state is LEASED for j in self.jobs.values())
+        assert len(leased) == sum(j.state is LEASED for j in self.jobs.values())
 
     @invariant()
     def no_row_refers_to_a_deleted_job(self) -> None:
-        assert self.store._db.execute("PRAGMA foreign_key_check").fetchall() == []
+        for table in ("job_errors", "idempotency_keys"):
+            orphans = scalar(
+                self.store,
+                f"SELECT count(*) FROM {table} AS t LEFT JOIN jobs AS j ON j.id = t.job_id "
+                "WHERE j.id IS NULL",
+            )
+            assert orphans == 0, table
 
     @invariant()
     def attempts_stay_within_bounds(self) -> None:
-        bad = self.store._db.execute(
-            "SELECT count(*) FROM jobs WHERE attempt < 0 OR attempt > max_attempts"
-        ).fetchone()[0]
+        bad = scalar(
+            self.store, "SELECT count(*) FROM jobs WHERE attempt < 0 OR attempt > max_attempts"
+        )
         assert bad == 0
-        ready_spent = self.store._db.execute(
+        ready_spent = scalar(
+            self.store,
             "SELECT count(*) FROM jobs WHERE state IN ('ready', 'pending', 'retrying') "
-            "AND attempt >= max_attempts"
-        ).fetchone()[0]
+            "AND attempt >= max_attempts",
+        )
         assert ready_spent == 0, "a job that may run again has no attempt left"
 
     @invariant()
     def terminal_states_stay_terminal(self) -> None:
-        rows = self.all_rows()
+        now_rows = self.all_rows()
         for key, before in self.previous_rows.items():
             state = before[2]
             if state not in (SUCCEEDED, DEAD):
@@ -781,8 +799,8 @@ class StoreMachine(RuleBasedStateMachine):
             job_id = f"job_{key:016x}"
             if job_id in self.may_change:
                 continue
-            assert rows.get(key) == before, f"terminal job {job_id} ({state}) changed"
-        self.previous_rows = rows
+            assert now_rows.get(key) == before, f"terminal job {job_id} ({state}) changed"
+        self.previous_rows = now_rows
         self.may_change.clear()
 
     @invariant()
@@ -791,19 +809,26 @@ class StoreMachine(RuleBasedStateMachine):
             return
         # Only a job that started waiting after that promote (a fail with a zero backoff,
         # say) may still be due and waiting at the same `now`.
-        waiting = self.store._db.execute(
+        waiting = rows(
+            self.store,
             "SELECT id FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ?",
-            (self.now,),
-        ).fetchall()
+            self.now,
+        )
         for (key,) in waiting:
             job = self.jobs[f"job_{key:016x}"]
             assert job.waiting_since_promote == self.full_promotes, f"{job.job_id} stayed due"
 
 
-StoreMachine.TestCase.settings = settings(
+SETTINGS = settings(
     max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-test_store_state_machine = StoreMachine.TestCase
+
+
+def test_store_state_machine(stores: Stores) -> None:
+    run_state_machine_as_test(
+        lambda: StoreMachine(lambda: stores.open(config=CONFIG, rng=random.Random(0))),
+        settings=SETTINGS,
+    )

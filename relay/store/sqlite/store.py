@@ -30,6 +30,8 @@ class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
     Not thread-safe: exactly one thread (the writer) may call it.
     """
 
+    recovers_on_start = True  # one server owns the file: its leased jobs are orphans
+
     def __init__(
         self,
         conn: sqlite3.Connection,

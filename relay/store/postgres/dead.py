@@ -1,0 +1,98 @@
+"""Dead letters on PostgreSQL: retry or purge one dead job, or a queue's, a bounded piece
+at a time.
+
+One named job is locked (``FOR UPDATE``) before its state is checked, so that it is still
+dead when it is changed; a queue's dead jobs are taken with ``FOR UPDATE SKIP LOCKED``, so
+that two servers emptying one queue share the work.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relay.errors import InvalidState, JobNotFound
+from relay.model import JobState, parse_job_id
+from relay.store.postgres.sql import atomic
+
+if TYPE_CHECKING:
+    from relay.store.postgres.store import PostgresStore
+
+READY, DEAD = JobState.READY, JobState.DEAD
+
+# Fresh attempts: no old token holds anything any more. The error history is kept.
+_REVIVE = (
+    "SET state = 'ready', attempt = 0, ready_at = %s, run_at = NULL, finished_at = NULL, "
+    "lease_token = NULL, lease_worker = NULL, lease_expires_at = NULL"
+)
+_REVIVE_ONE = f"UPDATE jobs {_REVIVE} WHERE id = %s"
+_REVIVE_QUEUE = (
+    "WITH d AS (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
+    f"ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) UPDATE jobs {_REVIVE} "
+    "FROM d WHERE jobs.id = d.id RETURNING jobs.id"
+)
+# Errors and keys go with the jobs (ON DELETE CASCADE).
+_PURGE_QUEUE = (
+    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
+    "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
+)
+
+
+class DeadLetters:
+    """The dead-letter commands of ``PostgresStore``."""
+
+    def _dead_job(self: PostgresStore, job_id: str, operation: str) -> tuple[int, str]:
+        """(key, queue) of a dead job, locked; else the refusal, raised, having written
+        nothing."""
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._read(
+                "SELECT queue, state FROM jobs WHERE id = %s FOR UPDATE", (key,)
+            ).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        if row[1] != DEAD:
+            raise InvalidState(job_id, row[1], operation)
+        assert key is not None
+        return key, row[0]
+
+    @atomic
+    def dead_retry(self: PostgresStore, job_id: str, now: int) -> int:
+        """Make one dead job ready with fresh attempts. Its error history is kept."""
+        key, queue = self._dead_job(job_id, "retry")
+        self._write(_REVIVE_ONE, (now, key))
+        self._revived([key], queue, now)
+        return 1
+
+    @atomic
+    def dead_retry_queue(self: PostgresStore, queue: str, now: int, limit: int) -> int:
+        """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
+        while it returns ``limit``: each call is one bounded piece of work."""
+        keys = sorted(key for (key,) in self._write(_REVIVE_QUEUE, (queue, limit, now)))
+        self._revived(keys, queue, now)
+        return len(keys)
+
+    def _revived(self: PostgresStore, keys: list[int], queue: str, now: int) -> None:
+        if not keys:
+            return
+        self._move(queue, DEAD, READY, len(keys))
+        self.changes.ready_queues.add(queue)
+        if self.recording:  # with fresh attempts
+            for key in keys:
+                self._record(key, queue, "ready", 0, now)
+
+    @atomic
+    def dead_purge(self: PostgresStore, job_id: str) -> int:
+        """Delete one dead job and its history."""
+        key, queue = self._dead_job(job_id, "purge")
+        self._write("DELETE FROM jobs WHERE id = %s", (key,))
+        self._move(queue, DEAD, None)
+        return 1
+
+    @atomic
+    def dead_purge_queue(self: PostgresStore, queue: str, limit: int) -> int:
+        """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
+        n = len(self._write(_PURGE_QUEUE, (queue, limit)).fetchall())
+        if n:
+            self._move(queue, DEAD, None, n)
+        return n

@@ -1,0 +1,146 @@
+"""Reads on PostgreSQL: a job, the dead letters, the counts and the event totals.
+
+None of these locks or writes anything. ``queue_stats`` sums every server's counts (see
+``PostgresStore._flush_counts_and_commit``), so it answers for the whole database, not for what this
+server committed; ``event_totals`` stays this process's own (Prometheus sums counters over
+the servers).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relay.errors import JobNotFound
+from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
+from relay.store.base import ERRORS_SHOWN, info_size
+from relay.store.postgres.sql import decode_text
+
+if TYPE_CHECKING:
+    from relay.store.postgres.store import PostgresStore
+
+LEASED = JobState.LEASED
+
+_JOB_COLUMNS = (
+    "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
+    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
+)
+_JOB = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = %s"
+# The most recent ERRORS_SHOWN entries of each job, oldest first: the history of a job
+# with a thousand retries would not fit a reply.
+_ERRORS = (
+    "SELECT job_id, attempt, error, at FROM (SELECT job_id, attempt, error, at, seq, "
+    "row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
+    "FROM job_errors WHERE job_id = ANY(%s)) AS e WHERE back <= %s ORDER BY seq"
+)
+# Per queue, the least of each priority's first ready_at in jobs_ready.
+_OLDEST_READY = (
+    "SELECT q, (SELECT min(first) FROM (SELECT (SELECT ready_at FROM jobs WHERE "
+    "state = 'ready' AND queue = q AND priority = p ORDER BY ready_at LIMIT 1) AS first "
+    "FROM unnest(ARRAY[3, 2, 1, 0]) AS p) AS firsts) FROM unnest(%s::text[]) AS q"
+)
+_DEAD = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND id > %s ORDER BY id LIMIT %s"
+_DEAD_OF_QUEUE = (
+    f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND queue = %s AND id > %s "
+    "ORDER BY id LIMIT %s"
+)
+
+
+class Reads:
+    """The reads of ``PostgresStore``."""
+
+    def job_inspect(self: PostgresStore, job_id: str) -> JobInfo:
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._read(_JOB, (key,)).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        return self._job_infos([row])[0]
+
+    def _job_infos(self: PostgresStore, rows: list[tuple]) -> list[JobInfo]:
+        errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
+        if rows:
+            for key, attempt, error, at in self._read(_ERRORS, (list(errors), ERRORS_SHOWN)):
+                errors[key].append(ErrorEntry(attempt, decode_text(error), at))
+        infos = []
+        for row in rows:
+            state = JobState(row[2])
+            infos.append(
+                JobInfo(
+                    job_id=format_job_id(row[0]),
+                    queue=row[1],
+                    state=state,
+                    priority=row[3],
+                    payload=row[4],
+                    attempt=row[5],
+                    max_attempts=row[6],
+                    created_at=row[7],
+                    ready_at=row[8],
+                    run_at=row[9],
+                    lease_expires_at=row[10] if state == LEASED else None,
+                    worker_id=decode_text(row[11]),
+                    last_error=decode_text(row[12]),
+                    errors=tuple(errors[row[0]]),
+                    result=row[13],
+                    idempotency_key=decode_text(row[14]),
+                    finished_at=row[15],
+                )
+            )
+        return infos
+
+    def queue_stats(self: PostgresStore) -> dict[str, dict[str, int]]:
+        """Jobs per queue and state (every state present, zeros included), over every
+        server: the sums of job_counts, a few rows per (queue, state)."""
+        stats: dict[str, dict[str, int]] = {}
+        for (queue, state), n in sorted(self._counts().items()):
+            if n:
+                stats.setdefault(queue, dict.fromkeys(map(str, JobState), 0))[state] = n
+        return stats
+
+    def oldest_ready_ms(self: PostgresStore, now: int) -> dict[str, int]:
+        """Per queue with ready jobs: how long its oldest ready job has waited (ms); one
+        index probe (``jobs_ready``) per queue and priority, never a scan."""
+        queues = sorted(
+            {queue for (queue, state), n in self._counts().items() if n and state == "ready"}
+        )
+        if not queues:
+            return {}
+        rows = self._read(_OLDEST_READY, (queues,))
+        return {queue: max(0, now - oldest) for queue, oldest in rows if oldest is not None}
+
+    def event_totals(self: PostgresStore) -> dict[tuple[str, str], int]:
+        """(queue, event) -> how many times it happened through this store since it was
+        opened."""
+        return {key: n for key, n in self._totals.items() if n}
+
+    def dead_list(
+        self: PostgresStore,
+        queue: str | None,
+        limit: int,
+        cursor: str | None,
+        max_bytes: int | None = None,
+    ) -> tuple[list[JobInfo], str | None]:
+        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page.
+
+        With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
+        least one job); ``next_cursor`` then continues after the last job given.
+        """
+        after = -1
+        if cursor is not None:
+            after = parse_job_id(cursor)
+            if after is None:
+                after = -1
+        if queue is None:
+            rows = self._read(_DEAD, (after, limit + 1)).fetchall()
+        else:
+            rows = self._read(_DEAD_OF_QUEUE, (queue, after, limit + 1)).fetchall()
+        more = len(rows) > limit
+        infos = self._job_infos(rows[:limit])
+        if max_bytes is not None:
+            size = 0
+            for i, info in enumerate(infos):
+                size += info_size(info)
+                if size >= max_bytes and i + 1 < len(infos):
+                    infos, more = infos[: i + 1], True
+                    break
+        return infos, (infos[-1].job_id if more else None)

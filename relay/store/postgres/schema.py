@@ -1,0 +1,247 @@
+"""The PostgreSQL schema: connecting, checks before touching anything, creation, migrations.
+
+``open_connection`` is the only way in. Several servers may start together on one database,
+so the check and the creation or migration run in one transaction that first takes a
+transaction-level advisory lock: the first server creates the schema, the others wait on
+the lock and then find it in place. A database (or schema, see ``search_path``) whose
+tables of our names were not made by relay-trio, or whose schema version is newer than this
+code, is refused with one line naming the problem; the transaction is rolled back, so a
+refusal changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
+
+APPLICATION = "relay-trio"
+SCHEMA_VERSION = 1
+
+# The key of the advisory lock held while the schema is checked, created or migrated:
+# "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
+# so two schemas of one database migrate one after the other; that costs nothing.
+MIGRATION_LOCK = 0x524C5954_00000001
+
+# How long connecting may take where the URL does not say (connect_timeout): a server that
+# cannot reach its database says so at start instead of hanging.
+CONNECT_TIMEOUT_S = 10
+
+# The relations relay-trio creates. Any of them present without our marker in relay_meta
+# means another application's tables: refused, never altered.
+META_TABLE = "relay_meta"
+TABLES = ("jobs", "job_errors", "idempotency_keys", "job_counts")
+SEQUENCES = ("job_ids",)
+
+_V1 = (
+    "CREATE TABLE relay_meta (key text PRIMARY KEY, value text NOT NULL)",
+    # Job ids come from this sequence, shared by every server on the database (an
+    # in-process generator would collide across servers); see jobs.py for the layout.
+    "CREATE SEQUENCE job_ids AS bigint",
+    # The columns in the order of the SQLite schema, so that the rows read the same.
+    """CREATE TABLE jobs (
+        id bigint PRIMARY KEY,
+        queue text NOT NULL,
+        state text NOT NULL CHECK (state IN
+            ('pending', 'ready', 'leased', 'retrying', 'succeeded', 'dead')),
+        priority integer NOT NULL,
+        payload text NOT NULL,
+        attempt integer NOT NULL,
+        max_attempts integer NOT NULL,
+        backoff_kind text NOT NULL,
+        backoff_base_ms bigint NOT NULL,
+        backoff_max_ms bigint NOT NULL,
+        backoff_jitter boolean NOT NULL,
+        created_at bigint NOT NULL,
+        ready_at bigint,
+        run_at bigint,
+        finished_at bigint,
+        lease_token text,
+        lease_worker text,
+        lease_expires_at bigint,
+        last_error text,
+        result text,
+        idempotency_key text
+    )""",
+    # A job's history and its key go with it: deleting a job (prune, purge) is one
+    # statement, the cascade is PostgreSQL's.
+    """CREATE TABLE job_errors (
+        job_id bigint NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+        attempt integer NOT NULL,
+        error text NOT NULL,
+        at bigint NOT NULL,
+        seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY
+    )""",
+    "CREATE INDEX job_errors_job ON job_errors (job_id, seq)",
+    """CREATE TABLE idempotency_keys (
+        queue text NOT NULL,
+        key text NOT NULL,
+        job_id bigint NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+        expires_at bigint NOT NULL,
+        PRIMARY KEY (queue, key)
+    )""",
+    "CREATE INDEX idempotency_keys_job ON idempotency_keys (job_id)",
+    "CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at)",
+    # Jobs per (queue, state), as deltas per slot: each store adds its transactions' moves
+    # to the rows of its own slot (picked at random when it opens), so servers do not queue
+    # on one hot row per (queue, state). The count is the sum over slots.
+    """CREATE TABLE job_counts (
+        slot smallint NOT NULL,
+        queue text NOT NULL,
+        state text NOT NULL,
+        n bigint NOT NULL,
+        PRIMARY KEY (slot, queue, state)
+    )""",
+    # Partial indexes, as in SQLite: each holds only the rows of one state, so every
+    # time-driven pass (claim, promote, reap, prune) is an index scan over that state.
+    "CREATE INDEX jobs_ready ON jobs (queue, priority, ready_at, id) WHERE state = 'ready'",
+    "CREATE INDEX jobs_due ON jobs (run_at, id) WHERE state IN ('pending', 'retrying')",
+    "CREATE INDEX jobs_leased ON jobs (lease_expires_at, id) WHERE state = 'leased'",
+    "CREATE INDEX jobs_dead ON jobs (id) WHERE state = 'dead'",
+    "CREATE INDEX jobs_dead_queue ON jobs (queue, id) WHERE state = 'dead'",
+    "CREATE INDEX jobs_succeeded ON jobs (finished_at) WHERE state = 'succeeded'",
+)
+
+
+def _create_v1(conn: psycopg.Connection) -> None:
+    for statement in _V1:
+        conn.execute(statement)
+
+
+# MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
+MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {1: _create_v1}
+
+
+def display_url(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.Error:
+        return "<unparsable database URL>"
+    params.pop("password", None)
+    host, port, dbname = params.get("host"), params.get("port"), params.get("dbname")
+    user = params.get("user")
+    where = f"{user}@" if user else ""
+    where += f"{host or ''}{f':{port}' if port else ''}"
+    return f"postgresql://{where}/{dbname or ''}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def open_connection(url: str) -> psycopg.Connection:
+    """Connect to ``url``, create or migrate the schema, and return the connection.
+
+    The connection is in autocommit mode: the store issues BEGIN and COMMIT itself. It may
+    be handed to one other thread, which then owns it.
+
+    Raises:
+        StoreError: cannot connect, or the schema cannot be created (one line, no password).
+        ForeignDatabase, SchemaTooNew: refused; nothing in the database was changed.
+    """
+    where = display_url(url)
+    try:
+        given = conninfo_to_dict(url)
+        defaults = {"application_name": APPLICATION, "connect_timeout": CONNECT_TIMEOUT_S}
+        extra = {key: value for key, value in defaults.items() if key not in given}
+        conn = psycopg.connect(make_conninfo(url, **extra), autocommit=True)
+    except psycopg.Error as exc:
+        raise StoreError(where, f"cannot connect: {_first_line(exc)}") from exc
+    try:
+        _check_connection(conn, where)
+        migrate(conn, where)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _check_connection(conn: psycopg.Connection, where: str) -> None:
+    (encoding,) = conn.execute("SHOW server_encoding").fetchone() or ("unknown",)
+    if encoding != "UTF8":
+        raise StoreError(where, f"the database encoding is {encoding}, not UTF8")
+    schema = conn.execute("SELECT current_schema()").fetchone()
+    if schema is None or schema[0] is None:
+        raise StoreError(where, "no schema to create tables in (check search_path)")
+
+
+def migrate(conn: psycopg.Connection, where: str) -> int:
+    """Create or migrate the schema in one transaction under the migration lock; return the
+    version found before (0: none). ``conn`` must be in autocommit mode, outside a
+    transaction."""
+    conn.execute("BEGIN")
+    try:
+        # Alone in its statement: the statements after it take their snapshots once the
+        # lock is ours, so they see what a server that held it before us committed.
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        version = _found_version(conn, where)
+        if version < SCHEMA_VERSION:
+            try:
+                for target in range(version + 1, SCHEMA_VERSION + 1):
+                    MIGRATIONS[target](conn)
+            except psycopg.Error as exc:
+                raise StoreError(where, f"cannot create the schema: {_first_line(exc)}") from exc
+            conn.execute(
+                "INSERT INTO relay_meta (key, value) VALUES ('application', %s), "
+                "('schema_version', %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                (APPLICATION, str(SCHEMA_VERSION)),
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(psycopg.Error):
+            conn.execute("ROLLBACK")
+        raise
+    return version
+
+
+def _found_version(conn: psycopg.Connection, where: str) -> int:
+    """The schema version in the current schema (0: none yet), or the refusal, raised."""
+    names = [META_TABLE, *TABLES, *SEQUENCES]
+    present = {
+        name
+        for (name,) in conn.execute(
+            "SELECT relname FROM pg_class "
+            "WHERE relnamespace = current_schema()::regnamespace AND relname = ANY(%s)",
+            (names,),
+        )
+    }
+    if META_TABLE not in present:
+        if present:
+            found = ", ".join(sorted(present))
+            raise ForeignDatabase(
+                where, f"holds tables relay-trio did not create ({found}); nothing was changed"
+            )
+        return 0
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM relay_meta").fetchall())
+    except psycopg.Error as exc:
+        raise ForeignDatabase(
+            where, f"holds a table {META_TABLE} of another application; nothing was changed"
+        ) from exc
+    if meta.get("application") != APPLICATION:
+        raise ForeignDatabase(
+            where, f"holds a table {META_TABLE} of another application; nothing was changed"
+        )
+    try:
+        version = int(meta.get("schema_version", ""))
+    except ValueError:
+        raise ForeignDatabase(
+            where, f"{META_TABLE} holds no valid schema version; nothing was changed"
+        ) from None
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(
+            where,
+            f"schema version {version} is newer than this relay-trio ({SCHEMA_VERSION}); "
+            "nothing was changed",
+        )
+    missing = [name for name in (*TABLES, *SEQUENCES) if name not in present]
+    if version == SCHEMA_VERSION and missing:
+        raise StoreError(
+            where, f"schema version {version} but {', '.join(missing)} missing; nothing was changed"
+        )
+    return version

@@ -1,0 +1,327 @@
+"""``PostgresStore``: the store interface of ``SqliteStore`` on a PostgreSQL database that
+several relay-trio servers share. Never imports trio; never reads the clock.
+
+Each server's writer thread owns one store and its one connection, and commits a batch of
+commands in one transaction (``begin``, ``command`` as a savepoint, ``commit``), exactly as
+with SQLite. What differs is that other servers commit to the same tables meanwhile:
+
+- Rows are locked where a decision depends on them. A claim, and every time-driven pass
+  (promote, reap, prune, a queue's dead letters), takes its rows with ``FOR UPDATE SKIP
+  LOCKED``: two servers never take one job, and neither waits for the other. A command on
+  one named job (renew, ack, fail, release, a dead job's retry or purge) locks that row
+  with ``FOR UPDATE`` before it checks the lease, and waits if another server holds it.
+- Time is the caller's ``now``, never the database's: one server's clock decides each
+  transition, as with SQLite. Servers are assumed to agree on the time to well within the
+  shortest lease (NTP keeps them within milliseconds); a server whose clock runs ahead by
+  ``d`` reaps leases ``d`` early and lets aging advance ``d`` sooner, one behind accepts a
+  late ack up to ``d`` after the lease expired.
+- Counts per queue and state (``queue_stats``, the depth limits) come from the database,
+  since this server's memory knows only its own commits: see ``_flush_counts_and_commit``. Event
+  totals (``event_totals``) stay per process, as Prometheus counters are summed over
+  instances anyway.
+- ``leases_recover`` does nothing: see maintenance.py.
+
+Methods called outside ``begin`` run in a transaction of their own (``sql.atomic``).
+Every method that refuses (``RelayError``) does so before it writes anything, as in SQLite,
+and the writer checks this with ``write_mark``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import secrets
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from relay.store.base import EVENTS, Changes, StoreConfig
+from relay.store.postgres.dead import DeadLetters
+from relay.store.postgres.jobs import Jobs
+from relay.store.postgres.maintenance import Maintenance
+from relay.store.postgres.reads import Reads
+from relay.store.postgres.schema import open_connection
+
+# How many rows of job_counts each (queue, state) may be spread over: a store adds its
+# counts to the rows of one slot, picked at random when it opens. With a handful of
+# servers, two rarely share a slot (and if they do, they take turns on its rows, in one
+# order, so they never deadlock); ``queue_stats`` sums at most this many rows per count.
+COUNT_SLOTS = 64
+
+_ADD_COUNTS = (
+    "INSERT INTO job_counts (slot, queue, state, n) "
+    "SELECT %s, queue, state, n FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+    "AS t(queue, state, n) "
+    "ON CONFLICT (slot, queue, state) DO UPDATE SET n = job_counts.n + EXCLUDED.n"
+)
+_DROP_ZEROS = "DELETE FROM job_counts WHERE slot = %s AND queue = ANY(%s) AND n = 0"
+# Of these queues, the ones that still hold jobs.
+_HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
+
+Journal = list[tuple[Counter[tuple[str, str]], tuple[str, str], int]]
+
+
+class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
+    """The job store on one PostgreSQL connection, which it owns.
+
+    Not thread-safe: exactly one thread (the writer) may call it.
+    """
+
+    # Whether ``leases_recover`` at start makes every leased job ready again. Not here:
+    # the other servers' leases are alive (see maintenance.py).
+    recovers_on_start = False
+
+    def __init__(
+        self,
+        conn: psycopg.Connection,
+        config: StoreConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        slot: int | None = None,
+    ) -> None:
+        self._db = conn
+        self.config = config or StoreConfig()
+        # Jitter needs no cryptographic strength; tokens do, and use `secrets`.
+        self._rng = rng or random.Random()
+        self.slot = secrets.randbelow(COUNT_SLOTS) if slot is None else slot
+        # The moves of the open transaction, (queue, state) -> jobs: added to the
+        # slot's rows of job_counts by its commit.
+        self._moves: Counter[tuple[str, str]] = Counter()
+        self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
+        # Queues some of whose jobs the open transaction deleted: their event totals are
+        # forgotten if they are left without jobs (as SqliteStore does).
+        self._deleted_from: set[str] = set()
+        # While a transaction runs: every counter change, to undo them on rollback.
+        self._journal: Journal | None = None
+        # Rows written by every statement so far (for ``write_mark``).
+        self._rows = 0
+        # BEGIN not sent yet: it goes with the transaction's first statement (``_read``).
+        self._begin_pending = False
+        self.changes = Changes()
+        # Whether transitions append to ``changes.events``; the writer sets it per batch.
+        self.recording = False
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        config: StoreConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        slot: int | None = None,
+    ) -> PostgresStore:
+        """Connect to ``url`` (``postgresql://...``), creating or migrating the schema
+        (see ``schema.open_connection``)."""
+        return cls(open_connection(url), config, rng=rng, slot=slot)
+
+    def close(self) -> None:
+        """Close the connection; a transaction still open is rolled back with it."""
+        self._db.close()
+
+    # -- statements --------------------------------------------------------------------------
+
+    def _read(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """Run a statement, in the open transaction if there is one."""
+        if not self._begin_pending:
+            return self._db.execute(sql, params)
+        # The transaction's first statement: BEGIN goes with it, in one round trip (a
+        # pipeline: the results come back once both have run).
+        self._begin_pending = False
+        with self._db.pipeline():
+            self._db.execute("BEGIN")
+            cursor = self._db.execute(sql, params)
+        return cursor
+
+    def _write(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """Run a statement that writes; its rows count in ``write_mark``."""
+        cursor = self._read(sql, params)
+        if cursor.rowcount > 0:
+            self._rows += cursor.rowcount
+        return cursor
+
+    # -- transactions (used by the writer) -------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a transaction. Nothing is sent yet: BEGIN goes with its first statement,
+        and a transaction that runs none costs no round trip at all."""
+        self._begin_pending = True
+        self._journal = []
+
+    @property
+    def in_transaction(self) -> bool:
+        """False once PostgreSQL has failed the transaction (a statement raised outside a
+        savepoint, or the connection broke): nothing of it can commit then."""
+        if self._begin_pending:
+            return True
+        return self._db.info.transaction_status == TransactionStatus.INTRANS
+
+    def write_mark(self) -> tuple[int, int]:
+        """Where the transaction's writes stand (rows written, counter moves): equal marks
+        before and after a call mean that it wrote nothing."""
+        return self._rows, len(self._journal or ())
+
+    @contextlib.contextmanager
+    def command(self) -> Iterator[None]:
+        """One command inside the transaction: on any exception its changes are undone."""
+        assert self._journal is not None, "command() outside begin()"
+        mark = len(self._journal)
+        events = self.changes.events
+        events_mark = len(events)
+        self._read("SAVEPOINT command")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK TO command")
+            self._db.execute("RELEASE command")
+            self._undo(mark)
+            del events[events_mark:]  # no event of what did not happen
+            raise
+        self._db.execute("RELEASE command")
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call (or commit), after calls made outside a
+        transaction of the writer's."""
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def commit(self) -> Changes:
+        """Commit; return what changed and start collecting afresh."""
+        self._commit()
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def _commit(self) -> None:
+        if self._begin_pending:  # no statement ran: nothing to send
+            assert not any(self._moves.values()), "counts moved without a statement"
+            self._begin_pending = False
+            empty: list[str] = []
+        else:
+            if self._db.info.transaction_status != TransactionStatus.INTRANS:
+                # COMMIT would answer ROLLBACK without an error: say so instead.
+                raise psycopg.errors.InFailedSqlTransaction(
+                    "the transaction failed before its commit; nothing of it was kept"
+                )
+            empty = self._flush_counts_and_commit()
+        self._journal = None
+        self._moves.clear()
+        self._deleted_from.clear()
+        for queue in empty:
+            for event in EVENTS:
+                self._totals.pop((queue, event), None)
+
+    def rollback(self) -> None:
+        self._roll_back()
+        self.changes = Changes()
+
+    def _roll_back(self) -> None:
+        if self._begin_pending:  # nothing was sent
+            self._begin_pending = False
+        else:
+            with contextlib.suppress(psycopg.Error):
+                self._db.execute("ROLLBACK")
+        if self._journal is not None:
+            self._undo(0)
+        self._journal = None
+        self._moves.clear()
+        self._deleted_from.clear()
+
+    def _on_its_own(
+        self, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``method`` in a transaction of its own (``sql.atomic``); what it changed stays in
+        ``changes`` until ``take_changes``, as a call outside a transaction does in SQLite."""
+        events_mark = len(self.changes.events)
+        self.begin()
+        try:
+            result = method(self, *args, **kwargs)
+            self._commit()
+        except BaseException:
+            self._roll_back()
+            del self.changes.events[events_mark:]
+            raise
+        return result
+
+    def _undo(self, mark: int) -> None:
+        assert self._journal is not None
+        for counter, key, n in reversed(self._journal[mark:]):
+            counter[key] -= n
+        del self._journal[mark:]
+
+    def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
+        counter[key] += n
+        if self._journal is not None:
+            self._journal.append((counter, key, n))
+
+    def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
+        if src is not None:
+            self._bump(self._moves, (queue, src), -n)
+        if dst is not None:
+            self._bump(self._moves, (queue, dst), n)
+        elif src is not None:
+            self._deleted_from.add(queue)
+
+    def _count(self, queue: str, event: str, n: int = 1) -> None:
+        self._bump(self._totals, (queue, event), n)
+
+    def _record(self, key: int, queue: str, state: str, attempt: int, now: int) -> None:
+        """One job's state change, for ``changes.events`` (call only while recording)."""
+        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now))
+
+    # -- counts ------------------------------------------------------------------------------
+
+    def _flush_counts_and_commit(self) -> list[str]:
+        """Add the transaction's moves to this store's slot of job_counts and commit, in
+        one round trip (a pipeline); return the queues the transaction left without jobs
+        (whose event totals are then forgotten).
+
+        One statement for all the moves, its rows in (queue, state) order: two stores that
+        share a slot lock its rows in the same order, so they never deadlock. A transaction
+        that deleted jobs also drops the rows of this slot that it brought to zero."""
+        moves = sorted((key, n) for key, n in self._moves.items() if n)
+        queues = sorted(self._deleted_from)
+        written: list[psycopg.Cursor] = []
+        held: psycopg.Cursor | None = None
+        with self._db.pipeline():
+            if moves:
+                params = (
+                    self.slot,
+                    [queue for (queue, _), _ in moves],
+                    [state for (_, state), _ in moves],
+                    [n for _, n in moves],
+                )
+                written.append(self._db.execute(_ADD_COUNTS, params))
+            if queues:
+                written.append(self._db.execute(_DROP_ZEROS, (self.slot, queues)))
+                held = self._db.execute(_HOLDING, (queues,))
+            self._db.execute("COMMIT")
+        self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
+        if held is None:
+            return []
+        holding = {queue for (queue,) in held}
+        return [queue for queue in queues if queue not in holding]
+
+    def recount(self) -> None:
+        """Nothing to do: the counts are rows, written in the same transactions as the jobs
+        (``SqliteStore.recount`` repairs counts kept in memory)."""
+        self._moves.clear()
+
+    def _counts(self, queues: list[str] | None = None) -> Counter[tuple[str, str]]:
+        """(queue, state) -> jobs, over every server's slot, with this transaction's moves."""
+        if queues is None:
+            rows = self._read(
+                "SELECT queue, state, sum(n)::bigint FROM job_counts GROUP BY queue, state"
+            )
+        else:
+            rows = self._read(
+                "SELECT queue, state, sum(n)::bigint FROM job_counts WHERE queue = ANY(%s) "
+                "GROUP BY queue, state",
+                (queues,),
+            )
+        counts: Counter[tuple[str, str]] = Counter({(q, s): n for q, s, n in rows})
+        for key, n in self._moves.items():
+            if queues is None or key[0] in queues:
+                counts[key] += n
+        return counts

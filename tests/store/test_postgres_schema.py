@@ -1,0 +1,195 @@
+"""The PostgreSQL schema (relay/store/postgres/schema.py): created once, whoever starts
+first; refused, untouched, where it is newer than this code or where another application's
+tables have our names."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
+from relay.model import SubmitSpec
+from relay.store.postgres import PostgresStore
+from relay.store.postgres.schema import SCHEMA_VERSION, migrate
+from tests.conftest import T0
+
+OURS = {"relay_meta", "jobs", "job_errors", "idempotency_keys", "job_counts", "job_ids"}
+
+
+@pytest.fixture
+def schema(pg_url: str) -> Iterator[str]:
+    """A new, empty schema of the run's database (dropped after the test); its name."""
+    name = f"t_{secrets.token_hex(4)}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+    try:
+        yield name
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def url(pg_url: str, schema: str) -> str:
+    return make_conninfo(pg_url, options=f"-c search_path={schema}")
+
+
+def catalog(url: str) -> list[tuple]:
+    """Every relation of the schema with its file and every row of relay_meta with the
+    transaction that wrote it: what a no-op open must leave exactly as it was."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        relations = conn.execute(
+            "SELECT relname, relkind, relfilenode FROM pg_class "
+            "WHERE relnamespace = current_schema()::regnamespace ORDER BY relname"
+        ).fetchall()
+        meta: list[tuple] = []
+        if any(name == "relay_meta" for name, *_ in relations):
+            meta = conn.execute(
+                "SELECT t::text, xmin::text FROM relay_meta AS t ORDER BY 1"
+            ).fetchall()
+        return [*relations, *meta]
+
+
+def execute(url: str, *statements: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+def test_a_fresh_database_gets_every_table_and_the_schema_version(url):
+    store = PostgresStore.open(url)
+    try:
+        names = {row[0] for row in catalog(url)}
+        assert names >= OURS
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta == {"application": "relay-trio", "schema_version": str(SCHEMA_VERSION)}
+        [result] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        assert store.job_inspect(result.job_id).state == "ready"
+    finally:
+        store.close()
+
+
+def test_opening_again_changes_nothing(url):
+    PostgresStore.open(url).close()
+    before = catalog(url)
+    store = PostgresStore.open(url)
+    try:
+        assert catalog(url) == before
+        assert migrate(store._db, "here") == SCHEMA_VERSION  # found in place: nothing to do
+        assert catalog(url) == before
+    finally:
+        store.close()
+
+
+def test_three_servers_starting_together_create_the_schema_once(url):
+    """Each migrates on its own connection at the same moment: one finds nothing and
+    creates the schema, the others wait on the advisory lock and find it made."""
+    connections = [psycopg.connect(url, autocommit=True) for _ in range(3)]
+    start = threading.Barrier(3)
+    found: list[int] = []
+    errors: list[BaseException] = []
+
+    def starting(conn: psycopg.Connection) -> None:
+        try:
+            start.wait()
+            found.append(migrate(conn, "here"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=starting, args=(conn,)) for conn in connections]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert errors == []
+        assert sorted(found) == [0, SCHEMA_VERSION, SCHEMA_VERSION]
+    finally:
+        for conn in connections:
+            conn.close()
+    # One transaction wrote the marker; stores open on it as on any other.
+    assert len({xmin for *_, xmin in catalog(url)[-2:]}) == 1
+    opened = [PostgresStore.open(url) for _ in range(3)]
+    for store in opened:
+        store.close()
+
+
+def test_three_stores_opening_together_all_open(url):
+    start = threading.Barrier(3)
+    opened: list[PostgresStore] = []
+    errors: list[BaseException] = []
+
+    def opening() -> None:
+        try:
+            start.wait()
+            opened.append(PostgresStore.open(url))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=opening) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    try:
+        assert errors == []
+        assert len(opened) == 3
+    finally:
+        for store in opened:
+            store.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    message = str(exc)
+    assert "\n" not in message
+    return message
+
+
+def test_a_newer_schema_version_is_refused_and_nothing_changes(url):
+    PostgresStore.open(url).close()
+    execute(url, "UPDATE relay_meta SET value = '999' WHERE key = 'schema_version'")
+    before = catalog(url)
+    with pytest.raises(SchemaTooNew) as refused:
+        PostgresStore.open(url)
+    message = _one_line(refused.value)
+    assert "schema version 999 is newer than this relay-trio" in message
+    assert "nothing was changed" in message
+    assert catalog(url) == before
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        ["CREATE TABLE jobs (id serial PRIMARY KEY, title text)"],
+        ["CREATE SEQUENCE job_ids"],
+        ["CREATE TABLE relay_meta (name text, size int)"],
+        [
+            "CREATE TABLE relay_meta (key text PRIMARY KEY, value text NOT NULL)",
+            "INSERT INTO relay_meta VALUES ('application', 'someone-else')",
+        ],
+    ],
+    ids=["jobs", "sequence", "meta-columns", "meta-application"],
+)
+def test_tables_of_another_application_with_our_names_are_refused_and_left_alone(url, foreign):
+    execute(url, *foreign)
+    before = catalog(url)
+    with pytest.raises(ForeignDatabase) as refused:
+        PostgresStore.open(url)
+    message = _one_line(refused.value)
+    assert "another application" in message or "did not create" in message
+    assert "nothing was changed" in message
+    assert catalog(url) == before
+
+
+def test_an_unreachable_server_is_one_line_without_the_password():
+    with pytest.raises(StoreError) as refused:
+        PostgresStore.open("postgresql://relay:s3cret@127.0.0.1:1/nowhere?connect_timeout=2")
+    message = _one_line(refused.value)
+    assert message.startswith("postgresql://relay@127.0.0.1:1/nowhere: cannot connect")
+    assert "s3cret" not in message
