@@ -312,7 +312,11 @@ _LIMITS = wire.Limits()
 
 
 @main.command()
-@click.option("--db", default="relay.db", show_default=True, help="SQLite database file.")
+@click.option(
+    "--db", default="relay.db", show_default=True,
+    help="SQLite database file, or a PostgreSQL URL (postgresql://USER@HOST:PORT/DBNAME) "
+    "that several servers may share.",
+)  # fmt: skip
 @click.option(
     "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
     help="HOST:PORT to listen on for clients (env RELAY_ADDRESS). Port 0 picks a free one.",

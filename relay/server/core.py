@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -25,7 +26,8 @@ from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_p
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
-from relay.store.base import StoreConfig
+from relay.store.base import Store, StoreConfig
+from relay.store.postgres import PostgresStore
 from relay.store.sqlite import SqliteStore
 from relay.store.writer import Writer, open_writer, wall_clock_ms
 
@@ -95,6 +97,30 @@ class Core:
         return False
 
 
+def is_postgres_url(db: str) -> bool:
+    """``--db`` names a PostgreSQL database (a URL), not a SQLite file (a path)."""
+    return db.startswith(("postgresql://", "postgres://"))
+
+
+def describe_db(db: str) -> str:
+    """``db`` as it may be logged: a URL's password left out."""
+    if not is_postgres_url(db):
+        return db
+    url = urllib.parse.urlsplit(db)
+    if url.password is None:
+        return db
+    netloc = url.netloc.rsplit("@", 1)[1]
+    user = url.username or ""
+    return urllib.parse.urlunsplit(url._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def open_store(config: ServerConfig) -> Store:
+    """The store ``config.db`` names: PostgreSQL for a URL, else the SQLite file."""
+    if is_postgres_url(config.db):
+        return PostgresStore.open(config.db, config.store_config())
+    return SqliteStore.open(config.db, config.store_config(), synchronous=config.synchronous)
+
+
 @asynccontextmanager
 async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     """Open the store, recover leases, start the writer and the time-driven services.
@@ -104,7 +130,7 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     then stops the writer (commit, checkpoint, close). Raises StoreError if the database
     is refused. Exceptions of the body come out as they are, not in a group.
     """
-    store = SqliteStore.open(config.db, config.store_config(), synchronous=config.synchronous)
+    store = open_store(config)
     async with open_writer(
         store, clock=config.clock, shutdown_timeout=config.shutdown_timeout_ms / 1000
     ) as writer:

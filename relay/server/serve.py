@@ -43,7 +43,7 @@ import trio
 
 from relay.log import event
 from relay.server.auth import bearer_guard, check_exposure, is_loopback
-from relay.server.core import Core, ServerConfig, open_core
+from relay.server.core import Core, ServerConfig, describe_db, open_core
 from relay.server.dashboard import Dashboard
 from relay.server.dispatch import VERSION
 from relay.server.listener import Listener
@@ -157,7 +157,7 @@ async def serve(
                 tls=tls_context is not None,
                 metrics=None if metrics_address is None else "{}:{}".format(*metrics_address),
                 websocket=None if ws_address is None else "{}:{}".format(*ws_address),
-                db=config.db,
+                db=describe_db(config.db),
                 synchronous=config.synchronous,
                 limits=attrs.asdict(config.limits),
                 tokens=len(config.tokens) if config.tokens is not None else 0,
