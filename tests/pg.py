@@ -15,11 +15,12 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import quote
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from relay.store.postgres import PostgresStore
 from relay.store.postgres.schema import display_url
@@ -77,6 +78,21 @@ def schema_url(url: str, schema: str) -> str:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     return make_conninfo(url, options=f"-c search_path={schema}")
+
+
+def server_url(conninfo: str, schema: str | None = None) -> str:
+    """A ``postgresql://`` URL (what ``relay-trio server --db`` takes) to the database of
+    ``conninfo``, with ``schema`` (created if need be) as its search path."""
+    if schema is not None:
+        conninfo = schema_url(conninfo, schema)
+    params = conninfo_to_dict(conninfo)
+    url = (
+        f"postgresql://{quote(str(params.get('user', 'postgres')))}@"
+        f"{params.get('host', '127.0.0.1')}:{params.get('port', 5432)}/{quote(params['dbname'])}"
+    )
+    if "options" in params:
+        url += "?options=" + quote(str(params["options"]), safe="")
+    return url
 
 
 def empty(store: PostgresStore) -> None:

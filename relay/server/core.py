@@ -21,12 +21,13 @@ from relay.log import event
 from relay.nursery import open_service_nursery
 from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
+from relay.server.feed import ChangeFeed
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
-from relay.store.base import Store, StoreConfig
+from relay.store.base import Changes, Store, StoreConfig
 from relay.store.postgres import PostgresStore
 from relay.store.sqlite import SqliteStore
 from relay.store.writer import Writer, open_writer, wall_clock_ms
@@ -126,7 +127,8 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     """Open the store, recover leases, start the writer and the time-driven services.
 
     Owns: the writer thread (through ``open_writer``) and a services nursery with the
-    long-poll hub, promoter, reaper and pruner. Leaving the block cancels the services,
+    long-poll hub, promoter, reaper and pruner (and, on PostgreSQL, the feed of the other
+    servers' commits, relay/server/feed.py). Leaving the block cancels the services,
     then stops the writer (commit, checkpoint, close). Raises StoreError if the database
     is refused. Exceptions of the body come out as they are, not in a group.
     """
@@ -153,4 +155,18 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
             await services.start(run_promoter, writer, promoter, config.clock)
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
+            if isinstance(store, PostgresStore) and store.url is not None:
+                others = [longpolls.on_commit, commit_listener(promoter, reaper)]
+
+                def deliver(changes: Changes) -> None:
+                    for listener in others:
+                        listener(changes)
+
+                def recheck() -> None:
+                    longpolls.wake_all()
+                    promoter.notify(0)
+                    reaper.notify(0)
+
+                feed = ChangeFeed(store.url, store.origin, deliver, recheck)
+                await services.start(feed.run)
             yield Core(writer, dispatcher, longpolls, watchers, services)

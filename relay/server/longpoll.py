@@ -108,6 +108,16 @@ class LongPolls:
         if woke:
             self._lot.unpark_all()
 
+    def wake_all(self) -> None:
+        """Wake every parked lease to claim again: commits may have been missed (another
+        server's, while the feed of them was down)."""
+        for entries in list(self._by_queue.values()):
+            for entry in list(entries):
+                if entry.active:
+                    self._unregister(entry)
+                    self._woken.append(entry)
+        self._lot.unpark_all()
+
     def parked_for(self, sink: LongPollSink) -> bool:
         return id(sink) in self._by_sink
 

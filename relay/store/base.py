@@ -246,6 +246,14 @@ class Store(Protocol):
 
     # -- transactions and lifetime (the writer's) --------------------------------------------
 
+    @property
+    def broken(self) -> bool:
+        """The database connection is lost (PostgreSQL; never for a SQLite file)."""
+
+    def reconnect(self) -> None:
+        """Replace a lost connection; raises while the database cannot be reached. What
+        the lost connection's open transaction held is gone (rolled back by the database)."""
+
     def begin(self) -> None:
         """Start the transaction that the calls until ``commit`` or ``rollback`` share."""
 

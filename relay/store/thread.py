@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import trio
 
-from relay.errors import InternalError, RelayError, ShuttingDown, Unavailable
+from relay.errors import InternalError, RelayError, ShuttingDown, StoreError, Unavailable
 from relay.log import event
 from relay.store.base import Changes, Store
 from relay.store.items import Item, Op, deliver
@@ -41,18 +42,29 @@ STORE_ERRORS = {
     sqlite3.SQLITE_FULL: ("full", "disk full (SQLITE_FULL)"),
     sqlite3.SQLITE_IOERR: ("ioerr", "I/O error (SQLITE_IOERR)"),
 }
-STORE_ERROR_KINDS = tuple(kind for kind, _ in STORE_ERRORS.values())
+# PostgreSQL's: the connection is lost (or cannot be made), or the database broke a
+# deadlock or a serialization conflict by rolling this transaction back.
+CONNECTION = ("connection", "the database connection is lost")
+CONFLICT = ("conflict", "the database rolled the transaction back (a lock conflict)")
+STORE_ERROR_KINDS = (*(kind for kind, _ in STORE_ERRORS.values()), CONNECTION[0], CONFLICT[0])
+# Waits between attempts to connect again to a database whose connection was lost.
+RECONNECT_S, RECONNECT_MAX_S = 0.1, 5.0
 
 
 def store_error(exc: BaseException | None) -> tuple[str, str] | None:
-    """(kind, description) if ``exc`` comes from the disk (SQLITE_FULL, SQLITE_IOERR_*), else
-    None. The chain of contexts is searched too: a savepoint's ``ROLLBACK TO`` fails
-    ("no such savepoint") after SQLite rolled the whole transaction back, and its error
-    then hides the one that did it."""
+    """(kind, description) if ``exc`` means the database cannot take the writes now (the
+    disk: SQLITE_FULL, SQLITE_IOERR_*; PostgreSQL: a lost connection, a rolled-back
+    conflict), else None. The chain of contexts is searched too: a savepoint's ``ROLLBACK
+    TO`` fails ("no such savepoint") after SQLite rolled the whole transaction back, and
+    its error then hides the one that did it."""
     while exc is not None:
         code = getattr(exc, "sqlite_errorcode", None)
         if code is not None and code & 0xFF in STORE_ERRORS:
             return STORE_ERRORS[code & 0xFF]
+        if isinstance(exc, psycopg.errors.TransactionRollback):
+            return CONFLICT
+        if isinstance(exc, (psycopg.OperationalError, StoreError)):
+            return CONNECTION
         exc = exc.__context__
     return None
 
@@ -75,6 +87,9 @@ class WriterThread:
         self.episode: str | None = None
         self.episode_began = 0.0
         self.episode_failures = 0
+        # A lost database connection: when to try to connect again, and the wait after.
+        self.reconnect_at = 0.0
+        self.reconnect_wait = RECONNECT_S
 
     # -- the trio side (called with run_sync_soon) -------------------------------------------
 
@@ -156,6 +171,11 @@ class WriterThread:
         store = self.store
         started = time.perf_counter()
         now = self.clock()
+        if store.broken:
+            try:
+                self._reconnect(started)
+            except Exception as exc:
+                return self._unavailable(batch, [], now, exc)
         # Once per batch, so that a batch records all its state changes or none (a watcher
         # that starts meanwhile sees whole batches from the next one on).
         store.recording = self.writer.recording
@@ -220,6 +240,18 @@ class WriterThread:
         outcomes = self._apply_unwritten(batch, runs, now, error)
         pairs = [(item, _reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
         return pairs, None, None, kind
+
+    def _reconnect(self, at: float) -> None:
+        """Connect again (PostgreSQL), at most once per wait (doubling up to
+        RECONNECT_MAX_S); raises while it cannot. In between, batches are answered
+        ``unavailable`` at once."""
+        if at < self.reconnect_at:
+            raise StoreError("database", "reconnecting; retry later")
+        self.reconnect_at = at + self.reconnect_wait
+        self.reconnect_wait = min(self.reconnect_wait * 2, RECONNECT_MAX_S)
+        self.store.reconnect()
+        self.reconnect_wait = RECONNECT_S
+        event(log, logging.INFO, "store.reconnected")
 
     def _written(self, before: int) -> None:
         """After a commit: one that wrote ends the store error episode, if one is under

@@ -169,7 +169,13 @@ async def test_a_commit_the_disk_refuses_answers_every_write_unavailable(
     assert out["stats"] == before == after == {"q": {**zeros(), "leased": 1}}
     assert committed_ids(db_path) == {parse_job_id(lease.job_id)}
     assert statistics.failed_commits == 1
-    assert statistics.store_errors == {"full": 0, "ioerr": 0, kind: 1}
+    assert statistics.store_errors == {
+        "full": 0,
+        "ioerr": 0,
+        "connection": 0,
+        "conflict": 0,
+        kind: 1,
+    }
     assert recovered == {"q": {**zeros(), "succeeded": 1}}
 
 
@@ -358,7 +364,7 @@ async def test_an_error_that_is_not_the_disk_s_is_still_internal(db_path):
             statistics = writer.statistics()
     assert isinstance(sink.outcomes[0], InternalError)
     assert statistics.failed_commits == 1
-    assert statistics.store_errors == {"full": 0, "ioerr": 0}
+    assert statistics.store_errors == {"full": 0, "ioerr": 0, "connection": 0, "conflict": 0}
 
 
 # -- logs ---------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from relay.store.base import EVENTS, Changes, StoreConfig
+from relay.store.postgres import notify
 from relay.store.postgres.dead import DeadLetters
 from relay.store.postgres.jobs import Jobs
 from relay.store.postgres.maintenance import Maintenance
@@ -83,6 +84,10 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         slot: int | None = None,
     ) -> None:
         self._db = conn
+        self.url: str | None = None  # where to reconnect to (``open``)
+        # Tells the other servers' change feeds (relay/server/feed.py) which
+        # commits are this store's own.
+        self.origin = secrets.token_hex(8)
         self.config = config or StoreConfig()
         # Jitter needs no cryptographic strength; tokens do, and use `secrets`.
         self._rng = rng or random.Random()
@@ -115,7 +120,32 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
     ) -> PostgresStore:
         """Connect to ``url`` (``postgresql://...``), creating or migrating the schema
         (see ``schema.open_connection``)."""
-        return cls(open_connection(url), config, rng=rng, slot=slot)
+        store = cls(open_connection(url), config, rng=rng, slot=slot)
+        store.url = url
+        return store
+
+    @property
+    def broken(self) -> bool:
+        """The connection is lost (the server went, the network failed): ``reconnect``."""
+        return self._db.closed or self._db.broken
+
+    def reconnect(self) -> None:
+        """A new connection in place of a lost one; raises ``StoreError`` if it cannot be
+        made yet. Whatever the lost connection's transaction held was rolled back by the
+        database (or committed, if its COMMIT arrived: see docs/failure-model.md)."""
+        if self.url is None:
+            raise psycopg.OperationalError("the store was given a connection, not a URL")
+        conn = open_connection(self.url)
+        with contextlib.suppress(psycopg.Error):
+            self._db.close()
+        self._db = conn
+        if self._journal is not None:
+            self._undo(0)
+        self._journal = None
+        self._begin_pending = False
+        self._moves.clear()
+        self._deleted_from.clear()
+        self.changes = Changes()
 
     def close(self) -> None:
         """Close the connection; a transaction still open is rolled back with it."""
@@ -296,6 +326,9 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
             if queues:
                 written.append(self._db.execute(_DROP_ZEROS, (self.slot, queues)))
                 held = self._db.execute(_HOLDING, (queues,))
+            payload = notify.payload(self.origin, self.changes)
+            if payload is not None:  # sent by the database when (and if) this commits
+                self._db.execute(notify.NOTIFY, (payload,))
             self._db.execute("COMMIT")
         self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
         if held is None:

@@ -31,6 +31,10 @@ class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
     """
 
     recovers_on_start = True  # one server owns the file: its leased jobs are orphans
+    broken = False  # a file has no connection to lose
+
+    def reconnect(self) -> None:
+        """Nothing to do (see ``Store.reconnect``)."""
 
     def __init__(
         self,

@@ -1,0 +1,57 @@
+"""Commits as notifications, for the other servers: what a commit sends, and how a
+notification reads back. Never imports trio (the listening side is relay/server/feed.py).
+
+A commit that makes jobs ready, or sets an earlier due time or lease expiry, also sends
+one notification (``payload``) on ``CHANNEL``, in the same transaction: PostgreSQL delivers
+it when, and only if, the transaction commits. A notification is a hint, never a state:
+whoever it wakes claims or passes through its own writer as always, so one lost or
+repeated changes nothing but latency.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from relay.store.base import Changes
+
+CHANNEL = "relay_changes"
+NOTIFY = f"SELECT pg_notify('{CHANNEL}', %s)"
+# PostgreSQL refuses payloads of 8,000 bytes or more; a commit that readied more queues
+# than fit says "every queue" instead.
+MAX_PAYLOAD = 7_900
+
+
+def payload(origin: str, changes: Changes) -> str | None:
+    """The notification of a commit of ``changes`` (None: nothing anyone waits for)."""
+    if not changes.ready_queues and changes.next_due_at is None and changes.next_expiry_at is None:
+        return None
+    note = {"o": origin, "q": sorted(changes.ready_queues)}
+    if changes.next_due_at is not None:
+        note["d"] = changes.next_due_at
+    if changes.next_expiry_at is not None:
+        note["e"] = changes.next_expiry_at
+    text = orjson.dumps(note).decode()
+    if len(text.encode()) < MAX_PAYLOAD:
+        return text
+    note["q"], note["all"] = [], True
+    return orjson.dumps(note).decode()
+
+
+def parse(text: str, origin: str) -> Changes | bool | None:
+    """A notification as the ``Changes`` it stands for; None if it is ``origin``'s own
+    (or not one of ours); True if it stands for every queue."""
+    try:
+        note = orjson.loads(text)
+        if note.get("o") == origin:
+            return None
+        if note.get("all"):
+            return True
+        changes = Changes(ready_queues={q for q in note.get("q", ()) if isinstance(q, str)})
+        due, expiry = note.get("d"), note.get("e")
+        if isinstance(due, int):
+            changes.due(due)
+        if isinstance(expiry, int):
+            changes.expiry(expiry)
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        return None
+    return changes
