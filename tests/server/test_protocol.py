@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ import trio
 
 from relay import wire
 from relay.log import SUMMARY_INTERVAL_S
+from tests import pg
 from tests.server.conftest import LineClient, RunningServer, start_server
 from tests.worker_helpers import serving
 
@@ -83,6 +85,17 @@ async def custom_server(tmp_path, **overrides: Any) -> AsyncIterator[RunningServ
     """A server with its own limits / timeouts, shut down at the end of the block."""
     start = functools.partial(start_server, **overrides)
     async with serving(start, str(tmp_path / "custom.db")) as running:
+        yield running
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def server(request, tmp_path) -> AsyncIterator[RunningServer]:
+    """The contract holds on both stores: each test using ``server`` (or ``client``) runs
+    on a SQLite file and on a PostgreSQL schema of its own."""
+    db = str(tmp_path / "relay.db")
+    if request.param == "postgres":
+        db = pg.server_url(request.getfixturevalue("pg_url"), f"contract_{secrets.token_hex(4)}")
+    async with serving(start_server, db) as running:
         yield running
 
 
