@@ -61,9 +61,9 @@ class TopView:
         if event.get("event") == "lagged":
             self.lagged += int(event.get("dropped") or 0)
             return None
-        state, attempt = event.get("state"), event.get("attempt")
+        state = event.get("state")
         kind = None
-        if state in ("ready", "pending") and attempt == 0:
+        if state in ("ready", "pending") and "from" not in event:  # a job just made
             kind = "submitted"
         elif state == "succeeded":
             kind = "succeeded"

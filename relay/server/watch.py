@@ -32,8 +32,8 @@ from relay.store.writer import Writer
 PUMP_LINES = 256
 PUMP_UNSENT_BYTES = 256 * 1024
 
-# (job_id, queue, state, attempt, at): what the store records per state change.
-Event = tuple[str, str, str, int, int]
+# (job_id, queue, state, attempt, at, from): what the store records per state change.
+Event = tuple[str, str, str, int, int, str | None]
 
 
 class WatchingConnection(Protocol):
@@ -176,9 +176,9 @@ class Watchers:
 
 
 def _event_line(event: Event) -> bytes:
-    job_id, queue, state, attempt, at = event
-    return orjson.dumps(
-        {"event": "job", "job_id": job_id, "queue": queue, "state": state,
-         "attempt": attempt, "at": at},
-        option=orjson.OPT_APPEND_NEWLINE,
-    )  # fmt: skip
+    job_id, queue, state, attempt, at, src = event
+    fields = {"event": "job", "job_id": job_id, "queue": queue, "state": state,
+              "attempt": attempt, "at": at}  # fmt: skip
+    if src is not None:  # left out for a job just made
+        fields["from"] = src
+    return orjson.dumps(fields, option=orjson.OPT_APPEND_NEWLINE)

@@ -76,8 +76,9 @@ class Reaped:
 
 
 # One state change of a job, recorded while ``Store.recording``: (job id, queue, state it
-# entered, its attempt after the change, the ``now`` of the call that made it).
-JobEvent = tuple[str, str, str, int, int]
+# entered, its attempt after the change, the ``now`` of the call that made it, the state
+# it left: None for a job just made).
+JobEvent = tuple[str, str, str, int, int, str | None]
 
 
 @attrs.define

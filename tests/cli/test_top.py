@@ -94,3 +94,14 @@ async def test_top_follows_the_server_across_a_restart(tmp_path):
             assert view.status == f"connected to {address}"
             outer.cancel_scope.cancel()
             second.handle.shutdown()
+
+
+def test_only_a_job_just_made_counts_as_submitted():
+    view = TopView(clock=lambda: 0.0)
+    base = {"event": "job", "job_id": "job_1", "queue": "q", "attempt": 0, "at": 1}
+    view.event({**base, "state": "ready"})  # submitted
+    view.event({**base, "state": "pending", "job_id": "job_2"})  # submitted, delayed
+    view.event({**base, "state": "ready", "from": "dead"})  # dead_retry: not a new job
+    view.event({**base, "state": "ready", "from": "leased"})  # its first lease released
+    view.event({**base, "state": "ready", "from": "pending", "job_id": "job_2"})  # due
+    assert view.rates() == {"q": {"submitted": 2 / 10}}

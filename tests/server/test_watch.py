@@ -55,8 +55,10 @@ async def test_every_change_of_a_jobs_life_arrives_in_order(server, transport):
         ("succeeded", 2),
     ]  # fmt: skip
     assert {e["job_id"] for e in events} == {job_id} and {e["queue"] for e in events} == {"life"}
-    assert all(e["event"] == "job" and set(e) == {"event", "job_id", "queue", "state",
-               "attempt", "at"} for e in events)  # fmt: skip
+    fields = {"event", "job_id", "queue", "state", "attempt", "at"}
+    assert set(events[0]) == fields  # a job just made left no state
+    assert all(e["event"] == "job" and set(e) == fields | {"from"} for e in events[1:])
+    assert [e["from"] for e in events[1:]] == [e["state"] for e in events[:-1]]
     ats = [e["at"] for e in events]
     assert ats == sorted(ats)
     await watcher.aclose()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from relay.errors import RelayError
-from relay.model import Backoff, SubmitSpec
+from relay.model import Backoff, JobState, SubmitSpec
 from relay.store.base import JobEvent
 from relay.store.sqlite import SqliteStore
 from tests.conftest import T0
@@ -38,8 +38,13 @@ def claim(store: Store, now: int, queue: str = "q", lease_ms: int = LEASE_MS):
     return lease
 
 
-def taken(store: Store) -> list[JobEvent]:
-    """The events recorded since the last call."""
+def taken(store: Store) -> list[tuple]:
+    """The events recorded since the last call, without the state each left (checked on
+    its own: test_each_event_says_the_state_the_job_left)."""
+    return [event[:5] for event in taken_whole(store)]
+
+
+def taken_whole(store: Store) -> list[JobEvent]:
     return store.take_changes().events
 
 
@@ -51,6 +56,29 @@ def rec(store: Store) -> Store:
 
 
 # -- the life of a job --------------------------------------------------------------------
+
+
+def test_each_event_says_the_state_the_job_left(rec):
+    """A long life (retried, released, reaped, dead, revived, acked): each event's ``from``
+    is the state of the one before it, and a job just made has none."""
+    job = submit(rec, T0, max_attempts=3, backoff=NO_JITTER)
+    lease = claim(rec, T0 + 1)
+    retry_at = rec.jobs_fail(job, "w1", lease.token, "boom", True, T0 + 2).retry_at
+    rec.jobs_promote_due(retry_at, 10)
+    lease = claim(rec, retry_at)
+    rec.jobs_release(job, "w1", lease.token, retry_at + 1)
+    claim(rec, retry_at + 2, lease_ms=10)
+    assert [r.state for r in rec.leases_reap_expired(retry_at + 20, 10)] == [JobState.READY]
+    lease = claim(rec, retry_at + 30)
+    rec.jobs_fail(job, "w1", lease.token, "boom", True, retry_at + 31)  # its last attempt
+    rec.dead_retry(job, retry_at + 40)
+    lease = claim(rec, retry_at + 41)
+    rec.jobs_ack(job, "w1", lease.token, None, retry_at + 42)
+    events = taken_whole(rec)
+    states = [state for _, _, state, *_ in events]
+    assert states == ["ready", "leased", "retrying", "ready", "leased", "ready", "leased",
+                      "ready", "leased", "dead", "ready", "leased", "succeeded"]  # fmt: skip
+    assert [event[5] for event in events] == [None, *states[:-1]]
 
 
 def test_a_job_retried_then_acked_gives_each_state_it_went_through(rec):
@@ -335,7 +363,10 @@ def test_a_command_rolled_back_to_its_savepoint_leaves_no_events_of_its_own(rec)
     with rec.command():
         lease = claim(rec, T0 + 1)
     changes = rec.commit()
-    assert changes.events == [(first, "q", "ready", 0, T0), (first, "q", "leased", 1, T0 + 1)]
+    assert changes.events == [
+        (first, "q", "ready", 0, T0, None),
+        (first, "q", "leased", 1, T0 + 1, "ready"),
+    ]
     assert lease.attempt == 1
 
 
@@ -344,7 +375,7 @@ def test_a_command_that_fails_first_leaves_the_events_before_it(rec):
     first = submit(rec, T0)
     with pytest.raises(ZeroDivisionError), rec.command():
         raise ZeroDivisionError
-    assert rec.commit().events == [(first, "q", "ready", 0, T0)]
+    assert rec.commit().events == [(first, "q", "ready", 0, T0, None)]
 
 
 def test_a_rolled_back_transaction_leaves_no_events(rec):
@@ -360,10 +391,10 @@ def test_a_rolled_back_transaction_leaves_no_events(rec):
 def test_commit_hands_over_the_events_and_starts_afresh(rec):
     rec.begin()
     job = submit(rec, T0)
-    assert rec.commit().events == [(job, "q", "ready", 0, T0)]
+    assert rec.commit().events == [(job, "q", "ready", 0, T0, None)]
     rec.begin()
     claim(rec, T0 + 1)
-    assert rec.commit().events == [(job, "q", "leased", 1, T0 + 1)]
+    assert rec.commit().events == [(job, "q", "leased", 1, T0 + 1, "ready")]
 
 
 # -- not recording ------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class DeadLetters:
         self.changes.ready_queues.add(queue)
         if self.recording:  # with fresh attempts
             for key in keys:
-                self._record(key, queue, "ready", 0, now)
+                self._record(key, queue, "dead", "ready", 0, now)
 
     @atomic
     def dead_purge(self: PostgresStore, job_id: str) -> int:

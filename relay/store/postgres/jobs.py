@@ -221,7 +221,7 @@ class Jobs:
             self._count(queue, "submitted", n)
         if self.recording:  # (a duplicate created nothing: no event)
             self.changes.events += [
-                (f"job_{ids[i]:016x}", new[i].queue, states[i].value, 0, now) for i in made
+                (f"job_{ids[i]:016x}", new[i].queue, states[i].value, 0, now, None) for i in made
             ]
         return results
 
@@ -469,7 +469,7 @@ class Jobs:
             self._count(queue, "leased", n)
         if self.recording:  # claim by claim
             self.changes.events += [
-                (lease.job_id, lease.queue, "leased", lease.attempt, now)
+                (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
                 for leases in results
                 for lease in leases
             ]
@@ -515,7 +515,7 @@ class Jobs:
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked")
         if self.recording:
-            self._record(row[0], row[1], "succeeded", row[3], now)
+            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
 
     @atomic
     def jobs_ack_many(
@@ -546,7 +546,7 @@ class Jobs:
         if self.recording:
             for key, _result in updates:
                 row = rows[key]
-                self._record(key, row[1], "succeeded", row[3], now)
+                self._record(key, row[1], "leased", "succeeded", row[3], now)
         return [None] * len(acks)
 
     @atomic
@@ -578,13 +578,13 @@ class Jobs:
             self._count(queue, "retried")
             self.changes.due(retry_at)
             if self.recording:
-                self._record(key, queue, "retrying", attempt, now)
+                self._record(key, queue, "leased", "retrying", attempt, now)
             return FailOutcome(RETRYING, retry_at)
         self._write(_FAILED_DEAD, {**params, "at": now})
         self._move(queue, LEASED, DEAD)
         self._count(queue, "dead")
         if self.recording:
-            self._record(key, queue, "dead", attempt, now)
+            self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
 
     @atomic
@@ -603,4 +603,4 @@ class Jobs:
         self._move(row[1], LEASED, READY)
         self.changes.ready_queues.add(row[1])
         if self.recording:  # the attempt given back
-            self._record(row[0], row[1], "ready", row[3] - 1, now)
+            self._record(row[0], row[1], "leased", "ready", row[3] - 1, now)

@@ -74,8 +74,8 @@ class Maintenance:
             self._move(queue, state, READY)
             self.changes.ready_queues.add(queue)
         if self.recording:
-            for key, queue, _state, attempt, _run_at in rows:
-                self._record(key, queue, "ready", attempt, now)
+            for key, queue, state, attempt, _run_at in rows:
+                self._record(key, queue, state, "ready", attempt, now)
         return len(rows)
 
     @atomic
@@ -101,7 +101,7 @@ class Maintenance:
             reaped.append(Reaped(format_job_id(key), queue, JobState(state), attempt))
         if self.recording:  # (one change per job)
             self.changes.events += [
-                (r.job_id, r.queue, r.state.value, r.attempt, now) for r in reaped
+                (r.job_id, r.queue, r.state.value, r.attempt, now, "leased") for r in reaped
             ]
         return reaped
 

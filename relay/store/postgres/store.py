@@ -296,9 +296,10 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
     def _count(self, queue: str, event: str, n: int = 1) -> None:
         self._bump(self._totals, (queue, event), n)
 
-    def _record(self, key: int, queue: str, state: str, attempt: int, now: int) -> None:
-        """One job's state change, for ``changes.events`` (call only while recording)."""
-        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now))
+    def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
+        """One job's change from state ``src``, for ``changes.events`` (call only while
+        recording)."""
+        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now, src))
 
     # -- counts ------------------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ class SqliteDead(SqliteBase):
             self.changes.ready_queues.add(queue)
         if self.recording:  # with fresh attempts
             for key, queue in rows:
-                self._record(key, queue, "ready", 0, now)
+                self._record(key, queue, "dead", "ready", 0, now)
 
     def dead_purge(self, job_id: str) -> int:
         """Delete one dead job and its history."""

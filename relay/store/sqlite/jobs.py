@@ -212,7 +212,7 @@ class SqliteJobs(SqliteBase):
             self._count(queue, "submitted", n)
         if self.recording:  # (a duplicate created nothing: no event)
             self.changes.events += [
-                (result[0], spec.queue, result[1].value, 0, now)
+                (result[0], spec.queue, result[1].value, 0, now, None)
                 for spec, result in zip(specs, results, strict=True)
                 if not result[2]
             ]
@@ -254,7 +254,7 @@ class SqliteJobs(SqliteBase):
             self._count(queue, "submitted", n)
         if self.recording:
             self.changes.events += [
-                (result[0], spec.queue, "ready", 0, now)
+                (result[0], spec.queue, "ready", 0, now, None)
                 for spec, result in zip(specs, results, strict=True)
             ]
         return results
@@ -386,7 +386,7 @@ class SqliteJobs(SqliteBase):
             self._count(queue, "leased", n)
         if self.recording:  # in the order of the update: claim by claim
             self.changes.events += [
-                (lease.job_id, lease.queue, "leased", lease.attempt, now)
+                (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
                 for leases in results
                 for lease in leases
             ]
@@ -432,7 +432,7 @@ class SqliteJobs(SqliteBase):
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked")
         if self.recording:
-            self._record(row[0], row[1], "succeeded", row[3], now)
+            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
 
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
@@ -462,7 +462,7 @@ class SqliteJobs(SqliteBase):
         if self.recording:
             for key, _result in updates:
                 row = rows[key]
-                self._record(key, row[1], "succeeded", row[3], now)
+                self._record(key, row[1], "leased", "succeeded", row[3], now)
         return [None] * len(acks)
 
     def jobs_fail(
@@ -487,7 +487,7 @@ class SqliteJobs(SqliteBase):
             self._count(queue, "retried")
             self.changes.due(retry_at)
             if self.recording:
-                self._record(key, queue, "retrying", attempt, now)
+                self._record(key, queue, "leased", "retrying", attempt, now)
             return FailOutcome(RETRYING, retry_at)
         self._db.execute(
             "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ?, "
@@ -497,7 +497,7 @@ class SqliteJobs(SqliteBase):
         self._move(queue, LEASED, DEAD)
         self._count(queue, "dead")
         if self.recording:
-            self._record(key, queue, "dead", attempt, now)
+            self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
 
     def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
@@ -513,4 +513,4 @@ class SqliteJobs(SqliteBase):
         self._move(row[1], LEASED, READY)
         self.changes.ready_queues.add(row[1])
         if self.recording:  # the attempt given back
-            self._record(row[0], row[1], "ready", row[3] - 1, now)
+            self._record(row[0], row[1], "leased", "ready", row[3] - 1, now)

@@ -69,8 +69,8 @@ class SqliteMaintenance(SqliteBase):
             self._move(queue, row[2], READY)
             self.changes.ready_queues.add(queue)
         if recording:
-            for key, queue, _state, attempt in rows:
-                self._record(key, queue, "ready", attempt, now)
+            for key, queue, state, attempt in rows:
+                self._record(key, queue, state, "ready", attempt, now)
         return len(rows)
 
     def leases_reap_expired(self, now: int, limit: int) -> list[Reaped]:
@@ -106,7 +106,7 @@ class SqliteMaintenance(SqliteBase):
             )
         if self.recording:  # in the order of their expiry (one change per job)
             self.changes.events += [
-                (r.job_id, r.queue, r.state.value, r.attempt, now) for r in reaped
+                (r.job_id, r.queue, r.state.value, r.attempt, now, "leased") for r in reaped
             ]
         return reaped
 
@@ -131,7 +131,7 @@ class SqliteMaintenance(SqliteBase):
         )
         if self.recording:  # the attempt given back, as the update does
             for key, queue, attempt in rows:
-                self._record(key, queue, "ready", attempt - 1, now)
+                self._record(key, queue, "leased", "ready", attempt - 1, now)
         return len(rows)
 
     def next_due_at(self) -> int | None:

@@ -127,9 +127,10 @@ class SqliteBase(CountsBook):
     changes: Changes  # what the calls since the last commit changed
     recording: bool  # whether transitions append to ``changes.events``
 
-    def _record(self, key: int, queue: str, state: str, attempt: int, now: int) -> None:
-        """One job's state change, for ``changes.events`` (call only while recording)."""
-        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now))
+    def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
+        """One job's change from state ``src``, for ``changes.events`` (call only while
+        recording)."""
+        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now, src))
 
     def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
         """One entry of a job's error history."""
