@@ -15,11 +15,12 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import quote
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from relay.store.postgres import PostgresStore
 from relay.store.postgres.schema import display_url
@@ -70,6 +71,17 @@ def run_database() -> Iterator[str]:
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+def server_url(conninfo: str) -> str:
+    """``conninfo`` (as ``run_database`` gives it) as the ``postgresql://`` URL that
+    ``relay-trio server --db`` takes."""
+    params = conninfo_to_dict(conninfo)
+    user = quote(str(params.get("user", "")), safe="")
+    host, port = params.get("host", "127.0.0.1"), params.get("port", 5432)
+    password = params.get("password")
+    auth = f"{user}:{quote(str(password), safe='')}@" if password else f"{user}@" if user else ""
+    return f"postgresql://{auth}{host}:{port}/{quote(str(params['dbname']), safe='')}"
 
 
 def schema_url(url: str, schema: str) -> str:
