@@ -71,7 +71,7 @@ Scenario = tuple[str, Callable[[], Awaitable[float]], Callable[[], Awaitable[Non
 
 
 def _scenarios(address: tuple[str, int], sizes: bench.Sizes) -> list[Scenario]:
-    a = address
+    a = [address]
     return [
         ("submit, 8 producer(s) one-at-a-time",
          lambda: bench.submit_one_at_a_time(a, 8, sizes.per_producer), None),

@@ -52,13 +52,98 @@ RUN_TIMEOUT_S = 300.0
 
 @attrs.define
 class ServerProcess:
+    """The server(s) under test: the first one's process, address and metrics address;
+    with ``--servers N``, all N addresses (the first included) in ``addresses``, and with
+    ``--db URL`` the database they share, which ``database`` measures."""
+
     process: subprocess.Popen | None
     address: tuple[str, int]
     metrics: tuple[str, int] | None
+    addresses: list[tuple[str, int]] = attrs.Factory(list)
+    all_metrics: list[tuple[str, int]] = attrs.Factory(list)
+    pids: list[int] = attrs.Factory(list)
+    database: PgDatabase | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.addresses:
+            self.addresses = [self.address]
+        if not self.all_metrics and self.metrics is not None:
+            self.all_metrics = [self.metrics]
+        if not self.pids and self.process is not None:
+            self.pids = [self.process.pid]
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+
+def pick(addresses: list[tuple[str, int]], i: int) -> tuple[str, int]:
+    """The server for connection ``i``: round-robin over them."""
+    return addresses[i % len(addresses)]
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time of ``pids`` so far (those gone count nothing)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / CLOCK_TICKS
+
+
+class PgDatabase:
+    """A fresh PostgreSQL database for one group of scenarios, named uniquely, created
+    through ``admin_url`` (an existing database) and dropped afterwards; never any other."""
+
+    def __init__(self, admin_url: str) -> None:
+        import psycopg
+        from psycopg import sql
+        from psycopg.conninfo import conninfo_to_dict
+
+        self.admin_url = admin_url
+        self.name = f"relay_bench_{os.getpid()}_{os.urandom(4).hex()}"
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=10) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.name)))
+        params = conninfo_to_dict(admin_url)
+        auth = f"{params['user']}@" if params.get("user") else ""
+        host, port = params.get("host", "127.0.0.1"), params.get("port", 5432)
+        self.url = f"postgresql://{auth}{host}:{port}/{self.name}"
+        # Sampled by the same connection between runs (it counts in xact_commit: one a
+        # sample, subtracted).
+        self._conn = psycopg.connect(admin_url, autocommit=True)
+
+    def sample(self) -> dict[str, float]:
+        """Counters of this database, and the CPU seconds of PostgreSQL's processes that
+        serve it: its backends, and the shared ones (WAL writer, checkpointer, ...)."""
+        row = self._conn.execute(
+            "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted, tup_fetched "
+            "FROM pg_stat_database WHERE datname = %s",
+            (self.name,),
+        ).fetchone()
+        pids = [r[0] for r in self._conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s OR backend_type <> "
+            "'client backend'", (self.name,),
+        )]  # fmt: skip
+        # The statistics arrive when a backend's transaction ends (and at most once a
+        # second): ask for a fresh snapshot.
+        self._conn.execute("SELECT pg_stat_clear_snapshot()")
+        assert row is not None
+        return {"xacts": row[0], "rows_written": row[1], "rows_fetched": row[2],
+                "cpu_s": cpu_seconds(pids)}  # fmt: skip
+
+    def drop(self) -> None:
+        from psycopg import sql
+
+        self._conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name))
+        )
+        self._conn.close()
 
 
 def _relay_trio() -> str:
@@ -88,10 +173,49 @@ def make_tls(directory: str) -> Tls:
     return Tls(cert, key, ssl.create_default_context(cafile=cert))
 
 
+@attrs.frozen
+class Target:
+    """Where the servers keep their jobs: a SQLite file in ``db_dir`` (the default), or,
+    with ``pg_admin_url``, a fresh PostgreSQL database shared by ``servers`` servers."""
+
+    pg_admin_url: str | None = None
+    servers: int = 1
+
+
 @contextmanager
-def running_server(sync: str, db_dir: str, tls: Tls | None = None) -> Iterator[ServerProcess]:
-    """A ``relay-trio server`` on a fresh database, stopped (SIGTERM) afterwards."""
-    db = os.path.join(db_dir, f"bench-{sync}-{time.monotonic_ns()}.db")
+def running_server(
+    sync: str, db_dir: str, tls: Tls | None = None, target: Target = Target()
+) -> Iterator[ServerProcess]:
+    """``relay-trio server``(s) on a fresh database, stopped (SIGTERM) afterwards."""
+    if target.pg_admin_url is None:
+        db = os.path.join(db_dir, f"bench-{sync}-{time.monotonic_ns()}.db")
+        try:
+            with _one_server(db, sync, tls) as server:
+                yield server
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.remove(db + suffix)
+        return
+    database = PgDatabase(target.pg_admin_url)
+    try:
+        with contextlib.ExitStack() as stack:
+            group = [
+                stack.enter_context(_one_server(database.url, sync, tls))
+                for _ in range(target.servers)
+            ]
+            yield ServerProcess(
+                group[0].process, group[0].address, group[0].metrics,
+                addresses=[s.address for s in group],
+                all_metrics=[s.metrics for s in group if s.metrics is not None],
+                pids=[s.pid for s in group if s.pid is not None], database=database,
+            )  # fmt: skip
+    finally:
+        database.drop()
+
+
+@contextmanager
+def _one_server(db: str, sync: str, tls: Tls | None) -> Iterator[ServerProcess]:
     args = [
         _relay_trio(), "server", "--db", db, "--address", "127.0.0.1:0",
         "--metrics-address", "127.0.0.1:0", "--ws-address", "off", "--synchronous", sync,
@@ -130,9 +254,6 @@ def running_server(sync: str, db_dir: str, tls: Tls | None = None) -> Iterator[S
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(OSError):
-                os.remove(db + suffix)
 
 
 def peak_rss_mb(pid: int | None) -> float | None:
@@ -177,6 +298,10 @@ async def scrape(metrics: tuple[str, int] | None) -> dict[str, float]:
         match = re.search(rf"^{name} (\S+)$", data.decode(), re.M)
         if match:
             values[name] = float(match.group(1))
+    # Summed over queues: the jobs a scenario moved, whichever server moved them.
+    for name in ("relay_jobs_submitted_total", "relay_jobs_acked_total"):
+        found = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", data.decode(), re.M)
+        values[name] = sum(float(v) for v in found)
     return values
 
 
@@ -252,13 +377,14 @@ def _payload(i: int) -> dict[str, Any]:
 
 
 async def _timed_connections(
-    address,
+    addresses: list[tuple[str, int]],
     connections: int,
     produce: Callable[[Conn], Awaitable[None]],
     context: ssl.SSLContext | None = None,
 ) -> float:
-    """Open ``connections``, run ``produce`` on each concurrently; the seconds it took."""
-    conns = [await Conn.open(address, context) for _ in range(connections)]
+    """Open ``connections`` (round-robin over the servers), run ``produce`` on each
+    concurrently; the seconds it took."""
+    conns = [await Conn.open(pick(addresses, i), context) for i in range(connections)]
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for conn in conns:
@@ -270,21 +396,21 @@ async def _timed_connections(
 
 
 async def submit_one_at_a_time(
-    address, producers: int, per_producer: int, context: ssl.SSLContext | None = None
+    addresses, producers: int, per_producer: int, context: ssl.SSLContext | None = None
 ) -> float:
     async def produce(conn: Conn) -> None:
         for i in range(per_producer):
             await conn.stream.send_all(conn.line("submit", queue="bench", payload=_payload(i)))
             await conn.read_count(1)
 
-    elapsed = await _timed_connections(address, producers, produce, context)
+    elapsed = await _timed_connections(addresses, producers, produce, context)
     return producers * per_producer / elapsed
 
 
 async def submit_pipelined(
-    address, window: int, total: int, context: ssl.SSLContext | None = None
+    addresses, window: int, total: int, context: ssl.SSLContext | None = None
 ) -> float:
-    conn = await Conn.open(address, context)
+    conn = await Conn.open(addresses[0], context)
     lines = [conn.line("submit", queue="bench", payload=_payload(i)) for i in range(total)]
     started = time.perf_counter()
 
@@ -307,24 +433,24 @@ async def submit_pipelined(
     return total / elapsed
 
 
-async def submit_batches(address, clients: int, batch: int, batches: int) -> float:
+async def submit_batches(addresses, clients: int, batch: int, batches: int) -> float:
     async def produce(conn: Conn) -> None:
         jobs = [{"queue": "bench", "payload": _payload(i)} for i in range(batch)]
         for _ in range(batches):
             await conn.stream.send_all(conn.line("submit_batch", jobs=jobs))
             await conn.read_count(1)
 
-    return clients * batch * batches / await _timed_connections(address, clients, produce)
+    return clients * batch * batches / await _timed_connections(addresses, clients, produce)
 
 
 async def submit_from_tasks(
-    address, tasks: int, per_task: int, batch_window_ms: float | None = None
+    addresses, tasks: int, per_task: int, batch_window_ms: float | None = None
 ) -> float:
     """One relay.Client shared by ``tasks`` tasks, each submitting one job at a time (a
     web app's request handlers, a fan-out)."""
     import relay
 
-    async with relay.open_client(address, batch_window_ms=batch_window_ms) as client:
+    async with relay.open_client(addresses[0], batch_window_ms=batch_window_ms) as client:
 
         async def produce(t: int) -> None:
             for i in range(per_task):
@@ -337,9 +463,9 @@ async def submit_from_tasks(
         return tasks * per_task / (time.perf_counter() - started)
 
 
-async def prefill(address, total: int, queue: str = "bench") -> None:
+async def prefill(addresses, total: int, queue: str = "bench") -> None:
     """Submit ``total`` no-op jobs in batches of 1000, a few batches in flight."""
-    conn = await Conn.open(address)
+    conn = await Conn.open(addresses[0])
     jobs = [{"queue": queue, "payload": {}}] * 1000
     sent = 0
     window = 4
@@ -386,17 +512,21 @@ async def consume_raw(
 
 
 async def lease_ack_processes(
-    address, processes: int, count: int, total: int, batch_acks: bool = False
+    addresses, processes: int, count: int, total: int, batch_acks: bool = False
 ) -> float:
     """``processes`` consumer processes, each leasing ``count`` per request. The clock
     starts when all of them are connected and told to go: process start-up (~1 s of
     imports on a small VM) is not part of the rate."""
     per = math.ceil(total / processes)
-    args = [sys.executable, __file__, "_consume", f"{address[0]}:{address[1]}", str(per),
-            str(count), "batch" if batch_acks else "each"]  # fmt: skip
+
+    def args(i: int) -> list[str]:
+        host, port = pick(addresses, i)
+        return [sys.executable, __file__, "_consume", f"{host}:{port}", str(per), str(count),
+                "batch" if batch_acks else "each"]  # fmt: skip
+
     consumers = [
-        await trio.lowlevel.open_process(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        for _ in range(processes)
+        await trio.lowlevel.open_process(args(i), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for i in range(processes)
     ]
     for consumer in consumers:
         assert consumer.stdout is not None
@@ -422,9 +552,10 @@ async def _read_line(stream: trio.abc.ReceiveStream) -> str:
     return data.decode().strip()
 
 
-async def lease_ack_worker(address, concurrency: int, total: int) -> float:
+async def lease_ack_worker(addresses, concurrency: int, total: int) -> float:
     import relay
 
+    address = addresses[0]
     done = 0
     finished = trio.Event()
 
@@ -447,11 +578,12 @@ async def lease_ack_worker(address, concurrency: int, total: int) -> float:
     return total / elapsed
 
 
-async def latency(address, rate: float, duration: float) -> dict[str, float]:
+async def latency(addresses, rate: float, duration: float) -> dict[str, float]:
     """Open loop: submit at ``rate``/s; a consumer leases (long-poll) and acks. Measures
-    submit sent -> handler started, and submit sent -> ack committed (reply received)."""
-    producer = await Conn.open(address)
-    consumer = await Conn.open(address)
+    submit sent -> handler started, and submit sent -> ack committed (reply received).
+    Both on the first server: its long-poll wakes for its own commits."""
+    producer = await Conn.open(addresses[0])
+    consumer = await Conn.open(addresses[0])
     to_start: list[float] = []
     to_ack: list[float] = []
     total = int(rate * duration)
@@ -543,29 +675,80 @@ async def measure(
     run_once: Callable[[], Awaitable[float]],
     before_each: Callable[[], Awaitable[None]] | None = None,
     sync: str = "full",
-) -> Result:
+) -> Result | None:
+    """``runs`` runs of one scenario, or None where ``--scenarios`` leaves it out."""
+    if not wanted(name):
+        return None
     result = Result(name, unit, [], sync)
     sampler = RssSampler(server.pid)
     batches: list[float] = []
+    costs: list[dict[str, float]] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(sampler.run)
         for _ in range(runs):
             if before_each is not None:
                 await before_each()
-            m0 = await scrape(server.metrics)
+            m0, c0 = await scrape_all(server.all_metrics), cpu_seconds(server.pids)
+            d0 = server.database.sample() if server.database else {}
             with trio.fail_after(RUN_TIMEOUT_S):
                 result.runs.append(await run_once())
-            m1 = await scrape(server.metrics)
+            m1, c1 = await scrape_all(server.all_metrics), cpu_seconds(server.pids)
+            d1 = server.database.sample() if server.database else {}
             count = m1.get("relay_store_batch_size_count", 0) - m0.get(
                 "relay_store_batch_size_count", 0
             )
             if count:
                 total = m1["relay_store_batch_size_sum"] - m0["relay_store_batch_size_sum"]
                 batches.append(total / count)
+            if unit == "jobs/s":
+                costs.append(_costs(result.runs[-1], m0, m1, c1 - c0, d0, d1))
         nursery.cancel_scope.cancel()
     result.peak_rss_mb = sampler.peak
     result.mean_batch = statistics.mean(batches) if batches else None
+    costs = [c for c in costs if c]
+    if costs:
+        result.extra |= {key: statistics.median(c[key] for c in costs) for key in costs[0]}
     return result
+
+
+def _costs(
+    rate: float, m0: dict[str, float], m1: dict[str, float], server_cpu_s: float,
+    d0: dict[str, float], d1: dict[str, float],
+) -> dict[str, float]:  # fmt: skip
+    """What one run cost: CPU of the servers (and of the database), as a share of the
+    run's time in cores and per job, and the database's transactions and rows per job.
+    The jobs are what the servers counted (submitted or acked, whichever moved more); the
+    run's time is jobs / rate, which leaves out connection and process start-up."""
+    jobs = max(
+        m1.get(name, 0) - m0.get(name, 0)
+        for name in ("relay_jobs_submitted_total", "relay_jobs_acked_total")
+    )
+    if jobs <= 0 or rate <= 0:
+        return {}
+    seconds = jobs / rate
+    costs = {
+        "server_cpu_cores": server_cpu_s / seconds,
+        "server_cpu_us_per_job": server_cpu_s / jobs * 1e6,
+    }
+    if d0:
+        db_cpu_s = d1["cpu_s"] - d0["cpu_s"]
+        costs |= {
+            "db_cpu_cores": db_cpu_s / seconds,
+            "db_cpu_us_per_job": db_cpu_s / jobs * 1e6,
+            # One of each sample's own transactions is the sampling query's.
+            "db_xacts_per_job": (d1["xacts"] - d0["xacts"] - 1) / jobs,
+            "db_rows_written_per_job": (d1["rows_written"] - d0["rows_written"]) / jobs,
+        }
+    return costs
+
+
+async def scrape_all(metrics: list[tuple[str, int]]) -> dict[str, float]:
+    """``scrape`` of every server, summed."""
+    total: dict[str, float] = {}
+    for address in metrics:
+        for name, value in (await scrape(address)).items():
+            total[name] = total.get(name, 0) + value
+    return total
 
 
 @attrs.frozen
@@ -611,7 +794,7 @@ def commit_baseline_us(db_dir: str, commits: int) -> float:
 
 
 async def submit_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync: str):
-    a = server.address
+    a = server.addresses
     for producers in (1, 8, 32):
         yield await measure(
             server, f"submit, {producers} producer(s) one-at-a-time", "jobs/s", runs,
@@ -639,7 +822,7 @@ async def submit_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync:
 async def tls_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync: str, tls: Tls | None):
     """The one-at-a-time and pipelined submits, over TLS when given ``tls`` (the server
     then has its certificate): ``--tls`` runs these against a plain server and a TLS one."""
-    a, context = server.address, None if tls is None else tls.context
+    a, context = server.addresses, None if tls is None else tls.context
     over = "" if tls is None else ", TLS"
     for producers in (1, 8):
         yield await measure(
@@ -654,7 +837,7 @@ async def tls_scenarios(server: ServerProcess, sizes: Sizes, runs: int, sync: st
 
 
 async def consume_scenarios(server: ServerProcess, sizes: Sizes, runs: int):
-    a = server.address
+    a = server.addresses
     yield await measure(
         server, "lease+ack, 8 processes, count 8, pipelined acks", "jobs/s", runs,
         lambda: lease_ack_processes(a, 8, 8, sizes.backlog),
@@ -675,14 +858,14 @@ async def consume_scenarios(server: ServerProcess, sizes: Sizes, runs: int):
 
 async def latency_scenario(server: ServerProcess, sizes: Sizes, runs: int, rate: float):
     lat = Result(f"end-to-end latency at {rate:,.0f} jobs/s offered", "ms", [])
-    measured = [await latency(server.address, rate, sizes.latency_s) for _ in range(runs)]
+    measured = [await latency(server.addresses, rate, sizes.latency_s) for _ in range(runs)]
     lat.extra = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
     lat.runs = [m["ack_p99_ms"] for m in measured]
     return lat
 
 
 async def depth_scenario(server: ServerProcess, sizes: Sizes, runs: int, depth: int):
-    a = server.address
+    a = server.addresses
     await prefill(a, depth)
     claims = min(sizes.claims, depth // 2)
     return await measure(
@@ -691,13 +874,24 @@ async def depth_scenario(server: ServerProcess, sizes: Sizes, runs: int, depth: 
     )  # fmt: skip
 
 
+# The scenarios ``--scenarios`` selects (a name contains one of these), empty for all.
+SCENARIO_FILTER: list[str] = []
+
+
+def wanted(name: str) -> bool:
+    return not SCENARIO_FILTER or any(part in name for part in SCENARIO_FILTER)
+
+
 async def run_all(
     sizes: Sizes, runs: int, syncs: tuple[str, ...], address: str | None, db_dir: str,
     console: Console, tls: Tls | None = None, watchers: bool = False,
+    target: Target = Target(),
 ) -> list[Result]:  # fmt: skip
     results: list[Result] = []
 
-    def note(result: Result) -> None:
+    def note(result: Result | None) -> None:
+        if result is None:
+            return
         results.append(result)
         extra = "".join(f", {k} {v:,}" for k, v in result.extra.items() if isinstance(v, int))
         console.print(
@@ -719,36 +913,42 @@ async def run_all(
                         note(result)
         return results
     for sync in syncs:
-        with _server(sync, address, db_dir) as server:
+        with _server(sync, address, db_dir, target) as server:
             async for result in submit_scenarios(server, sizes, runs, sync):
                 note(result)
-    with _server("full", address, db_dir) as server:
+    with _server("full", address, db_dir, target) as server:
         async for result in consume_scenarios(server, sizes, runs):
             note(result)
     # Offered rates: the target's 2,000 jobs/s, and half the measured consumer maximum.
-    top = next(r for r in results if r.scenario.startswith("lease+ack, 8 processes")).median
+    top = next(
+        (r.median for r in results if r.scenario.startswith("lease+ack, 8 processes")), 4000.0
+    )
     for rate in sorted({2000.0, max(100.0, round(top / 2, -2))}):
-        with _server("full", address, db_dir) as server:
-            note(await latency_scenario(server, sizes, runs, rate))
+        if wanted(f"end-to-end latency at {rate:,.0f} jobs/s offered"):
+            with _server("full", address, db_dir, target) as server:
+                note(await latency_scenario(server, sizes, runs, rate))
     for depth in sizes.depths:
-        with _server("full", address, db_dir) as server:
-            note(await depth_scenario(server, sizes, runs, depth))
+        if wanted(f"lease+ack with {depth:,} ready jobs (raw, count 8)"):
+            with _server("full", address, db_dir, target) as server:
+                note(await depth_scenario(server, sizes, runs, depth))
     return results
 
 
-async def _consume_rate(address, total: int) -> float:
+async def _consume_rate(addresses, total: int) -> float:
     started = time.perf_counter()
-    done = await consume_raw(address, total, 8)
+    done = await consume_raw(addresses[0], total, 8)
     return done / (time.perf_counter() - started)
 
 
 @contextmanager
-def _server(sync: str, address: str | None, db_dir: str) -> Iterator[ServerProcess]:
+def _server(
+    sync: str, address: str | None, db_dir: str, target: Target = Target()
+) -> Iterator[ServerProcess]:
     if address is not None:
         host, port = address.rsplit(":", 1)
         yield ServerProcess(None, (host, int(port)), None)
     else:
-        with running_server(sync, db_dir) as server:
+        with running_server(sync, db_dir, target=target) as server:
             yield server
 
 
@@ -771,6 +971,35 @@ def render(results: list[Result], console: Console) -> None:
     latencies = [r for r in results if r.unit == "ms"]
     if latencies:
         console.print(_latency_table(latencies))
+    costs = [r for r in results if "server_cpu_us_per_job" in r.extra]
+    if costs:
+        console.print(_cost_table(costs))
+
+
+COST_COLUMNS = {
+    "server_cpu_cores": ("servers' CPU, cores", "{:.2f}"),
+    "server_cpu_us_per_job": ("servers' CPU us/job", "{:.0f}"),
+    "db_cpu_cores": ("db CPU, cores", "{:.2f}"),
+    "db_cpu_us_per_job": ("db CPU us/job", "{:.0f}"),
+    "db_xacts_per_job": ("db commits/job", "{:.3f}"),
+    "db_rows_written_per_job": ("db rows written/job", "{:.1f}"),
+}
+
+
+def _cost_table(results: list[Result]) -> Table:
+    """What each job cost (medians across runs): CPU of the servers and of the database,
+    and the database's commits and rows written per job."""
+    table = Table(title="cost per job (medians across runs)")
+    table.add_column("scenario", justify="left")
+    for title, _ in COST_COLUMNS.values():
+        table.add_column(title, justify="right")
+    for r in results:
+        cells = [
+            fmt.format(r.extra[key]) if key in r.extra else "-"
+            for key, (_, fmt) in COST_COLUMNS.items()
+        ]
+        table.add_row(r.scenario, *cells)
+    return table
 
 
 def _latency_table(latencies: list[Result]) -> Table:
@@ -828,9 +1057,36 @@ def _latency_table(latencies: list[Result]) -> Table:
     help="Only submit and lease+ack, each with no watcher, an idle one and one of every "
     "event, interleaved on one server (FULL).",
 )
+@click.option(
+    "--db",
+    "pg_admin_url",
+    default=None,
+    help="A PostgreSQL URL (postgresql://USER@HOST:PORT/DBNAME) of an existing database: "
+    "each group of scenarios runs on a fresh database created through it and dropped after.",
+)
+@click.option(
+    "--servers",
+    type=click.IntRange(1, 16),
+    default=1,
+    show_default=True,
+    help="With --db: servers on the one database; connections go round-robin over them.",
+)
+@click.option(
+    "--scenarios",
+    "scenario_filter",
+    multiple=True,
+    help="Only the scenarios whose name contains this (repeatable).",
+)
 def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
-         address: str | None, tls: bool, watchers: bool) -> None:  # fmt: skip
+         address: str | None, tls: bool, watchers: bool, pg_admin_url: str | None,
+         servers: int, scenario_filter: tuple[str, ...]) -> None:  # fmt: skip
     """Measure a relay-trio server: submit, lease+ack, latency, claim cost, memory."""
+    if pg_admin_url is not None and (address is not None or tls or watchers):
+        raise click.UsageError("--db starts its own servers: not with --address, --tls, --watchers")
+    if servers > 1 and pg_admin_url is None:
+        raise click.UsageError("--servers N needs --db: servers share a PostgreSQL database")
+    SCENARIO_FILTER[:] = scenario_filter
+    target = Target(pg_admin_url, servers)
     for flag, given in (("--tls", tls), ("--watchers", watchers)):
         if given and address is not None:
             raise click.UsageError(f"{flag} starts its own servers: it does not take --address")
@@ -841,13 +1097,26 @@ def main(quick: bool, runs: int | None, sync_modes: str, json_path: str | None,
     # Not a terminal (a file, a CI log): wide enough that no scenario name wraps.
     console = Console(width=None if sys.stdout.isatty() else 120)
     syncs = ("full", "normal") if sync_modes == "both" else (sync_modes,)
+    if pg_admin_url is not None:
+        # --synchronous is SQLite's; PostgreSQL commits as the database is configured
+        # (synchronous_commit on by default: every ok reply is on disk, as with FULL).
+        syncs = ("full",)
     sizes = QUICK if quick else FULL
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="relay-bench-") as db_dir:
         before = commit_baseline_us(db_dir, sizes.baseline_commits)
         certificate = make_tls(db_dir) if tls else None
         results = trio.run(
-            run_all, sizes, runs, syncs, address, db_dir, console, certificate, watchers
+            run_all,
+            sizes,
+            runs,
+            syncs,
+            address,
+            db_dir,
+            console,
+            certificate,
+            watchers,
+            target,
         )
         after = commit_baseline_us(db_dir, sizes.baseline_commits)
     render(results, console)

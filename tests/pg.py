@@ -81,15 +81,17 @@ def schema_url(url: str, schema: str) -> str:
 
 
 def server_url(conninfo: str, schema: str | None = None) -> str:
-    """A ``postgresql://`` URL (what ``relay-trio server --db`` takes) to the database of
-    ``conninfo``, with ``schema`` (created if need be) as its search path."""
+    """``conninfo`` (as ``run_database`` gives it) as the ``postgresql://`` URL that
+    ``relay-trio server --db`` takes; with ``schema`` (created if need be) as its search
+    path."""
     if schema is not None:
         conninfo = schema_url(conninfo, schema)
     params = conninfo_to_dict(conninfo)
-    url = (
-        f"postgresql://{quote(str(params.get('user', 'postgres')))}@"
-        f"{params.get('host', '127.0.0.1')}:{params.get('port', 5432)}/{quote(params['dbname'])}"
-    )
+    user = quote(str(params.get("user", "")), safe="")
+    host, port = params.get("host", "127.0.0.1"), params.get("port", 5432)
+    password = params.get("password")
+    auth = f"{user}:{quote(str(password), safe='')}@" if password else f"{user}@" if user else ""
+    url = f"postgresql://{auth}{host}:{port}/{quote(str(params['dbname']), safe='')}"
     if "options" in params:
         url += "?options=" + quote(str(params["options"]), safe="")
     return url

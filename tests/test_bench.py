@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 
 from scripts import plot_bench
+from tests import pg
 
 BENCH = str(Path(sys.executable).parent / "relay-bench")
 EXPECTED = [
@@ -109,3 +110,27 @@ def test_watchers_bench_runs_each_scenario_three_ways_and_counts_every_event(tmp
             assert received == submits[name], (name, seen)
         else:
             assert received % 2 == 0 and received >= 2 * 3_000, seen
+
+
+def test_bench_runs_on_postgres_with_two_servers(tmp_path, pg_url):
+    """``--db URL --servers 2``: the servers share a fresh database, which the bench drops
+    afterwards; a reduced set of scenarios (the full quick run takes minutes on PostgreSQL)."""
+    out = tmp_path / "bench.json"
+    finished = subprocess.run(
+        [BENCH, "--quick", "--db", pg.server_url(pg_url), "--servers", "2",
+         "--scenarios", "8 producer(s) one-at-a-time",
+         "--scenarios", "8 processes, count 8, pipelined",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    results = orjson.loads(out.read_bytes())["results"]
+    assert [r["scenario"] for r in results] == [
+        "submit, 8 producer(s) one-at-a-time",
+        "lease+ack, 8 processes, count 8, pipelined acks",
+    ]
+    for r in results:
+        assert r["median"] > 0, r
+        extra = r["extra"]
+        assert extra["server_cpu_us_per_job"] > 0 and extra["db_cpu_us_per_job"] > 0, r
+        assert extra["db_xacts_per_job"] > 0, r

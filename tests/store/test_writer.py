@@ -380,7 +380,7 @@ async def test_commit_listeners_hear_which_queues_got_ready_jobs(db_path):
 
 def heard_events(heard: list[Changes]) -> list[tuple[str, str, int]]:
     """(queue, state, attempt) of every event the listeners heard, in order."""
-    return [(queue, state, attempt) for c in heard for _, queue, state, attempt, _ in c.events]
+    return [(queue, state, attempt) for c in heard for _, queue, state, attempt, *_ in c.events]
 
 
 async def test_commit_listeners_get_the_events_while_the_writer_records(db_path):
@@ -398,9 +398,9 @@ async def test_commit_listeners_get_the_events_while_the_writer_records(db_path)
             await writer.execute(cmd.Submit((spec("off"),)))
     assert [c.events for c in heard] == [
         [],
-        [(result.job_id, "q", "ready", 0, T0)],
-        [(result.job_id, "q", "leased", 1, T0)],
-        [(result.job_id, "q", "succeeded", 1, T0)],
+        [(result.job_id, "q", "ready", 0, T0, None)],
+        [(result.job_id, "q", "leased", 1, T0, "ready")],
+        [(result.job_id, "q", "succeeded", 1, T0, "leased")],
         [],
     ]
 

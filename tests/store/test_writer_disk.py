@@ -201,7 +201,7 @@ async def test_a_batch_the_disk_refuses_delivers_no_events(db_path):
     assert conn.failed == ["COMMIT"]
     assert isinstance(sink.outcomes["ack"], Unavailable)
     # The gate's batch (no event), then the ack that committed: nothing of the lost batch.
-    assert [c.events for c in heard] == [[], [(lease.job_id, "q", "succeeded", 1, T0)]]
+    assert [c.events for c in heard] == [[], [(lease.job_id, "q", "succeeded", 1, T0, "leased")]]
 
 
 async def test_a_plain_submit_batch_the_disk_refuses_delivers_no_events(db_path):
@@ -220,7 +220,7 @@ async def test_a_plain_submit_batch_the_disk_refuses_delivers_no_events(db_path)
     assert len(conn.failed) == 1
     assert all(b"unavailable" in failed.outcomes[i] for i in range(3))
     kept = orjson_loads(again.outcomes[0])["job_id"]
-    assert [event for c in heard for event in c.events] == [(kept, "kept", "ready", 0, T0)]
+    assert [event for c in heard for event in c.events] == [(kept, "kept", "ready", 0, T0, None)]
 
 
 def zeros() -> dict[str, int]:
