@@ -8,7 +8,10 @@ on the wire wait for it, then go out together: their lines in one write, their r
 read in one pass (``coalesce=True``: their plain submits as one ``submit_batch``, each
 caller still getting its own result or error). A dropped connection raises
 ``ConnectionLost`` for the calls in flight (they may or may not have taken effect: use an
-``idempotency_key`` to make a resubmit safe); the next call connects again. TLS as for
+``idempotency_key`` to make a resubmit safe); the next call connects again. An
+``unavailable`` reply (nothing was committed) is retried with backoff by a submit with an
+``idempotency_key`` and a ``submit_batch`` whose jobs all have one, for up to ``timeout``
+seconds, as the async client does; other calls raise ``Unavailable`` at once. TLS as for
 the async client: a "tls://HOST:PORT" address, or ``tls_ca`` (a private CA's PEM file).
 """
 
@@ -16,10 +19,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +32,8 @@ import orjson
 
 from relay.client import (
     DEFAULT_ADDRESS,
+    UNAVAILABLE_CAP_S,
+    UNAVAILABLE_FIRST_S,
     JobView,
     Stats,
     job_fields,
@@ -35,9 +42,9 @@ from relay.client import (
     submit_result,
     uses_tls,
 )
-from relay.errors import ConnectionLost, RelayError, reply_fields
+from relay.errors import ConnectionLost, RelayError, Unavailable, reply_fields
 from relay.model import SubmitResult
-from relay.tcp import CONNECT_TIMEOUT_S, client_context
+from relay.tcp import CONNECT_TIMEOUT_S, TLS_HINT, client_context
 
 READ_BYTES = 64 * 1024
 
@@ -77,6 +84,9 @@ class BlockingClient:
         self._lock = threading.Lock()  # held by the thread that uses the socket
         self._waiting: list[_Call] = []  # calls not yet sent (appended under _queue_lock)
         self._queue_lock = threading.Lock()
+        # The retries' clock and sleep (tests give their own).
+        self._clock: Callable[[], float] = time.monotonic
+        self._sleep: Callable[[float], None] = time.sleep
 
     def __enter__(self) -> BlockingClient:
         return self
@@ -119,7 +129,8 @@ class BlockingClient:
         while b"\n" not in data:
             more = sock.recv(READ_BYTES)
             if not more:
-                raise ConnectionLost("the server closed the connection during hello")
+                hint = f" ({TLS_HINT})" if self._ssl_context is None and not data else ""
+                raise ConnectionLost(f"the server closed the connection during hello{hint}")
             data += more
         line, self._buffer = data.split(b"\n", 1)
         reply_fields(orjson.loads(line))
@@ -152,9 +163,11 @@ class BlockingClient:
         if self._sock is not None and not self._alive():
             self._drop()  # the server closed it while we were idle: nothing was lost
         requests = self._requests(calls)
+        fresh = False  # a connection made for these calls: nothing read on it yet
         try:
             if self._sock is None:
                 self._sock = self._connect()
+                fresh = self.token is None
             self._sock.sendall(b"".join(line for _, line, _ in requests))
             replies = self._read_replies({request_id for request_id, _, _ in requests})
             for request_id, _, answer in requests:
@@ -166,9 +179,12 @@ class BlockingClient:
                     call.error, call.done = exc, True
         except OSError as exc:
             self._drop()
+            hint = ""
+            if fresh and self._ssl_context is None and isinstance(exc, ConnectionResetError):
+                hint = f" ({TLS_HINT})"  # closed at once, without a byte
             for call in calls:
                 if not call.done:
-                    call.error, call.done = ConnectionLost(f"{call.op}: {exc}"), True
+                    call.error, call.done = ConnectionLost(f"{call.op}: {exc}{hint}"), True
 
     def _requests(self, calls: list[_Call]) -> list[tuple[int, bytes, Callable]]:
         """(request id, line, what to do with its reply) per request that ``calls`` make:
@@ -262,12 +278,36 @@ class BlockingClient:
                 replies.update((i, reply) for i in request_ids if i not in replies)
         return replies
 
+    def _retrying(self, op: str, **fields: Any) -> dict[str, Any]:
+        """``request``, sent again while the server answers ``unavailable`` (nothing was
+        committed; the caller knows a repeat is safe): after 50 ms, doubling to 1 s, with
+        jitter, until a wait would end more than ``timeout`` seconds after the first try;
+        then the ``Unavailable`` is raised."""
+        give_up = self._clock() + self.timeout
+        delay = UNAVAILABLE_FIRST_S
+        while True:
+            try:
+                return self.request(op, **fields)
+            except Unavailable:
+                wait = delay * random.uniform(0.5, 1.0)
+                if self._clock() + wait >= give_up:
+                    raise
+            self._sleep(wait)
+            delay = min(delay * 2, UNAVAILABLE_CAP_S)
+
     def submit(self, queue: str, payload: Any, **options: Any) -> SubmitResult:
-        """Create a job; ``options`` as for the async ``Client.submit``."""
-        return submit_result(self.request("submit", **job_fields(queue, payload, **options)))
+        """Create a job; ``options`` as for the async ``Client.submit``. With an
+        ``idempotency_key``, ``Unavailable`` is retried (a repeat cannot make a second job)."""
+        fields = job_fields(queue, payload, **options)
+        send = self._retrying if fields.get("idempotency_key") is not None else self.request
+        return submit_result(send("submit", **fields))
 
     def submit_batch(self, jobs: Sequence[dict[str, Any]]) -> list[SubmitResult]:
-        reply = self.request("submit_batch", jobs=list(jobs))
+        """Create many jobs, all or none; ``Unavailable`` is retried if every job has an
+        idempotency key."""
+        keyed = all(job.get("idempotency_key") is not None for job in jobs)
+        send = self._retrying if keyed else self.request
+        reply = send("submit_batch", jobs=list(jobs))
         return [submit_result(r) for r in reply["results"]]
 
     def inspect(self, job_id: str) -> JobView:

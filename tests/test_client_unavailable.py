@@ -146,3 +146,71 @@ async def test_coalesced_calls_are_retried_each_by_its_own_rule(autojump_clock):
     assert isinstance(outcomes["plain"], Unavailable)
     assert outcomes["keyed"].job_id == "job_0000000000000001"
     assert [op for _, op in transport.sent] == ["submit_batch", "submit"]
+
+
+# -- the blocking client ------------------------------------------------------------------
+
+
+class FakeTime:
+    """The blocking client's clock and sleep: sleeping moves the clock, instantly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def disk_full_blocking(failures: float, timeout: float = 30.0):
+    """A blocking client whose requests are answered ``unavailable`` ``failures`` times,
+    then ok; its sleeps instant. Returns it, its fake time and the ops it sent."""
+    from relay.blocking import BlockingClient
+
+    client = BlockingClient("127.0.0.1:1", timeout=timeout)
+    fake, sent, left = FakeTime(), [], [failures]
+
+    def request(op: str, **fields: Any) -> dict[str, Any]:
+        sent.append(op)
+        if left[0] > 0:
+            left[0] -= 1
+            raise Unavailable(MESSAGE)
+        return REPLIES[op]
+
+    client.request = request  # type: ignore[method-assign]
+    client._clock, client._sleep = fake.clock, fake.sleep
+    return client, fake, sent
+
+
+def test_blocking_keyed_submits_are_retried_with_growing_waits():
+    client, fake, sent = disk_full_blocking(3)
+    assert client.submit("q", {}, idempotency_key="k").job_id == "job_0000000000000001"
+    assert sent == ["submit"] * 4
+    # 50 ms, then doubling, each a random 50-100 % of it.
+    for wait, full in zip(fake.slept, (0.05, 0.1, 0.2), strict=True):
+        assert full / 2 <= wait <= full
+    client, fake, sent = disk_full_blocking(2)
+    jobs = [job_fields("q", i, idempotency_key=f"k{i}") for i in range(2)]
+    assert len(client.submit_batch(jobs)) == 1 and sent == ["submit_batch"] * 3
+
+
+def test_blocking_calls_that_could_act_twice_raise_unavailable_at_once():
+    client, fake, sent = disk_full_blocking(1)
+    with pytest.raises(Unavailable):
+        client.submit("q", {})
+    with pytest.raises(Unavailable):
+        client, fake, sent = disk_full_blocking(1)
+        client.submit_batch([job_fields("q", 1, idempotency_key="k"), job_fields("q", 2)])
+    assert sent == ["submit_batch"] and fake.slept == []
+
+
+def test_blocking_retries_stop_within_the_timeout():
+    client, fake, sent = disk_full_blocking(math.inf, timeout=5.0)
+    with pytest.raises(Unavailable):
+        client.submit("q", {}, idempotency_key="k")
+    assert fake.now < 5.0 and sum(fake.slept) == fake.now
+    assert len(sent) > 5 and max(fake.slept) <= UNAVAILABLE_CAP_S
