@@ -28,6 +28,8 @@ RECONNECT_TIMEOUT_S = 30.0
 RECONNECT_FIRST_S = 0.05
 RECONNECT_CAP_S = 2.0
 READ_BYTES = 64 * 1024
+# What a plain client is told when the server closed without a byte, as one with TLS does.
+TLS_HINT = "if the server uses TLS, connect to tls://HOST:PORT"
 # Job events a watch may have unread before the client drops (and counts) more.
 MAX_EVENTS = 10_000
 
@@ -88,6 +90,7 @@ class TcpTransport:
         self._stream: trio.abc.Stream | None = None
         self._generation = 0  # which connection _stream is
         self._unread_generation = -1  # a connection whose later lines the server ignored
+        self._answered_generation = -1  # the last connection that brought any data
         self._connected = trio.Event()  # set while _stream is usable
         self._send_lock = trio.Lock()
         # Lines to send, in order: written together by the flusher task, so the calls
@@ -255,7 +258,7 @@ class TcpTransport:
                 stream = await _handshake(stream, self.ssl_context, self.host)
             if self.token is not None:
                 try:
-                    await _authenticate(stream, self.token)
+                    await _authenticate(stream, self.token, self.ssl_context is None)
                 except BaseException:
                     await trio.aclose_forcefully(stream)
                     raise
@@ -293,9 +296,9 @@ class TcpTransport:
                     call.resent = True
                     resend.append(call)
                 else:
-                    call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
+                    call.settle(error=ConnectionLost(f"{call.op}: {self._dropped(generation)}"))
             if not self.reconnect:
-                self._give_up(ConnectionLost("the connection dropped"))
+                self._give_up(ConnectionLost(self._dropped(generation)))
                 return
             while True:
                 try:
@@ -339,12 +342,20 @@ class TcpTransport:
             f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
         )
 
+    def _dropped(self, generation: int) -> str:
+        """What to say of a connection that dropped: with a hint when it was plain and the
+        server closed it without a byte (what a server with TLS does to plain clients)."""
+        if self.ssl_context is None and self._answered_generation != generation:
+            return f"the connection dropped before any reply ({TLS_HINT})"
+        return "the connection dropped"
+
     async def _read_replies(self, stream: trio.abc.Stream) -> None:
         buffer = bytearray()
         while True:
             data = await stream.receive_some(READ_BYTES)
             if not data:
                 return
+            self._answered_generation = self._generation
             buffer += data
             # Split only when a line ended: a long reply arriving in many reads is then
             # gathered in linear time, not re-scanned on every read.
@@ -438,7 +449,7 @@ def _wanted(call: _Call) -> bool:
     return not call.done.is_set() and not call.abandoned
 
 
-async def _authenticate(stream: trio.SocketStream, token: str) -> None:
+async def _authenticate(stream: trio.abc.Stream, token: str, plain: bool = False) -> None:
     """Say hello with ``token`` on a new connection, before anything else is sent, and
     read its answer. Raises Unauthorized if the server refuses the token."""
     await stream.send_all(orjson.dumps({"op": "hello", "id": 0, "token": token}) + b"\n")
@@ -446,7 +457,8 @@ async def _authenticate(stream: trio.SocketStream, token: str) -> None:
     while b"\n" not in data:
         more = await stream.receive_some(READ_BYTES)
         if not more:
-            raise ConnectionLost("the server closed the connection during hello")
+            hint = f" ({TLS_HINT})" if plain and not data else ""
+            raise ConnectionLost(f"the server closed the connection during hello{hint}")
         data += more
     try:
         reply = orjson.loads(data.split(b"\n", 1)[0])

@@ -172,6 +172,33 @@ async def test_a_tls_client_of_a_plain_server_fails_at_connect(tmp_path, tls_fil
         await server.stop()
 
 
+async def test_a_plain_client_of_a_tls_server_is_told_to_use_tls(tls_server):
+    """The server closes a plain connection without a byte; the error says why it may."""
+    with trio.fail_after(BOUND_S):
+        async with open_client(tls_server.address, reconnect=False) as client:
+            with pytest.raises(ConnectionLost, match="tls://"):
+                await client.ping()
+    with trio.fail_after(BOUND_S), pytest.raises(ConnectionLost, match="tls://"):
+        async with open_client(tls_server.address, reconnect=False, token="t0ken") as client:
+            await client.ping()
+    for token in (None, "t0ken"):
+        blocking = connect(tls_server.address, token=token)
+        with pytest.raises(ConnectionLost, match="tls://"):
+            await call(blocking.stats)
+        blocking.close()
+
+
+async def test_a_connection_lost_after_replies_has_no_tls_hint(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, str(tmp_path / "relay.db"))
+        async with open_client(server.address, reconnect=False) as client:
+            await client.ping()
+            await server.kill()
+            with trio.fail_after(BOUND_S), pytest.raises(ConnectionLost) as lost:
+                await client.ping()
+            assert "tls" not in str(lost.value)
+
+
 # -- reconnection ---------------------------------------------------------------------------
 
 
