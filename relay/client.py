@@ -239,7 +239,7 @@ class Client:
         self, queues: Sequence[str] | None = None, states: Sequence[str] | None = None
     ) -> EventStream:
         """Job events, as an async iterator of dicts: ``{"event": "job", "job_id",
-        "queue", "state", "attempt", "at"}`` for each state change of a job of ``queues``
+        "queue", "state", "attempt", "at", "from"?}`` for each state change of a job of ``queues``
         in ``states`` (None: all), after its commit; ``{"event": "lagged", "dropped": N}``
         where N were lost because this client read too slowly. It ends with
         ``ConnectionLost`` if the connection drops (watch again to go on). Use it as

@@ -92,6 +92,14 @@ for (const td of document.querySelectorAll("#queues td[data-rate]")) {
 }
 return out;
 """
+# queue -> how long its oldest ready job has waited, as shown ("-": none ready).
+OLDEST_JS = """
+const out = {};
+for (const td of document.querySelectorAll("#queues td[data-oldest]")) {
+  out[td.dataset.queue] = td.textContent;
+}
+return out;
+"""
 
 
 def page_counts(driver: webdriver.Chrome) -> dict[str, dict[str, int]]:
@@ -100,6 +108,10 @@ def page_counts(driver: webdriver.Chrome) -> dict[str, dict[str, int]]:
 
 def page_rates(driver: webdriver.Chrome) -> dict[str, dict[str, str]]:
     return driver.execute_script(RATES_JS)
+
+
+def page_oldest(driver: webdriver.Chrome) -> dict[str, str]:
+    return driver.execute_script(OLDEST_JS)
 
 
 def page_status(driver: webdriver.Chrome) -> str:

@@ -41,7 +41,7 @@ from scripts.browser import open_browser, page_rates, screenshot_svg, wait_for
 DEFAULT_PORTS = (7400, 7401, 7402)  # jobs, metrics, WebSocket: what a reader would see
 TRAFFIC_S = 8.0  # long enough for the rates over 10 s to show
 WATCH_LINES = 10
-WIDTH = 118  # terminal columns of top.png and watch.png
+WIDTH = 132  # columns: the top view with every heading whole
 PAGE_WIDTH = 1200
 BOUND_S = 30.0
 

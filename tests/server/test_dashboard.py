@@ -23,7 +23,14 @@ import relay
 from relay.errors import JobNotFound
 from relay.server.auth import Role, Tokens, _digest
 from relay.server.dashboard import Dashboard
-from scripts.browser import BrowserMissing, open_browser, page_counts, page_rates, wait_for
+from scripts.browser import (
+    BrowserMissing,
+    open_browser,
+    page_counts,
+    page_oldest,
+    page_rates,
+    wait_for,
+)
 from tests.server.conftest import BOUND_S, RunningServer, start_server
 from tests.tls_helpers import tls_files as tls_files  # the fixture
 from tests.worker_helpers import running, serving, wait_for_state
@@ -246,6 +253,10 @@ async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, brow
         await see(browser, status_is("connected"), "connected")
         await shows_stats(browser, client, BOUND_S)
         assert set(await on_page(page_counts, browser)) == {"email", "reports"}
+        # How long each queue's oldest ready job has waited, as relay-trio stats says it.
+        oldest = await on_page(page_oldest, browser)
+        assert set(oldest) == {"email", "reports"}, oldest
+        assert all(re.fullmatch(r"\d+ ms|\d+\.\d s", text) for text in oldest.values()), oldest
 
         # One job moves: the page shows it within 2 s.
         [job] = await client.lease(["email"], W)
@@ -287,6 +298,8 @@ async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, brow
             assert (await client.inspect(smtp)).attempt == 1  # a fresh attempt, run once
         await see(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, "#dead tbody tr"),
                   "no dead job left", MOVE_S)  # fmt: skip
+        # Every job has run: no queue has a ready job waiting.
+        await see(browser, lambda d: set(page_oldest(d).values()) == {"-"}, "none ready", MOVE_S)
     assert await on_page(no_console_errors, browser) == []
 
 
