@@ -242,6 +242,33 @@ def test_an_ack_waits_for_a_reap_in_flight_and_then_answers_lease_expired(server
     assert a.job_inspect(job.job_id).state == JobState.READY
 
 
+def test_a_database_whose_default_isolation_is_repeatable_read_still_reads_committed(servers):
+    # The rules above rely on READ COMMITTED: a row locked after a wait is read as it is
+    # now, and checked again. A database (or role) whose default_transaction_isolation is
+    # stricter must not turn that wait into a serialization failure.
+    a, b = servers(), servers()
+    [job] = a.jobs_submit(specs(1, max_attempts=2), T0)
+    [lease] = a.jobs_claim(["q"], "w1", 1, 1_000, T0)
+    a._db.execute("SET default_transaction_isolation = 'repeatable read'")
+    b.begin()
+    assert len(b.leases_reap_expired(T0 + 1_000, 10)) == 1
+
+    def late_ack() -> object:
+        try:
+            a.jobs_ack(job.job_id, "w1", lease.token, None, T0 + 999)
+        except LeaseExpired as exc:
+            return exc
+        return None
+
+    def reaper_commits() -> None:
+        time.sleep(0.1)  # while the ack waits for the row
+        b.commit()
+
+    refused, _ = run_together(late_ack, reaper_commits)
+    assert isinstance(refused, LeaseExpired)
+    assert a.job_inspect(job.job_id).state == JobState.READY
+
+
 # -- counts ------------------------------------------------------------------------------------
 
 

@@ -171,10 +171,11 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         if not self._begin_pending:
             return self._db.execute(sql, params)
         # The transaction's first statement: BEGIN goes with it, in one round trip (a
-        # pipeline: the results come back once both have run).
+        # pipeline: the results come back once both have run). READ COMMITTED whatever the
+        # database's default: every rule here re-reads a row once it is locked.
         self._begin_pending = False
         with self._db.pipeline():
-            self._db.execute("BEGIN")
+            self._db.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             cursor = self._db.execute(sql, params)
         return cursor
 
