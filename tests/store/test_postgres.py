@@ -242,6 +242,33 @@ def test_an_ack_waits_for_a_reap_in_flight_and_then_answers_lease_expired(server
     assert a.job_inspect(job.job_id).state == JobState.READY
 
 
+def test_a_database_whose_default_isolation_is_repeatable_read_still_reads_committed(servers):
+    # The rules above rely on READ COMMITTED: a row locked after a wait is read as it is
+    # now, and checked again. A database (or role) whose default_transaction_isolation is
+    # stricter must not turn that wait into a serialization failure.
+    a, b = servers(), servers()
+    [job] = a.jobs_submit(specs(1, max_attempts=2), T0)
+    [lease] = a.jobs_claim(["q"], "w1", 1, 1_000, T0)
+    a._db.execute("SET default_transaction_isolation = 'repeatable read'")
+    b.begin()
+    assert len(b.leases_reap_expired(T0 + 1_000, 10)) == 1
+
+    def late_ack() -> object:
+        try:
+            a.jobs_ack(job.job_id, "w1", lease.token, None, T0 + 999)
+        except LeaseExpired as exc:
+            return exc
+        return None
+
+    def reaper_commits() -> None:
+        time.sleep(0.1)  # while the ack waits for the row
+        b.commit()
+
+    refused, _ = run_together(late_ack, reaper_commits)
+    assert isinstance(refused, LeaseExpired)
+    assert a.job_inspect(job.job_id).state == JobState.READY
+
+
 # -- counts ------------------------------------------------------------------------------------
 
 
@@ -257,7 +284,9 @@ def test_every_server_counts_every_servers_jobs(servers):
     b.dead_purge(leases[3].job_id)
     expected = {**dict.fromkeys(map(str, JobState), 0), "ready": 5, "leased": 2, "succeeded": 2}
     assert a.queue_stats() == b.queue_stats() == recount(a) == {"q": expected}
-    # Each server's own rows hold only its own moves; the sum is the count.
+    # Each server's own rows hold its own moves, less the (queue, state) groups that the
+    # purge found adding up to zero and dropped (here dead and retrying, one job each
+    # way); the sum is the count.
     slots = dict(
         a._db.execute("SELECT slot, sum(n)::bigint FROM job_counts GROUP BY slot").fetchall()
     )
@@ -303,6 +332,22 @@ def test_a_queue_emptied_through_other_servers_leaves_no_count(servers):
     b.jobs_fail(job.job_id, "w", lease.token, "x", False, T0)
     a.dead_purge_queue("q", 10)
     assert a.queue_stats() == b.queue_stats() == {}
+
+
+def test_a_queue_emptied_through_several_slots_leaves_no_count_rows(servers):
+    # Each server (and each run of one) adds to a slot of its own: a queue's job moved
+    # through two slots leaves rows of opposite sums. Once the queue is empty they must
+    # go, or job_counts (read whole by every stats) keeps rows for every queue name ever
+    # used, which clients choose freely.
+    a, b = servers(slot=1), servers(slot=2)
+    for i in range(5):
+        queue = f"tenant-{i}"
+        [job] = a.jobs_submit(specs(1, queue), T0)
+        [lease] = b.jobs_claim([queue], "w", 1, LEASE_MS, T0)
+        a.jobs_ack(job.job_id, "w", lease.token, None, T0)
+    b.jobs_prune(T0 + 30 * 24 * 3600 * 1000, 100)
+    assert a.queue_stats() == b.queue_stats() == {}
+    assert a._db.execute("SELECT count(*) FROM job_counts").fetchone() == (0,)
 
 
 # -- time-driven passes and dead letters --------------------------------------------------------

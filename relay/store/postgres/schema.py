@@ -174,7 +174,8 @@ def migrate(conn: psycopg.Connection, where: str) -> int:
     """Create or migrate the schema in one transaction under the migration lock; return the
     version found before (0: none). ``conn`` must be in autocommit mode, outside a
     transaction."""
-    conn.execute("BEGIN")
+    # READ COMMITTED whatever the database's default: see the lock below.
+    conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         # Alone in its statement: the statements after it take their snapshots once the
         # lock is ours, so they see what a server that held it before us committed.

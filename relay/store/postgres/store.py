@@ -58,7 +58,20 @@ _ADD_COUNTS = (
     "AS t(queue, state, n) "
     "ON CONFLICT (slot, queue, state) DO UPDATE SET n = job_counts.n + EXCLUDED.n"
 )
-_DROP_ZEROS = "DELETE FROM job_counts WHERE slot = %s AND queue = ANY(%s) AND n = 0"
+# Of these queues' rows in every slot, the ones no other transaction holds (SKIP LOCKED:
+# never a wait, so never a deadlock) that are zero, or whose (queue, state) sums to zero
+# over the rows held: deleting such rows leaves every count as it was, whatever other
+# servers commit meanwhile. Without it a queue moved through several slots (servers, or
+# one server's restarts) would keep its rows of opposite sums once emptied, one set per
+# queue name ever used.
+_DROP_ZEROS = (
+    "WITH held AS (SELECT slot, queue, state, n FROM job_counts WHERE queue = ANY(%s) "
+    "FOR UPDATE SKIP LOCKED), "
+    "zero AS (SELECT queue, state FROM held GROUP BY queue, state HAVING sum(n) = 0) "
+    "DELETE FROM job_counts c USING held h "
+    "WHERE c.slot = h.slot AND c.queue = h.queue AND c.state = h.state "
+    "AND (h.n = 0 OR (h.queue, h.state) IN (SELECT queue, state FROM zero))"
+)
 # Of these queues, the ones that still hold jobs.
 _HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
 
@@ -158,10 +171,11 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         if not self._begin_pending:
             return self._db.execute(sql, params)
         # The transaction's first statement: BEGIN goes with it, in one round trip (a
-        # pipeline: the results come back once both have run).
+        # pipeline: the results come back once both have run). READ COMMITTED whatever the
+        # database's default: every rule here re-reads a row once it is locked.
         self._begin_pending = False
         with self._db.pipeline():
-            self._db.execute("BEGIN")
+            self._db.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             cursor = self._db.execute(sql, params)
         return cursor
 
@@ -310,7 +324,8 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
 
         One statement for all the moves, its rows in (queue, state) order: two stores that
         share a slot lock its rows in the same order, so they never deadlock. A transaction
-        that deleted jobs also drops the rows of this slot that it brought to zero."""
+        that deleted jobs also drops those queues' rows, of any slot, that add up to zero
+        (``_DROP_ZEROS``)."""
         moves = sorted((key, n) for key, n in self._moves.items() if n)
         queues = sorted(self._deleted_from)
         written: list[psycopg.Cursor] = []
@@ -325,7 +340,7 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
                 )
                 written.append(self._db.execute(_ADD_COUNTS, params))
             if queues:
-                written.append(self._db.execute(_DROP_ZEROS, (self.slot, queues)))
+                written.append(self._db.execute(_DROP_ZEROS, (queues,)))
                 held = self._db.execute(_HOLDING, (queues,))
             payload = notify.payload(self.origin, self.changes)
             if payload is not None:  # sent by the database when (and if) this commits
