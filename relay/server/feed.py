@@ -24,6 +24,7 @@ import trio
 from relay.log import event
 from relay.store.base import Changes
 from relay.store.postgres.notify import CHANNEL, parse
+from relay.store.postgres.schema import connection_info
 
 log = logging.getLogger("relay.feed")
 
@@ -51,8 +52,12 @@ class ChangeFeed:
         self.reconnects = 0  # connections made again after one was lost
 
     def _connect(self) -> psycopg.Connection:
-        conn = psycopg.connect(self.url, autocommit=True, application_name="relay-trio listen")
-        conn.execute(f"LISTEN {CHANNEL}")
+        conn = psycopg.connect(connection_info(self.url, "relay-trio listen"), autocommit=True)
+        try:
+            conn.execute(f"LISTEN {CHANNEL}")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -60,13 +65,22 @@ class ChangeFeed:
         conn = await trio.to_thread.run_sync(self._connect)
         stop = threading.Event()
         token = trio.lowlevel.current_trio_token()
-        task_status.started()
+        handed = threading.Event()  # the thread has the connection (and closes it)
+
+        def listen() -> None:
+            handed.set()
+            self._listen(conn, token, stop)
+
         try:
+            task_status.started()
             # Abandoned on cancellation: the thread sees ``stop`` within POLL_S, closes
             # its connection and ends; trio does not wait for it.
-            await trio.to_thread.run_sync(self._listen, conn, token, stop, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(listen, abandon_on_cancel=True)
         finally:
             stop.set()
+            if not handed.is_set():  # cancelled before the thread began
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
 
     def _listen(self, conn: psycopg.Connection | None, token: trio.lowlevel.TrioToken,
                 stop: threading.Event) -> None:  # fmt: skip

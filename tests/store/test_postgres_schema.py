@@ -193,3 +193,19 @@ def test_an_unreachable_server_is_one_line_without_the_password():
     message = _one_line(refused.value)
     assert message.startswith("postgresql://relay@127.0.0.1:1/nowhere: cannot connect")
     assert "s3cret" not in message
+
+
+def test_connections_find_a_silent_peer_dead_unless_the_url_says_otherwise():
+    """Keepalives and a bound on unacknowledged sends: a half-open connection is found
+    dead in about 30 s, not the kernel's 15 minutes. What the URL sets wins."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    from relay.store.postgres.schema import LIVENESS, connection_info
+
+    params = conninfo_to_dict(connection_info("postgresql://u@h:5432/d", "relay-trio"))
+    assert {k: int(params[k]) for k in LIVENESS} == LIVENESS
+    assert params["application_name"] == "relay-trio" and int(params["connect_timeout"]) > 0
+    given = "postgresql://u@h/d?keepalives_idle=60&application_name=mine&connect_timeout=3"
+    params = conninfo_to_dict(connection_info(given, "relay-trio"))
+    assert (params["keepalives_idle"], params["application_name"]) == ("60", "mine")
+    assert params["connect_timeout"] == "3" and params["tcp_user_timeout"] == "30000"

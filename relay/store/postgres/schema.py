@@ -30,6 +30,26 @@ MIGRATION_LOCK = 0x524C5954_00000001
 # How long connecting may take where the URL does not say (connect_timeout): a server that
 # cannot reach its database says so at start instead of hanging.
 CONNECT_TIMEOUT_S = 10
+# A connection whose peer went silent (a half-open connection: the database's machine
+# lost, a network cut) is found dead within about 30 s, by TCP keepalives while idle and
+# by a bound on unacknowledged sends, instead of the kernel's ~15 minutes: a writer would
+# hang every request that long, and a listening connection, which never sends, forever.
+LIVENESS = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,  # ms
+}
+
+
+def connection_info(url: str, application: str) -> str:
+    """``url`` as connection parameters, with relay-trio's defaults for what it leaves
+    out: its application name, the connect timeout and LIVENESS."""
+    given = conninfo_to_dict(url)
+    defaults = {"application_name": application, "connect_timeout": CONNECT_TIMEOUT_S, **LIVENESS}
+    return make_conninfo(url, **{key: value for key, value in defaults.items() if key not in given})
+
 
 # The relations relay-trio creates. Any of them present without our marker in relay_meta
 # means another application's tables: refused, never altered.
@@ -146,10 +166,7 @@ def open_connection(url: str) -> psycopg.Connection:
     """
     where = display_url(url)
     try:
-        given = conninfo_to_dict(url)
-        defaults = {"application_name": APPLICATION, "connect_timeout": CONNECT_TIMEOUT_S}
-        extra = {key: value for key, value in defaults.items() if key not in given}
-        conn = psycopg.connect(make_conninfo(url, **extra), autocommit=True)
+        conn = psycopg.connect(connection_info(url, APPLICATION), autocommit=True)
     except psycopg.Error as exc:
         raise StoreError(where, f"cannot connect: {_first_line(exc)}") from exc
     try:
