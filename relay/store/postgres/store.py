@@ -42,6 +42,7 @@ from relay.store.base import EVENTS, Changes, StoreConfig
 from relay.store.postgres import notify
 from relay.store.postgres.dead import DeadLetters
 from relay.store.postgres.jobs import Jobs
+from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
 from relay.store.postgres.reads import Reads
 from relay.store.postgres.schema import open_connection
@@ -65,7 +66,7 @@ _HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HA
 Journal = list[tuple[Counter[tuple[str, str]], tuple[str, str], int]]
 
 
-class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
+class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads):
     """The job store on one PostgreSQL connection, which it owns.
 
     Not thread-safe: exactly one thread (the writer) may call it.

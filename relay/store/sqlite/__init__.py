@@ -4,7 +4,8 @@
 opening a file are relay/store/schema.py. Where each part lives:
 
 - store.py: ``SqliteStore`` itself: open, close, transactions, the counts loaded at open
-- jobs.py: the transitions a client makes: submit, claim, renew, ack, fail, release
+- jobs.py: submit: new jobs, the depth limits, idempotency keys
+- leases.py: the transitions of a lease: claim, renew, ack, fail, release
 - maintenance.py: promote due jobs, reap expired leases, recover, prune, next deadlines
 - dead.py: dead-letter retry and purge
 - reads.py: inspect and the dead list (stats and event totals are the counts book's)

@@ -1,6 +1,7 @@
 """What every part of the SQLite store shares: statements of many rows, reads as one row of
 JSON, the claim's candidates statement, and ``SqliteBase``, the state and the few helper
-transitions that the parts (jobs.py, maintenance.py, dead.py, reads.py) are written against.
+transitions that the parts (jobs.py, leases.py, maintenance.py, dead.py, reads.py) are
+written against.
 """
 
 from __future__ import annotations

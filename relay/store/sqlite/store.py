@@ -2,9 +2,9 @@
 
 Here: opening and closing, the transactions the writer runs (``begin``, ``command``,
 ``commit``, ``rollback``, ``write_mark``) and loading the counts. The transitions live by
-concern: jobs.py (submit, claim, renew, ack, fail, release), maintenance.py (promote,
-reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge), reads.py
-(inspect, dead list). Never imports trio; never reads the clock.
+concern: jobs.py (submit), leases.py (claim, renew, ack, fail, release), maintenance.py
+(promote, reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge),
+reads.py (inspect, dead list). Never imports trio; never reads the clock.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from relay.store.base import Changes, StoreConfig
 from relay.store.schema import open_database
 from relay.store.sqlite.dead import SqliteDead
 from relay.store.sqlite.jobs import SqliteJobs
+from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
 from relay.store.sqlite.reads import SqliteReads
 
 
-class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
+class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).
 
