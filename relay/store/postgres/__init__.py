@@ -8,7 +8,7 @@ parts as ``SqliteStore`` (relay/store/sqlite/), file for file:
 - leases.py: the transitions of a lease: claim, renew, ack, fail, release
 - maintenance.py: promote due jobs, reap expired leases, prune, next deadlines
 - dead.py: dead-letter retry and purge
-- reads.py: inspect, the dead list, the counts and event totals
+- reads.py: inspect, the dead list, the counts (event totals are the counts book's)
 - sql.py: the wrapper that gives a call its own transaction, and the text codec
 - schema.py: create and migrate the schema; notify.py: what a commit tells other servers
 """
