@@ -3,19 +3,20 @@
 ``Store`` is the interface (a ``Protocol``): the methods and attributes that the writer
 thread (relay/store/thread.py), the request ops (relay/server/ops.py), the typed commands
 (relay/store/commands.py) and the tests call. Each dialect implements it in its own
-package (relay/store/sqlite/), split by the same concerns: jobs and leases, maintenance,
-dead letters, reads.
+package (relay/store/sqlite/, relay/store/postgres/), split by the same concerns: submit,
+leases, maintenance, dead letters, reads.
 
 Also here, written once: the values a store reports (``Changes``, ``Reaped``, ``JobEvent``)
 and takes (``StoreConfig``, ``ClaimArgs``), the constants callers import, the dialect-free
-rules (``check_lease``, ``info_size``), and ``CountsBook``, the per-queue counts kept in
-memory with the journal that undoes them on rollback. Nothing here touches a database.
+rules (``check_lease``, ``info_size``), and ``CountsBook``: the event totals, the events
+recorded and the journal that undoes a transaction's counter changes, which both stores
+keep in memory. Nothing here touches a database.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -145,42 +146,31 @@ def info_size(info: JobInfo) -> int:
     return size + sum(len(orjson.dumps(text)) for text in errors) + REPLY_OVERHEAD_BYTES
 
 
-# (counter, key, n): one counter move, undone on rollback by subtracting n.
+# (counter, key, n): one counter change, undone on rollback by subtracting n.
 JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]
 
 
 class CountsBook:
-    """Jobs per (queue, state) and events per (queue, event), in memory, with a journal.
+    """What every store counts in memory beside its database: events per (queue, event)
+    since it opened, the events it records, and the journal that undoes its counters.
 
-    A store inherits it: every transition moves the counts (``_move``, ``_count``) as it
-    writes, and the store loads ``_counts`` from its tables when it opens. Inside a
-    transaction (``_journal`` not None: the store sets it at ``begin``) every move is
-    journaled, so that a rolled-back savepoint (``_undo(mark)``) or transaction
-    (``_undo(0)``) takes back its own moves, and the counts always equal what is committed.
-    At commit the store hands the journal to ``_forget_empty``.
+    A store inherits it, and adds its own count of jobs per (queue, state), which is where
+    the two differ: ``SqliteStore`` keeps every count in memory (``_counts``, loaded when
+    it opens), ``PostgresStore`` only the open transaction's moves (``_moves``, added to
+    job_counts by its commit). Each moves its counts with ``_move``, through ``_bump``.
+
+    Inside a transaction (``_journal`` not None: the store sets it at ``begin``) every
+    counter change is journaled, so that a rolled-back savepoint (``_undo(mark)``) or
+    transaction (``_undo_transaction``) takes back its own changes, and the counters
+    always equal what is committed.
     """
 
+    changes: Changes  # the store's: ``_record`` appends to its events
+
     def __init__(self) -> None:
-        self._counts: Counter[tuple[str, str]] = Counter()  # (queue, state) -> jobs
         self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
         # While a transaction runs: every counter change, to undo them on rollback.
         self._journal: list[JournalEntry] | None = None
-
-    def _forget_empty(self, journal: list[JournalEntry]) -> None:
-        """Drop the counts that this transaction brought to zero, and the event totals of
-        a queue left with no jobs at all: what is kept in memory then grows with the queues
-        that have jobs, not with every queue name ever used."""
-        emptied = set()
-        for counter, key, _ in journal:
-            if counter is self._counts and key in self._counts and not self._counts[key]:
-                del self._counts[key]
-                emptied.add(key[0])
-        for queue in emptied:
-            if not any(self._counts.get((queue, state)) for state in JobState):
-                for state in JobState:
-                    self._counts.pop((queue, state), None)
-                for event in EVENTS:
-                    self._totals.pop((queue, event), None)
 
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
@@ -188,35 +178,36 @@ class CountsBook:
             counter[key] -= n
         del self._journal[mark:]
 
+    def _undo_transaction(self) -> None:
+        """Take back every counter change of the transaction, if one is open, and end it."""
+        if self._journal is not None:
+            self._undo(0)
+        self._journal = None
+
     def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
         counter[key] += n
         if self._journal is not None:
             self._journal.append((counter, key, n))
 
-    def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
-        if src is not None:
-            self._bump(self._counts, (queue, src), -n)
-        if dst is not None:
-            self._bump(self._counts, (queue, dst), n)
-
     def _count(self, queue: str, event: str, n: int = 1) -> None:
         self._bump(self._totals, (queue, event), n)
 
-    def queue_stats(self) -> dict[str, dict[str, int]]:
-        """Jobs per queue and state (every state present, zeros included).
+    def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
+        """One job's change from state ``src``, for ``changes.events`` (call only while
+        recording)."""
+        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now, src))
 
-        Kept in memory and updated by every transition, so this never scans the table.
-        """
-        stats: dict[str, dict[str, int]] = {}
-        for (queue, state), n in self._counts.items():
-            if n:
-                stats.setdefault(queue, dict.fromkeys(JobState, 0))[JobState(state)] = n
-        return {
-            queue: {str(s): n for s, n in by_state.items()} for queue, by_state in stats.items()
-        }
+    def _forget_totals(self, queues: Iterable[str]) -> None:
+        """Drop the event totals of these queues, left with no jobs at all by a commit:
+        what is kept in memory then grows with the queues that have jobs, not with every
+        queue name ever used."""
+        for queue in queues:
+            for event in EVENTS:
+                self._totals.pop((queue, event), None)
 
     def event_totals(self) -> dict[tuple[str, str], int]:
-        """(queue, event) -> how many times it happened since this store was opened."""
+        """(queue, event) -> how many times it happened since this store was opened (in
+        this process: servers sharing a database each count their own)."""
         return {key: n for key, n in self._totals.items() if n}
 
 

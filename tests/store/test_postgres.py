@@ -30,7 +30,7 @@ from relay.model import Backoff, JobState, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import dead as dead_sql
-from relay.store.postgres import jobs as jobs_sql
+from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import maintenance as maintenance_sql
 from relay.store.postgres import reads as reads_sql
 from relay.store.postgres.sql import decode_text, encode_text
@@ -533,7 +533,7 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
     now = T0 + 300_002
     with psycopg.connect(url, autocommit=True) as conn:
         for statement, params, index in [
-            (jobs_sql._CANDIDATES, (["q0", "q2"], 10), "jobs_ready"),
+            (leases_sql._CANDIDATES, (["q0", "q2"], 10), "jobs_ready"),
             (maintenance_sql._PROMOTE, (now, 100), "jobs_due"),
             (maintenance_sql._REAP, {"now": now, "limit": 100, "error": "e"}, "jobs_leased"),
             (maintenance_sql._PRUNE_JOBS, (now, 100), "jobs_succeeded"),

@@ -1695,7 +1695,7 @@ def test_many_claims_at_once_lease_what_the_same_claims_one_by_one_would(
 
 
 def test_a_claim_reads_no_more_candidates_for_what_claims_on_other_queues_took(monkeypatch):
-    import relay.store.sqlite.jobs as sqlite_module
+    import relay.store.sqlite.leases as sqlite_module
 
     store = SqliteStore.open(":memory:")
     store.jobs_submit([spec("a")] * 300 + [spec("b")] * 10, T0)

@@ -1,19 +1,17 @@
-"""Jobs and leases on PostgreSQL: submit, claim, renew, ack, fail, release.
+"""Submit on PostgreSQL: ``jobs_submit`` and its helpers, ids from a sequence, the depth
+check and idempotency keys. The transitions of a held lease are leases.py.
 
-The rules are SqliteStore's (relay/store/sqlite.py); what differs is how they hold when
-several servers write at once. A claim locks its candidates with ``FOR UPDATE SKIP
-LOCKED``, so a job another server is leasing is skipped, never waited for and never leased
-twice; a command on a held lease locks the job's row before it checks the token; an
-idempotency key is taken with ``INSERT ... ON CONFLICT`` on its primary key, so that of two
-servers submitting one key at once, one creates the job and the other answers it.
+The rules are SqliteStore's (relay/store/sqlite/jobs.py); what differs is how they hold
+when several servers write at once. Ids come from one sequence in the database; an
+idempotency key is taken with ``INSERT ... ON CONFLICT`` on its primary key, so that of
+two servers submitting one key at once, one creates the job and the other answers it.
 
-Batches are a few statements whatever their size: many rows go in as arrays (``unnest``),
+A batch is a few statements whatever its size: many rows go in as arrays (``unnest``),
 and psycopg prepares each statement after a few runs, since their texts do not vary.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -22,25 +20,15 @@ from relay.errors import QueueFull
 from relay.model import (
     DEFAULT_BACKOFF,
     ID_SEQ_BITS,
-    Backoff,
-    FailOutcome,
     JobState,
-    Lease,
     SubmitResult,
     SubmitSpec,
-    effective_priority,
-    parse_job_id,
-    truncate_utf8,
 )
-from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs, check_lease
+from relay.store.base import PENDING, READY, UNFINISHED
 from relay.store.postgres.sql import atomic, encode_text
 
 if TYPE_CHECKING:
     from relay.store.postgres.store import PostgresStore
-
-PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
-RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
-UNFINISHED = (PENDING, READY, LEASED, RETRYING)
 
 # Job ids come from the sequence job_ids (one per database: an in-process generator would
 # collide across servers), in the layout of relay.model: milliseconds << 21 plus a count.
@@ -94,54 +82,9 @@ _TAKE_KEYS = (
     "RETURNING queue, key"
 )
 
-# The oldest ready jobs of each (queue, priority class), locked, skipping the ones other
-# servers have locked: the only candidates, since within a class the oldest job has both
-# the earliest ready time and the most aging. Each class is an index scan of jobs_ready.
-_CANDIDATES = (
-    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue "
-    "FROM unnest(%s::text[]) AS q(queue) CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
-    "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue "
-    "FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
-    "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
-)
-_CLAIM = (
-    "UPDATE jobs SET state = 'leased', attempt = jobs.attempt + 1, lease_token = v.token, "
-    "lease_worker = v.worker, lease_expires_at = v.expires_at "
-    "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
-    "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id "
-    "RETURNING jobs.id, jobs.attempt, jobs.max_attempts, jobs.payload"
-)
-
-# The columns ``check_lease`` reads, in its order.
-_LEASE_COLUMNS = (
-    "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
-    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter"
-)
-_LEASE_ROW = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = %s FOR UPDATE"
-# In id order: two servers locking the same rows lock them in the same order.
-_LEASE_ROWS = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
-_ACK = (
-    "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = %s, "
-    "lease_expires_at = NULL WHERE id = %s"
-)
-_ACK_MANY = (
-    "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = v.result, "
-    "lease_expires_at = NULL FROM unnest(%s::bigint[], %s::text[]) AS v(id, result) "
-    "WHERE jobs.id = v.id"
-)
-# A failed attempt: its error in the history and on the job, in one statement.
-_FAILED = (
-    "WITH e AS (INSERT INTO job_errors (job_id, attempt, error, at) "
-    "VALUES (%(id)s, %(attempt)s, %(error)s, %(now)s) RETURNING job_id, error) "
-    "UPDATE jobs SET {changes}, last_error = e.error, lease_expires_at = NULL "
-    "FROM e WHERE jobs.id = e.job_id"
-)
-_FAILED_RETRYING = _FAILED.format(changes="state = 'retrying', run_at = %(at)s")
-_FAILED_DEAD = _FAILED.format(changes="state = 'dead', finished_at = %(at)s")
-
 
 class Jobs:
-    """Submit, claim and the held-lease commands of ``PostgresStore``."""
+    """Submit: part of ``PostgresStore``."""
 
     # -- submit ----------------------------------------------------------------------------
 
@@ -363,244 +306,3 @@ class Jobs:
             depth = sum(counts[(queue, state)] for state in UNFINISHED)
             if depth + n > limit:
                 raise QueueFull(f"queue {queue} holds {depth} unfinished jobs (max {limit})")
-
-    # -- leases ----------------------------------------------------------------------------
-
-    def jobs_claim(
-        self: PostgresStore,
-        queues: Sequence[str],
-        worker_id: str,
-        count: int,
-        lease_ms: int,
-        now: int,
-        max_bytes: int | None = None,
-    ) -> list[Lease]:
-        """Lease up to ``count`` ready jobs from ``queues``, best effective priority first
-        (see ``SqliteStore.jobs_claim``). Jobs that another server is leasing at this
-        moment are skipped, never waited for."""
-        return self.jobs_claim_many([(queues, worker_id, count, lease_ms, max_bytes)], now)[0]
-
-    @atomic
-    def jobs_claim_many(
-        self: PostgresStore, claims: Sequence[ClaimArgs], now: int
-    ) -> list[list[Lease]]:
-        """Many claims (each the arguments of ``jobs_claim``): one statement per set of
-        queues for the candidates, and one update for all the leases.
-
-        The outcome is that of ``SqliteStore.jobs_claim_many`` among the jobs no other
-        server holds locked: claims grouped by their set of queues, the groups in the order
-        they first appear (among the claims that ask for at least one job), the claims of
-        a group in the order given; each takes the best jobs the ones before it left.
-        Candidates this transaction locked but did not lease stay locked until it ends,
-        and other servers skip them meanwhile.
-        """
-        chosen: list[list[int]] = [[] for _ in claims]  # the keys each claim leases
-        found: dict[int, tuple] = {}  # key -> its candidate row
-        taken: set[int] = set()
-        taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
-            if count > 0 and queues:
-                groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
-        for queues, members in groups.items():
-            # Enough candidates for every member, even if earlier groups (claims on some of
-            # these queues among others) took some of them.
-            wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
-            candidates = self._read(_CANDIDATES, (list(queues), wanted)).fetchall()
-            # The same order as SqliteStore's: effective priority, then ready time, then id.
-            if len(candidates) > 1:
-                candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
-            available = (c for c in candidates if c[0] not in taken)
-            for i in members:
-                count, max_bytes = claims[i][2], claims[i][4]
-                mine, size = chosen[i], 0
-                for candidate in available:
-                    key, length, queue = candidate[0], candidate[3], candidate[4]
-                    mine.append(key)
-                    found[key] = candidate
-                    taken.add(key)
-                    taken_from[queue] += 1
-                    size += length + REPLY_OVERHEAD_BYTES
-                    if len(mine) == count or (max_bytes is not None and size >= max_bytes):
-                        break
-        if not taken:
-            return [[] for _ in claims]
-        # One urandom call for all the tokens.
-        hex_digits = secrets.token_hex(TOKEN_BYTES * len(taken))
-        width = 2 * TOKEN_BYTES
-        tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
-        # Per claim: (key, token, worker, expiry) of each job it leases.
-        granted = [
-            [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
-            for claim, mine in zip(claims, chosen, strict=True)
-        ]
-        updates = [update for mine in granted for update in mine]
-        leased = {
-            key: (attempt, max_attempts, payload)
-            for key, attempt, max_attempts, payload in self._write(
-                _CLAIM,
-                (
-                    [u[0] for u in updates],
-                    [u[1] for u in updates],
-                    [encode_text(u[2]) for u in updates],
-                    [u[3] for u in updates],
-                ),
-            )
-        }
-        per_queue: dict[str, int] = {}
-        results: list[list[Lease]] = []
-        for claim, mine in zip(claims, granted, strict=True):
-            leases = []
-            for key, token, _worker, expires_at in mine:
-                _, priority, _, _, queue = found[key]
-                attempt, max_attempts, payload = leased[key]
-                leases.append(
-                    Lease(
-                        f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
-                        token, expires_at,
-                    )
-                )  # fmt: skip
-                per_queue[queue] = per_queue.get(queue, 0) + 1
-            if leases:
-                self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
-            results.append(leases)
-        for queue, n in per_queue.items():
-            self._move(queue, READY, LEASED, n)
-            self._count(queue, "leased", n)
-        if self.recording:  # claim by claim
-            self.changes.events += [
-                (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
-                for leases in results
-                for lease in leases
-            ]
-        return results
-
-    def _held_lease(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, now: int, operation: str
-    ) -> tuple | None:
-        """The job row, locked, if ``token`` and ``worker_id`` hold its unexpired lease.
-
-        Returns None for an ack repeated with the token that completed the job.
-
-        Raises:
-            JobNotFound, StaleToken, LeaseExpired: and changes nothing.
-        """
-        key = parse_job_id(job_id)
-        row = None
-        if key is not None:
-            row = self._read(_LEASE_ROW, (key,)).fetchone()
-        return check_lease(row, job_id, encode_text(worker_id), token, now, operation)
-
-    @atomic
-    def lease_renew(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, lease_ms: int, now: int
-    ) -> int:
-        """Extend a held lease to now + ``lease_ms``; return the new expiry."""
-        row = self._held_lease(job_id, worker_id, token, now, "renew")
-        assert row is not None
-        expires_at = now + lease_ms
-        self._write("UPDATE jobs SET lease_expires_at = %s WHERE id = %s", (expires_at, row[0]))
-        self.changes.expiry(expires_at)
-        return expires_at
-
-    @atomic
-    def jobs_ack(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, result: str | None, now: int
-    ) -> None:
-        """Complete a job. Repeating the ack with the completing token is answered ok."""
-        row = self._held_lease(job_id, worker_id, token, now, "ack")
-        if row is None:
-            return
-        self._write(_ACK, (now, result, row[0]))
-        self._move(row[1], LEASED, SUCCEEDED)
-        self._count(row[1], "acked")
-        if self.recording:
-            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
-
-    @atomic
-    def jobs_ack_many(
-        self: PostgresStore, acks: Sequence[tuple[str, str, str, str | None]], now: int
-    ) -> list[None]:
-        """Ack many jobs (job_id, worker_id, token, result) with one read and one write.
-
-        All or nothing: if any ack would be refused, or one job appears twice, raises
-        (a ``RelayError`` or ValueError) having changed nothing; the caller then acks one
-        by one to give each its own answer.
-        """
-        keys = [parse_job_id(job_id) for job_id, *_ in acks]
-        if None in keys or len(set(keys)) != len(keys):
-            raise ValueError("not a run of distinct job ids")
-        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (keys,))}
-        updates: list[tuple[int, str | None]] = []
-        per_queue: dict[str, int] = {}
-        for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
-            row = check_lease(rows.get(key), job_id, encode_text(worker_id), token, now, "ack")
-            if row is not None:  # None: an ack repeated with the completing token
-                updates.append((key, result))
-                per_queue[row[1]] = per_queue.get(row[1], 0) + 1
-        if updates:
-            self._write(_ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates]))
-        for queue, n in per_queue.items():
-            self._move(queue, LEASED, SUCCEEDED, n)
-            self._count(queue, "acked", n)
-        if self.recording:
-            for key, _result in updates:
-                row = rows[key]
-                self._record(key, row[1], "leased", "succeeded", row[3], now)
-        return [None] * len(acks)
-
-    @atomic
-    def jobs_fail(
-        self: PostgresStore,
-        job_id: str,
-        worker_id: str,
-        token: str,
-        error: str,
-        retryable: bool,
-        now: int,
-    ) -> FailOutcome:
-        """Record a failed attempt: retrying after its backoff, or dead when spent."""
-        row = self._held_lease(job_id, worker_id, token, now, "fail")
-        assert row is not None
-        key, queue, _state, attempt, max_attempts = row[:5]
-        params = {
-            "id": key,
-            "attempt": attempt,
-            "error": encode_text(truncate_utf8(error, self.config.max_error_bytes)),
-            "now": now,
-        }
-        self._count(queue, "failed")
-        if retryable and attempt < max_attempts:
-            backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
-            retry_at = now + backoff.delay_ms(attempt, self._rng)
-            self._write(_FAILED_RETRYING, {**params, "at": retry_at})
-            self._move(queue, LEASED, RETRYING)
-            self._count(queue, "retried")
-            self.changes.due(retry_at)
-            if self.recording:
-                self._record(key, queue, "leased", "retrying", attempt, now)
-            return FailOutcome(RETRYING, retry_at)
-        self._write(_FAILED_DEAD, {**params, "at": now})
-        self._move(queue, LEASED, DEAD)
-        self._count(queue, "dead")
-        if self.recording:
-            self._record(key, queue, "leased", "dead", attempt, now)
-        return FailOutcome(DEAD, None)
-
-    @atomic
-    def jobs_release(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, now: int
-    ) -> None:
-        """Give a leased job back at once; its attempt counter returns to the value it had
-        before this lease, and it keeps its place (ready_at) in the queue."""
-        row = self._held_lease(job_id, worker_id, token, now, "release")
-        assert row is not None
-        self._write(
-            "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
-            "WHERE id = %s",
-            (row[0],),
-        )
-        self._move(row[1], LEASED, READY)
-        self.changes.ready_queues.add(row[1])
-        if self.recording:  # the attempt given back
-            self._record(row[0], row[1], "leased", "ready", row[3] - 1, now)

@@ -1,9 +1,9 @@
-"""Reads on PostgreSQL: a job, the dead letters, the counts and the event totals.
+"""Reads on PostgreSQL: a job, the dead letters and the counts.
 
 None of these locks or writes anything. ``queue_stats`` sums every server's counts (see
-``PostgresStore._flush_counts_and_commit``), so it answers for the whole database, not for what this
-server committed; ``event_totals`` stays this process's own (Prometheus sums counters over
-the servers).
+``PostgresStore._flush_counts_and_commit``), so it answers for the whole database, not for
+what this server committed; ``event_totals`` stays this process's own, in memory as with
+SQLite (``CountsBook``, relay/store/base.py; Prometheus sums counters over the servers).
 """
 
 from __future__ import annotations
@@ -107,11 +107,6 @@ class Reads:
             return {}
         rows = self._read(_OLDEST_READY, (queues,))
         return {queue: max(0, now - oldest) for queue, oldest in rows if oldest is not None}
-
-    def event_totals(self: PostgresStore) -> dict[tuple[str, str], int]:
-        """(queue, event) -> how many times it happened through this store since it was
-        opened."""
-        return {key: n for key, n in self._totals.items() if n}
 
     def dead_list(
         self: PostgresStore,

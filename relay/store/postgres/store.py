@@ -38,10 +38,11 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from relay.store.base import EVENTS, Changes, StoreConfig
+from relay.store.base import Changes, CountsBook, StoreConfig
 from relay.store.postgres import notify
 from relay.store.postgres.dead import DeadLetters
 from relay.store.postgres.jobs import Jobs
+from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
 from relay.store.postgres.reads import Reads
 from relay.store.postgres.schema import open_connection
@@ -75,10 +76,8 @@ _DROP_ZEROS = (
 # Of these queues, the ones that still hold jobs.
 _HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
 
-Journal = list[tuple[Counter[tuple[str, str]], tuple[str, str], int]]
 
-
-class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
+class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
     """The job store on one PostgreSQL connection, which it owns.
 
     Not thread-safe: exactly one thread (the writer) may call it.
@@ -105,15 +104,13 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         # Jitter needs no cryptographic strength; tokens do, and use `secrets`.
         self._rng = rng or random.Random()
         self.slot = secrets.randbelow(COUNT_SLOTS) if slot is None else slot
+        super().__init__()  # the counts book (relay/store/base.py): empty, no transaction
         # The moves of the open transaction, (queue, state) -> jobs: added to the
         # slot's rows of job_counts by its commit.
         self._moves: Counter[tuple[str, str]] = Counter()
-        self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
         # Queues some of whose jobs the open transaction deleted: their event totals are
         # forgotten if they are left without jobs (as SqliteStore does).
         self._deleted_from: set[str] = set()
-        # While a transaction runs: every counter change, to undo them on rollback.
-        self._journal: Journal | None = None
         # Rows written by every statement so far (for ``write_mark``).
         self._rows = 0
         # BEGIN not sent yet: it goes with the transaction's first statement (``_read``).
@@ -152,9 +149,7 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         with contextlib.suppress(psycopg.Error):
             self._db.close()
         self._db = conn
-        if self._journal is not None:
-            self._undo(0)
-        self._journal = None
+        self._undo_transaction()
         self._begin_pending = False
         self._moves.clear()
         self._deleted_from.clear()
@@ -252,9 +247,7 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         self._journal = None
         self._moves.clear()
         self._deleted_from.clear()
-        for queue in empty:
-            for event in EVENTS:
-                self._totals.pop((queue, event), None)
+        self._forget_totals(empty)
 
     def rollback(self) -> None:
         self._roll_back()
@@ -266,9 +259,7 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
         else:
             with contextlib.suppress(psycopg.Error):
                 self._db.execute("ROLLBACK")
-        if self._journal is not None:
-            self._undo(0)
-        self._journal = None
+        self._undo_transaction()
         self._moves.clear()
         self._deleted_from.clear()
 
@@ -288,16 +279,7 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
             raise
         return result
 
-    def _undo(self, mark: int) -> None:
-        assert self._journal is not None
-        for counter, key, n in reversed(self._journal[mark:]):
-            counter[key] -= n
-        del self._journal[mark:]
-
-    def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
-        counter[key] += n
-        if self._journal is not None:
-            self._journal.append((counter, key, n))
+    # -- counts ------------------------------------------------------------------------------
 
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
         if src is not None:
@@ -306,16 +288,6 @@ class PostgresStore(Jobs, Maintenance, DeadLetters, Reads):
             self._bump(self._moves, (queue, dst), n)
         elif src is not None:
             self._deleted_from.add(queue)
-
-    def _count(self, queue: str, event: str, n: int = 1) -> None:
-        self._bump(self._totals, (queue, event), n)
-
-    def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
-        """One job's change from state ``src``, for ``changes.events`` (call only while
-        recording)."""
-        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now, src))
-
-    # -- counts ------------------------------------------------------------------------------
 
     def _flush_counts_and_commit(self) -> list[str]:
         """Add the transaction's moves to this store's slot of job_counts and commit, in

@@ -4,10 +4,11 @@
 opening a file are relay/store/schema.py. Where each part lives:
 
 - store.py: ``SqliteStore`` itself: open, close, transactions, the counts loaded at open
-- jobs.py: the transitions a client makes: submit, claim, renew, ack, fail, release
+- jobs.py: submit: new jobs, the depth limits, idempotency keys
+- leases.py: the transitions of a lease: claim, renew, ack, fail, release
 - maintenance.py: promote due jobs, reap expired leases, recover, prune, next deadlines
 - dead.py: dead-letter retry and purge
-- reads.py: inspect and the dead list (stats and event totals are the counts book's)
+- reads.py: inspect, the dead list, the counts (event totals are the counts book's)
 - sql.py: statements of many rows, JSON reads, and the base the parts share
 """
 

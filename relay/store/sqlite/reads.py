@@ -2,8 +2,8 @@
 (``dead_list``), with their error histories; how long each queue's oldest ready job has
 waited (``oldest_ready_ms``).
 
-``queue_stats`` and ``event_totals`` read no table: they come from the counts kept in
-memory (``CountsBook``, relay/store/base.py).
+``queue_stats`` reads no table: it comes from the counts kept in memory (``_counts``,
+sql.py); nor does ``event_totals`` (``CountsBook``, relay/store/base.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ class SqliteReads(SqliteBase):
         if row is None:
             raise JobNotFound(job_id)
         return self._job_infos([row])[0]
+
+    def queue_stats(self) -> dict[str, dict[str, int]]:
+        """Jobs per queue and state (every state present, zeros included).
+
+        Kept in memory and updated by every transition, so this never scans the table.
+        """
+        stats: dict[str, dict[str, int]] = {}
+        for (queue, state), n in self._counts.items():
+            if n:
+                stats.setdefault(queue, dict.fromkeys(JobState, 0))[JobState(state)] = n
+        return {
+            queue: {str(s): n for s, n in by_state.items()} for queue, by_state in stats.items()
+        }
 
     def oldest_ready_ms(self, now: int) -> dict[str, int]:
         """Per queue with ready jobs: how long its oldest ready job has waited (ms).

@@ -1,6 +1,7 @@
 """What every part of the SQLite store shares: statements of many rows, reads as one row of
 JSON, the claim's candidates statement, and ``SqliteBase``, the state and the few helper
-transitions that the parts (jobs.py, maintenance.py, dead.py, reads.py) are written against.
+transitions that the parts (jobs.py, leases.py, maintenance.py, dead.py, reads.py) are
+written against.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import functools
 import random
 import sqlite3
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import orjson
@@ -115,7 +117,8 @@ INLINE_CANDIDATES = 256
 
 
 class SqliteBase(CountsBook):
-    """What the parts of ``SqliteStore`` share (relay/store/sqlite/store.py sets it up).
+    """What the parts of ``SqliteStore`` share (relay/store/sqlite/store.py sets it up):
+    its state, the counts of jobs per state in memory, and a few helper transitions.
 
     Not thread-safe: exactly one thread (the writer) may call a store.
     """
@@ -126,11 +129,15 @@ class SqliteBase(CountsBook):
     _ids: JobIdGenerator  # job ids, above every id ever committed
     changes: Changes  # what the calls since the last commit changed
     recording: bool  # whether transitions append to ``changes.events``
+    # (queue, state) -> jobs, every one in memory: loaded at open, moved by each transition
+    # (``_move``), undone with the journal (``CountsBook``), so never a scan of the table.
+    _counts: Counter[tuple[str, str]]
 
-    def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
-        """One job's change from state ``src``, for ``changes.events`` (call only while
-        recording)."""
-        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now, src))
+    def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
+        if src is not None:
+            self._bump(self._counts, (queue, src), -n)
+        if dst is not None:
+            self._bump(self._counts, (queue, dst), n)
 
     def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
         """One entry of a job's error history."""

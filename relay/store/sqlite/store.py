@@ -2,9 +2,9 @@
 
 Here: opening and closing, the transactions the writer runs (``begin``, ``command``,
 ``commit``, ``rollback``, ``write_mark``) and loading the counts. The transitions live by
-concern: jobs.py (submit, claim, renew, ack, fail, release), maintenance.py (promote,
-reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge), reads.py
-(inspect, dead list). Never imports trio; never reads the clock.
+concern: jobs.py (submit), leases.py (claim, renew, ack, fail, release), maintenance.py
+(promote, reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge),
+reads.py (inspect, dead list). Never imports trio; never reads the clock.
 """
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ from __future__ import annotations
 import contextlib
 import random
 import sqlite3
+from collections import Counter
 from collections.abc import Iterator
 
-from relay.model import JobIdGenerator
-from relay.store.base import Changes, StoreConfig
+from relay.model import JobIdGenerator, JobState
+from relay.store.base import Changes, JournalEntry, StoreConfig
 from relay.store.schema import open_database
 from relay.store.sqlite.dead import SqliteDead
 from relay.store.sqlite.jobs import SqliteJobs
+from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
 from relay.store.sqlite.reads import SqliteReads
 
 
-class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
+class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).
 
@@ -51,6 +53,7 @@ class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
         top = conn.execute("SELECT max(id) FROM jobs").fetchone()[0]
         self._ids = JobIdGenerator(max(int(last[0]) if last else 0, top or 0))
         super().__init__()  # the counts book (relay/store/base.py): empty, no transaction
+        self._counts = Counter()
         self._load_counts()
         self.changes = Changes()
         # Whether transitions append to ``changes.events``. Off, they cost one check of
@@ -133,15 +136,28 @@ class SqliteStore(SqliteJobs, SqliteMaintenance, SqliteDead, SqliteReads):
         # Ids issued in the rolled-back transaction stay used in this process (the
         # generator never goes back); none was committed or answered, so none needs
         # remembering across a restart.
-        if self._journal is not None:
-            self._undo(0)
-        self._journal = None
+        self._undo_transaction()
         self.changes = Changes()
 
     def recount(self) -> None:
         """Count the jobs per queue and state again from the table (after a failure that
         may have left the counts short of what was committed outside a transaction)."""
         self._load_counts()
+
+    def _forget_empty(self, journal: list[JournalEntry]) -> None:
+        """Drop the counts that this transaction brought to zero, and the event totals of
+        a queue left with no jobs at all: what is kept in memory then grows with the queues
+        that have jobs, not with every queue name ever used."""
+        emptied = set()
+        for counter, key, _ in journal:
+            if counter is self._counts and key in self._counts and not self._counts[key]:
+                del self._counts[key]
+                emptied.add(key[0])
+        for queue in emptied:
+            if not any(self._counts.get((queue, state)) for state in JobState):
+                for state in JobState:
+                    self._counts.pop((queue, state), None)
+                self._forget_totals([queue])
 
     def _load_counts(self) -> None:
         self._counts.clear()

@@ -1,0 +1,301 @@
+"""The transitions of a lease as SQLite: claim (one or many claims), renew, ack (one or
+many), fail and release, the check of a held lease, and their statements.
+
+These are hot paths (``jobs_claim_many``, ``jobs_ack_many``): each touches many rows in a
+few statements (see sql.py), and their per-job Python is written out where profiles
+showed it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Sequence
+
+from relay.model import (
+    Backoff,
+    FailOutcome,
+    Lease,
+    effective_priority,
+    parse_job_id,
+    truncate_utf8,
+)
+from relay.store.base import (
+    DEAD,
+    LEASED,
+    READY,
+    REPLY_OVERHEAD_BYTES,
+    RETRYING,
+    SUCCEEDED,
+    TOKEN_BYTES,
+    ClaimArgs,
+    check_lease,
+)
+from relay.store.sqlite.sql import (
+    _JSON_IDS,
+    _PRIORITIES_HIGH_FIRST,
+    INLINE_CANDIDATES,
+    SqliteBase,
+    _claim_candidates_sql,
+    _execute_rows,
+    _json_ids,
+    _json_rows,
+)
+
+# A job's lease row: the columns ``check_lease`` reads, in its order, then the backoff.
+_LEASE_COLUMNS = (
+    "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
+    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter"
+)
+_LEASE_ROWS_SQL = (
+    f"SELECT json_group_array(json_array({_LEASE_COLUMNS})) FROM jobs WHERE id IN {_JSON_IDS}"
+)
+_ACK_UPDATE = (
+    "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = v.column2, "
+    "lease_expires_at = NULL FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+)
+_LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
+
+# One statement leases a chunk of jobs, each with its own token, worker and expiry.
+_CLAIM_UPDATE = (
+    "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = v.column2, "
+    "lease_worker = v.column3, lease_expires_at = v.column4 FROM (VALUES {values}) AS v "
+    "WHERE jobs.id = v.column1"
+)
+_CLAIMED_PAYLOADS_SQL = (
+    f"SELECT json_group_array(json_array(id, payload)) FROM jobs WHERE id IN {_JSON_IDS}"
+)
+
+
+class SqliteLeases(SqliteBase):
+    """Claim, renew, ack, fail, release: part of ``SqliteStore``."""
+
+    def jobs_claim(
+        self,
+        queues: Sequence[str],
+        worker_id: str,
+        count: int,
+        lease_ms: int,
+        now: int,
+        max_bytes: int | None = None,
+    ) -> list[Lease]:
+        """Lease up to ``count`` ready jobs from ``queues``, best effective priority first.
+
+        Each claim increments the attempt and issues a fresh random token. Within one
+        effective priority, the job that became ready first goes first. With
+        ``max_bytes``, claiming stops once the payloads reach it (always at least one
+        job), so that one reply stays bounded whatever ``count`` asked for.
+        """
+        return self.jobs_claim_many([(queues, worker_id, count, lease_ms, max_bytes)], now)[0]
+
+    def jobs_claim_many(self, claims: Sequence[ClaimArgs], now: int) -> list[list[Lease]]:
+        """Many claims (each the arguments of ``jobs_claim``) with two statements in all, or
+        three when some payloads are large (more than INLINE_PAYLOAD_BYTES) or the claims
+        want many jobs (more than INLINE_CANDIDATES candidates).
+
+        The outcome is that of making the claims one after the other: grouped by their set
+        of queues, the groups in the order they first appear (among the claims that ask
+        for at least one job), the claims of a group in the order given; each takes the
+        best jobs the ones before it left.
+        """
+        chosen: list[list[int]] = [[] for _ in claims]  # the keys each claim leases
+        found: dict[int, list] = {}  # key -> its candidate row
+        taken: set[int] = set()
+        taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
+            if count > 0 and queues:
+                groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
+        for queues, members in groups.items():
+            # Enough candidates for every member, even if earlier groups (claims on some of
+            # these queues among others) took some of them.
+            wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
+            params: list[object] = []
+            for queue in queues:
+                for priority in _PRIORITIES_HIGH_FIRST:
+                    params += (queue, priority, wanted)
+            inline = wanted * len(params) // 3 <= INLINE_CANDIDATES
+            candidates = _json_rows(self._db, _claim_candidates_sql(len(queues), inline), params)
+            # Within one (queue, class) the oldest job also has the highest effective
+            # priority, so the best of all candidates are the best jobs overall.
+            if len(candidates) > 1:
+                candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
+            available = (c for c in candidates if c[0] not in taken)
+            for i in members:
+                count, max_bytes = claims[i][2], claims[i][4]
+                mine, size = chosen[i], 0
+                for candidate in available:
+                    key, length, queue = candidate[0], candidate[3], candidate[4]
+                    mine.append(key)
+                    found[key] = candidate
+                    taken.add(key)
+                    taken_from[queue] += 1
+                    size += length + REPLY_OVERHEAD_BYTES
+                    if len(mine) == count or (max_bytes is not None and size >= max_bytes):
+                        break
+        if not taken:
+            return [[] for _ in claims]
+        # One urandom call for all the tokens.
+        hex_digits = secrets.token_hex(TOKEN_BYTES * len(taken))
+        width = 2 * TOKEN_BYTES
+        tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
+        # Per claim: (key, token, worker, expiry) of each job it leases.
+        granted = [
+            [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
+            for claim, mine in zip(claims, chosen, strict=True)
+        ]
+        updates = [update for mine in granted for update in mine]
+        _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
+        missing = [key for key in taken if found[key][7] is None]
+        if missing:  # payloads that did not come with the candidates
+            for key, payload in _json_rows(self._db, _CLAIMED_PAYLOADS_SQL, (_json_ids(missing),)):
+                found[key][7] = payload
+        per_queue: dict[str, int] = {}
+        results: list[list[Lease]] = []
+        for claim, mine in zip(claims, granted, strict=True):
+            leases = []
+            for key, token, _worker, expires_at in mine:
+                _, priority, _, _, queue, attempt, max_attempts, payload = found[key]
+                leases.append(
+                    Lease(
+                        f"job_{key:016x}", queue, payload, priority, attempt + 1, max_attempts,
+                        token, expires_at,
+                    )
+                )  # fmt: skip
+                per_queue[queue] = per_queue.get(queue, 0) + 1
+            if leases:
+                self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
+            results.append(leases)
+        for queue, n in per_queue.items():
+            self._move(queue, READY, LEASED, n)
+            self._count(queue, "leased", n)
+        if self.recording:  # in the order of the update: claim by claim
+            self.changes.events += [
+                (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
+                for leases in results
+                for lease in leases
+            ]
+        return results
+
+    def _held_lease(
+        self, job_id: str, worker_id: str, token: str, now: int, operation: str
+    ) -> tuple | None:
+        """The job row if ``token`` and ``worker_id`` hold its unexpired lease.
+
+        Returns None for an ack repeated with the token that completed the job.
+
+        Raises:
+            JobNotFound, StaleToken, LeaseExpired: and changes nothing.
+        """
+        key = parse_job_id(job_id)
+        row = None
+        if key is not None:
+            row = self._db.execute(_LEASE_ROW_SQL + "id = ?", (key,)).fetchone()
+        return check_lease(row, job_id, worker_id, token, now, operation)
+
+    def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
+        """Extend a held lease to now + ``lease_ms``; return the new expiry."""
+        row = self._held_lease(job_id, worker_id, token, now, "renew")
+        assert row is not None
+        expires_at = now + lease_ms
+        self._db.execute("UPDATE jobs SET lease_expires_at = ? WHERE id = ?", (expires_at, row[0]))
+        self.changes.expiry(expires_at)
+        return expires_at
+
+    def jobs_ack(
+        self, job_id: str, worker_id: str, token: str, result: str | None, now: int
+    ) -> None:
+        """Complete a job. Repeating the ack with the completing token is answered ok."""
+        row = self._held_lease(job_id, worker_id, token, now, "ack")
+        if row is None:
+            return
+        self._db.execute(
+            "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = ?, "
+            "lease_expires_at = NULL WHERE id = ?",
+            (now, result, row[0]),
+        )
+        self._move(row[1], LEASED, SUCCEEDED)
+        self._count(row[1], "acked")
+        if self.recording:
+            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
+
+    def jobs_ack_many(
+        self, acks: Sequence[tuple[str, str, str, str | None]], now: int
+    ) -> list[None]:
+        """Ack many jobs (job_id, worker_id, token, result) with one read and one write.
+
+        All or nothing: if any ack would be refused, or one job appears twice, raises
+        (a ``RelayError`` or ValueError) having changed nothing; the caller then acks one
+        by one to give each its own answer.
+        """
+        keys = [parse_job_id(job_id) for job_id, *_ in acks]
+        if None in keys or len(set(keys)) != len(keys):
+            raise ValueError("not a run of distinct job ids")
+        found = _json_rows(self._db, _LEASE_ROWS_SQL, (_json_ids(keys),))
+        rows = {row[0]: row for row in found}
+        updates = []
+        per_queue: dict[str, int] = {}
+        for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
+            row = check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
+            if row is not None:  # None: an ack repeated with the completing token
+                updates.append((key, result))
+                per_queue[row[1]] = per_queue.get(row[1], 0) + 1
+        _execute_rows(self._db, _ACK_UPDATE, "(?, ?)", updates, (now,))
+        for queue, n in per_queue.items():
+            self._move(queue, LEASED, SUCCEEDED, n)
+            self._count(queue, "acked", n)
+        if self.recording:
+            for key, _result in updates:
+                row = rows[key]
+                self._record(key, row[1], "leased", "succeeded", row[3], now)
+        return [None] * len(acks)
+
+    def jobs_fail(
+        self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int
+    ) -> FailOutcome:
+        """Record a failed attempt: retrying after its backoff, or dead when spent."""
+        row = self._held_lease(job_id, worker_id, token, now, "fail")
+        assert row is not None
+        key, queue, _state, attempt, max_attempts = row[:5]
+        error = truncate_utf8(error, self.config.max_error_bytes)
+        self._record_error(key, attempt, error, now)
+        self._count(queue, "failed")
+        if retryable and attempt < max_attempts:
+            backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
+            retry_at = now + backoff.delay_ms(attempt, self._rng)
+            self._db.execute(
+                "UPDATE jobs SET state = 'retrying', run_at = ?, last_error = ?, "
+                "lease_expires_at = NULL WHERE id = ?",
+                (retry_at, error, key),
+            )
+            self._move(queue, LEASED, RETRYING)
+            self._count(queue, "retried")
+            self.changes.due(retry_at)
+            if self.recording:
+                self._record(key, queue, "leased", "retrying", attempt, now)
+            return FailOutcome(RETRYING, retry_at)
+        self._db.execute(
+            "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ?, "
+            "lease_expires_at = NULL WHERE id = ?",
+            (now, error, key),
+        )
+        self._move(queue, LEASED, DEAD)
+        self._count(queue, "dead")
+        if self.recording:
+            self._record(key, queue, "leased", "dead", attempt, now)
+        return FailOutcome(DEAD, None)
+
+    def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
+        """Give a leased job back at once; its attempt counter returns to the value it had
+        before this lease, and it keeps its place (ready_at) in the queue."""
+        row = self._held_lease(job_id, worker_id, token, now, "release")
+        assert row is not None
+        self._db.execute(
+            "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
+            "WHERE id = ?",
+            (row[0],),
+        )
+        self._move(row[1], LEASED, READY)
+        self.changes.ready_queues.add(row[1])
+        if self.recording:  # the attempt given back
+            self._record(row[0], row[1], "leased", "ready", row[3] - 1, now)
