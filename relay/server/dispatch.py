@@ -21,7 +21,7 @@ import attrs
 import orjson
 import trio
 
-from relay import requests, wire
+from relay import parsing, requests, wire
 from relay.errors import (
     BadRequest,
     InternalError,
@@ -241,7 +241,7 @@ class Dispatcher:
             if handler is None or not (type(request_id) is int or wire.valid_id(request_id)):
                 if not wire.valid_id(request_id):
                     request_id = None
-                requests.parse_request(requests.Frame(request_id, name, fields), self.limits)
+                parsing.parse_request(parsing.Frame(request_id, name, fields), self.limits)
                 raise UnknownOp(f"unknown op {name!r}")  # (parse_request raised first)
             op = name
             handler(connection, request_id, started, fields)
@@ -257,8 +257,8 @@ class Dispatcher:
             self._answer_now(connection, op, started, wire.encode_error(request_id, error))
 
     def _typed(self, fields: dict[str, Any], name: str) -> Any:
-        """The general path: the typed, range-checked request (relay/requests.py)."""
-        return requests.parse_request(requests.Frame(fields.get("id"), name, fields), self.limits)
+        """The general path: the typed, range-checked request (relay/parsing.py)."""
+        return parsing.parse_request(parsing.Frame(fields.get("id"), name, fields), self.limits)
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         token = self._typed(fields, "hello").token
