@@ -27,12 +27,12 @@ from relay.errors import (
     InternalError,
     RelayError,
     ShuttingDown,
-    Unauthorized,
     UnknownOp,
 )
 from relay.histogram import Histogram
 from relay.server import ops
-from relay.server.auth import Role, Throttle, Tokens, required_role
+from relay.server.access import Access
+from relay.server.auth import Role, Tokens
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
@@ -60,8 +60,8 @@ class Connection(Protocol):
     closed: bool  # replies are dropped
     can_wait: bool  # a long-poll may park for this connection
     peer: str  # "host:port", for logs and for slowing repeated failed hellos
-    role: Role  # what the connection may do (Dispatcher.set_role)
-    ops: dict[str, Any]  # the handlers of its role: the dispatcher's to set and read
+    role: Role  # what the connection may do (Access.set_role)
+    ops: dict[str, Any]  # the handlers of its role (Access.set_role)
 
     def begin_request(self) -> None: ...
     def reserve(self, nbytes: int) -> None: ...  # a large reply is coming
@@ -103,10 +103,6 @@ class Dispatcher:
         self.limits = limits
         self.longpolls = longpolls
         self.watchers = watchers  # None: no watch (embedded mode)
-        # With tokens, a connection starts with no role and must say hello with one.
-        self.tokens = tokens
-        self.first_role = Role.NONE if tokens is not None else Role.ADMIN
-        self.throttle = Throttle()  # failed hellos, per peer host
         # How many client connections are open, for stats; the transport sets it.
         self.connections: Callable[[], int] = lambda: 0
         self._started_ns = time.monotonic_ns()
@@ -135,19 +131,8 @@ class Dispatcher:
             "watch": self._watch,
             "unwatch": self._unwatch,
         }
-        # The handlers each role may use; the others answer unauthorized. A connection
-        # holds its role's table (``set_role``): checking access costs no lookup.
-        self._tables = {
-            role: {
-                name: handler if role >= required_role(name) else self._forbidden
-                for name, handler in handlers.items()
-            }
-            for role in Role
-        }
-
-    def set_role(self, connection: Connection, role: Role) -> None:
-        connection.role = role
-        connection.ops = self._tables[role]
+        # Who may use which: a connection holds the table of its role (relay/server/access.py).
+        self.access = Access(tokens, handlers, self._answer_now, self._histogram)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -248,7 +233,7 @@ class Dispatcher:
         except RelayError as exc:
             if connection.role is Role.NONE:
                 # Not a hello (not even JSON, perhaps): the first request must be one.
-                self._refuse(connection, op, started, request_id, f"not a hello: {exc.code}")
+                self.access.refuse(connection, op, started, request_id, f"not a hello: {exc.code}")
                 return
             self._answer_now(connection, op, started, wire.encode_error(request_id, exc))
         except Exception:
@@ -262,14 +247,8 @@ class Dispatcher:
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         token = self._typed(fields, "hello").token
-        if self.tokens is not None:
-            # Also a later hello: a valid token sets the connection's role anew.
-            role = None if token is None else self.tokens.role_of(token)
-            if role is None:
-                reason = "no token" if token is None else "wrong token"
-                self._refuse(connection, "hello", started, rid, reason)
-                return
-            self.set_role(connection, role)
+        if not self.access.admit(connection, rid, started, token):
+            return
         reply = {
             "server": "relay-trio",
             "version": VERSION,
@@ -278,30 +257,6 @@ class Dispatcher:
             "role": connection.role.label,
         }
         self._answer_now(connection, "hello", started, wire.encode_ok(rid, reply))
-
-    def _forbidden(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        """An op the connection's role does not allow: unauthorized, and the connection
-        stays open; before a hello, unauthorized and closed."""
-        name = fields["op"]
-        if connection.role is Role.NONE:
-            self._refuse(connection, name, started, rid, f"{name} before hello")
-            return
-        need = required_role(name).label
-        error = Unauthorized(f"{name} needs the {need} role; this token is {connection.role.label}")
-        self._answer_now(connection, name, started, wire.encode_error(rid, error))
-
-    def _refuse(
-        self, connection: Connection, op: str, started: float, rid: Any, reason: str
-    ) -> None:
-        """A failed authentication: counted, logged (never with a token), answered
-        unauthorized, after a delay if the peer keeps failing, and the connection closed."""
-        now = trio.current_time()
-        delay = self.throttle.failed(connection.peer, reason, now)
-        error = Unauthorized("a hello with a valid token must come first")
-        if reason == "wrong token":
-            error = Unauthorized("invalid token")
-        self._histogram(op).observe(now - started)
-        connection.refuse(wire.encode_error(rid, error), delay)
 
     def _ping(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         self._answer_now(connection, "ping", started, wire.encode_ok(rid, {}))

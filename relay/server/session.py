@@ -71,8 +71,7 @@ class Session:
         self.limits = dispatcher.limits
         self.idle_timeout = idle_timeout
         self.peer = peer
-        self.role = dispatcher.first_role  # and self.ops: set by the dispatcher
-        dispatcher.set_role(self, self.role)
+        dispatcher.access.set_role(self, dispatcher.access.first_role)  # self.role, self.ops
         # A failed authentication's answer and its delay: the last thing sent (refuse).
         self._refusal: tuple[bytes, float] | None = None
         self.splitter = LineSplitter(self.limits.max_frame_bytes)
