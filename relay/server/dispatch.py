@@ -8,6 +8,9 @@ wrong), and one tuple into the writer; no task, Event, coroutine or object per r
 (except a lease's ``PendingLease``). Replies that need no database (hello, ping, errors)
 are given at once. The writer thread makes the others' reply lines after the commit
 (relay/server/ops.py); the connection's ``deliver`` hands each to ``finish``.
+
+Which ops a connection may use is relay/server/access.py; the handlers of the rare
+requests beside the job flow (inspect, dead letters, watch) are relay/server/admin.py.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import attrs
 import orjson
 import trio
 
-from relay import parsing, requests, wire
+from relay import parsing, wire
 from relay.errors import (
     BadRequest,
     InternalError,
@@ -32,11 +35,11 @@ from relay.errors import (
 from relay.histogram import Histogram
 from relay.server import ops
 from relay.server.access import Access
+from relay.server.admin import AdminHandlers, job_reply_bytes
 from relay.server.auth import Role, Tokens
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
-from relay.store import commands as cmd
-from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
+from relay.store.base import REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
 from relay.store.writer import Writer
 
@@ -49,10 +52,6 @@ DURATION_BOUNDS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
     2.5, 5, 10, 30, 60,
 )  # fmt: skip
-
-# Dead letters of a whole queue are retried or purged this many per transaction, so one
-# admin request never holds the writer for long.
-DEAD_CHUNK = 1000
 
 
 class Connection(Protocol):
@@ -74,13 +73,6 @@ class Connection(Protocol):
     def refuse(self, data: bytes, delay: float) -> None: ...
 
 
-def _job_reply_bytes(limits: wire.Limits) -> int:
-    """The most one job can take in an inspect or dead_list reply: payload, result, and
-    its last error and error history (each error byte at most 6 once escaped as JSON)."""
-    errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
-    return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
-
-
 @attrs.frozen
 class DispatchStatistics:
     in_flight: int
@@ -88,8 +80,13 @@ class DispatchStatistics:
     durations: dict[str, Any]  # op -> HistogramSnapshot
 
 
-class Dispatcher:
-    """Turns request lines into writer items, and answers, for every connection."""
+class Dispatcher(AdminHandlers):
+    """Turns request lines into writer items, and answers, for every connection.
+
+    The handlers of the rare requests beside the job flow (inspect, the dead letters,
+    watch) are in relay/server/admin.py (``AdminHandlers``, inherited: a part of this
+    class, as the store's parts are of ``SqliteStore``).
+    """
 
     def __init__(
         self,
@@ -111,7 +108,7 @@ class Dispatcher:
         self._idle = trio.Event()
         self._idle.set()
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
-        self._job_bytes = _job_reply_bytes(limits)
+        self._job_bytes = job_reply_bytes(limits)  # (admin.py)
         handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
             "hello": self._hello,
             "ping": self._ping,
@@ -323,12 +320,6 @@ class Dispatcher:
         args = (r.job_id, r.worker_id, r.token)
         self._queue(connection, (ops.RELEASE, connection, rid, started, args))
 
-    def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        r = self._typed(fields, "inspect")
-        args = ops.Reserving(r.job_id, self._job_bytes)
-        connection.reserve(args.reserved)
-        self._queue(connection, (ops.INSPECT, connection, rid, started, args))
-
     def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "stats")
         server = {
@@ -337,75 +328,6 @@ class Dispatcher:
             "connections": self.connections(),
         }
         self._queue(connection, (ops.STATS, connection, rid, started, (server, r.oldest_ready)))
-
-    def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        r = self._typed(fields, "dead_list")
-        page = (r.queue, r.limit, r.cursor, self.limits.max_reply_bytes)
-        args = ops.Reserving(page, self.limits.max_reply_bytes + self._job_bytes)
-        connection.reserve(args.reserved)
-        self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
-
-    def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = self._typed(fields, "watch")
-        if self.watchers is None or not hasattr(connection, "push"):
-            raise UnknownOp("watch needs a network connection (TCP or WebSocket)")
-        self.watchers.watch(connection, request.queues, request.states)  # type: ignore[arg-type]
-        # Answered after the next commit, which records events already (see watch.py).
-        self._queue(connection, (ops.WATCH, connection, rid, started, None))
-
-    def _unwatch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        self._typed(fields, "unwatch")
-        if self.watchers is not None:
-            self.watchers.unwatch(connection)
-        self._answer_now(connection, "unwatch", started, wire.encode_ok(rid, {}))
-
-    def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = self._typed(fields, "dead_retry")
-        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
-
-    def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = self._typed(fields, "dead_purge")
-        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
-
-    def _dead(
-        self,
-        connection: Connection,
-        rid: Any,
-        started: float,
-        request: requests.DeadSelect,
-        one: ops.RequestOp,
-        chunk: Callable[[str, int], Any],
-    ) -> None:
-        if request.job_id is not None:
-            self._queue(connection, (one, connection, rid, started, request.job_id))
-            return
-        # A whole queue: a rare admin request that may take many transactions. It gets a
-        # task in the connection's nursery (the one exception to "no task per request"),
-        # so the connection keeps reading and the writer serves others between chunks.
-        assert request.queue is not None
-        self._count_in(connection)
-        item = (one, connection, rid, started, None)
-        connection.nursery.start_soon(self._dead_queue, connection, item, request.queue, chunk)
-
-    async def _dead_queue(
-        self, connection: Connection, item: Item, queue: str, chunk: Callable
-    ) -> None:
-        total = 0
-        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
-        try:
-            while True:
-                n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
-                total += n
-                if n < DEAD_CHUNK:
-                    break
-            data = wire.encode_ok(item[2], {"count": total})
-        except RelayError as exc:
-            data = wire.encode_error(item[2], exc)
-        finally:
-            # Also when cancelled (the connection closed): the request must be accounted
-            # as answered, or shutdown would wait for it until its deadline.
-            self.answered(connection, item, trio.current_time())
-            connection.reply(data)
 
     # -- outcomes ----------------------------------------------------------------------------
 
