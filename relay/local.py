@@ -40,7 +40,7 @@ class LocalTransport:
         self.nursery = core.nursery  # the dispatcher's admin tasks (dead retry of a queue)
         self.peer = "local"
         # In-process: the program that opened the queue may do everything.
-        core.dispatcher.set_role(self, Role.ADMIN)
+        core.dispatcher.access.set_role(self, Role.ADMIN)
 
     # -- the dispatcher's Connection interface ----------------------------------------------
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay import framing, requests, wire
+from relay import framing, parsing, requests, wire
 from relay.errors import BadRequest, UnknownOp
 from relay.model import JobInfo, JobState, Lease, Priority
 
@@ -21,7 +21,7 @@ json_values = st.recursive(
 
 
 def parse(**fields):
-    return requests.parse_request(requests.decode_frame(orjson.dumps(fields)), LIMITS)
+    return parsing.parse_request(parsing.decode_frame(orjson.dumps(fields)), LIMITS)
 
 
 @given(
@@ -156,9 +156,9 @@ def test_invalid_fields_are_bad_requests_naming_the_field(fields, field):
 
 def test_payload_over_the_limit_is_refused():
     limits = wire.Limits(max_payload_bytes=10)
-    frame = requests.decode_frame(orjson.dumps({"op": "submit", "queue": "q", "payload": "x" * 9}))
+    frame = parsing.decode_frame(orjson.dumps({"op": "submit", "queue": "q", "payload": "x" * 9}))
     with pytest.raises(BadRequest, match="payload"):
-        requests.parse_request(frame, limits)
+        parsing.parse_request(frame, limits)
 
 
 # Deeper than orjson writes (254 levels), within what it reads (1,024).
@@ -179,9 +179,9 @@ DEEP = b"[" * 300 + b"]" * 300
 )  # fmt: skip
 def test_json_nested_too_deeply_to_store_is_a_bad_request_naming_the_field(line, field):
     """Not an internal error: the value is the client's, and it is refused before use."""
-    frame = requests.decode_frame(line % DEEP)
+    frame = parsing.decode_frame(line % DEEP)
     with pytest.raises(BadRequest) as caught:
-        request = requests.parse_request(frame, wire.Limits())
+        request = parsing.parse_request(frame, wire.Limits())
         if isinstance(request, requests.Ack):
             request.result_text(wire.Limits())
     assert caught.value.field == field
@@ -206,7 +206,7 @@ def test_unknown_op_is_its_own_error():
 @pytest.mark.parametrize("line", [b"", b"nope", b"[1,2]", b'"text"', b"{", b"\xff\xfe"])
 def test_lines_that_are_not_json_objects_are_bad_requests(line):
     with pytest.raises(BadRequest):
-        requests.decode_frame(line)
+        parsing.decode_frame(line)
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility():
@@ -273,7 +273,7 @@ def test_the_fast_submit_path_agrees_with_the_full_path(job):
     what it declines, the full path parses or refuses on its own."""
     fast = wire.fast_submit_spec(job, LIMITS)
     try:
-        full = requests.structure(job, requests.Submit).to_spec(LIMITS)
+        full = parsing.structure(job, requests.Submit).to_spec(LIMITS)
     except BadRequest:
         full = None
     if fast is not None:
@@ -291,7 +291,7 @@ def test_the_fast_submit_path_agrees_with_the_full_path(job):
 def test_plain_submits_take_the_fast_path(job):
     fast = wire.fast_submit_spec(job, LIMITS)
     assert fast is not None
-    assert fast == requests.structure(job, requests.Submit).to_spec(LIMITS)
+    assert fast == parsing.structure(job, requests.Submit).to_spec(LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -378,10 +378,10 @@ def test_ack_batch_holds_one_to_max_batch_acks():
 
     def parse_acks(n: int):
         acks = [{"job_id": f"j{i}", "token": "t"} for i in range(n)]
-        frame = requests.decode_frame(
+        frame = parsing.decode_frame(
             orjson.dumps({"op": "ack_batch", "worker_id": "w", "acks": acks})
         )
-        return requests.parse_request(frame, limits)
+        return parsing.parse_request(frame, limits)
 
     assert [job_id for job_id, *_ in parse_acks(3)] == ["j0", "j1", "j2"]
     for n in (0, 4):
@@ -395,10 +395,10 @@ def test_ack_batch_result_over_the_limit_is_refused_naming_its_ack():
 
     def parse_results(*results):
         acks = [{"job_id": "j", "token": "t", "result": r} for r in results]
-        frame = requests.decode_frame(
+        frame = parsing.decode_frame(
             orjson.dumps({"op": "ack_batch", "worker_id": "w", "acks": acks})
         )
-        return requests.parse_request(frame, limits)
+        return parsing.parse_request(frame, limits)
 
     exact = "x" * 8  # 10 bytes encoded, with its quotes
     assert [result for *_, result in parse_results(1, exact)] == ["1", '"xxxxxxxx"']
@@ -431,7 +431,7 @@ def test_each_ack_of_a_batch_is_checked_exactly_like_an_ack(item):
     limits = wire.Limits(max_result_bytes=12)
 
     def request(fields):
-        return requests.parse_request(requests.decode_frame(orjson.dumps(fields)), limits)
+        return parsing.parse_request(parsing.decode_frame(orjson.dumps(fields)), limits)
 
     try:
         ack = request({"op": "ack", "worker_id": "w", **item})

@@ -8,6 +8,9 @@ wrong), and one tuple into the writer; no task, Event, coroutine or object per r
 (except a lease's ``PendingLease``). Replies that need no database (hello, ping, errors)
 are given at once. The writer thread makes the others' reply lines after the commit
 (relay/server/ops.py); the connection's ``deliver`` hands each to ``finish``.
+
+Which ops a connection may use is relay/server/access.py; the handlers of the rare
+requests beside the job flow (inspect, dead letters, watch) are relay/server/admin.py.
 """
 
 from __future__ import annotations
@@ -21,22 +24,22 @@ import attrs
 import orjson
 import trio
 
-from relay import requests, wire
+from relay import parsing, wire
 from relay.errors import (
     BadRequest,
     InternalError,
     RelayError,
     ShuttingDown,
-    Unauthorized,
     UnknownOp,
 )
 from relay.histogram import Histogram
 from relay.server import ops
-from relay.server.auth import Role, Throttle, Tokens, required_role
+from relay.server.access import Access
+from relay.server.admin import AdminHandlers, job_reply_bytes
+from relay.server.auth import Role, Tokens
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
-from relay.store import commands as cmd
-from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
+from relay.store.base import REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
 from relay.store.writer import Writer
 
@@ -50,18 +53,14 @@ DURATION_BOUNDS = (
     2.5, 5, 10, 30, 60,
 )  # fmt: skip
 
-# Dead letters of a whole queue are retried or purged this many per transaction, so one
-# admin request never holds the writer for long.
-DEAD_CHUNK = 1000
-
 
 class Connection(Protocol):
     nursery: trio.Nursery
     closed: bool  # replies are dropped
     can_wait: bool  # a long-poll may park for this connection
     peer: str  # "host:port", for logs and for slowing repeated failed hellos
-    role: Role  # what the connection may do (Dispatcher.set_role)
-    ops: dict[str, Any]  # the handlers of its role: the dispatcher's to set and read
+    role: Role  # what the connection may do (Access.set_role)
+    ops: dict[str, Any]  # the handlers of its role (Access.set_role)
 
     def begin_request(self) -> None: ...
     def reserve(self, nbytes: int) -> None: ...  # a large reply is coming
@@ -74,13 +73,6 @@ class Connection(Protocol):
     def refuse(self, data: bytes, delay: float) -> None: ...
 
 
-def _job_reply_bytes(limits: wire.Limits) -> int:
-    """The most one job can take in an inspect or dead_list reply: payload, result, and
-    its last error and error history (each error byte at most 6 once escaped as JSON)."""
-    errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
-    return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
-
-
 @attrs.frozen
 class DispatchStatistics:
     in_flight: int
@@ -88,8 +80,13 @@ class DispatchStatistics:
     durations: dict[str, Any]  # op -> HistogramSnapshot
 
 
-class Dispatcher:
-    """Turns request lines into writer items, and answers, for every connection."""
+class Dispatcher(AdminHandlers):
+    """Turns request lines into writer items, and answers, for every connection.
+
+    The handlers of the rare requests beside the job flow (inspect, the dead letters,
+    watch) are in relay/server/admin.py (``AdminHandlers``, inherited: a part of this
+    class, as the store's parts are of ``SqliteStore``).
+    """
 
     def __init__(
         self,
@@ -103,10 +100,6 @@ class Dispatcher:
         self.limits = limits
         self.longpolls = longpolls
         self.watchers = watchers  # None: no watch (embedded mode)
-        # With tokens, a connection starts with no role and must say hello with one.
-        self.tokens = tokens
-        self.first_role = Role.NONE if tokens is not None else Role.ADMIN
-        self.throttle = Throttle()  # failed hellos, per peer host
         # How many client connections are open, for stats; the transport sets it.
         self.connections: Callable[[], int] = lambda: 0
         self._started_ns = time.monotonic_ns()
@@ -115,7 +108,7 @@ class Dispatcher:
         self._idle = trio.Event()
         self._idle.set()
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
-        self._job_bytes = _job_reply_bytes(limits)
+        self._job_bytes = job_reply_bytes(limits)  # (admin.py)
         handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
             "hello": self._hello,
             "ping": self._ping,
@@ -135,19 +128,8 @@ class Dispatcher:
             "watch": self._watch,
             "unwatch": self._unwatch,
         }
-        # The handlers each role may use; the others answer unauthorized. A connection
-        # holds its role's table (``set_role``): checking access costs no lookup.
-        self._tables = {
-            role: {
-                name: handler if role >= required_role(name) else self._forbidden
-                for name, handler in handlers.items()
-            }
-            for role in Role
-        }
-
-    def set_role(self, connection: Connection, role: Role) -> None:
-        connection.role = role
-        connection.ops = self._tables[role]
+        # Who may use which: a connection holds the table of its role (relay/server/access.py).
+        self.access = Access(tokens, handlers, self._answer_now, self._histogram)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -241,14 +223,14 @@ class Dispatcher:
             if handler is None or not (type(request_id) is int or wire.valid_id(request_id)):
                 if not wire.valid_id(request_id):
                     request_id = None
-                requests.parse_request(requests.Frame(request_id, name, fields), self.limits)
+                parsing.parse_request(parsing.Frame(request_id, name, fields), self.limits)
                 raise UnknownOp(f"unknown op {name!r}")  # (parse_request raised first)
             op = name
             handler(connection, request_id, started, fields)
         except RelayError as exc:
             if connection.role is Role.NONE:
                 # Not a hello (not even JSON, perhaps): the first request must be one.
-                self._refuse(connection, op, started, request_id, f"not a hello: {exc.code}")
+                self.access.refuse(connection, op, started, request_id, f"not a hello: {exc.code}")
                 return
             self._answer_now(connection, op, started, wire.encode_error(request_id, exc))
         except Exception:
@@ -257,19 +239,13 @@ class Dispatcher:
             self._answer_now(connection, op, started, wire.encode_error(request_id, error))
 
     def _typed(self, fields: dict[str, Any], name: str) -> Any:
-        """The general path: the typed, range-checked request (relay/requests.py)."""
-        return requests.parse_request(requests.Frame(fields.get("id"), name, fields), self.limits)
+        """The general path: the typed, range-checked request (relay/parsing.py)."""
+        return parsing.parse_request(parsing.Frame(fields.get("id"), name, fields), self.limits)
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         token = self._typed(fields, "hello").token
-        if self.tokens is not None:
-            # Also a later hello: a valid token sets the connection's role anew.
-            role = None if token is None else self.tokens.role_of(token)
-            if role is None:
-                reason = "no token" if token is None else "wrong token"
-                self._refuse(connection, "hello", started, rid, reason)
-                return
-            self.set_role(connection, role)
+        if not self.access.admit(connection, rid, started, token):
+            return
         reply = {
             "server": "relay-trio",
             "version": VERSION,
@@ -278,30 +254,6 @@ class Dispatcher:
             "role": connection.role.label,
         }
         self._answer_now(connection, "hello", started, wire.encode_ok(rid, reply))
-
-    def _forbidden(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        """An op the connection's role does not allow: unauthorized, and the connection
-        stays open; before a hello, unauthorized and closed."""
-        name = fields["op"]
-        if connection.role is Role.NONE:
-            self._refuse(connection, name, started, rid, f"{name} before hello")
-            return
-        need = required_role(name).label
-        error = Unauthorized(f"{name} needs the {need} role; this token is {connection.role.label}")
-        self._answer_now(connection, name, started, wire.encode_error(rid, error))
-
-    def _refuse(
-        self, connection: Connection, op: str, started: float, rid: Any, reason: str
-    ) -> None:
-        """A failed authentication: counted, logged (never with a token), answered
-        unauthorized, after a delay if the peer keeps failing, and the connection closed."""
-        now = trio.current_time()
-        delay = self.throttle.failed(connection.peer, reason, now)
-        error = Unauthorized("a hello with a valid token must come first")
-        if reason == "wrong token":
-            error = Unauthorized("invalid token")
-        self._histogram(op).observe(now - started)
-        connection.refuse(wire.encode_error(rid, error), delay)
 
     def _ping(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         self._answer_now(connection, "ping", started, wire.encode_ok(rid, {}))
@@ -368,12 +320,6 @@ class Dispatcher:
         args = (r.job_id, r.worker_id, r.token)
         self._queue(connection, (ops.RELEASE, connection, rid, started, args))
 
-    def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        r = self._typed(fields, "inspect")
-        args = ops.Reserving(r.job_id, self._job_bytes)
-        connection.reserve(args.reserved)
-        self._queue(connection, (ops.INSPECT, connection, rid, started, args))
-
     def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "stats")
         server = {
@@ -382,75 +328,6 @@ class Dispatcher:
             "connections": self.connections(),
         }
         self._queue(connection, (ops.STATS, connection, rid, started, (server, r.oldest_ready)))
-
-    def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        r = self._typed(fields, "dead_list")
-        page = (r.queue, r.limit, r.cursor, self.limits.max_reply_bytes)
-        args = ops.Reserving(page, self.limits.max_reply_bytes + self._job_bytes)
-        connection.reserve(args.reserved)
-        self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
-
-    def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = self._typed(fields, "watch")
-        if self.watchers is None or not hasattr(connection, "push"):
-            raise UnknownOp("watch needs a network connection (TCP or WebSocket)")
-        self.watchers.watch(connection, request.queues, request.states)  # type: ignore[arg-type]
-        # Answered after the next commit, which records events already (see watch.py).
-        self._queue(connection, (ops.WATCH, connection, rid, started, None))
-
-    def _unwatch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        self._typed(fields, "unwatch")
-        if self.watchers is not None:
-            self.watchers.unwatch(connection)
-        self._answer_now(connection, "unwatch", started, wire.encode_ok(rid, {}))
-
-    def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = self._typed(fields, "dead_retry")
-        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
-
-    def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        request = self._typed(fields, "dead_purge")
-        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
-
-    def _dead(
-        self,
-        connection: Connection,
-        rid: Any,
-        started: float,
-        request: requests.DeadSelect,
-        one: ops.RequestOp,
-        chunk: Callable[[str, int], Any],
-    ) -> None:
-        if request.job_id is not None:
-            self._queue(connection, (one, connection, rid, started, request.job_id))
-            return
-        # A whole queue: a rare admin request that may take many transactions. It gets a
-        # task in the connection's nursery (the one exception to "no task per request"),
-        # so the connection keeps reading and the writer serves others between chunks.
-        assert request.queue is not None
-        self._count_in(connection)
-        item = (one, connection, rid, started, None)
-        connection.nursery.start_soon(self._dead_queue, connection, item, request.queue, chunk)
-
-    async def _dead_queue(
-        self, connection: Connection, item: Item, queue: str, chunk: Callable
-    ) -> None:
-        total = 0
-        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
-        try:
-            while True:
-                n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
-                total += n
-                if n < DEAD_CHUNK:
-                    break
-            data = wire.encode_ok(item[2], {"count": total})
-        except RelayError as exc:
-            data = wire.encode_error(item[2], exc)
-        finally:
-            # Also when cancelled (the connection closed): the request must be accounted
-            # as answered, or shutdown would wait for it until its deadline.
-            self.answered(connection, item, trio.current_time())
-            connection.reply(data)
 
     # -- outcomes ----------------------------------------------------------------------------
 

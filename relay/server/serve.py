@@ -119,7 +119,7 @@ async def serve(
                 queues=await core.writer.execute(cmd.Stats()),
                 events=await core.writer.execute(cmd.EventTotals()),
                 connections=listener.connections,
-                auth_failures=dispatcher.throttle.failures_total,
+                auth_failures=dispatcher.access.throttle.failures_total,
                 watchers=len(core.watchers),
                 watch_buffered=core.watchers.buffered(),
                 durations=dispatcher.statistics().durations,
@@ -140,7 +140,7 @@ async def serve(
                 # a bearer token of any role.
                 guard = None
                 if config.tokens is not None and not is_loopback(config.metrics_host):
-                    guard = bearer_guard(config.tokens, dispatcher.throttle)
+                    guard = bearer_guard(config.tokens, dispatcher.access.throttle)
                 # The page is told where the WebSocket endpoint is (the port bound, not 0).
                 dashboard = Dashboard(
                     config.metrics_host, config.ws_host, None if ws_address is None else

@@ -2,9 +2,10 @@
 
 A session is three tasks in its own nursery, whatever its traffic: the reader (this task)
 splits frames and hands each to the dispatcher; the sender (``Outbox.run_sender``) writes
-the replies that the socket could not take at once; the watchdog closes the connection
-when it idles or stops reading its replies. Replies arrive from the writer's hand-off
-through ``deliver`` (sync), so the replies of one group commit go out together.
+the replies that the socket could not take at once; the watchdog (relay/server/
+watchdog.py) closes the connection when it idles or stops reading its replies. Replies
+arrive from the writer's hand-off through ``deliver`` (sync), so the replies of one group
+commit go out together.
 
 Write-through (relay/server/outbox.py): a reply is written to the socket at once when
 nothing is queued before it. The replies of one ``deliver`` (one commit) are written with
@@ -19,7 +20,7 @@ one request at a time costs one read per request, not a failing read and then a 
 
 Backpressure: at most ``max_in_flight`` requests (and MAX_OWED_BYTES of their replies) may
 be unanswered or answered-but-unsent; at that point the reader stops reading, and TCP pushes
-back on the client.
+back on the client (relay/server/room.py: where the reader waits, and who wakes it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from relay.log import event
 from relay.server.auth import Role
 from relay.server.dispatch import Dispatcher
 from relay.server.outbox import Outbox
+from relay.server.room import Room
 from relay.server.streamio import TCP_CLOSE, TCP_CLOSE_WAIT, StreamIO
+from relay.server.watchdog import Watchdog
 from relay.store.items import Item
 
 log = logging.getLogger("relay.session")
@@ -71,8 +74,7 @@ class Session:
         self.limits = dispatcher.limits
         self.idle_timeout = idle_timeout
         self.peer = peer
-        self.role = dispatcher.first_role  # and self.ops: set by the dispatcher
-        dispatcher.set_role(self, self.role)
+        dispatcher.access.set_role(self, dispatcher.access.first_role)  # self.role, self.ops
         # A failed authentication's answer and its delay: the last thing sent (refuse).
         self._refusal: tuple[bytes, float] | None = None
         self.splitter = LineSplitter(self.limits.max_frame_bytes)
@@ -84,22 +86,21 @@ class Session:
         self._can_wait = True
         self.nursery: trio.Nursery  # set by run(); the dispatcher's admin tasks live here
         self._io = StreamIO(stream)  # its bytes, its socket
+        # Where the reader waits for room, and who is woken when room is made.
+        self._room = Room(self, self._io, dispatcher.longpolls)
         # The replies owed (relay/server/outbox.py): written through, or by its sender.
-        self._outbox = Outbox(stream, self._io.fd, peer, self._wake_reader, self._broken)
+        self._outbox = Outbox(stream, self._io.fd, peer, self._room.made, self._broken)
         self._reserved = 0  # bytes set aside for large replies of requests in flight
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
         # held until the slice ends; those of other tasks (a whole-queue dead_retry's, say)
         # are written at once, as the reader may be waiting meanwhile.
         self._holder: trio.lowlevel.Task | None = None
-        self._room_lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
-        self._sent_lot = trio.lowlevel.ParkingLot()  # a watch's pump waits here
-        # The reader's watch for the client's next bytes while it waits for room: cancelled
-        # when room is made (see _wait_for_room).
-        self._room_watch: trio.CancelScope | None = None
         self._reading = trio.CancelScope()
-        # For the watchdog (trio clock): when the client last sent bytes.
-        self._last_read = trio.current_time()
+        self._watchdog = Watchdog(
+            idle_timeout, peer, self._outbox, self.splitter, self._busy, self._reading.cancel,
+            self._broken,
+        )  # fmt: skip
 
     @property
     def closed(self) -> bool:
@@ -111,7 +112,7 @@ class Session:
     def can_wait(self) -> bool:
         """A long-poll may park, or be claimed again, for this client: not once it has
         stopped sending (EOF, shutdown) or gone. The reader may not have seen that yet: it
-        waits for room without reading (``_wait_for_room``), or has not been scheduled
+        waits for room without reading (``Room.wait``), or has not been scheduled
         since the client's FIN arrived, while another connection's commit wakes this
         client's long-poll. So the kernel's view decides too (one system call, asked only
         for a long-poll about to park or be claimed again): a FIN counts as EOF, and a
@@ -153,7 +154,7 @@ class Session:
         self._outbox.add(data)
         holder = self._holder
         if not self._delivering and (holder is None or holder is not trio.lowlevel.current_task()):
-            self._flush()
+            self.flush()
 
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None:
         """The replies of one commit for this connection: written together, with one
@@ -176,13 +177,13 @@ class Session:
                 else:
                     # A long-poll parked, and gave back its reservation: a reader waiting
                     # for room looks again (it may read, or watch for the client going).
-                    self._wake_reader()
+                    self._room.made()
         finally:
             self._delivering = False
             if lines:
                 self.in_flight -= len(lines)
                 dispatcher.answered_lines(lines, now)
-        self._flush()
+        self.flush()
 
     # -- for a watch (relay/server/watch.py): lines that answer no request -----------------
 
@@ -190,12 +191,12 @@ class Session:
         return self._outbox.unsent
 
     async def wait_sent(self) -> None:
-        await self._sent_lot.park()
+        await self._room.wait_sent()
 
     def push(self, data: bytes) -> None:
         if not self.closed:
             self._outbox.add(data)
-            self._flush()
+            self.flush()
 
     def refuse(self, data: bytes, delay: float) -> None:
         """Read and run nothing more; answer ``data`` after ``delay``, then close."""
@@ -203,7 +204,7 @@ class Session:
         self._closing("unauthorized")
         self._reading.cancel()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         self._outbox.flush()
 
     def _broken(self, exc: BaseException) -> None:
@@ -225,24 +226,28 @@ class Session:
         if closing is not None:
             closing(reason)
 
-    def _owed(self) -> int:
+    def owed(self) -> int:
         return self.in_flight + self._outbox.count + self._outbox.sending
 
-    def _stop_waiting(self) -> None:
+    def stop_waiting(self) -> None:
         """The client has stopped sending (EOF, a reset, a fatal frame, shutdown): its
         parked long-polls are answered now, and none parks or is claimed again."""
         self._can_wait = False
         self.dispatcher.longpolls.drop(self)
 
-    def _full(self) -> bool:
+    def full(self) -> bool:
         """No more requests are read for now: ``max_in_flight`` are owed, or the bytes of
         the replies owed (reserved by large requests in flight, or not yet written) reach
-        MAX_OWED_BYTES. (Asked per request: written out rather than through _owed and
+        MAX_OWED_BYTES. (Asked per request: written out rather than through owed and
         reply_room.)"""
         return (
             self.in_flight + self._outbox.count + self._outbox.sending >= self._max_in_flight
             or self._reserved + self._outbox.unsent >= MAX_OWED_BYTES
         )
+
+    def _busy(self) -> bool:
+        """For the watchdog: something of its own is in flight or unsent, or it watches."""
+        return self.owed() != 0 or self in (self.dispatcher.watchers or ())
 
     async def run(self) -> None:
         """Serve the connection until the client leaves, idles out, or is cancelled.
@@ -253,17 +258,16 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self._outbox.run_sender)
-                nursery.start_soon(self._watchdog)
+                nursery.start_soon(self._watchdog.run)
                 if self.role is Role.NONE:
                     nursery.start_soon(self._hello_deadline)
                 with self._reading:
                     await self._read_loop()
-                self._stop_waiting()
+                self.stop_waiting()
                 # The client sent its last request (or the server stops reading): write
                 # what is owed, then close.
                 with trio.move_on_after(self.limits.max_wait_ms / 1000 + DRAIN_GRACE_S):
-                    while self._owed():
-                        await self._room_lot.park()
+                    await self._room.wait_answered()
                     if self._refusal is not None:
                         await self._send_refusal()
                     if self.splitter.overflow or self._refusal is not None:
@@ -271,7 +275,7 @@ class Session:
                 nursery.cancel_scope.cancel()
         finally:
             self._outbox.close()
-            self._stop_waiting()
+            self.stop_waiting()
             await self._io.close()
 
     async def _send_refusal(self) -> None:
@@ -280,8 +284,7 @@ class Session:
         await trio.sleep(delay)
         self.begin_request()
         self.reply(data)
-        while self._owed():
-            await self._room_lot.park()
+        await self._room.wait_answered()
 
     async def _hello_deadline(self) -> None:
         await trio.sleep(HELLO_TIMEOUT_S)
@@ -290,27 +293,27 @@ class Session:
             self._broken(trio.TooSlowError("no hello in time"))
 
     async def _read_loop(self) -> None:
+        watchdog = self._watchdog
         while True:
-            if self._full():
-                await self._wait_for_room(line_waiting=False)
+            if self.full():
+                await self._room.wait(line_waiting=False)
             try:
                 data = await self._io.receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # reset by the peer: as good as EOF (and it reads nothing more)
             if not data:
                 return
-            self._last_read = trio.current_time()
-            await self._dispatch_all(self.splitter.feed(data))
+            watchdog.last_read = started = trio.current_time()
+            await self._dispatch_all(self.splitter.feed(data), started)
             if self._refusal is not None:
                 return
             if self.splitter.overflow:
                 # Nothing after the oversized frame is read. The lines before it are
                 # answered first (their commits may still be on the way; a parked
                 # long-poll ends now), so that a client reading the error knows the rest.
-                self._stop_waiting()
+                self.stop_waiting()
                 with trio.move_on_after(DRAIN_GRACE_S):
-                    while self._owed():
-                        await self._room_lot.park()
+                    await self._room.wait_answered()
                 self._closing("frame_too_large")
                 error = FrameTooLarge(f"frame longer than {self.limits.max_frame_bytes} bytes")
                 self.begin_request()
@@ -318,8 +321,8 @@ class Session:
                 event(log, logging.INFO, "connection.frame_too_large", peer=self.peer)
                 return
 
-    async def _dispatch_all(self, lines: list[bytes]) -> None:
-        """Dispatch the complete lines of one read, in order.
+    async def _dispatch_all(self, lines: list[bytes], started: float) -> None:
+        """Dispatch the complete lines of one read, which arrived at ``started``, in order.
 
         The replies the reader gives at once (ping, hello, errors) are held and written
         together: every ``SLICE_LINES`` lines, before waiting for room, and at the end.
@@ -330,14 +333,13 @@ class Session:
         self._holder = trio.lowlevel.current_task()
         dispatch = self.dispatcher.dispatch
         writer = self.dispatcher.writer
-        started = self._last_read
         try:
             for n, line in enumerate(lines, 1):
-                if self._full() or writer.full:
+                if self.full() or writer.full:
                     try:
-                        await self._wait_for_room(line_waiting=True)
+                        await self._room.wait(line_waiting=True)
                         if writer.full:
-                            self._flush()  # held replies count as owed: write them first
+                            self.flush()  # held replies count as owed: write them first
                             await writer.wait_room()
                     except trio.Cancelled:
                         # Stopped (shutdown) with these lines read: they are answered all
@@ -354,87 +356,11 @@ class Session:
                 if self._refusal is not None:
                     return  # nothing after a failed authentication runs
                 if n % SLICE_LINES == 0:
-                    self._flush()
+                    self.flush()
                     await trio.lowlevel.checkpoint()
         finally:
             self._holder = None
-            self._flush()
-
-    async def _wait_for_room(self, line_waiting: bool) -> None:
-        """Wait until the connection is no longer full (``_full``).
-
-        The connection's own parked long-polls may be what fills it, for up to
-        ``max_wait_ms``. Meanwhile the reader still watches for the client to stop sending
-        (EOF) or to go (a reset), which it could not see otherwise: the parked leases are
-        then answered at once, as at any EOF, and no job is leased to a client that has
-        gone. Requests sent meanwhile stay unread until there is room (backpressure), so
-        the watch ends at the client's first byte, as it does when a line is waiting.
-        """
-        longpolls = self.dispatcher.longpolls
-        watch = not line_waiting and self._io.socket is not None
-        self._flush()  # held replies count as owed: write them first
-        while self._full():
-            if watch and longpolls.parked_for(self):
-                watch = await self._watch_for_goodbye()
-            else:
-                await self._room_lot.park()
-
-    async def _watch_for_goodbye(self) -> bool:
-        """Wait for room or for the client's next bytes. On EOF or a reset, answer the
-        parked long-polls. Returns whether to go on watching. (Under TLS the peek sees
-        records, not requests: any, a close_notify too, ends the watch as a request would,
-        and the TCP state in ``can_wait`` still sees the FIN that follows.)"""
-        with trio.CancelScope() as self._room_watch:
-            try:
-                more = await self._io.peek()
-            finally:
-                self._room_watch = None
-            if not more:  # EOF or a reset; requests would wait for room, unread
-                self._stop_waiting()
-            return False
-        return True  # room was made
-
-    def _wake_reader(self) -> None:
-        """Room was made: the reader, if it waits for room, looks again, and so do the
-        long-polls woken while there was none (LongPolls.run)."""
-        if self._room_lot:
-            self._room_lot.unpark_all()
-        if self._sent_lot:
-            self._sent_lot.unpark_all()
-        if self._room_watch is not None:
-            self._room_watch.cancel()
-        longpolls = self.dispatcher.longpolls
-        if longpolls.short_of_room(self):
-            longpolls.room_made(self)
-
-    async def _watchdog(self) -> None:
-        """Close a connection that has not taken any of its replies for ``idle_timeout``
-        ("not reading"), and stop reading from one that idles: no bytes from the client for
-        ``idle_timeout`` while nothing of its own is in flight or unsent, or with a line
-        left half-sent. Waiting on its own long-poll, or watching, is not idleness."""
-        idle = self.idle_timeout
-        reading = True
-        while True:
-            now = trio.current_time()
-            waiting = self._outbox.send_waiting_since
-            if waiting is not None and now - waiting >= idle:
-                event(log, logging.INFO, "connection.not_reading", peer=self.peer)
-                self._broken(trio.TooSlowError("the client did not read its replies"))
-                return
-            if reading and now - self._last_read >= idle:
-                watching = self in (self.dispatcher.watchers or ())
-                if self.splitter.buffered or (self._owed() == 0 and not watching):
-                    event(log, logging.INFO, "connection.idle_timeout", peer=self.peer)
-                    # The replies still owed are written (run() drains them, and this
-                    # task still closes a client that does not take them).
-                    self._reading.cancel()
-                    reading = False
-                else:
-                    self._last_read = now  # busy on its behalf: look again later
-            wake = self._last_read + idle if reading else now + idle
-            if waiting is not None:
-                wake = min(wake, waiting + idle)
-            await trio.sleep_until(wake)
+            self.flush()
 
 
 class Sessions:

@@ -38,7 +38,7 @@ class FakeConnection:
     def __init__(self, nursery: trio.Nursery, dispatcher: Dispatcher) -> None:
         self.nursery = nursery
         self.peer = "127.0.0.1:1"
-        dispatcher.set_role(self, dispatcher.first_role)  # type: ignore[arg-type]
+        dispatcher.access.set_role(self, dispatcher.access.first_role)  # type: ignore[arg-type]
         self.closed = False
         self.can_wait = True
         self.in_flight = 0

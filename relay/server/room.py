@@ -1,0 +1,87 @@
+"""Backpressure on a connection's reader: where it waits while the connection is full, and
+who is woken when room is made.
+
+A session stops reading while it owes ``max_in_flight`` replies, or MAX_OWED_BYTES of them
+(relay/server/session.py, ``Session.full``); TCP then pushes back on the client. Its own
+parked long-polls may be what fills it, for up to ``max_wait_ms``, so meanwhile the reader
+still watches for the client to stop sending (EOF) or to go (a reset), which it could not
+see otherwise: the parked leases are then answered at once, and no job is leased to a
+client that has gone. Room is made when the outbox has written everything queued
+(``made``, its ``on_room``), or a long-poll parks and gives back its reservation. Trio
+thread only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+from relay.server.longpoll import LongPolls
+from relay.server.streamio import StreamIO
+
+if TYPE_CHECKING:
+    from relay.server.session import Session
+
+
+class Room:
+    def __init__(self, session: Session, io: StreamIO, longpolls: LongPolls) -> None:
+        self._session = session
+        self._io = io
+        self._longpolls = longpolls
+        self._lot = trio.lowlevel.ParkingLot()  # the reader waits here for room
+        self._sent_lot = trio.lowlevel.ParkingLot()  # a watch's pump waits here
+        # The reader's watch for the client's next bytes while it waits for room: cancelled
+        # when room is made (see wait).
+        self._watch: trio.CancelScope | None = None
+
+    async def wait(self, line_waiting: bool) -> None:
+        """Wait until the connection is no longer full (``Session.full``), watching for
+        the client to go while its own parked long-polls fill it. Requests sent meanwhile
+        stay unread until there is room (backpressure), so the watch ends at the client's
+        first byte, as it does when a line is waiting (``line_waiting``)."""
+        session = self._session
+        watch = not line_waiting and self._io.socket is not None
+        session.flush()  # held replies count as owed: write them first
+        while session.full():
+            if watch and self._longpolls.parked_for(session):
+                watch = await self._watch_for_goodbye()
+            else:
+                await self._lot.park()
+
+    async def wait_answered(self) -> None:
+        """Wait until nothing is owed: every request answered, and its reply written."""
+        while self._session.owed():
+            await self._lot.park()
+
+    async def wait_sent(self) -> None:
+        """Wait until the outbox next writes everything queued (a watch's pump)."""
+        await self._sent_lot.park()
+
+    async def _watch_for_goodbye(self) -> bool:
+        """Wait for room or for the client's next bytes. On EOF or a reset, answer the
+        parked long-polls. Returns whether to go on watching. (Under TLS the peek sees
+        records, not requests: any, a close_notify too, ends the watch as a request would,
+        and the TCP state in ``Session.can_wait`` still sees the FIN that follows.)"""
+        with trio.CancelScope() as self._watch:
+            try:
+                more = await self._io.peek()
+            finally:
+                self._watch = None
+            if not more:  # EOF or a reset; requests would wait for room, unread
+                self._session.stop_waiting()
+            return False
+        return True  # room was made
+
+    def made(self) -> None:
+        """Room was made: the reader, if it waits for room, looks again, and so do the
+        long-polls woken while there was none (LongPolls.run)."""
+        if self._lot:
+            self._lot.unpark_all()
+        if self._sent_lot:
+            self._sent_lot.unpark_all()
+        if self._watch is not None:
+            self._watch.cancel()
+        longpolls = self._longpolls
+        if longpolls.short_of_room(self._session):
+            longpolls.room_made(self._session)
