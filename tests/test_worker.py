@@ -746,12 +746,14 @@ async def test_a_job_leased_again_to_the_same_worker_keeps_its_two_runs_apart(tm
             async def handler(leased: LeasedJob) -> int:
                 attempts.append(leased.attempt)
                 if leased.attempt == 1:
-                    time.sleep(1.0)  # noqa: ASYNC251 (blocks the loop: no renewal meanwhile)
+                    time.sleep(2.0)  # noqa: ASYNC251 (blocks the loop: no renewal meanwhile)
                 else:
-                    await trio.sleep(0.6)  # past the lease: lives on renewals
+                    await trio.sleep(1.2)  # past the lease: lives on renewals
                 return leased.attempt
 
-            worker = make_worker(address, handler=handler, concurrency=2, lease_ms=500)
+            # A lease long enough that a renewal late by a loaded machine's few hundred
+            # milliseconds still comes in time, and short enough to expire in the first run.
+            worker = make_worker(address, handler=handler, concurrency=2, lease_ms=1000)
             async with running(worker):
                 view = await wait_for_state(client, job.job_id, "succeeded", "dead")
             assert view.state == JobState.SUCCEEDED
