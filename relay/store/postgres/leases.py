@@ -12,8 +12,6 @@ and psycopg prepares each statement after a few runs, since their texts do not v
 
 from __future__ import annotations
 
-import secrets
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,18 +19,16 @@ from relay.model import (
     Backoff,
     FailOutcome,
     Lease,
-    effective_priority,
     parse_job_id,
     truncate_utf8,
 )
+from relay.store import claims as claims_
 from relay.store.base import (
     DEAD,
     LEASED,
     READY,
-    REPLY_OVERHEAD_BYTES,
     RETRYING,
     SUCCEEDED,
-    TOKEN_BYTES,
     ClaimArgs,
     check_lease,
 )
@@ -118,46 +114,14 @@ class Leases:
         Candidates this transaction locked but did not lease stay locked until it ends,
         and other servers skip them meanwhile.
         """
-        chosen: list[list[int]] = [[] for _ in claims]  # the keys each claim leases
-        found: dict[int, tuple] = {}  # key -> its candidate row
-        taken: set[int] = set()
-        taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
-            if count > 0 and queues:
-                groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
-        for queues, members in groups.items():
-            # Enough candidates for every member, even if earlier groups (claims on some of
-            # these queues among others) took some of them.
-            wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
-            candidates = self._read(_CANDIDATES, (list(queues), wanted)).fetchall()
-            # The same order as SqliteStore's: effective priority, then ready time, then id.
-            if len(candidates) > 1:
-                candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
-            available = (c for c in candidates if c[0] not in taken)
-            for i in members:
-                count, max_bytes = claims[i][2], claims[i][4]
-                mine, size = chosen[i], 0
-                for candidate in available:
-                    key, length, queue = candidate[0], candidate[3], candidate[4]
-                    mine.append(key)
-                    found[key] = candidate
-                    taken.add(key)
-                    taken_from[queue] += 1
-                    size += length + REPLY_OVERHEAD_BYTES
-                    if len(mine) == count or (max_bytes is not None and size >= max_bytes):
-                        break
-        if not taken:
+
+        def fetch(queues: tuple[str, ...], wanted: int) -> list:
+            return self._read(_CANDIDATES, (list(queues), wanted)).fetchall()
+
+        chosen, found = claims_.choose(claims, now, fetch)
+        if not found:
             return [[] for _ in claims]
-        # One urandom call for all the tokens.
-        hex_digits = secrets.token_hex(TOKEN_BYTES * len(taken))
-        width = 2 * TOKEN_BYTES
-        tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
-        # Per claim: (key, token, worker, expiry) of each job it leases.
-        granted = [
-            [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
-            for claim, mine in zip(claims, chosen, strict=True)
-        ]
+        granted = claims_.grant(claims, chosen, now)  # per claim: (key, token, worker, expiry)
         updates = [update for mine in granted for update in mine]
         leased = {
             key: (attempt, max_attempts, payload)

@@ -11,20 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relay.errors import JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
+from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
 from relay.store.base import ERRORS_SHOWN, info_size
 from relay.store.postgres.sql import decode_text
+from relay.store.rows import JOB_COLUMNS, job_info
 
 if TYPE_CHECKING:
     from relay.store.postgres.store import PostgresStore
 
 LEASED = JobState.LEASED
 
-_JOB_COLUMNS = (
-    "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
-    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
-)
-_JOB = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = %s"
+_JOB = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s"
 # The most recent ERRORS_SHOWN entries of each job, oldest first: the history of a job
 # with a thousand retries would not fit a reply.
 _ERRORS = (
@@ -38,9 +35,9 @@ _OLDEST_READY = (
     "state = 'ready' AND queue = q AND priority = p ORDER BY ready_at LIMIT 1) AS first "
     "FROM unnest(ARRAY[3, 2, 1, 0]) AS p) AS firsts) FROM unnest(%s::text[]) AS q"
 )
-_DEAD = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND id > %s ORDER BY id LIMIT %s"
+_DEAD = f"SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND id > %s ORDER BY id LIMIT %s"
 _DEAD_OF_QUEUE = (
-    f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND queue = %s AND id > %s "
+    f"SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND queue = %s AND id > %s "
     "ORDER BY id LIMIT %s"
 )
 
@@ -62,31 +59,7 @@ class Reads:
         if rows:
             for key, attempt, error, at in self._read(_ERRORS, (list(errors), ERRORS_SHOWN)):
                 errors[key].append(ErrorEntry(attempt, decode_text(error), at))
-        infos = []
-        for row in rows:
-            state = JobState(row[2])
-            infos.append(
-                JobInfo(
-                    job_id=format_job_id(row[0]),
-                    queue=row[1],
-                    state=state,
-                    priority=row[3],
-                    payload=row[4],
-                    attempt=row[5],
-                    max_attempts=row[6],
-                    created_at=row[7],
-                    ready_at=row[8],
-                    run_at=row[9],
-                    lease_expires_at=row[10] if state == LEASED else None,
-                    worker_id=decode_text(row[11]),
-                    last_error=decode_text(row[12]),
-                    errors=tuple(errors[row[0]]),
-                    result=row[13],
-                    idempotency_key=decode_text(row[14]),
-                    finished_at=row[15],
-                )
-            )
-        return infos
+        return [job_info(row, errors[row[0]], decode_text) for row in rows]
 
     def queue_stats(self: PostgresStore) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included), over every

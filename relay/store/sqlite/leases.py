@@ -8,26 +8,22 @@ showed it.
 
 from __future__ import annotations
 
-import secrets
-from collections import Counter
 from collections.abc import Sequence
 
 from relay.model import (
     Backoff,
     FailOutcome,
     Lease,
-    effective_priority,
     parse_job_id,
     truncate_utf8,
 )
+from relay.store import claims as claims_
 from relay.store.base import (
     DEAD,
     LEASED,
     READY,
-    REPLY_OVERHEAD_BYTES,
     RETRYING,
     SUCCEEDED,
-    TOKEN_BYTES,
     ClaimArgs,
     check_lease,
 )
@@ -98,55 +94,22 @@ class SqliteLeases(SqliteBase):
         for at least one job), the claims of a group in the order given; each takes the
         best jobs the ones before it left.
         """
-        chosen: list[list[int]] = [[] for _ in claims]  # the keys each claim leases
-        found: dict[int, list] = {}  # key -> its candidate row
-        taken: set[int] = set()
-        taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
-            if count > 0 and queues:
-                groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
-        for queues, members in groups.items():
-            # Enough candidates for every member, even if earlier groups (claims on some of
-            # these queues among others) took some of them.
-            wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
+
+        def fetch(queues: tuple[str, ...], wanted: int) -> list:
             params: list[object] = []
             for queue in queues:
                 for priority in _PRIORITIES_HIGH_FIRST:
                     params += (queue, priority, wanted)
             inline = wanted * len(params) // 3 <= INLINE_CANDIDATES
-            candidates = _json_rows(self._db, _claim_candidates_sql(len(queues), inline), params)
-            # Within one (queue, class) the oldest job also has the highest effective
-            # priority, so the best of all candidates are the best jobs overall.
-            if len(candidates) > 1:
-                candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
-            available = (c for c in candidates if c[0] not in taken)
-            for i in members:
-                count, max_bytes = claims[i][2], claims[i][4]
-                mine, size = chosen[i], 0
-                for candidate in available:
-                    key, length, queue = candidate[0], candidate[3], candidate[4]
-                    mine.append(key)
-                    found[key] = candidate
-                    taken.add(key)
-                    taken_from[queue] += 1
-                    size += length + REPLY_OVERHEAD_BYTES
-                    if len(mine) == count or (max_bytes is not None and size >= max_bytes):
-                        break
-        if not taken:
+            return _json_rows(self._db, _claim_candidates_sql(len(queues), inline), params)
+
+        chosen, found = claims_.choose(claims, now, fetch)
+        if not found:
             return [[] for _ in claims]
-        # One urandom call for all the tokens.
-        hex_digits = secrets.token_hex(TOKEN_BYTES * len(taken))
-        width = 2 * TOKEN_BYTES
-        tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
-        # Per claim: (key, token, worker, expiry) of each job it leases.
-        granted = [
-            [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
-            for claim, mine in zip(claims, chosen, strict=True)
-        ]
+        granted = claims_.grant(claims, chosen, now)  # per claim: (key, token, worker, expiry)
         updates = [update for mine in granted for update in mine]
         _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
-        missing = [key for key in taken if found[key][7] is None]
+        missing = [key for key in found if found[key][7] is None]
         if missing:  # payloads that did not come with the candidates
             for key, payload in _json_rows(self._db, _CLAIMED_PAYLOADS_SQL, (_json_ids(missing),)):
                 found[key][7] = payload

@@ -9,14 +9,10 @@ sql.py); nor does ``event_totals`` (``CountsBook``, relay/store/base.py).
 from __future__ import annotations
 
 from relay.errors import JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
-from relay.store.base import ERRORS_SHOWN, LEASED, READY, info_size
+from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
+from relay.store.base import ERRORS_SHOWN, READY, info_size
+from relay.store.rows import JOB_COLUMNS, job_info
 from relay.store.sqlite.sql import _PRIORITIES_HIGH_FIRST, SqliteBase
-
-_JOB_COLUMNS = (
-    "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
-    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
-)
 
 # The oldest ready_at of a queue: the least of each priority's first entry in jobs_ready.
 _OLDEST_READY_SQL = (
@@ -39,7 +35,7 @@ class SqliteReads(SqliteBase):
         row = None
         if key is not None:
             row = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (key,)
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?", (key,)
             ).fetchone()
         if row is None:
             raise JobNotFound(job_id)
@@ -84,32 +80,7 @@ class SqliteReads(SqliteBase):
                 [*errors, ERRORS_SHOWN],
             ):
                 errors[key].append(ErrorEntry(attempt, error, at))
-        infos = []
-        for row in rows:
-            state = JobState(row[2])
-            leased = state == LEASED
-            infos.append(
-                JobInfo(
-                    job_id=format_job_id(row[0]),
-                    queue=row[1],
-                    state=state,
-                    priority=row[3],
-                    payload=row[4],
-                    attempt=row[5],
-                    max_attempts=row[6],
-                    created_at=row[7],
-                    ready_at=row[8],
-                    run_at=row[9],
-                    lease_expires_at=row[10] if leased else None,
-                    worker_id=row[11],
-                    last_error=row[12],
-                    errors=tuple(errors[row[0]]),
-                    result=row[13],
-                    idempotency_key=row[14],
-                    finished_at=row[15],
-                )
-            )
-        return infos
+        return [job_info(row, errors[row[0]]) for row in rows]
 
     def dead_list(
         self, queue: str | None, limit: int, cursor: str | None, max_bytes: int | None = None
@@ -126,13 +97,13 @@ class SqliteReads(SqliteBase):
                 after = -1
         if queue is None:
             rows = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+                f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
                 "WHERE state = 'dead' AND id > ? ORDER BY id LIMIT ?",
                 (after, limit + 1),
             ).fetchall()
         else:
             rows = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
+                f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
                 "WHERE state = 'dead' AND queue = ? AND id > ? ORDER BY id LIMIT ?",
                 (queue, after, limit + 1),
             ).fetchall()

@@ -1,0 +1,77 @@
+"""Which jobs a run of claims leases, and their tokens: the same in every dialect.
+
+A store's ``jobs_claim_many`` fetches candidates its own way (SQLite: the best few of
+each (queue, priority class) from ``jobs_ready``; PostgreSQL: the same, locked with ``SKIP
+LOCKED``) and writes the leases its own way; what lies between, the order of the claims
+and which candidates each takes, is decided here once, so the two cannot drift.
+
+A candidate is a row whose first five fields are (id, priority, ready_at, payload length,
+queue); the rest is the dialect's.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from relay.model import effective_priority
+from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs
+
+# (queues of a group, jobs wanted) -> candidate rows: the dialect's fetch.
+Fetch = Callable[[tuple[str, ...], int], list]
+
+
+def choose(
+    claims: Sequence[ClaimArgs], now: int, fetch: Fetch
+) -> tuple[list[list[int]], dict[int, Sequence]]:
+    """The ids each claim leases (by position), and each chosen id's candidate row.
+
+    Claims are grouped by their set of queues, the groups in the order they first appear
+    (among the claims that ask for at least one job), the claims of a group in the order
+    given; each takes the best jobs the ones before it left: highest effective priority
+    (aging, at ``now``), then oldest ready time, then lowest id, up to its count or until
+    its payloads reach its byte budget (always at least one job)."""
+    chosen: list[list[int]] = [[] for _ in claims]
+    found: dict[int, Sequence] = {}
+    taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
+        if count > 0 and queues:
+            groups.setdefault(tuple(dict.fromkeys(queues)), []).append(i)
+    for queues, members in groups.items():
+        # Enough candidates for every member, even if earlier groups (claims on some of
+        # these queues among others) took some of them.
+        wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
+        candidates = fetch(queues, wanted)
+        # Within one (queue, class) the oldest job also has the highest effective
+        # priority, so the best of all candidates are the best jobs overall.
+        if len(candidates) > 1:
+            candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
+        available = (c for c in candidates if c[0] not in found)
+        for i in members:
+            count, max_bytes = claims[i][2], claims[i][4]
+            mine, size = chosen[i], 0
+            for candidate in available:
+                key, length, queue = candidate[0], candidate[3], candidate[4]
+                mine.append(key)
+                found[key] = candidate
+                taken_from[queue] += 1
+                size += length + REPLY_OVERHEAD_BYTES
+                if len(mine) == count or (max_bytes is not None and size >= max_bytes):
+                    break
+    return chosen, found
+
+
+def grant(
+    claims: Sequence[ClaimArgs], chosen: list[list[int]], now: int
+) -> list[list[tuple[int, str, str, int]]]:
+    """Per claim, (id, token, worker, expires_at) of each job it leases: a random token
+    each, from one call for all of them."""
+    hex_digits = secrets.token_hex(TOKEN_BYTES * sum(map(len, chosen)))
+    width = 2 * TOKEN_BYTES
+    tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
+    return [
+        [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
+        for claim, mine in zip(claims, chosen, strict=True)
+    ]

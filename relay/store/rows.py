@@ -1,0 +1,47 @@
+"""A job as both dialects read it: the columns, and the ``JobInfo`` a row of them makes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from relay.model import ErrorEntry, JobInfo, JobState, format_job_id
+
+# The columns of a job's row, in the order ``job_info`` reads them.
+JOB_COLUMNS = (
+    "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
+    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
+)
+
+
+def _same(text: str | None) -> str | None:
+    return text
+
+
+def job_info(
+    row: Sequence,
+    errors: Sequence[ErrorEntry],
+    text: Callable[[str | None], str | None] = _same,
+) -> JobInfo:
+    """The job of ``row`` (JOB_COLUMNS), with ``errors``, its latest error history;
+    ``text`` turns the client's texts (worker id, error, key) back from how the dialect
+    stored them."""
+    state = JobState(row[2])
+    return JobInfo(
+        job_id=format_job_id(row[0]),
+        queue=row[1],
+        state=state,
+        priority=row[3],
+        payload=row[4],
+        attempt=row[5],
+        max_attempts=row[6],
+        created_at=row[7],
+        ready_at=row[8],
+        run_at=row[9],
+        lease_expires_at=row[10] if state == JobState.LEASED else None,
+        worker_id=text(row[11]),
+        last_error=text(row[12]),
+        errors=tuple(errors),
+        result=row[13],
+        idempotency_key=text(row[14]),
+        finished_at=row[15],
+    )
