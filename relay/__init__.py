@@ -8,6 +8,8 @@ Public API (re-exports only):
 - the errors, one per wire error code
 """
 
+import importlib.metadata
+
 from relay.blocking import BlockingClient, connect
 from relay.client import Client, DeadPage, JobView, LeasedJob, Stats, job_fields, open_client
 from relay.errors import (
@@ -31,7 +33,7 @@ from relay.local import open_local
 from relay.model import JobState, SubmitResult
 from relay.worker import PermanentError, Worker, run_worker
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("relay-trio")  # pyproject.toml's
 
 __all__ = [
     "BadRequest",

@@ -15,6 +15,7 @@ requests beside the job flow (inspect, dead letters, watch) are relay/server/adm
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import time
 from collections.abc import Callable
@@ -45,7 +46,8 @@ from relay.store.writer import Writer
 
 log = logging.getLogger("relay.dispatch")
 
-VERSION = "0.1.0"
+# The version the server reports (hello, stats, logs): the installed package's.
+VERSION = importlib.metadata.version("relay-trio")
 
 # Request duration buckets (seconds): from a pipelined submit (~0.1 ms) to a full long-poll.
 DURATION_BOUNDS = (
