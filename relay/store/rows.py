@@ -1,10 +1,12 @@
-"""A job as both dialects read it: the columns, and the ``JobInfo`` a row of them makes."""
+"""A job as both dialects read it: the columns, the ``JobInfo`` a row of them makes, and
+the pages of the dead list."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from relay.model import ErrorEntry, JobInfo, JobState, format_job_id
+from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
+from relay.store.base import info_size
 
 # The columns of a job's row, in the order ``job_info`` reads them.
 JOB_COLUMNS = (
@@ -45,3 +47,25 @@ def job_info(
         idempotency_key=text(row[14]),
         finished_at=row[15],
     )
+
+
+def after_cursor(cursor: str | None) -> int:
+    """The id a dead-list page starts after: its cursor's, or -1 (the first page, or a
+    cursor that names no job)."""
+    after = parse_job_id(cursor) if cursor is not None else None
+    return -1 if after is None else after
+
+
+def page(
+    infos: list[JobInfo], more: bool, max_bytes: int | None
+) -> tuple[list[JobInfo], str | None]:
+    """A dead-list page of ``infos`` (``more``: rows follow them), cut once the jobs'
+    texts reach ``max_bytes`` (always at least one job); and its next cursor."""
+    if max_bytes is not None:
+        size = 0
+        for i, info in enumerate(infos):
+            size += info_size(info)
+            if size >= max_bytes and i + 1 < len(infos):
+                infos, more = infos[: i + 1], True
+                break
+    return infos, (infos[-1].job_id if more else None)

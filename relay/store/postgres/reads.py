@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from relay.errors import JobNotFound
 from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
-from relay.store.base import ERRORS_SHOWN, info_size
+from relay.store.base import ERRORS_SHOWN
 from relay.store.postgres.sql import decode_text
-from relay.store.rows import JOB_COLUMNS, job_info
+from relay.store.rows import JOB_COLUMNS, after_cursor, job_info, page
 
 if TYPE_CHECKING:
     from relay.store.postgres.store import PostgresStore
@@ -93,22 +93,9 @@ class Reads:
         With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
         least one job); ``next_cursor`` then continues after the last job given.
         """
-        after = -1
-        if cursor is not None:
-            after = parse_job_id(cursor)
-            if after is None:
-                after = -1
+        after = after_cursor(cursor)
         if queue is None:
             rows = self._read(_DEAD, (after, limit + 1)).fetchall()
         else:
             rows = self._read(_DEAD_OF_QUEUE, (queue, after, limit + 1)).fetchall()
-        more = len(rows) > limit
-        infos = self._job_infos(rows[:limit])
-        if max_bytes is not None:
-            size = 0
-            for i, info in enumerate(infos):
-                size += info_size(info)
-                if size >= max_bytes and i + 1 < len(infos):
-                    infos, more = infos[: i + 1], True
-                    break
-        return infos, (infos[-1].job_id if more else None)
+        return page(self._job_infos(rows[:limit]), len(rows) > limit, max_bytes)

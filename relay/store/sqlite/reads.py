@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from relay.errors import JobNotFound
 from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
-from relay.store.base import ERRORS_SHOWN, READY, info_size
-from relay.store.rows import JOB_COLUMNS, job_info
+from relay.store.base import ERRORS_SHOWN, READY
+from relay.store.rows import JOB_COLUMNS, after_cursor, job_info, page
 from relay.store.sqlite.sql import _PRIORITIES_HIGH_FIRST, SqliteBase
 
 # The oldest ready_at of a queue: the least of each priority's first entry in jobs_ready.
@@ -90,11 +90,7 @@ class SqliteReads(SqliteBase):
         With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
         least one job); ``next_cursor`` then continues after the last job given.
         """
-        after = -1
-        if cursor is not None:
-            after = parse_job_id(cursor)
-            if after is None:
-                after = -1
+        after = after_cursor(cursor)
         if queue is None:
             rows = self._db.execute(
                 f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
@@ -107,13 +103,4 @@ class SqliteReads(SqliteBase):
                 "WHERE state = 'dead' AND queue = ? AND id > ? ORDER BY id LIMIT ?",
                 (queue, after, limit + 1),
             ).fetchall()
-        more = len(rows) > limit
-        infos = self._job_infos(rows[:limit])
-        if max_bytes is not None:
-            size = 0
-            for i, info in enumerate(infos):
-                size += info_size(info)
-                if size >= max_bytes and i + 1 < len(infos):
-                    infos, more = infos[: i + 1], True
-                    break
-        return infos, (infos[-1].job_id if more else None)
+        return page(self._job_infos(rows[:limit]), len(rows) > limit, max_bytes)
