@@ -6,9 +6,10 @@ transaction, commits once, makes the replies, and posts them back to trio with o
 that SQLite commits on its own (``Op.run_alone``). The items of one batch were all sent
 before any of their replies, so any order of them is valid: the batch runs grouped by op,
 in the ops' ``phase`` order (leases first), each op's items as they came. See
-docs/architecture.md, "The writer thread". A batch whose writes the disk refuses (full,
-or failing: SQLITE_FULL, SQLITE_IOERR) keeps nothing and is answered ``unavailable``
-(``_unavailable``); see docs/failure-model.md.
+docs/architecture.md, "The writer thread". A batch whose writes the database refuses (a
+disk full or failing, a lost PostgreSQL connection: relay/store/failures.py) keeps nothing
+and is answered ``unavailable`` (``_unavailable``); a lost connection is made again before
+the next batch (``_reconnect``). See docs/failure-model.md.
 """
 
 from __future__ import annotations
@@ -21,52 +22,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 import trio
 
 from relay.errors import InternalError, RelayError, ShuttingDown, StoreError, Unavailable
 from relay.log import event
 from relay.store.base import Changes, Store
+from relay.store.failures import RECONNECT_MAX_S, RECONNECT_S, store_error
 from relay.store.items import Item, Op, deliver
 
 if TYPE_CHECKING:
     from relay.store.writer import Writer
 
 log = logging.getLogger("relay.writer")
-
-# SQLite's primary result codes that mean "cannot write now", not a bug: the file system is
-# full (or over its quota), or the device failed a read or a write. They are answered
-# ``unavailable`` and counted by kind; the extended codes (SQLITE_IOERR_WRITE, ...) carry
-# the primary one in their low byte.
-STORE_ERRORS = {
-    sqlite3.SQLITE_FULL: ("full", "disk full (SQLITE_FULL)"),
-    sqlite3.SQLITE_IOERR: ("ioerr", "I/O error (SQLITE_IOERR)"),
-}
-# PostgreSQL's: the connection is lost (or cannot be made), or the database broke a
-# deadlock or a serialization conflict by rolling this transaction back.
-CONNECTION = ("connection", "the database connection is lost")
-CONFLICT = ("conflict", "the database rolled the transaction back (a lock conflict)")
-STORE_ERROR_KINDS = (*(kind for kind, _ in STORE_ERRORS.values()), CONNECTION[0], CONFLICT[0])
-# Waits between attempts to connect again to a database whose connection was lost.
-RECONNECT_S, RECONNECT_MAX_S = 0.1, 5.0
-
-
-def store_error(exc: BaseException | None) -> tuple[str, str] | None:
-    """(kind, description) if ``exc`` means the database cannot take the writes now (the
-    disk: SQLITE_FULL, SQLITE_IOERR_*; PostgreSQL: a lost connection, a rolled-back
-    conflict), else None. The chain of contexts is searched too: a savepoint's ``ROLLBACK
-    TO`` fails ("no such savepoint") after SQLite rolled the whole transaction back, and
-    its error then hides the one that did it."""
-    while exc is not None:
-        code = getattr(exc, "sqlite_errorcode", None)
-        if code is not None and code & 0xFF in STORE_ERRORS:
-            return STORE_ERRORS[code & 0xFF]
-        if isinstance(exc, psycopg.errors.TransactionRollback):
-            return CONFLICT
-        if isinstance(exc, (psycopg.OperationalError, StoreError)):
-            return CONNECTION
-        exc = exc.__context__
-    return None
 
 
 class WriterThread:

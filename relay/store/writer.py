@@ -30,8 +30,9 @@ from relay.errors import ShuttingDown
 from relay.histogram import Histogram, HistogramSnapshot
 from relay.store.base import Changes, Store
 from relay.store.commands import Command
+from relay.store.failures import STORE_ERROR_KINDS
 from relay.store.items import Item, ReplySink, command_op
-from relay.store.thread import STORE_ERROR_KINDS, WriterThread
+from relay.store.thread import WriterThread
 
 log = logging.getLogger("relay.writer")
 

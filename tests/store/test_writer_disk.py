@@ -22,8 +22,8 @@ from relay.model import JobInfo, JobState, Lease, SubmitSpec, parse_job_id
 from relay.server import ops
 from relay.store import commands as cmd
 from relay.store.base import Changes
+from relay.store.failures import store_error
 from relay.store.sqlite import SqliteStore
-from relay.store.thread import store_error
 from relay.store.writer import Writer, open_writer
 from tests.conftest import T0
 from tests.store.test_writer import (
