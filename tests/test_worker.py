@@ -771,10 +771,12 @@ async def test_renewal_keeps_a_long_job_alive_past_its_lease(backend):
     submitted = await backend.client.submit("q", {})
 
     async def handler(job: LeasedJob) -> str:
-        await trio.sleep(1.0)  # the work: over three times the 300 ms lease
+        await trio.sleep(2.5)  # the work: over three times the lease
         return "done"
 
-    async with running(make_worker(backend.target, handler=handler, lease_ms=300)) as worker:
+    # (A lease long enough that renewals a loaded machine delays by a few hundred ms
+    # still come in time.)
+    async with running(make_worker(backend.target, handler=handler, lease_ms=800)) as worker:
         view = await wait_for_state(backend.client, submitted.job_id, "succeeded", "dead")
         assert worker.statistics().lost == 0
     assert view.state == JobState.SUCCEEDED
@@ -792,16 +794,16 @@ async def test_one_renewal_task_keeps_jobs_started_at_different_times_alive(back
 
     async def handler(job: LeasedJob) -> int:
         started.set()
-        await trio.sleep(1.0)  # over three times the 300 ms lease
+        await trio.sleep(2.5)  # over three times the lease
         return job.payload["n"]
 
-    worker = make_worker(backend.target, handler=handler, lease_ms=300, concurrency=4)
+    worker = make_worker(backend.target, handler=handler, lease_ms=800, concurrency=4)
     async with running(worker):
         with trio.fail_after(BOUND_S):
             await started.wait()
         later = []
         for n in (1, 2, 3):
-            await trio.sleep(0.13)  # between renewal passes (100 ms apart at this lease)
+            await trio.sleep(0.35)  # between renewal passes (~267 ms apart at this lease)
             later.append(await backend.client.submit("q", {"n": n}))
         views = [
             await wait_for_state(backend.client, s.job_id, "succeeded", "dead")
@@ -830,10 +832,13 @@ async def test_an_unanswered_renewal_does_not_hold_up_the_others(tmp_path):
         client.renew = renew_or_hang  # type: ignore[method-assign]
 
         async def handler(job: LeasedJob) -> int:
-            await trio.sleep(1.0)  # over three times the 300 ms lease
+            await trio.sleep(3.5)  # over three times the lease
             return job.payload
 
-        worker = make_worker(client, handler=handler, lease_ms=300, concurrency=2)
+        # Renewal passes a third of a lease apart: a pass that gives up the hung renewal
+        # after one interval still renews the other job with the rest of its lease to
+        # spare, also when a loaded machine delays the passes by a few hundred ms.
+        worker = make_worker(client, handler=handler, lease_ms=1000, concurrency=2)
         async with running(worker):
             views = [
                 await wait_for_state(client, s.job_id, "succeeded", "dead") for s in (first, second)
