@@ -15,8 +15,9 @@ keep in memory. Nothing here touches a database.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -183,6 +184,29 @@ class CountsBook:
         if self._journal is not None:
             self._undo(0)
         self._journal = None
+
+    def _statement(self, sql: str) -> None:
+        """Run one statement of the store's own (a savepoint's) in the open transaction."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def command(self) -> Iterator[None]:
+        """One command inside the transaction: on any exception its changes are undone,
+        in the database (a savepoint), in the counters and in the recorded events."""
+        assert self._journal is not None, "command() outside begin()"
+        mark = len(self._journal)
+        events = self.changes.events
+        events_mark = len(events)
+        self._statement("SAVEPOINT command")
+        try:
+            yield
+        except BaseException:
+            self._statement("ROLLBACK TO command")
+            self._statement("RELEASE command")
+            self._undo(mark)
+            del events[events_mark:]  # no event of what did not happen
+            raise
+        self._statement("RELEASE command")
 
     def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
         counter[key] += n

@@ -32,7 +32,7 @@ import contextlib
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -202,23 +202,8 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
         before and after a call mean that it wrote nothing."""
         return self._rows, len(self._journal or ())
 
-    @contextlib.contextmanager
-    def command(self) -> Iterator[None]:
-        """One command inside the transaction: on any exception its changes are undone."""
-        assert self._journal is not None, "command() outside begin()"
-        mark = len(self._journal)
-        events = self.changes.events
-        events_mark = len(events)
-        self._read("SAVEPOINT command")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK TO command")
-            self._db.execute("RELEASE command")
-            self._undo(mark)
-            del events[events_mark:]  # no event of what did not happen
-            raise
-        self._db.execute("RELEASE command")
+    def _statement(self, sql: str) -> None:
+        self._read(sql)  # (with the deferred BEGIN, if it is the transaction's first)
 
     def take_changes(self) -> Changes:
         """What changed since the last call (or commit), after calls made outside a

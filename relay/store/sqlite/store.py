@@ -13,7 +13,6 @@ import contextlib
 import random
 import sqlite3
 from collections import Counter
-from collections.abc import Iterator
 
 from relay.model import JobIdGenerator, JobState
 from relay.store.base import Changes, JournalEntry, StoreConfig
@@ -97,23 +96,8 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         # statement unfinished, e.g. no RETURNING cursor, when a method returns or raises.)
         return self._db.total_changes, len(self._journal or ())
 
-    @contextlib.contextmanager
-    def command(self) -> Iterator[None]:
-        """One command inside the transaction: on any exception its changes are undone."""
-        assert self._journal is not None, "command() outside begin()"
-        mark = len(self._journal)
-        events = self.changes.events
-        events_mark = len(events)
-        self._db.execute("SAVEPOINT command")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK TO command")
-            self._db.execute("RELEASE command")
-            self._undo(mark)
-            del events[events_mark:]  # no event of what did not happen
-            raise
-        self._db.execute("RELEASE command")
+    def _statement(self, sql: str) -> None:
+        self._db.execute(sql)
 
     def take_changes(self) -> Changes:
         """What changed since the last call (or commit), after a statement that committed
