@@ -152,8 +152,8 @@ _BOOL = {False: "false", True: "true"}
 
 
 class _Ack(RequestOp):
-    """``ack``: args is (job_id, worker_id, token, result); a batch's acks are one read
-    and one update unless one is refused."""
+    """``ack``: args is (job_id, worker_id, token, result); a batch's acks are one
+    statement (Store.jobs_ack_many), each answered on its own."""
 
     phase = 2
 

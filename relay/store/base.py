@@ -24,7 +24,7 @@ from typing import Protocol
 import attrs
 import orjson
 
-from relay.errors import JobNotFound, LeaseExpired, StaleToken
+from relay.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
@@ -337,9 +337,11 @@ class Store(Protocol):
 
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
-    ) -> list[None]:
-        """Ack all of ``acks`` (job_id, worker_id, token, result), or raise (a
-        ``RelayError``, or ValueError for a job twice) having changed nothing."""
+    ) -> list[RelayError | None]:
+        """Ack ``acks`` (job_id, worker_id, token, result): each one's outcome (None, or
+        the ``RelayError`` that refuses it, as ``jobs_ack`` would raise it), as if each had
+        been acked on its own in order. Raises ValueError, having changed nothing, if one
+        job appears twice."""
 
     def jobs_fail(
         self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int

@@ -11,12 +11,16 @@ queue); the rest is the dialect's.
 
 from __future__ import annotations
 
+import operator
 import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from relay.model import effective_priority
 from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs
+
+# Oldest ready time first, then lowest id.
+_BY_AGE = operator.itemgetter(2, 0)
 
 # (queues of a group, jobs wanted) -> candidate rows: the dialect's fetch.
 Fetch = Callable[[tuple[str, ...], int], list]
@@ -47,7 +51,13 @@ def choose(
         # Within one (queue, class) the oldest job also has the highest effective
         # priority, so the best of all candidates are the best jobs overall.
         if len(candidates) > 1:
-            candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
+            base = candidates[0][1]
+            if all(c[1] == base for c in candidates):
+                # One base class (the common case): aging never puts a younger job above
+                # an older one, so the order is by age alone.
+                candidates.sort(key=_BY_AGE)
+            else:
+                candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
         available = (c for c in candidates if c[0] not in found)
         for i in members:
             count, max_bytes = claims[i][2], claims[i][4]

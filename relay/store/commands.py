@@ -146,17 +146,11 @@ class AckBatch:
 
 def ack_each(store: Store, now: int, acks: Sequence[AckArgs]) -> list[Any]:
     """Each ack's outcome (None, or the ``RelayError`` that refused it), exactly as if each
-    had been its own ``Ack``, in order: one store call unless one is refused."""
-    # No savepoints: an ack, or a run of them, that is refused raises before it writes
-    # anything (see Store in relay/store/base.py), so a refusal leaves nothing to undo.
-    mark = store.write_mark()
+    had been its own ``Ack``, in order: one store call unless a job appears twice."""
     try:
         return store.jobs_ack_many(acks, now)
-    except (RelayError, ValueError):
-        # A refusal, or a job twice: each on its own below. (Any other failure, and one
-        # that has written, is the writer's to handle.)
-        if store.write_mark() != mark:
-            raise
+    except ValueError:  # a job twice, and nothing written: each on its own below
+        pass
     outcomes: list[Any] = []
     for job_id, worker_id, token, result in acks:
         try:

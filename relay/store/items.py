@@ -29,9 +29,10 @@ Item = tuple[Any, Any, Any, float, Any]
 
 class Op(Protocol):
     """How the writer runs one kind of item. Ops are a few module constants, not made per
-    request. ``run_many`` (or None) runs many items' args in one call with the store's
-    all-or-nothing refusal rule: if any would be refused it raises (a ``RelayError``, or
-    ValueError) having written nothing, and the writer then runs them one by one."""
+    request. ``run_many`` (or None) runs many items' args in one call: it returns each
+    one's outcome (an item's outcome may be the ``RelayError`` that refused it, having
+    written nothing for it), or raises (a ``RelayError``, or ValueError) having written
+    nothing at all, and the writer then runs them one by one."""
 
     name: str
     phase: int  # the batch runs ops in this order (lower first)

@@ -1450,26 +1450,45 @@ def test_ack_many_accepts_an_ack_repeated_with_the_completing_token(store):
     assert store.job_inspect(first.job_id).finished_at == T0 + 1  # the repeat changed nothing
 
 
-@pytest.mark.parametrize("bad", ["stale", "expired", "unknown", "duplicate"])
-def test_ack_many_refuses_the_whole_run_and_changes_nothing(store, bad):
-    for _ in range(2):
+@pytest.mark.parametrize(
+    ("bad", "refusal"),
+    [("stale", StaleToken), ("expired", LeaseExpired), ("unknown", JobNotFound)],
+)
+def test_ack_many_answers_each_ack_and_a_refusal_changes_only_its_own_nothing(store, bad, refusal):
+    for _ in range(3):
         submit(store, T0)
-    good, other = store.jobs_claim(["q"], "w1", 2, LEASE_MS, T0)
-    acks = [(good.job_id, "w1", good.token, None)]
+    good, other, last = store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0)
+    acks = [(good.job_id, "w1", good.token, '"a"')]
     now = T0 + 1
     if bad == "stale":
         acks.append((other.job_id, "w1", "0" * 32, None))
     elif bad == "expired":
         acks.append((other.job_id, "w1", other.token, None))
+        # (The other leases were made at T0 too: renewed, they are still held.)
+        for held in (good, last):
+            store.lease_renew(held.job_id, "w1", held.token, 2 * LEASE_MS, T0)
         now = other.lease_expires_at
-    elif bad == "unknown":
-        acks.append(("job_0000000000000001", "w1", other.token, None))
     else:
-        acks.append(acks[0])
-    before = [snapshot(store, good.job_id), snapshot(store, other.job_id)]
-    with pytest.raises((StaleToken, LeaseExpired, JobNotFound, ValueError)):
-        store.jobs_ack_many(acks, now)
-    assert [snapshot(store, good.job_id), snapshot(store, other.job_id)] == before
+        acks.append(("job_0000000000000001", "w1", other.token, None))
+    acks.append((last.job_id, "w1", last.token, None))
+    before = store.job_inspect(other.job_id)
+    outcomes = store.jobs_ack_many(acks, now)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], refusal)
+    assert store.job_inspect(other.job_id) == before
+    assert store.job_inspect(good.job_id).result == '"a"'
+    assert store.queue_stats()["q"]["succeeded"] == 2
+    assert store.event_totals()[("q", "acked")] == 2
+
+
+def test_ack_many_refuses_a_job_twice_and_changes_nothing(store):
+    submit(store, T0)
+    (lease,) = store.jobs_claim(["q"], "w1", 1, LEASE_MS, T0)
+    ack = (lease.job_id, "w1", lease.token, None)
+    before = snapshot(store, lease.job_id)
+    with pytest.raises(ValueError):
+        store.jobs_ack_many([ack, ack], T0 + 1)
+    assert snapshot(store, lease.job_id) == before
 
 
 # -- replies stay bounded whatever a client asks for ------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from relay.errors import RelayError
 from relay.model import (
     Backoff,
     FailOutcome,
@@ -208,21 +209,26 @@ class Leases:
     @atomic
     def jobs_ack_many(
         self: PostgresStore, acks: Sequence[tuple[str, str, str, str | None]], now: int
-    ) -> list[None]:
-        """Ack many jobs (job_id, worker_id, token, result) with one read and one write.
-
-        All or nothing: if any ack would be refused, or one job appears twice, raises
-        (a ``RelayError`` or ValueError) having changed nothing; the caller then acks one
-        by one to give each its own answer.
-        """
+    ) -> list[RelayError | None]:
+        """Ack many jobs (job_id, worker_id, token, result) with one read and one write:
+        each ack's outcome (None, or the ``RelayError`` that refuses it), as if each had
+        been acked on its own. Raises ValueError, having changed nothing, if one job appears
+        twice."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
-        if None in keys or len(set(keys)) != len(keys):
+        if len(set(keys)) != len(keys):
             raise ValueError("not a run of distinct job ids")
-        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (keys,))}
+        known = [key for key in keys if key is not None]
+        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (known,))}
         updates: list[tuple[int, str | None]] = []
         per_queue: dict[str, int] = {}
+        outcomes: list[RelayError | None] = []
         for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
-            row = check_lease(rows.get(key), job_id, encode_text(worker_id), token, now, "ack")
+            try:
+                row = check_lease(rows.get(key), job_id, encode_text(worker_id), token, now, "ack")
+            except RelayError as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(None)
             if row is not None:  # None: an ack repeated with the completing token
                 updates.append((key, result))
                 per_queue[row[1]] = per_queue.get(row[1], 0) + 1
@@ -235,7 +241,7 @@ class Leases:
             for key, _result in updates:
                 row = rows[key]
                 self._record(key, row[1], "leased", "succeeded", row[3], now)
-        return [None] * len(acks)
+        return outcomes
 
     @atomic
     def jobs_fail(

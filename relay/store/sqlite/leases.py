@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from relay.errors import RelayError
 from relay.model import (
     Backoff,
     FailOutcome,
@@ -36,7 +37,10 @@ from relay.store.sqlite.sql import (
     _execute_rows,
     _json_ids,
     _json_rows,
+    _returning_rows,
 )
+
+_ACK_ROW = "(?, ?, ?, ?)"
 
 # A job's lease row: the columns ``check_lease`` reads, in its order, then the backoff.
 _LEASE_COLUMNS = (
@@ -46,9 +50,14 @@ _LEASE_COLUMNS = (
 _LEASE_ROWS_SQL = (
     f"SELECT json_group_array(json_array({_LEASE_COLUMNS})) FROM jobs WHERE id IN {_JSON_IDS}"
 )
-_ACK_UPDATE = (
-    "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = v.column2, "
-    "lease_expires_at = NULL FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+# Acks the jobs whose lease the (token, worker) holds unexpired, and only those: the
+# condition of ``check_lease`` accepting, as SQL. Returns what the counts and events need.
+_ACK_HELD = (
+    "UPDATE jobs SET state = 'succeeded', finished_at = ?1, result = v.column4, "
+    "lease_expires_at = NULL FROM (VALUES {values}) AS v WHERE jobs.id = v.column1 "
+    "AND jobs.state = 'leased' AND jobs.lease_token = v.column2 "
+    "AND jobs.lease_worker = v.column3 AND jobs.lease_expires_at > ?1 "
+    "RETURNING jobs.id, jobs.queue, jobs.attempt"
 )
 _LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
 
@@ -169,49 +178,69 @@ class SqliteLeases(SqliteBase):
         self, job_id: str, worker_id: str, token: str, result: str | None, now: int
     ) -> None:
         """Complete a job. Repeating the ack with the completing token is answered ok."""
-        row = self._held_lease(job_id, worker_id, token, now, "ack")
-        if row is None:
-            return
-        self._db.execute(
-            "UPDATE jobs SET state = 'succeeded', finished_at = ?, result = ?, "
-            "lease_expires_at = NULL WHERE id = ?",
-            (now, result, row[0]),
-        )
-        self._move(row[1], LEASED, SUCCEEDED)
-        self._count(row[1], "acked")
-        if self.recording:
-            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
+        refusal = self.jobs_ack_many([(job_id, worker_id, token, result)], now)[0]
+        if refusal is not None:
+            raise refusal
 
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
-    ) -> list[None]:
-        """Ack many jobs (job_id, worker_id, token, result) with one read and one write.
-
-        All or nothing: if any ack would be refused, or one job appears twice, raises
-        (a ``RelayError`` or ValueError) having changed nothing; the caller then acks one
-        by one to give each its own answer.
-        """
+    ) -> list[RelayError | None]:
+        """Ack many jobs (job_id, worker_id, token, result) with one statement: each ack's
+        outcome (None, or the ``RelayError`` that refuses it), as if each had been acked on
+        its own. One more read only if some are not accepted, to say why (or that it is
+        an ack repeated with the completing token: ok). Raises ValueError, having changed
+        nothing, if one job appears twice."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
-        if None in keys or len(set(keys)) != len(keys):
+        if len(set(keys)) != len(keys):
             raise ValueError("not a run of distinct job ids")
-        found = _json_rows(self._db, _LEASE_ROWS_SQL, (_json_ids(keys),))
-        rows = {row[0]: row for row in found}
-        updates = []
+        rows = [
+            (key, token, worker_id, result)
+            for key, (_job_id, worker_id, token, result) in zip(keys, acks, strict=True)
+            if key is not None
+        ]
+        found = _returning_rows(self._db, _ACK_HELD, _ACK_ROW, rows, (now,))
+        acked = {row[0]: row for row in found}
+        outcomes: list[RelayError | None] = [None] * len(acks)
+        if len(acked) != len(acks):
+            outcomes = self._ack_refusals(acks, keys, acked, now)
         per_queue: dict[str, int] = {}
-        for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
-            row = check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
-            if row is not None:  # None: an ack repeated with the completing token
-                updates.append((key, result))
-                per_queue[row[1]] = per_queue.get(row[1], 0) + 1
-        _execute_rows(self._db, _ACK_UPDATE, "(?, ?)", updates, (now,))
+        for _key, queue, _attempt in acked.values():
+            per_queue[queue] = per_queue.get(queue, 0) + 1
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n)
-        if self.recording:
-            for key, _result in updates:
-                row = rows[key]
-                self._record(key, row[1], "leased", "succeeded", row[3], now)
-        return [None] * len(acks)
+        if self.recording:  # in the order of the acks
+            for key in keys:
+                row = acked.get(key)
+                if row is not None:
+                    self._record(key, row[1], "leased", "succeeded", row[2], now)
+        return outcomes
+
+    def _ack_refusals(
+        self,
+        acks: Sequence[tuple[str, str, str, str | None]],
+        keys: list[int | None],
+        acked: dict[int, tuple],
+        now: int,
+    ) -> list[RelayError | None]:
+        """The outcomes of acks of which only ``acked`` were accepted: why each other one
+        was refused, from its row as it is now (None for a repeat of the completing ack)."""
+        others = [key for key in keys if key is not None and key not in acked]
+        rows = {row[0]: row for row in _json_rows(self._db, _LEASE_ROWS_SQL, (_json_ids(others),))}
+        outcomes: list[RelayError | None] = []
+        for key, (job_id, worker_id, token, _result) in zip(keys, acks, strict=True):
+            if key in acked:
+                outcomes.append(None)
+                continue
+            try:
+                held = check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
+            except RelayError as exc:
+                outcomes.append(exc)
+                continue
+            if held is not None:  # the update's condition and check_lease disagree
+                raise AssertionError(f"{job_id}: held, yet not acked")
+            outcomes.append(None)
+        return outcomes
 
     def jobs_fail(
         self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int

@@ -74,6 +74,20 @@ def _execute_rows(
         db.execute(_values_sql(template, row, len(chunk)), params)
 
 
+def _returning_rows(
+    db: sqlite3.Connection, template: str, row: str, rows: Sequence[tuple], head: tuple = ()
+) -> list[tuple]:
+    """``_execute_rows`` for a statement with ``RETURNING``: the rows it returns, each
+    statement stepped to its end (so that nothing is left unfinished)."""
+    found: list[tuple] = []
+    for chunk in _chunks(rows):
+        params = list(head)
+        for values in chunk:
+            params += values
+        found += db.execute(_values_sql(template, row, len(chunk)), params).fetchall()
+    return found
+
+
 def _json_ids(keys: Iterable[int]) -> str:
     """Job ids as the text of a JSON array, the parameter of ``_JSON_IDS``."""
     return orjson.dumps(list(keys)).decode()
