@@ -8,16 +8,13 @@ leases, maintenance, dead letters, reads.
 
 Also here, written once: the values a store reports (``Changes``, ``Reaped``, ``JobEvent``)
 and takes (``StoreConfig``, ``ClaimArgs``), the constants callers import, the dialect-free
-rules (``check_lease``, ``info_size``), and ``CountsBook``: the event totals, the events
-recorded and the journal that undoes a transaction's counter changes, which both stores
-keep in memory. Nothing here touches a database.
+rules (``check_lease``, ``info_size``). What both stores count in memory is
+relay/store/counts.py. Nothing here touches a database.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -145,94 +142,6 @@ def info_size(info: JobInfo) -> int:
     size = len(info.payload.encode()) + len((info.result or "").encode())
     errors = [info.last_error or "", *(entry.error for entry in info.errors)]
     return size + sum(len(orjson.dumps(text)) for text in errors) + REPLY_OVERHEAD_BYTES
-
-
-# (counter, key, n): one counter change, undone on rollback by subtracting n.
-JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]
-
-
-class CountsBook:
-    """What every store counts in memory beside its database: events per (queue, event)
-    since it opened, the events it records, and the journal that undoes its counters.
-
-    A store inherits it, and adds its own count of jobs per (queue, state), which is where
-    the two differ: ``SqliteStore`` keeps every count in memory (``_counts``, loaded when
-    it opens), ``PostgresStore`` only the open transaction's moves (``_moves``, added to
-    job_counts by its commit). Each moves its counts with ``_move``, through ``_bump``.
-
-    Inside a transaction (``_journal`` not None: the store sets it at ``begin``) every
-    counter change is journaled, so that a rolled-back savepoint (``_undo(mark)``) or
-    transaction (``_undo_transaction``) takes back its own changes, and the counters
-    always equal what is committed.
-    """
-
-    changes: Changes  # the store's: ``_record`` appends to its events
-
-    def __init__(self) -> None:
-        self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
-        # While a transaction runs: every counter change, to undo them on rollback.
-        self._journal: list[JournalEntry] | None = None
-
-    def _undo(self, mark: int) -> None:
-        assert self._journal is not None
-        for counter, key, n in reversed(self._journal[mark:]):
-            counter[key] -= n
-        del self._journal[mark:]
-
-    def _undo_transaction(self) -> None:
-        """Take back every counter change of the transaction, if one is open, and end it."""
-        if self._journal is not None:
-            self._undo(0)
-        self._journal = None
-
-    def _statement(self, sql: str) -> None:
-        """Run one statement of the store's own (a savepoint's) in the open transaction."""
-        raise NotImplementedError
-
-    @contextlib.contextmanager
-    def command(self) -> Iterator[None]:
-        """One command inside the transaction: on any exception its changes are undone,
-        in the database (a savepoint), in the counters and in the recorded events."""
-        assert self._journal is not None, "command() outside begin()"
-        mark = len(self._journal)
-        events = self.changes.events
-        events_mark = len(events)
-        self._statement("SAVEPOINT command")
-        try:
-            yield
-        except BaseException:
-            self._statement("ROLLBACK TO command")
-            self._statement("RELEASE command")
-            self._undo(mark)
-            del events[events_mark:]  # no event of what did not happen
-            raise
-        self._statement("RELEASE command")
-
-    def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
-        counter[key] += n
-        if self._journal is not None:
-            self._journal.append((counter, key, n))
-
-    def _count(self, queue: str, event: str, n: int = 1) -> None:
-        self._bump(self._totals, (queue, event), n)
-
-    def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
-        """One job's change from state ``src``, for ``changes.events`` (call only while
-        recording)."""
-        self.changes.events.append((f"job_{key:016x}", queue, state, attempt, now, src))
-
-    def _forget_totals(self, queues: Iterable[str]) -> None:
-        """Drop the event totals of these queues, left with no jobs at all by a commit:
-        what is kept in memory then grows with the queues that have jobs, not with every
-        queue name ever used."""
-        for queue in queues:
-            for event in EVENTS:
-                self._totals.pop((queue, event), None)
-
-    def event_totals(self) -> dict[tuple[str, str], int]:
-        """(queue, event) -> how many times it happened since this store was opened (in
-        this process: servers sharing a database each count their own)."""
-        return {key: n for key, n in self._totals.items() if n}
 
 
 class Store(Protocol):

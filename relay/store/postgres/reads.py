@@ -3,7 +3,7 @@
 None of these locks or writes anything. ``queue_stats`` sums every server's counts (see
 ``PostgresStore._flush_counts_and_commit``), so it answers for the whole database, not for
 what this server committed; ``event_totals`` stays this process's own, in memory as with
-SQLite (``CountsBook``, relay/store/base.py; Prometheus sums counters over the servers).
+SQLite (``CountsBook``, relay/store/counts.py; Prometheus sums counters over the servers).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from relay.store.base import Changes, CountsBook, StoreConfig
+from relay.store.base import Changes, StoreConfig
+from relay.store.counts import CountsBook
 from relay.store.postgres import notify
 from relay.store.postgres.dead import DeadLetters
 from relay.store.postgres.jobs import Jobs

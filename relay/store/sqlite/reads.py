@@ -3,7 +3,7 @@
 waited (``oldest_ready_ms``).
 
 ``queue_stats`` reads no table: it comes from the counts kept in memory (``_counts``,
-sql.py); nor does ``event_totals`` (``CountsBook``, relay/store/base.py).
+sql.py); nor does ``event_totals`` (``CountsBook``, relay/store/counts.py).
 """
 
 from __future__ import annotations

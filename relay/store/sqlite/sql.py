@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from relay.model import JobIdGenerator, Priority
-from relay.store.base import Changes, CountsBook, StoreConfig
+from relay.store.base import Changes, StoreConfig
+from relay.store.counts import CountsBook
 
 _PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
 

@@ -15,7 +15,8 @@ import sqlite3
 from collections import Counter
 
 from relay.model import JobIdGenerator, JobState
-from relay.store.base import Changes, JournalEntry, StoreConfig
+from relay.store.base import Changes, StoreConfig
+from relay.store.counts import JournalEntry
 from relay.store.schema import open_database
 from relay.store.sqlite.dead import SqliteDead
 from relay.store.sqlite.jobs import SqliteJobs
