@@ -61,6 +61,13 @@ class Outbox:
             self.count += 1
             self.unsent += len(data)
 
+    def add_all(self, data: list[bytes]) -> None:
+        """Queue these replies, in order (``add`` for each)."""
+        if not self.closed:
+            self.parts += data
+            self.count += len(data)
+            self.unsent += sum(map(len, data))
+
     def close(self) -> None:
         """Drop what is queued and every later reply."""
         self.closed = True

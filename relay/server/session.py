@@ -162,15 +162,19 @@ class Session:
         dispatcher = self.dispatcher
         now = trio.current_time()
         lines: list[Item] = []  # answered with a line, holding nothing reserved
+        data_of_lines: list[bytes] = []  # their replies, not yet queued
         self._delivering = True
         try:
             for item, reply in pairs:
                 if type(reply) is bytes and not item[0].reserves:
-                    # The common case, counted out together below (written out: this
-                    # is reply() without its flush, per reply of every request).
+                    # The common case, counted out and queued together (written out:
+                    # this is reply() without its flush, per reply of every request).
                     lines.append(item)
-                    self._outbox.add(reply)
+                    data_of_lines.append(reply)
                     continue
+                if data_of_lines:  # (the replies before this one go first)
+                    self._outbox.add_all(data_of_lines)
+                    data_of_lines = []
                 data = dispatcher.finish(self, item, reply, now)
                 if data is not None:
                     self.reply(data)
@@ -180,6 +184,8 @@ class Session:
                     self._room.made()
         finally:
             self._delivering = False
+            if data_of_lines:
+                self._outbox.add_all(data_of_lines)
             if lines:
                 self.in_flight -= len(lines)
                 dispatcher.answered_lines(lines, now)

@@ -88,13 +88,16 @@ def command_op(command: Command) -> CommandOp:
 def deliver(pairs: list[tuple[Item, Any]]) -> None:
     """Hand each sink its pairs, in order; a failing sink does not stop the others."""
     by_sink: dict[int, tuple[ReplySink, list[tuple[Item, Any]]]] = {}
+    last: Any = None
+    mine: list[tuple[Item, Any]] = []
     for pair in pairs:
         sink = pair[0][1]
-        entry = by_sink.get(id(sink))
-        if entry is None:
-            by_sink[id(sink)] = (sink, [pair])
-        else:
-            entry[1].append(pair)
+        if sink is not last:  # (a connection's items mostly come in runs)
+            entry = by_sink.get(id(sink))
+            if entry is None:
+                entry = by_sink[id(sink)] = (sink, [])
+            last, mine = sink, entry[1]
+        mine.append(pair)
     for sink, mine in by_sink.values():
         try:
             sink.deliver(mine)
