@@ -12,6 +12,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.json import JSON
 from rich.panel import Panel
@@ -134,11 +135,19 @@ def stats_table(stats: Stats) -> Table:
         f"{connections}",
         caption_justify="left",
     )
-    table.add_column("queue", no_wrap=True)
+    # Fits 80 columns: no vertical rules, numbers and headings never cut (a long queue
+    # name folds instead), "oldest ready" on two lines.
+    table.box = box.SIMPLE_HEAD
+    table.pad_edge = False
+    table.collapse_padding = True
+    table.add_column("queue", overflow="fold", min_width=8)
     for state in STATES:
-        table.add_column(state, justify="right", header_style=STATE_STYLES[state])
-    table.add_column("total", justify="right", style="bold")
-    table.add_column("oldest ready", justify="right")
+        table.add_column(
+            state, justify="right", header_style=STATE_STYLES[state], no_wrap=True,
+            min_width=len(state),
+        )  # fmt: skip
+    table.add_column("total", justify="right", style="bold", no_wrap=True, min_width=5)
+    table.add_column("oldest\nready", justify="right", no_wrap=True, min_width=6)
     oldest = stats.oldest_ready_ms or {}
     for name in sorted(stats.queues):
         counts = stats.queues[name]

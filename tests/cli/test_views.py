@@ -78,7 +78,7 @@ def test_totals_and_unfinished_count_every_state_over_every_queue():
 # -- stats --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("width", [100, 200])
+@pytest.mark.parametrize("width", [80, 100, 200])
 def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     s = stats(
         thumbnails=counts(pending=4, ready=3, leased=2, retrying=1, succeeded=120, dead=7),
@@ -87,6 +87,8 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     text = render(views.stats_table(s), width)
     for state in views.STATES:
         assert state in text
+    assert "…" not in text  # nothing cut, also in a terminal of 80 columns
+    assert max(map(len, text.splitlines())) <= width
     lines = text.splitlines()
     email = next(line for line in lines if "email" in line).split()
     assert [w for w in email if w.isdigit()] == ["0", "10", "0", "0", "5", "0", "15"]
