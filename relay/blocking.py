@@ -34,16 +34,13 @@ from relay.client import (
     DEFAULT_ADDRESS,
     UNAVAILABLE_CAP_S,
     UNAVAILABLE_FIRST_S,
-    JobView,
-    Stats,
     job_fields,
     parse_address,
-    structure_reply,
-    submit_result,
     uses_tls,
 )
 from relay.errors import ConnectionLost, RelayError, Unavailable, reply_fields
 from relay.model import SubmitResult
+from relay.replies import JobView, Stats, structure_reply, submit_result
 from relay.tcp import CONNECT_TIMEOUT_S, TLS_HINT, client_context
 
 READ_BYTES = 64 * 1024
