@@ -30,18 +30,12 @@ from typing import Any
 
 import orjson
 
-from relay.client import (
-    DEFAULT_ADDRESS,
-    UNAVAILABLE_CAP_S,
-    UNAVAILABLE_FIRST_S,
-    job_fields,
-    parse_address,
-    uses_tls,
-)
+from relay.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
 from relay.errors import ConnectionLost, RelayError, Unavailable, reply_fields
 from relay.model import SubmitResult
 from relay.replies import JobView, Stats, structure_reply, submit_result
-from relay.tcp import CONNECT_TIMEOUT_S, TLS_HINT, client_context
+from relay.tcp import CONNECT_TIMEOUT_S
+from relay.tls import TLS_HINT, client_context, parse_address, uses_tls
 
 READ_BYTES = 64 * 1024
 

@@ -18,7 +18,8 @@ have an idempotency key), within the caller's deadline; the others raise ``Unava
 
 Here: ``Client``'s calls and their retries, ``job_fields`` and ``open_client``, which owns
 the transport's tasks. What the calls return is in relay/replies.py, a watch's stream of
-events in relay/events.py, the TCP transport in relay/tcp.py.
+events in relay/events.py, the TCP transport in relay/tcp.py, addresses and TLS in
+relay/tls.py.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from relay.replies import (
     structure_reply,
     submit_result,
 )
-from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport, client_context
+from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport
+from relay.tls import TLS_SCHEME, client_context, parse_address, uses_tls
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 # submit(wait=True) backoff while the queue is full.
@@ -63,25 +65,6 @@ QUEUE_FULL_CAP_S = 2.0
 # deadline, if any, bounds the whole).
 UNAVAILABLE_FIRST_S = 0.05
 UNAVAILABLE_CAP_S = 1.0
-
-
-# An address that starts with this asks for TLS, verified with the system's trust store.
-TLS_SCHEME = "tls://"
-
-
-def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """(host, port) of "HOST:PORT" or "tls://HOST:PORT" (see ``uses_tls``)."""
-    if isinstance(address, tuple):
-        return address
-    host, sep, port = address.removeprefix(TLS_SCHEME).rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not HOST:PORT or tls://HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def uses_tls(address: str | tuple[str, int], tls_ca: str | None = None) -> bool:
-    """Whether a client of ``address`` speaks TLS: a tls:// address, or a private CA."""
-    return tls_ca is not None or (isinstance(address, str) and address.startswith(TLS_SCHEME))
 
 
 class Transport(Protocol):
@@ -365,6 +348,7 @@ async def open_client(
 
 
 __all__ = [
+    "TLS_SCHEME",
     "Client",
     "DeadPage",
     "JobView",

@@ -4,7 +4,7 @@ Calls queue their lines in an outbox that one flusher task writes, so the calls 
 tasks make in one scheduler tick go out in one write; one reader task matches replies to
 calls by id and reconnects when the connection drops. Both tasks belong to ``open_client``
 (relay/client.py), which owns this transport. With an SSL context, every connection (each
-reconnection too) does its TLS handshake within the connect timeout.
+reconnection too) does its TLS handshake (relay/tls.py) within the connect timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import orjson
 import trio
 
 from relay.errors import ConnectionLost, RelayError, Unauthorized, reply_error, reply_fields
+from relay.tls import TLS_HINT, _handshake
 
 CONNECT_TIMEOUT_S = 5.0
 RECONNECT_TIMEOUT_S = 30.0
@@ -28,8 +29,6 @@ RECONNECT_TIMEOUT_S = 30.0
 RECONNECT_FIRST_S = 0.05
 RECONNECT_CAP_S = 2.0
 READ_BYTES = 64 * 1024
-# What a plain client is told when the server closed without a byte, as one with TLS does.
-TLS_HINT = "if the server uses TLS, connect to tls://HOST:PORT"
 # Job events a watch may have unread before the client drops (and counts) more.
 MAX_EVENTS = 10_000
 
@@ -492,36 +491,3 @@ async def _write(stream: trio.abc.Stream, data: bytes) -> int:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _CutShort(written) from exc
     return written
-
-
-async def _handshake(
-    stream: trio.SocketStream, context: ssl.SSLContext, host: str
-) -> trio.SSLStream[trio.SocketStream]:
-    """The client's side of the TLS handshake, verifying the server's certificate for
-    ``host``. Raises the ``ssl`` error (an OSError) that failed it, as a refused connection
-    raises its own, or ConnectionResetError if the server closed the connection."""
-    tls = trio.SSLStream(stream, context, server_hostname=host)
-    try:
-        await tls.do_handshake()
-    except trio.BrokenResourceError as exc:
-        await trio.aclose_forcefully(stream)
-        cause = exc.__cause__
-        # (OpenSSL reports an EOF during the handshake as either of the two.)
-        closed = isinstance(cause, ssl.SSLEOFError | ssl.SSLSyscallError)
-        if isinstance(cause, ssl.SSLError) and not closed:
-            raise cause from None  # e.g. SSLCertVerificationError: the reason is in it
-        raise ConnectionResetError(
-            "the server closed the connection during the TLS handshake"
-        ) from None
-    except BaseException:
-        await trio.aclose_forcefully(stream)
-        raise
-    return tls
-
-
-def client_context(tls_ca: str | None = None) -> ssl.SSLContext:
-    """The context a client verifies servers with: the system's trust store, or only the
-    CA certificates in the PEM file ``tls_ca``; TLS 1.2 at least, host names checked."""
-    context = ssl.create_default_context(cafile=tls_ca)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    return context
