@@ -30,21 +30,12 @@ from typing import Any
 
 import orjson
 
-from relay.client import (
-    DEFAULT_ADDRESS,
-    UNAVAILABLE_CAP_S,
-    UNAVAILABLE_FIRST_S,
-    JobView,
-    Stats,
-    job_fields,
-    parse_address,
-    structure_reply,
-    submit_result,
-    uses_tls,
-)
+from relay.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
 from relay.errors import ConnectionLost, RelayError, Unavailable, reply_fields
 from relay.model import SubmitResult
-from relay.tcp import CONNECT_TIMEOUT_S, TLS_HINT, client_context
+from relay.replies import JobView, Stats, structure_reply, submit_result
+from relay.tcp import CONNECT_TIMEOUT_S
+from relay.tls import TLS_HINT, client_context, parse_address, uses_tls
 
 READ_BYTES = 64 * 1024
 

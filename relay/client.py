@@ -15,36 +15,46 @@ An ``unavailable`` reply (the server could not commit: its disk is full, or fail
 was kept) is retried with backoff by the calls that are safe to repeat (``ack``,
 ``ack_batch``, ``renew``, ``release``, and a ``submit`` or ``submit_batch`` whose jobs all
 have an idempotency key), within the caller's deadline; the others raise ``Unavailable``.
+
+Here: ``Client``'s calls and their retries, ``job_fields`` and ``open_client``, which owns
+the transport's tasks. What the calls return is in relay/replies.py, a watch's stream of
+events in relay/events.py, the TCP transport in relay/tcp.py, addresses and TLS in
+relay/tls.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-import attrs
-import cattrs
 import trio
-from cattrs.preconf.orjson import make_converter
 
 from relay.coalesce import Coalescer
 from relay.errors import (
-    ConnectionLost,
     InternalError,
     QueueFull,
     RelayError,
     Unavailable,
-    UnknownOp,
     error_from_wire,
 )
-from relay.model import ErrorEntry, FailOutcome, JobState, SubmitResult
+from relay.events import EventStream
+from relay.model import FailOutcome, JobState, SubmitResult
 from relay.nursery import open_service_nursery
-from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport, client_context
+from relay.replies import (
+    DeadPage,
+    Hello,
+    JobView,
+    LeasedJob,
+    ServerInfo,
+    Stats,
+    structure_reply,
+    submit_result,
+)
+from relay.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport
+from relay.tls import TLS_SCHEME, client_context, parse_address, uses_tls
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 # submit(wait=True) backoff while the queue is full.
@@ -57,153 +67,10 @@ UNAVAILABLE_FIRST_S = 0.05
 UNAVAILABLE_CAP_S = 1.0
 
 
-@attrs.frozen
-class LeasedJob:
-    job_id: str
-    queue: str
-    payload: Any
-    priority: str
-    attempt: int
-    max_attempts: int
-    token: str
-    lease_expires_at: int
-
-
-@attrs.frozen
-class JobView:
-    """A job as ``inspect`` and ``dead_list`` show it."""
-
-    job_id: str
-    queue: str
-    state: JobState
-    priority: str
-    payload: Any
-    attempt: int
-    max_attempts: int
-    created_at: int
-    errors: list[ErrorEntry] = attrs.Factory(list)
-    ready_at: int | None = None
-    run_at: int | None = None
-    lease_expires_at: int | None = None
-    worker_id: str | None = None
-    last_error: str | None = None
-    result: Any = None
-    idempotency_key: str | None = None
-    finished_at: int | None = None
-
-
-@attrs.frozen
-class ServerInfo:
-    version: str
-    uptime_ms: int
-    connections: int
-
-
-@attrs.frozen
-class Stats:
-    queues: dict[str, dict[str, int]]
-    server: ServerInfo
-    # With ``stats(oldest_ready=True)``: per queue with ready jobs, how long (ms) its
-    # oldest ready job has waited.
-    oldest_ready_ms: dict[str, int] | None = None
-
-
-@attrs.frozen
-class DeadPage:
-    jobs: list[JobView]
-    next_cursor: str | None
-
-
-@attrs.frozen
-class Hello:
-    server: str
-    version: str
-    protocol: int
-    limits: dict[str, int]
-    role: str = "admin"  # what the connection may do (a server without tokens: admin)
-
-
-_converter = make_converter(forbid_extra_keys=False)
-_converter.register_structure_hook(Any, lambda value, _type: value)
-
-
-def structure_reply(data: Any, cls: type) -> Any:
-    try:
-        return _converter.structure(data, cls)
-    except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
-        raise RelayError(f"unexpected reply from the server: {exc}") from None
-
-
-# An address that starts with this asks for TLS, verified with the system's trust store.
-TLS_SCHEME = "tls://"
-
-
-def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """(host, port) of "HOST:PORT" or "tls://HOST:PORT" (see ``uses_tls``)."""
-    if isinstance(address, tuple):
-        return address
-    host, sep, port = address.removeprefix(TLS_SCHEME).rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not HOST:PORT or tls://HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def uses_tls(address: str | tuple[str, int], tls_ca: str | None = None) -> bool:
-    """Whether a client of ``address`` speaks TLS: a tls:// address, or a private CA."""
-    return tls_ca is not None or (isinstance(address, str) and address.startswith(TLS_SCHEME))
-
-
 class Transport(Protocol):
     async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         """Send one request; return the reply's fields, or raise its error."""
         ...
-
-
-class EventStream:
-    """The events of one watch (``Client.watch``): the first ``__anext__`` starts it."""
-
-    def __init__(self, client: Client, transport: Any, fields: dict[str, Any]) -> None:
-        self._client = client
-        self._transport = transport
-        self._fields = fields
-        self._connection: int | None = None  # which connection the watch is on
-
-    def __aiter__(self) -> EventStream:
-        return self
-
-    async def __aenter__(self) -> EventStream:
-        await self._start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _start(self) -> None:
-        if self._connection is not None:
-            return
-        transport = self._transport
-        if not hasattr(transport, "events_lot"):
-            raise UnknownOp("watch needs a network connection (TCP or WebSocket)")
-        transport.events, transport.events_dropped = deque(), 0  # before the ok: none lost
-        await self._client._call("watch", **self._fields)
-        self._connection = transport.connections
-
-    async def __anext__(self) -> dict[str, Any]:
-        await self._start()
-        transport = self._transport
-        while not transport.events:
-            gone = transport.connections != self._connection or transport.events is None
-            if gone or transport._failure is not None:
-                raise ConnectionLost("the connection dropped: the watch ended")
-            await transport.events_lot.park()
-        return transport.events.popleft()
-
-    async def aclose(self) -> None:
-        """End the watch (on the server too, if the connection still stands)."""
-        self._transport.events = None
-        if self._connection is not None and self._transport.connections == self._connection:
-            with contextlib.suppress(RelayError):
-                await self._client._call("unwatch")
 
 
 class Client:
@@ -426,10 +293,6 @@ def job_fields(
     return job
 
 
-def submit_result(reply: dict[str, Any]) -> SubmitResult:
-    return SubmitResult(reply["job_id"], JobState(reply["state"]), reply["duplicate"])
-
-
 @asynccontextmanager
 async def open_client(
     address: str | tuple[str, int] = DEFAULT_ADDRESS,
@@ -485,6 +348,7 @@ async def open_client(
 
 
 __all__ = [
+    "TLS_SCHEME",
     "Client",
     "DeadPage",
     "JobView",

@@ -702,16 +702,16 @@ async def test_200_concurrent_submits_share_one_connection(client):
 
 
 async def test_calls_made_in_one_tick_go_out_in_one_write(client, monkeypatch):
-    import relay.tcp as tcp_module
+    import relay.tcp_calls as calls_module
 
     writes: list[int] = []  # lines per write
-    real_write = tcp_module._write
+    real_write = calls_module._write
 
     async def counting(stream, data):
         writes.append(data.count(b"\n"))
         return await real_write(stream, data)
 
-    monkeypatch.setattr(tcp_module, "_write", counting)
+    monkeypatch.setattr(calls_module, "_write", counting)
     with trio.fail_after(BOUND_S):
         async with trio.open_nursery() as nursery:
             for i in range(50):
@@ -726,9 +726,9 @@ async def test_a_write_cut_short_sends_its_unwritten_lines_on_the_next_connectio
     """The first line of a write reached the server and the rest did not: the first may
     have been acted on (a submit raises ConnectionLost, as any call in flight would); the
     others never were, so they go on the next connection, once."""
-    import relay.tcp as tcp_module
+    import relay.tcp_calls as calls_module
 
-    real_write = tcp_module._write
+    real_write = calls_module._write
     cuts = [True]
 
     async def cut_after_the_first_line(stream, data):
@@ -736,10 +736,10 @@ async def test_a_write_cut_short_sends_its_unwritten_lines_on_the_next_connectio
             cuts.clear()
             first = data[: data.index(b"\n") + 1]
             await real_write(stream, first)
-            raise tcp_module._CutShort(len(first))
+            raise calls_module._CutShort(len(first))
         return await real_write(stream, data)
 
-    monkeypatch.setattr(tcp_module, "_write", cut_after_the_first_line)
+    monkeypatch.setattr(calls_module, "_write", cut_after_the_first_line)
     outcomes: dict[int, Any] = {}
 
     async def one(i: int) -> None:

@@ -32,6 +32,8 @@ from relay import (
     Worker,
     open_client,
     open_local,
+    worker_acks,
+    worker_jobs,
 )
 from relay import worker as worker_module
 from relay.worker import WorkerStatistics
@@ -654,7 +656,9 @@ async def test_a_graceful_stop_waits_for_an_unanswered_ack_no_longer_than_before
     # A job finishes as the worker is stopped, and its ack is never answered: the stop
     # is bounded by one settle timeout, as when each job waited for its own ack (not a
     # wait for the acks and then a second one to send them again).
-    monkeypatch.setattr(worker_module, "SETTLE_TIMEOUT_S", 1.0)
+    # In each module of the worker that reads it: the stop's bound, the ack task, a job's.
+    for module in (worker_module, worker_acks, worker_jobs):
+        monkeypatch.setattr(module, "SETTLE_TIMEOUT_S", 1.0)
     async with open_local(str(tmp_path / "local.db")) as client:
         job = await client.submit("q", 1)
         acks = HeldAcks(client, forever=True, hold=2)  # a second try would hang too
