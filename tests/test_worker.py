@@ -530,12 +530,12 @@ async def test_a_finished_job_keeps_its_slot_and_lease_until_its_ack_is_answered
             started.append(job.payload)
             return job.payload
 
-        worker = make_worker(client, handler=handler, concurrency=1, lease_ms=300)
+        worker = make_worker(client, handler=handler, concurrency=1, lease_ms=900)
         async with running(worker):
             with trio.fail_after(BOUND_S):
                 await acks.held.wait()
             # Three leases long: only renewals keep the first job's lease alive.
-            await trio.sleep(1.0)
+            await trio.sleep(2.7)
             assert started == [1]  # its slot is still taken: the second job waits
             assert worker.statistics().running == 1
             acks.release.set()
@@ -557,7 +557,7 @@ async def test_an_ack_refused_because_the_lease_ended_counts_the_job_as_lost(tmp
             held.append(job)
             return "too late"
 
-        worker = make_worker(client, handler=handler, concurrency=1, lease_ms=300)
+        worker = make_worker(client, handler=handler, concurrency=1, lease_ms=900)
         async with running(worker):
             with trio.fail_after(BOUND_S):
                 await acks.held.wait()
@@ -637,12 +637,12 @@ async def test_acks_sent_again_after_a_cancellation_keep_their_leases_alive(tmp_
             await real_ack(*args, **kwargs)
 
         client.ack = ack  # type: ignore[method-assign]
-        worker = make_worker(client, handler=lambda leased: 5, lease_ms=300)
+        worker = make_worker(client, handler=lambda leased: 5, lease_ms=900)
         async with run_cancellable(worker) as outer:
             await first_sent.wait()
             outer.cancel()
             await again_sent.wait()
-            await trio.sleep(1.0)  # three leases long
+            await trio.sleep(2.7)  # three leases long
             answer.set()
         assert calls == 2
         view = await client.inspect(job.job_id)
@@ -871,7 +871,7 @@ async def test_refused_renewal_cancels_the_handler_and_nothing_is_acked(backend)
         finished_normally = True
         return "should not be acked"
 
-    worker = make_worker(backend.target, handler=handler, lease_ms=300)
+    worker = make_worker(backend.target, handler=handler, lease_ms=900)
     async with running(worker):
         with trio.fail_after(BOUND_S):
             await started.wait()
