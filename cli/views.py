@@ -80,6 +80,13 @@ def format_duration(ms: int) -> str:
     return f"{minutes}m {seconds:02d}s"
 
 
+def short_duration(ms: int) -> str:
+    """``format_duration`` in two units at most ("1h 02m", "3d 04h"): a table's column."""
+    if ms < 3_600_000:
+        return format_duration(ms)
+    return format_duration(ms).rsplit(" ", 1)[0]
+
+
 def truncate(text: str | None, limit: int = ERROR_CHARS) -> str:
     """The first line of ``text``, at most ``limit`` characters (ending in "…" if cut)."""
     if not text:
@@ -117,10 +124,25 @@ def unfinished(stats: Stats) -> int:
 # -- stats --------------------------------------------------------------------------------
 
 
+def short_number(n: int) -> str:
+    """``n`` as it is below a million; above, truncated to three figures with M, G or T
+    ("1.23M", "12.3M", "123M"): a count column stays within six characters, so the stats
+    table fits 80 columns whatever the counts."""
+    for suffix, size in (("T", 10**12), ("G", 10**9), ("M", 10**6)):
+        if n >= size:
+            whole = n // size
+            decimals = 2 if whole < 10 else 1 if whole < 100 else 0
+            digits = str(n * 10**decimals // size)
+            if decimals:
+                digits = f"{digits[:-decimals]}.{digits[-decimals:]}"
+            return digits + suffix
+    return str(n)
+
+
 def _count(count: int, state: str | None = None) -> Text:
     if count == 0:
         return Text("0", style="dim")
-    return Text(str(count), style=STATE_STYLES.get(state or "", ""))
+    return Text(short_number(count), style=STATE_STYLES.get(state or "", ""))
 
 
 def stats_table(stats: Stats) -> Table:
@@ -155,8 +177,8 @@ def stats_table(stats: Stats) -> Table:
         table.add_row(
             name,
             *(_count(counts.get(state, 0), state) for state in STATES),
-            str(sum(counts.values())),
-            "-" if wait is None else format_duration(wait),
+            short_number(sum(counts.values())),
+            "-" if wait is None else short_duration(wait),
         )
     if not stats.queues:
         table.add_row(Text("no jobs yet", style="dim"), *("" for _ in STATES), "", "")
@@ -165,7 +187,7 @@ def stats_table(stats: Stats) -> Table:
     table.add_row(
         Text("total", style="bold"),
         *(_count(totals[state], state) for state in STATES),
-        str(sum(totals.values())),
+        short_number(sum(totals.values())),
         "",
         style="bold",
     )

@@ -147,10 +147,14 @@ class AckBatch:
 def ack_each(store: Store, now: int, acks: Sequence[AckArgs]) -> list[Any]:
     """Each ack's outcome (None, or the ``RelayError`` that refused it), exactly as if each
     had been its own ``Ack``, in order: one store call unless a job appears twice."""
+    mark = store.write_mark()
     try:
         return store.jobs_ack_many(acks, now)
-    except ValueError:  # a job twice, and nothing written: each on its own below
-        pass
+    except ValueError:
+        # A job twice, and nothing written: each on its own below. (Anything that has
+        # written is the writer's to handle: its careful pass.)
+        if store.write_mark() != mark:
+            raise
     outcomes: list[Any] = []
     for job_id, worker_id, token, result in acks:
         try:

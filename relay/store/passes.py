@@ -52,6 +52,9 @@ def apply_fast(store: Store, batch: list[Item], runs: list, now: int) -> list[An
     never does: the store refuses before it writes (``Store``, relay/store/base.py).
     That is checked here, not assumed: a refusal after which the transaction has written
     rows or moved counters sends the batch to the careful path, as does any other error.
+    (A merged run that answers some of its items with a refusal, a run of acks, vouches
+    for those items itself: ``Store.jobs_ack_many`` refuses an ack only if it wrote
+    nothing for it.)
     """
     outcomes: list[Any] = [None] * len(batch)
     for op, indexes in runs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import attrs
 import pytest
 from rich.console import Console, RenderableType
 
@@ -99,6 +100,38 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     # Queues sorted by name, the totals row last.
     assert text.index("email") < text.index("thumbnails") < text.rindex("total")
     assert "relay-trio 0.1.0" in text and "up 1h 02m 03s" in text and "2 connections" in text
+
+
+def test_stats_table_fits_80_columns_with_counts_in_the_millions():
+    s = stats(
+        **{
+            "thumbnails.resize": counts(
+                pending=12_345_678, ready=9_876_543, leased=1_000_000, retrying=5,
+                succeeded=987_654_321_000, dead=70_000_000,
+            ),
+            "email": counts(ready=1_234_567, succeeded=999_999),
+        }
+    )  # fmt: skip
+    s = attrs.evolve(s, oldest_ready_ms={"email": 26 * 3_600_000 + 5 * 60_000})
+    text = render(views.stats_table(s), 80)
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    # Every queue shown: a long name folds within its column rather than vanishing.
+    first_column = "".join(line[:14].strip() for line in text.splitlines())
+    assert "email" in first_column and "thumbnails.resize" in first_column
+    email = next(line for line in text.splitlines() if "email" in line).split()
+    assert email[1:] == ["0", "1.23M", "0", "0", "999999", "0", "2.23M", "1d", "02h"]
+    for shown in ("12.3M", "9.87M", "1.00M", "987G", "70.0M"):
+        assert shown in text
+    assert "queue" in text and "total" in text
+
+
+@pytest.mark.parametrize(
+    ("n", "shown"),
+    [(0, "0"), (999_999, "999999"), (1_000_000, "1.00M"), (1_999_999, "1.99M"),
+     (12_345_678, "12.3M"), (999_999_999, "999M"), (10**9, "1.00G"), (5 * 10**13, "50.0T")],
+)  # fmt: skip
+def test_short_number_truncates_to_three_figures(n, shown):
+    assert views.short_number(n) == shown
 
 
 def test_stats_table_without_queues_says_so():

@@ -1481,6 +1481,15 @@ def test_ack_many_answers_each_ack_and_a_refusal_changes_only_its_own_nothing(st
     assert store.event_totals()[("q", "acked")] == 2
 
 
+def test_ack_many_answers_malformed_ids_not_found_without_giving_up_the_run(store):
+    submit(store, T0)
+    (lease,) = store.jobs_claim(["q"], "w1", 1, LEASE_MS, T0)
+    acks = [("nope", "w1", "t", None), ("job_zz", "w1", "t", None)]
+    outcomes = store.jobs_ack_many([*acks, (lease.job_id, "w1", lease.token, None)], T0 + 1)
+    assert [type(o) for o in outcomes] == [JobNotFound, JobNotFound, type(None)]
+    assert store.job_inspect(lease.job_id).state == "succeeded"
+
+
 def test_ack_many_refuses_a_job_twice_and_changes_nothing(store):
     submit(store, T0)
     (lease,) = store.jobs_claim(["q"], "w1", 1, LEASE_MS, T0)

@@ -215,9 +215,9 @@ class Leases:
         been acked on its own. Raises ValueError, having changed nothing, if one job appears
         twice."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
-        if len(set(keys)) != len(keys):
+        known = [key for key in keys if key is not None]  # (a malformed id: not found)
+        if len(set(known)) != len(known):
             raise ValueError("not a run of distinct job ids")
-        known = [key for key in keys if key is not None]
         rows = {row[0]: row for row in self._read(_LEASE_ROWS, (known,))}
         updates: list[tuple[int, str | None]] = []
         per_queue: dict[str, int] = {}

@@ -191,7 +191,8 @@ class SqliteLeases(SqliteBase):
         an ack repeated with the completing token: ok). Raises ValueError, having changed
         nothing, if one job appears twice."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
-        if len(set(keys)) != len(keys):
+        known = [key for key in keys if key is not None]  # (a malformed id: not found)
+        if len(set(known)) != len(known):
             raise ValueError("not a run of distinct job ids")
         rows = [
             (key, token, worker_id, result)
