@@ -9,7 +9,6 @@ failure (no server, a bad argument, an error reply) is one line on stderr, "rela
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import importlib
 import logging
@@ -17,27 +16,34 @@ import operator
 import os
 import resource
 import signal
-import socket
-import sqlite3
-import ssl
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import click
 import orjson
 import trio
-from cattrs.preconf.orjson import make_converter
-from rich.console import Console
 
 from cli import views
+from cli.calls import call, console, converter, plural, print_json
 from cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
+from cli.errors import PROG, RelayGroup, fail, run
+from cli.options import (
+    DEFAULT_ADDRESS,
+    address_option,
+    check_queues,
+    client_target,
+    client_token,
+    json_option,
+    parse_address,
+    read_client_token,
+)
 from relay import log as relay_log
 from relay import wire
-from relay.client import TLS_SCHEME, Client, open_client
-from relay.errors import RelayError, StoreError
+from relay.client import Client, open_client
+from relay.errors import StoreError
 from relay.model import QUEUE_NAME_RE, WIRE_PRIORITIES, JobState
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig
@@ -49,247 +55,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relay.cli")
 
-T = TypeVar("T")
-
-PROG = "relay-trio"
-DEFAULT_ADDRESS = "127.0.0.1:7400"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:7401"
 DEFAULT_WS_ADDRESS = "127.0.0.1:7402"
 STATE_NAMES = [str(state) for state in JobState]
 # Exit code when a second SIGINT/SIGTERM cuts the graceful shutdown short.
 EXIT_SECOND_SIGNAL = 130
-EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
-# A one-shot command gives up on its reply after this long. Generous: retrying or purging
-# a whole queue's dead jobs takes many transactions on a big queue.
-REPLY_TIMEOUT_S = 60.0
-
-
-def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise click.BadParameter(f"{text!r} is not HOST:PORT", param_hint=option)
-    return host.strip("[]"), int(port)
-
-
-# -- errors: one line on stderr -------------------------------------------------------------
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    """Print "relay-trio: message" (on one line) to stderr and exit with ``code``."""
-    click.echo(f"{PROG}: {' '.join(message.split())}", err=True)
-    sys.exit(code)
-
-
-class RelayGroup(click.Group):
-    """A click group whose errors are one line on stderr, usage errors included (click's
-    own are three: usage, hint, error). The exit codes stay click's: 2 for usage, else 1."""
-
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
-        if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
-        try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
-        except click.exceptions.NoArgsIsHelpError as exc:
-            exc.show()  # the help text, as click prints it
-            sys.exit(exc.exit_code)
-        except click.UsageError as exc:
-            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-            fail(exc.format_message() + hint, exc.exit_code)
-        except click.ClickException as exc:
-            fail(exc.format_message(), exc.exit_code)
-        except click.Abort as exc:
-            if isinstance(exc.__context__, KeyboardInterrupt):
-                fail("interrupted", EXIT_INTERRUPTED)
-            fail("aborted")
-        except BrokenPipeError:
-            # The reader went away (`relay-trio stats | head`): nothing left to say.
-            sys.stderr.close()
-            os._exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
-
-
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    """The exceptions inside ``exc``, exception groups flattened (trio's nurseries group)."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
-def _reason(exc: BaseException) -> str:
-    """Why a connection could not be made, without trio's "all attempts failed" wrapper."""
-    if isinstance(exc, trio.TooSlowError):
-        return "timed out"
-    if isinstance(exc.__cause__, BaseExceptionGroup):
-        first = next(_leaves(exc.__cause__), None)
-        if isinstance(first, OSError):
-            exc = first
-    if isinstance(exc, socket.gaierror) and exc.strerror:
-        return exc.strerror
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS certificate verification failed: {exc.verify_message}"
-    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not the system's
-        return f"TLS handshake failed: {(exc.reason or str(exc)).lower().replace('_', ' ')}"
-    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
-        return os.strerror(exc.errno)
-    return str(exc) or type(exc).__name__
-
-
-def _explain(exc: BaseException, address: str | None) -> click.ClickException | None:
-    """The one-line error for an expected failure, or None for anything else (a bug)."""
-    for leaf in _leaves(exc):
-        if isinstance(leaf, click.ClickException):
-            return leaf
-        if isinstance(leaf, StoreError):
-            return click.ClickException(f"refusing to open {leaf.path}: {leaf.problem}")
-        if isinstance(leaf, RelayError):
-            return click.ClickException(f"{leaf.code}: {leaf.message}")
-        if isinstance(leaf, sqlite3.Error):
-            # The embedded queue's database (demo): e.g. a directory that does not exist.
-            return click.ClickException(f"database error: {leaf}")
-        if address is not None and isinstance(leaf, orjson.JSONDecodeError):
-            # The client's reader got a line that is not JSON: another kind of server.
-            return click.ClickException(f"{address} does not answer as a relay-trio server: {leaf}")
-        if address is not None and isinstance(leaf, OSError | trio.TooSlowError):
-            return click.ClickException(f"cannot connect to {address}: {_reason(leaf)}")
-    return None
-
-
-def run(async_fn: Callable[..., Awaitable[T]], *args: Any, address: str | None = None) -> T:
-    """``trio.run``, with expected failures turned into one-line errors. With ``address``,
-    an OSError is a failure to reach the server there."""
-    try:
-        return trio.run(async_fn, *args)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:
-        problem = _explain(exc, address)
-        if problem is None:
-            raise
-        raise problem from None
-
-
-def call(address: str, action: Callable[[Client], Awaitable[T]]) -> T:
-    """Connect to the server at ``address``, run ``action`` with the client, disconnect.
-    A one-shot command does not reconnect: a dropped connection is an error at once."""
-
-    token = client_token()
-    address, tls_ca = client_target(address)
-
-    async def session() -> T:
-        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
-            try:
-                with trio.fail_after(REPLY_TIMEOUT_S):
-                    return await action(client)
-            except trio.TooSlowError:
-                raise click.ClickException(
-                    f"no reply from {address} within {REPLY_TIMEOUT_S:.0f} s"
-                ) from None
-
-    return run(session, address=address)
-
-
-# -- output ---------------------------------------------------------------------------------
-
-_converter = make_converter()
-
-
-def print_json(value: Any) -> None:
-    """``value`` (an attrs result or named tuple, or plain data) as indented JSON on stdout.
-    Keys are the result's fields in declaration order, every one present (None as null)."""
-    if isinstance(value, tuple) and hasattr(value, "_asdict"):
-        value = value._asdict()
-    data = value if isinstance(value, dict) else _converter.unstructure(value)
-    click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
-
-
-def console() -> Console:
-    return Console()
-
-
-# -- shared options -------------------------------------------------------------------------
-
-
-def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        parse_address(value.removeprefix(TLS_SCHEME))
-    except click.BadParameter as exc:
-        raise click.BadParameter(exc.message) from None  # click names the option
-    return value
-
-
-def read_client_token(path: str | None) -> str | None:
-    """The token a client command says hello with: the one in the file at ``path``
-    (its only line that is not blank or a ``#`` comment), else RELAY_AUTH_TOKEN, else
-    None. Never a command-line value: argv is visible to every user of the machine."""
-    if path is None:
-        return os.environ.get("RELAY_AUTH_TOKEN") or None
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for raw in f if (line := raw.strip()) and not line.startswith("#")]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc}") from None
-    if len(lines) != 1 or len(lines[0].split()) != 1:
-        raise click.BadParameter(f"{path}: expected one token on one line")
-    return lines[0]
-
-
-def _token_option(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    ctx.meta["relay.token"] = read_client_token(value)
-
-
-def client_token() -> str | None:
-    """The token of the running command (--token-file or RELAY_AUTH_TOKEN)."""
-    return click.get_current_context().meta.get("relay.token")
-
-
-def _keep_tls_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-    # Kept on the context rather than passed to every command: see client_target.
-    ctx.meta[f"relay.{param.name}"] = value
-    return value
-
-
-def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--address``; ``--token-file`` for a server with access control; ``--tls`` and
-    ``--tls-ca``, which ``client_target`` reads."""
-    fn = click.option(
-        "--token-file", metavar="PATH", expose_value=False, callback=_token_option,
-        help="A file holding the access token to say hello with (default: env "
-        "RELAY_AUTH_TOKEN).",
-    )(fn)  # fmt: skip
-    fn = click.option(
-        "--tls-ca", envvar="RELAY_TLS_CA", type=click.Path(exists=True, dir_okay=False),
-        metavar="PATH", expose_value=False, callback=_keep_tls_option,
-        help="Use TLS, and trust the CA certificate(s) in this PEM file (env RELAY_TLS_CA).",
-    )(fn)  # fmt: skip
-    fn = click.option(
-        "--tls", is_flag=True, expose_value=False, callback=_keep_tls_option,
-        help="Use TLS, verifying the server with the system's trust store.",
-    )(fn)  # fmt: skip
-    return click.option(
-        "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
-        callback=_check_address, metavar="[tls://]HOST:PORT",
-        help="The server (env RELAY_ADDRESS); a tls:// address uses TLS.",
-    )(fn)  # fmt: skip
-
-
-def client_target(address: str) -> tuple[str, str | None]:
-    """The address to connect to and the CA file to trust, after the current command's
-    ``--tls`` and ``--tls-ca``: either makes the address tls:// (the form errors name)."""
-    ctx = click.get_current_context(silent=True)
-    meta = ctx.meta if ctx is not None else {}
-    tls_ca = meta.get("relay.tls_ca")
-    if (meta.get("relay.tls") or tls_ca) and not address.startswith(TLS_SCHEME):
-        address = TLS_SCHEME + address
-    return address, tls_ca
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 @click.group(cls=RelayGroup)
@@ -517,14 +287,6 @@ async def _run_server(config: ServerConfig) -> None:
 # -- worker ---------------------------------------------------------------------------------
 
 
-def _check_queues(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]):
-    for name in value:
-        if not QUEUE_NAME_RE.fullmatch(name):
-            raise click.BadParameter(f"{name!r}: a queue name is 1-128 characters of "
-                                     "[A-Za-z0-9._:-]")  # fmt: skip
-    return value
-
-
 def load_handler(spec: str) -> Callable[..., Any]:
     """Import "package.module:function" (the function may be dotted: "module:Class.method").
     The current directory is importable, as with ``python -m``."""
@@ -555,7 +317,7 @@ def _handler_option(ctx: click.Context, param: click.Parameter, value: str | Non
 @main.command()
 @address_option
 @click.option(
-    "--queue", "queues", multiple=True, required=True, callback=_check_queues,
+    "--queue", "queues", multiple=True, required=True, callback=check_queues,
     help="A queue to lease from; repeat for several.",
 )  # fmt: skip
 @click.option(
@@ -726,7 +488,7 @@ def inspect_command(job_id: str, address: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--queue", "queues", multiple=True, callback=_check_queues,
+@click.option("--queue", "queues", multiple=True, callback=check_queues,
               help="Only this queue's jobs (repeatable). Default: every queue.")  # fmt: skip
 @click.option("--state", "states", multiple=True, type=click.Choice(STATE_NAMES),
               help="Only changes into this state (repeatable). Default: every state.")  # fmt: skip
@@ -771,7 +533,7 @@ def stats(address: str, as_json: bool) -> None:
     """Jobs per queue and state, and the server's version, uptime and connections."""
     result = call(address, lambda client: client.stats(oldest_ready=True))
     if as_json:
-        data = _converter.unstructure(result)
+        data = converter.unstructure(result)
         data["queues"] = dict(sorted(data["queues"].items()))
         print_json(data)
     else:
@@ -837,7 +599,7 @@ def dead_retry(
     if as_json:
         print_json({"count": count})
     else:
-        click.echo(f"retried {_plural(count, 'dead job')}")
+        click.echo(f"retried {plural(count, 'dead job')}")
 
 
 @dead.command("purge")
@@ -856,7 +618,7 @@ def dead_purge(
     if as_json:
         print_json({"count": count})
     else:
-        click.echo(f"purged {_plural(count, 'dead job')}")
+        click.echo(f"purged {plural(count, 'dead job')}")
 
 
 # -- demo -----------------------------------------------------------------------------------
@@ -909,7 +671,7 @@ def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
     totals = views.totals_by_state(outcome.stats)
     if not outcome.finished:
         fail(f"demo timed out after {outcome.seconds:.0f} s with "
-             f"{_plural(views.unfinished(outcome.stats), 'unfinished job')}")  # fmt: skip
+             f"{plural(views.unfinished(outcome.stats), 'unfinished job')}")  # fmt: skip
     out.print(
         f"Done in {outcome.seconds:.1f} s: {totals['succeeded']} succeeded, "
         f"{totals['dead']} dead; each dead job keeps its error history"
@@ -922,3 +684,14 @@ def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
             "or relay-trio dead list.",
             highlight=False,
         )
+
+
+# What tests and scripts import from here, besides the commands.
+__all__ = [
+    "SPARE_FILES",
+    "load_handler",
+    "main",
+    "parse_backoff",
+    "raise_open_files_limit",
+    "read_client_token",
+]

@@ -10,7 +10,8 @@ import pytest
 import trio
 
 from cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
-from cli.main import SPARE_FILES, _explain, load_handler, parse_backoff, raise_open_files_limit
+from cli.errors import _explain
+from cli.main import SPARE_FILES, load_handler, parse_backoff, raise_open_files_limit
 from relay import LeasedJob, PermanentError
 from relay.errors import ConnectionLost, JobNotFound, NotADatabase
 
