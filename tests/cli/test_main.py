@@ -105,7 +105,7 @@ async def test_demo_handler_does_what_the_payload_says(autojump_clock):
 
 
 def test_queue_depths_parse_queue_equals_number():
-    from cli.main import _parse_depths
+    from cli.server import _parse_depths
 
     assert _parse_depths(("email=10", "a.b:c=0")) == {"email": 10, "a.b:c": 0}
     for bad in ("email", "=5", "bad name=3", "email=-1", "email=x"):
