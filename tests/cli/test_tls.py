@@ -12,7 +12,8 @@ import click
 import pytest
 import trio
 
-from cli.main import _explain, main
+from cli.errors import _explain
+from cli.main import main
 from relay import JobState, open_client
 from relay.client import Client
 from tests.server.conftest import RunningServer, start_server

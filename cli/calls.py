@@ -1,0 +1,64 @@
+"""A one-shot client command: ``call`` connects, asks and disconnects; ``print_json`` and
+``console`` show the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import click
+import orjson
+import trio
+from cattrs.preconf.orjson import make_converter
+from rich.console import Console
+
+from cli.errors import run
+from cli.options import client_target, client_token
+from relay.client import Client, open_client
+
+T = TypeVar("T")
+
+# A one-shot command gives up on its reply after this long. Generous: retrying or purging
+# a whole queue's dead jobs takes many transactions on a big queue.
+REPLY_TIMEOUT_S = 60.0
+
+
+def call(address: str, action: Callable[[Client], Awaitable[T]]) -> T:
+    """Connect to the server at ``address``, run ``action`` with the client, disconnect.
+    A one-shot command does not reconnect: a dropped connection is an error at once."""
+
+    token = client_token()
+    address, tls_ca = client_target(address)
+
+    async def session() -> T:
+        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
+            try:
+                with trio.fail_after(REPLY_TIMEOUT_S):
+                    return await action(client)
+            except trio.TooSlowError:
+                raise click.ClickException(
+                    f"no reply from {address} within {REPLY_TIMEOUT_S:.0f} s"
+                ) from None
+
+    return run(session, address=address)
+
+
+converter = make_converter()
+
+
+def print_json(value: Any) -> None:
+    """``value`` (an attrs result or named tuple, or plain data) as indented JSON on stdout.
+    Keys are the result's fields in declaration order, every one present (None as null)."""
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        value = value._asdict()
+    data = value if isinstance(value, dict) else converter.unstructure(value)
+    click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+
+
+def console() -> Console:
+    return Console()
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")

@@ -1,0 +1,92 @@
+"""``relay-trio dead``: the dead jobs: ``list`` them a page at a time, ``retry`` them with
+fresh attempts, ``purge`` them for good; one job, or every dead job of a queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from cli import views
+from cli.calls import call, console, plural, print_json
+from cli.options import address_option, json_option
+
+
+@click.group()
+def dead() -> None:
+    """Dead jobs: list them, retry them, purge them."""
+
+
+@dead.command("list")
+@click.option("--queue", help="Only this queue's dead jobs.")
+@click.option("--limit", type=click.IntRange(min=1), help="Jobs per page (default 100).")
+@click.option("--cursor", help="Where the previous page ended (its next_cursor).")
+@address_option
+@json_option
+def dead_list(
+    queue: str | None, limit: int | None, cursor: str | None, address: str, as_json: bool
+) -> None:
+    """List dead jobs, oldest first, a page at a time."""
+    page = call(address, lambda client: client.dead_list(queue, limit=limit, cursor=cursor))
+    if as_json:
+        print_json(page)
+    else:
+        console().print(views.dead_table(page))
+
+
+def _dead_target(job_id: str | None, queue: str | None, every: bool) -> dict[str, Any]:
+    """The selection of ``dead retry``/``dead purge``: one job, or a whole queue."""
+    if job_id is not None:
+        if queue is not None or every:
+            raise click.UsageError("give a JOB id, or --queue Q --all, not both")
+        return {"job_id": job_id}
+    if queue is None and not every:
+        raise click.UsageError("give a JOB id, or --queue Q --all")
+    if queue is None:
+        raise click.UsageError("--all needs --queue Q: one queue at a time")
+    if not every:
+        raise click.UsageError(f"--queue {queue} means every dead job of it: add --all")
+    return {"queue": queue, "all": True}
+
+
+def _dead_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = json_option(fn)
+    fn = address_option(fn)
+    fn = click.option("--all", "every", is_flag=True, help="Every dead job of --queue.")(fn)
+    fn = click.option("--queue", help="With --all: the queue whose dead jobs to take.")(fn)
+    return click.argument("job_id", metavar="[JOB]", required=False)(fn)
+
+
+@dead.command("retry")
+@_dead_options
+def dead_retry(
+    job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool
+) -> None:
+    """Make a dead job (or every dead job of a queue) ready again, with fresh attempts."""
+    target = _dead_target(job_id, queue, every)
+    count = call(address, lambda client: client.dead_retry(**target))
+    if as_json:
+        print_json({"count": count})
+    else:
+        click.echo(f"retried {plural(count, 'dead job')}")
+
+
+@dead.command("purge")
+@_dead_options
+@click.option("--yes", is_flag=True, help="Do not ask before purging a whole queue.")
+def dead_purge(
+    job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool, yes: bool
+) -> None:
+    """Delete a dead job (or every dead job of a queue) for good."""
+    target = _dead_target(job_id, queue, every)
+    if every and not yes:
+        click.confirm(
+            f"Delete every dead job of queue {queue}? This cannot be undone", abort=True, err=True
+        )
+    count = call(address, lambda client: client.dead_purge(**target))
+    if as_json:
+        print_json({"count": count})
+    else:
+        click.echo(f"purged {plural(count, 'dead job')}")

@@ -1,0 +1,110 @@
+"""The options the client commands share, and what they read: ``--address`` (env
+``RELAY_ADDRESS``) with ``--tls``, ``--tls-ca`` (env ``RELAY_TLS_CA``) and ``--token-file``
+(``address_option``; ``client_target`` and ``client_token`` read them), ``--json``, and the
+check of a ``--queue`` name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from relay.client import TLS_SCHEME
+from relay.model import QUEUE_NAME_RE
+
+DEFAULT_ADDRESS = "127.0.0.1:7400"
+
+
+def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise click.BadParameter(f"{text!r} is not HOST:PORT", param_hint=option)
+    return host.strip("[]"), int(port)
+
+
+def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        parse_address(value.removeprefix(TLS_SCHEME))
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message) from None  # click names the option
+    return value
+
+
+def read_client_token(path: str | None) -> str | None:
+    """The token a client command says hello with: the one in the file at ``path``
+    (its only line that is not blank or a ``#`` comment), else RELAY_AUTH_TOKEN, else
+    None. Never a command-line value: argv is visible to every user of the machine."""
+    if path is None:
+        return os.environ.get("RELAY_AUTH_TOKEN") or None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for raw in f if (line := raw.strip()) and not line.startswith("#")]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}") from None
+    if len(lines) != 1 or len(lines[0].split()) != 1:
+        raise click.BadParameter(f"{path}: expected one token on one line")
+    return lines[0]
+
+
+def _token_option(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    ctx.meta["relay.token"] = read_client_token(value)
+
+
+def client_token() -> str | None:
+    """The token of the running command (--token-file or RELAY_AUTH_TOKEN)."""
+    return click.get_current_context().meta.get("relay.token")
+
+
+def _keep_tls_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    # Kept on the context rather than passed to every command: see client_target.
+    ctx.meta[f"relay.{param.name}"] = value
+    return value
+
+
+def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--address``; ``--token-file`` for a server with access control; ``--tls`` and
+    ``--tls-ca``, which ``client_target`` reads."""
+    fn = click.option(
+        "--token-file", metavar="PATH", expose_value=False, callback=_token_option,
+        help="A file holding the access token to say hello with (default: env "
+        "RELAY_AUTH_TOKEN).",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--tls-ca", envvar="RELAY_TLS_CA", type=click.Path(exists=True, dir_okay=False),
+        metavar="PATH", expose_value=False, callback=_keep_tls_option,
+        help="Use TLS, and trust the CA certificate(s) in this PEM file (env RELAY_TLS_CA).",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--tls", is_flag=True, expose_value=False, callback=_keep_tls_option,
+        help="Use TLS, verifying the server with the system's trust store.",
+    )(fn)  # fmt: skip
+    return click.option(
+        "--address", envvar="RELAY_ADDRESS", default=DEFAULT_ADDRESS, show_default=True,
+        callback=_check_address, metavar="[tls://]HOST:PORT",
+        help="The server (env RELAY_ADDRESS); a tls:// address uses TLS.",
+    )(fn)  # fmt: skip
+
+
+def client_target(address: str) -> tuple[str, str | None]:
+    """The address to connect to and the CA file to trust, after the current command's
+    ``--tls`` and ``--tls-ca``: either makes the address tls:// (the form errors name)."""
+    ctx = click.get_current_context(silent=True)
+    meta = ctx.meta if ctx is not None else {}
+    tls_ca = meta.get("relay.tls_ca")
+    if (meta.get("relay.tls") or tls_ca) and not address.startswith(TLS_SCHEME):
+        address = TLS_SCHEME + address
+    return address, tls_ca
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+
+
+def check_queues(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]):
+    for name in value:
+        if not QUEUE_NAME_RE.fullmatch(name):
+            raise click.BadParameter(f"{name!r}: a queue name is 1-128 characters of "
+                                     "[A-Za-z0-9._:-]")  # fmt: skip
+    return value

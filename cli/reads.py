@@ -1,0 +1,86 @@
+"""The commands that look and change nothing: ``inspect`` (one job), ``stats``, ``watch``
+(job events as JSON lines) and ``top`` (a live view, drawn by cli/top.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import click
+import orjson
+import trio
+
+from cli import views
+from cli.calls import call, console, converter, print_json
+from cli.errors import run
+from cli.options import address_option, check_queues, client_target, client_token, json_option
+from relay.client import open_client
+from relay.model import JobState
+
+STATE_NAMES = [str(state) for state in JobState]
+
+
+@click.command("inspect")
+@click.argument("job_id", metavar="JOB")
+@address_option
+@json_option
+def inspect_command(job_id: str, address: str, as_json: bool) -> None:
+    """Show one job: state, attempts, timings, errors, payload and result."""
+    job = call(address, lambda client: client.inspect(job_id))
+    if as_json:
+        print_json(job)
+    else:
+        console().print(views.job_panel(job))
+
+
+@click.command()
+@click.option("--queue", "queues", multiple=True, callback=check_queues,
+              help="Only this queue's jobs (repeatable). Default: every queue.")  # fmt: skip
+@click.option("--state", "states", multiple=True, type=click.Choice(STATE_NAMES),
+              help="Only changes into this state (repeatable). Default: every state.")  # fmt: skip
+@address_option
+def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> None:
+    """Print job events as JSON lines, one per state change, after its commit, until
+    Ctrl-C: {"event":"job","job_id","queue","state","attempt","at"}, and
+    {"event":"lagged","dropped":N} where N were lost to a slow reader."""
+    token = client_token()
+    address, tls_ca = client_target(address)
+    out = click.get_text_stream("stdout")
+
+    async def session() -> None:
+        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
+            events = client.watch(queues or None, states or None)
+            async with events:
+                async for event in events:
+                    out.write(orjson.dumps(event).decode() + "\n")
+                    out.flush()
+
+    run(session, address=address)
+
+
+@click.command()
+@address_option
+def top(address: str) -> None:
+    """A live view of the queues until Ctrl-C: counts by state, jobs submitted, succeeded
+    and failed per second over the last 10 s, and the latest failures. Reconnects when
+    the server restarts."""
+    from cli.top import TopView, run_top
+
+    token = client_token()
+    address, tls_ca = client_target(address)
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(run_top, address, token, tls_ca, TopView())
+
+
+@click.command()
+@address_option
+@json_option
+def stats(address: str, as_json: bool) -> None:
+    """Jobs per queue and state, and the server's version, uptime and connections."""
+    result = call(address, lambda client: client.stats(oldest_ready=True))
+    if as_json:
+        data = converter.unstructure(result)
+        data["queues"] = dict(sorted(data["queues"].items()))
+        print_json(data)
+    else:
+        console().print(views.stats_table(result))

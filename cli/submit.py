@@ -1,0 +1,94 @@
+"""``relay-trio submit``: a job's options (its payload as JSON, the backoff's short forms)
+made into one submit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import orjson
+
+from cli.calls import call, print_json
+from cli.options import address_option, json_option
+from relay.model import WIRE_PRIORITIES
+
+
+def _payload_option(ctx: click.Context, param: click.Parameter, value: str) -> Any:
+    text = click.get_text_stream("stdin").read() if value == "-" else value
+    if not text.strip():
+        raise click.BadParameter("empty; give a JSON value" + (" on stdin" if value == "-" else ""))
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}") from None
+
+
+BACKOFF_FORMS = "fixed:MS or exp:BASE:MAX[:nojitter]"
+
+
+def parse_backoff(text: str) -> dict[str, Any]:
+    """ "fixed:MS" or "exp:BASE:MAX[:nojitter]" as the wire's backoff object."""
+    kind, *numbers = text.split(":")
+    jitter = True
+    if kind in ("exp", "exponential") and numbers and numbers[-1] in ("jitter", "nojitter"):
+        jitter = numbers.pop() == "jitter"
+    if not all(n.isdigit() for n in numbers):
+        raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")
+    if kind == "fixed" and len(numbers) == 1:
+        return {"kind": "fixed", "delay_ms": int(numbers[0])}
+    if kind in ("exp", "exponential") and len(numbers) == 2:
+        base, top = map(int, numbers)
+        return {"kind": "exponential", "base_ms": base, "max_ms": top, "jitter": jitter}
+    raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")
+
+
+def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | None):
+    return None if value is None else parse_backoff(value)
+
+
+@click.command()
+@click.argument("queue")
+@click.option(
+    "--payload", required=True, callback=_payload_option, metavar="JSON",
+    help="The job's payload, any JSON value; '-' reads it from stdin.",
+)  # fmt: skip
+@click.option("--priority", type=click.Choice(WIRE_PRIORITIES), help="Default: normal.")
+@click.option(
+    "--retries", type=click.IntRange(min=0), help="Retries after the first attempt (default 3)."
+)
+@click.option("--delay-ms", type=click.IntRange(min=0), help="Run no sooner than this from now.")
+@click.option(
+    "--run-at", type=click.IntRange(min=0), metavar="MS", help="Run at this time (ms since epoch)."
+)
+@click.option(
+    "--backoff", callback=_backoff_option, metavar="SPEC",
+    help=f"Wait between retries: {BACKOFF_FORMS} (default exp:1000:300000).",
+)  # fmt: skip
+@click.option("--idempotency-key", metavar="KEY", help="Submit at most once per queue and key.")
+@address_option
+@json_option
+def submit(
+    queue: str,
+    payload: Any,
+    priority: str | None,
+    retries: int | None,
+    delay_ms: int | None,
+    run_at: int | None,
+    backoff: dict[str, Any] | None,
+    idempotency_key: str | None,
+    address: str,
+    as_json: bool,
+) -> None:
+    """Submit a job to QUEUE; print its id and state (and "duplicate" when the idempotency
+    key matched an earlier job)."""
+    if delay_ms is not None and run_at is not None:
+        raise click.UsageError("give --delay-ms or --run-at, not both")
+    result = call(address, lambda client: client.submit(
+        queue, payload, priority=priority, retries=retries, delay_ms=delay_ms, run_at=run_at,
+        backoff=backoff, idempotency_key=idempotency_key,
+    ))  # fmt: skip
+    if as_json:
+        print_json(result)
+    else:
+        click.echo(f"{result.job_id} {result.state}" + (" duplicate" if result.duplicate else ""))
