@@ -22,7 +22,7 @@ from relay.nursery import open_service_nursery
 from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
 from relay.server.feed import ChangeFeed
-from relay.server.longpoll import LongPolls
+from relay.server.longpoll import PARKED_PER_CONNECTION, LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
@@ -143,10 +143,10 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
                 log, logging.WARNING, "server.recovered_leases", count=recovered,
                 ms=round((time.monotonic() - t) * 1000),
             )  # fmt: skip
-        longpolls = LongPolls(writer)
+        limits = config.limits
+        longpolls = LongPolls(writer, PARKED_PER_CONNECTION * limits.max_connections)
         promoter, reaper = Alarm(), Alarm()
         writer.commit_listeners += [longpolls.on_commit, commit_listener(promoter, reaper)]
-        limits = config.limits
         watchers = Watchers(writer, limits.max_watchers, limits.max_watch_buffer)
         writer.commit_listeners.append(watchers.on_commit)
         dispatcher = Dispatcher(writer, limits, longpolls, config.tokens, watchers)

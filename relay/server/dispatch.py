@@ -342,19 +342,23 @@ class Dispatcher(AdminHandlers):
         """
         if type(reply) is not bytes:
             lease = item[4]
-            if (
+            longpolls = self.longpolls
+            may_wait = (
                 self.leasing
                 and connection.can_wait
-                and not self.longpolls.closing
+                and not longpolls.closing
                 and lease.deadline > now
-            ):
-                self.longpolls.park(item, connection)
+            )
+            if may_wait and not longpolls.full:
+                longpolls.park(item, connection)
                 # A parked lease holds no reply: it gives back what it reserved, or a few
                 # long-polls would fill the connection's byte budget and stop its reader
                 # (max_in_flight still counts them). Woken, it reserves again, within the
                 # room the connection has left (LongPolls.run).
                 _give_back(connection, lease)
                 return None
+            if may_wait:  # as many are parked as the server holds: answered at once
+                longpolls.turn_away()
             reply = wire.encode_ok(item[2], {"jobs": []})
         self.answered(connection, item, now)
         return reply

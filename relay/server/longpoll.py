@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 from typing import Protocol
 
@@ -18,13 +19,24 @@ import attrs
 import trio
 
 from relay.errors import ShuttingDown
+from relay.log import event
 from relay.store.base import Changes
 from relay.store.items import Item, ReplySink
 from relay.store.writer import Writer
 
+log = logging.getLogger("relay.longpoll")
+
 # How many entries for leases no longer parked the deadline heap may hold beyond twice
 # the parked ones before it is rebuilt (a rebuild is linear, so it is kept rare).
 COMPACT_SLACK = 1024
+# Parked long-polls per allowed connection, server-wide: 16,384 with the default 1,024
+# connections, ~2.5 KB each with 16 queues. Without a cap, max_connections clients each
+# pipelining max_in_flight long-polls would park 262,144 of them (~700 MB), and parking or
+# dropping them all would hold the trio thread for seconds. Past it, a lease that finds
+# nothing is answered ``jobs: []`` at once, as if its wait had ended.
+PARKED_PER_CONNECTION = 16
+# The log says the cap turned long-polls away at most this often (with how many).
+FULL_LOG_INTERVAL_S = 60.0
 
 
 class LeaseArgs(Protocol):
@@ -58,8 +70,12 @@ class _Parked:
 class LongPolls:
     """The registry of parked leases and the one task that serves them."""
 
-    def __init__(self, writer: Writer) -> None:
+    def __init__(self, writer: Writer, max_parked: float = math.inf) -> None:
         self._writer = writer
+        self.max_parked = max_parked
+        self.turned_away = 0  # leases answered at once because max_parked were parked
+        self._turned_away_logged = 0
+        self._full_logged_at = -math.inf
         self._by_queue: dict[str, set[_Parked]] = {}
         self._by_sink: dict[int, set[_Parked]] = {}  # id(sink): a closing connection's
         self._deadlines: list[tuple[float, int, _Parked]] = []
@@ -75,6 +91,23 @@ class LongPolls:
     @property
     def parked(self) -> int:
         return self._parked
+
+    @property
+    def full(self) -> bool:
+        return self._parked >= self.max_parked
+
+    def turn_away(self) -> None:
+        """Count a lease answered at once because ``max_parked`` are parked (and say so
+        in the log, at most every FULL_LOG_INTERVAL_S)."""
+        self.turned_away += 1
+        now = trio.current_time()
+        if now - self._full_logged_at >= FULL_LOG_INTERVAL_S:
+            event(
+                log, logging.WARNING, "longpoll.full", parked=self._parked,
+                turned_away=self.turned_away - self._turned_away_logged,
+            )  # fmt: skip
+            self._full_logged_at = now
+            self._turned_away_logged = self.turned_away
 
     def park(self, item: Item, sink: LongPollSink) -> None:
         """Register a lease that found nothing. Sync: called from a reply delivery."""

@@ -24,6 +24,7 @@ import trio
 
 from relay import wire
 from relay.log import SUMMARY_INTERVAL_S
+from relay.server.longpoll import PARKED_PER_CONNECTION
 from tests import pg
 from tests.server.conftest import LineClient, RunningServer, start_server
 from tests.worker_helpers import serving
@@ -448,6 +449,27 @@ async def test_long_poll_wakes_on_submit(server, client):
             reply = await client.read()
     assert reply["id"] == request_id
     assert [j["job_id"] for j in reply["jobs"]] == [job_id]
+
+
+async def test_long_polls_past_the_server_s_cap_are_answered_at_once(tmp_path):
+    """At most PARKED_PER_CONNECTION x max_connections long-polls park, server-wide; the
+    rest find nothing and are answered ``jobs: []`` at once. The parked ones still wake."""
+    limits = wire.Limits(max_connections=2)
+    cap = PARKED_PER_CONNECTION * limits.max_connections
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as waiter:
+        sent = [
+            await waiter.send("lease", queues=["cap"], worker_id=W, wait_ms=30_000)
+            for _ in range(cap + 8)
+        ]
+        with trio.fail_after(5):  # far sooner than the 30 s wait
+            early = [await waiter.read() for _ in range(8)]
+        assert all(reply["ok"] and reply["jobs"] == [] for reply in early)
+        assert {reply["id"] for reply in early} <= set(sent)
+        async with connected(srv) as producer:
+            job_id = await submit(producer, "cap", "wake")
+        with trio.fail_after(5):
+            woken = await waiter.read()
+    assert [j["job_id"] for j in woken["jobs"]] == [job_id]
 
 
 async def test_long_poll_times_out_with_no_jobs(client):
