@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from relay.errors import ShuttingDown
-from relay.log import event
+from relay.log import Summary, event
 from relay.store.base import Changes
 from relay.store.items import Item, ReplySink
 from relay.store.writer import Writer
@@ -73,9 +73,7 @@ class LongPolls:
     def __init__(self, writer: Writer, max_parked: float = math.inf) -> None:
         self._writer = writer
         self.max_parked = max_parked
-        self.turned_away = 0  # leases answered at once because max_parked were parked
-        self._turned_away_logged = 0
-        self._full_logged_at = -math.inf
+        self._turned_away = Summary(FULL_LOG_INTERVAL_S)  # logged in summary: a flood
         self._by_queue: dict[str, set[_Parked]] = {}
         self._by_sink: dict[int, set[_Parked]] = {}  # id(sink): a closing connection's
         self._deadlines: list[tuple[float, int, _Parked]] = []
@@ -97,17 +95,10 @@ class LongPolls:
         return self._parked >= self.max_parked
 
     def turn_away(self) -> None:
-        """Count a lease answered at once because ``max_parked`` are parked (and say so
-        in the log, at most every FULL_LOG_INTERVAL_S)."""
-        self.turned_away += 1
-        now = trio.current_time()
-        if now - self._full_logged_at >= FULL_LOG_INTERVAL_S:
-            event(
-                log, logging.WARNING, "longpoll.full", parked=self._parked,
-                turned_away=self.turned_away - self._turned_away_logged,
-            )  # fmt: skip
-            self._full_logged_at = now
-            self._turned_away_logged = self.turned_away
+        """A lease is answered at once because ``max_parked`` are parked: said in the log
+        at most every FULL_LOG_INTERVAL_S, with how many."""
+        if n := self._turned_away.count(trio.current_time()):
+            event(log, logging.WARNING, "longpoll.full", parked=self._parked, turned_away=n)
 
     def park(self, item: Item, sink: LongPollSink) -> None:
         """Register a lease that found nothing. Sync: called from a reply delivery."""

@@ -456,20 +456,31 @@ async def test_long_polls_past_the_server_s_cap_are_answered_at_once(tmp_path):
     rest find nothing and are answered ``jobs: []`` at once. The parked ones still wake."""
     limits = wire.Limits(max_connections=2)
     cap = PARKED_PER_CONNECTION * limits.max_connections
-    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as waiter:
-        sent = [
-            await waiter.send("lease", queues=["cap"], worker_id=W, wait_ms=30_000)
-            for _ in range(cap + 8)
-        ]
-        with trio.fail_after(5):  # far sooner than the 30 s wait
-            early = [await waiter.read() for _ in range(8)]
-        assert all(reply["ok"] and reply["jobs"] == [] for reply in early)
-        assert {reply["id"] for reply in early} <= set(sent)
-        async with connected(srv) as producer:
-            job_id = await submit(producer, "cap", "wake")
-        with trio.fail_after(5):
-            woken = await waiter.read()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("relay.longpoll")
+    logger.addHandler(handler)
+    try:
+        async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as waiter:
+            sent = [
+                await waiter.send("lease", queues=["cap"], worker_id=W, wait_ms=30_000)
+                for _ in range(cap + 8)
+            ]
+            with trio.fail_after(5):  # far sooner than the 30 s wait
+                early = [await waiter.read() for _ in range(8)]
+            assert all(reply["ok"] and reply["jobs"] == [] for reply in early)
+            assert {reply["id"] for reply in early} <= set(sent)
+            async with connected(srv) as producer:
+                job_id = await submit(producer, "cap", "wake")
+            with trio.fail_after(5):
+                woken = await waiter.read()
+    finally:
+        logger.removeHandler(handler)
     assert [j["job_id"] for j in woken["jobs"]] == [job_id]
+    # Said once, not once per lease turned away (a flood is logged in summary).
+    (full,) = [r for r in records if r.getMessage() == "longpoll.full"]
+    assert full.fields == {"parked": cap, "turned_away": 1}  # type: ignore[attr-defined]
 
 
 async def test_long_poll_times_out_with_no_jobs(client):
