@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import attrs
@@ -163,3 +165,21 @@ async def client(server: RunningServer) -> AsyncIterator[LineClient]:
         yield c
     finally:
         await c.aclose()
+
+
+@contextlib.contextmanager
+def logged(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records logger ``name`` emits meanwhile (DEBUG and up), whatever the logging
+    config."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

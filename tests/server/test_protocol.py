@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import re
 import secrets
@@ -26,7 +25,7 @@ from relay import wire
 from relay.log import SUMMARY_INTERVAL_S
 from relay.server.longpoll import PARKED_PER_CONNECTION
 from tests import pg
-from tests.server.conftest import LineClient, RunningServer, start_server
+from tests.server.conftest import LineClient, RunningServer, logged, start_server
 from tests.worker_helpers import serving
 
 STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
@@ -456,12 +455,7 @@ async def test_long_polls_past_the_server_s_cap_are_answered_at_once(tmp_path):
     rest find nothing and are answered ``jobs: []`` at once. The parked ones still wake."""
     limits = wire.Limits(max_connections=2)
     cap = PARKED_PER_CONNECTION * limits.max_connections
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("relay.longpoll")
-    logger.addHandler(handler)
-    try:
+    with logged("relay.longpoll") as records:
         async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as waiter:
             sent = [
                 await waiter.send("lease", queues=["cap"], worker_id=W, wait_ms=30_000)
@@ -475,8 +469,6 @@ async def test_long_polls_past_the_server_s_cap_are_answered_at_once(tmp_path):
                 job_id = await submit(producer, "cap", "wake")
             with trio.fail_after(5):
                 woken = await waiter.read()
-    finally:
-        logger.removeHandler(handler)
     assert [j["job_id"] for j in woken["jobs"]] == [job_id]
     # Said once, not once per lease turned away (a flood is logged in summary).
     (full,) = [r for r in records if r.getMessage() == "longpoll.full"]
@@ -1154,13 +1146,8 @@ async def test_ack_after_fail_is_rejected(client):
 async def test_a_flood_of_refused_connections_is_logged_in_summary(tmp_path):
     """Each one over the cap still gets its overloaded line, but the log gets one line per
     second at most, with the count, rather than one per connection."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("relay.listener")
-    logger.addHandler(handler)
-    try:
-        limits = wire.Limits(max_connections=1)
+    limits = wire.Limits(max_connections=1)
+    with logged("relay.listener") as records:
         async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as held:
             await held.ok("ping")
             started = trio.current_time()
@@ -1172,8 +1159,6 @@ async def test_a_flood_of_refused_connections_is_logged_in_summary(tmp_path):
                     await extra.aclose()
                 assert_error(orjson.loads(lines[0]), "overloaded")
             elapsed = trio.current_time() - started
-    finally:
-        logger.removeHandler(handler)
     refused = [r for r in records if r.getMessage() == "connection.refused"]
     assert 1 <= len(refused) <= 1 + elapsed / SUMMARY_INTERVAL_S, (len(refused), elapsed)
     assert sum(r.fields["refused"] for r in refused) <= 30  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import logging
 import os
 import ssl
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from trio.testing import wait_all_tasks_blocked
 from relay import wire
 from relay.server.serve import ServerConfig, serve
 from relay.server.tls import TlsConfigError, server_context
-from tests.server.conftest import BOUND_S, RunningServer
+from tests.server.conftest import BOUND_S, RunningServer, logged
 from tests.server.test_protocol import W, connected, custom_server, queue_stats, submit
 from tests.server.test_session import parked_leases, pipelined, reset
 from tests.tls_helpers import TlsFiles, make_tls_files, open_tls_line_client
@@ -30,23 +30,6 @@ from tests.tls_helpers import tls_files as tls_files  # the fixture
 async def tls_server(tmp_path: Path, files: TlsFiles, **overrides) -> AsyncIterator[RunningServer]:
     async with custom_server(tmp_path, **files.server_options(), **overrides) as srv:
         yield srv
-
-
-@contextlib.contextmanager
-def listener_events() -> Iterator[list[logging.LogRecord]]:
-    """The records the listener logs meanwhile, whatever the logging config."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("relay.listener")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def fields(records: list[logging.LogRecord], name: str) -> list[dict]:
@@ -149,7 +132,7 @@ async def test_a_client_that_does_not_trust_the_certificate_is_refused_and_other
     other_ca = make_tls_files(tmp_path / "other")
     async with tls_server(tmp_path, tls_files) as srv:
         good = await open_tls_line_client(srv.handle.address, tls_files)
-        with listener_events() as records:
+        with logged("relay.listener") as records:
             with pytest.raises(trio.BrokenResourceError) as refused:
                 await open_tls_line_client(srv.handle.address, other_ca)
             assert isinstance(refused.value.__cause__, ssl.SSLCertVerificationError)
@@ -175,7 +158,7 @@ async def test_a_stalled_handshake_is_closed_at_its_deadline_and_frees_its_slot(
     async with tls_server(
         tmp_path, tls_files, limits=limits, tls_handshake_timeout_ms=int(deadline_s * 1000)
     ) as srv:
-        with listener_events() as records:
+        with logged("relay.listener") as records:
             stalled = trio.socket.socket()
             with stalled, trio.fail_after(BOUND_S):
                 await stalled.connect(srv.handle.address)
