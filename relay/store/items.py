@@ -85,10 +85,13 @@ def command_op(command: Command) -> CommandOp:
     return op
 
 
+_NO_SINK = object()  # (what no pair's sink is: a None sink is grouped like any other)
+
+
 def deliver(pairs: list[tuple[Item, Any]]) -> None:
     """Hand each sink its pairs, in order; a failing sink does not stop the others."""
     by_sink: dict[int, tuple[ReplySink, list[tuple[Item, Any]]]] = {}
-    last: Any = None
+    last: Any = _NO_SINK
     mine: list[tuple[Item, Any]] = []
     for pair in pairs:
         sink = pair[0][1]
