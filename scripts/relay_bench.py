@@ -97,6 +97,11 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / CLOCK_TICKS
 
 
+# PostgreSQL's backends report their statistics at most once a second (PGSTAT_MIN_INTERVAL).
+STATS_SETTLE_S = 1.1
+STATS_SETTLE_TRIES = 6
+
+
 class PgDatabase:
     """A fresh PostgreSQL database for one group of scenarios, named uniquely, created
     through ``admin_url`` (an existing database) and dropped afterwards; never any other."""
@@ -114,25 +119,33 @@ class PgDatabase:
         auth = f"{params['user']}@" if params.get("user") else ""
         host, port = params.get("host", "127.0.0.1"), params.get("port", 5432)
         self.url = f"postgresql://{auth}{host}:{port}/{self.name}"
-        # Sampled by the same connection between runs (it counts in xact_commit: one a
-        # sample, subtracted).
+        # Sampled between runs from the admin database, so that the samples' own
+        # transactions are not counted in this one's.
         self._conn = psycopg.connect(admin_url, autocommit=True)
 
     def sample(self) -> dict[str, float]:
         """Counters of this database, and the CPU seconds of PostgreSQL's processes that
-        serve it: its backends, and the shared ones (WAL writer, checkpointer, ...)."""
-        row = self._conn.execute(
-            "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted, tup_fetched "
-            "FROM pg_stat_database WHERE datname = %s",
-            (self.name,),
-        ).fetchone()
+        serve it: its backends, and the shared ones (WAL writer, checkpointer, ...).
+
+        A backend reports its counts at most once a second, when it goes idle: the
+        counters are read until two reads STATS_SETTLE_S apart agree (at most
+        STATS_SETTLE_TRIES reads), so that a run's transactions are not counted late."""
+        row = None
+        for _ in range(STATS_SETTLE_TRIES):
+            self._conn.execute("SELECT pg_stat_clear_snapshot()")  # (a fresh read)
+            now = self._conn.execute(
+                "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted, tup_fetched "
+                "FROM pg_stat_database WHERE datname = %s",
+                (self.name,),
+            ).fetchone()
+            if now is not None and now == row:
+                break
+            row = now
+            time.sleep(STATS_SETTLE_S)
         pids = [r[0] for r in self._conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = %s OR backend_type <> "
             "'client backend'", (self.name,),
         )]  # fmt: skip
-        # The statistics arrive when a backend's transaction ends (and at most once a
-        # second): ask for a fresh snapshot.
-        self._conn.execute("SELECT pg_stat_clear_snapshot()")
         assert row is not None
         return {"xacts": row[0], "rows_written": row[1], "rows_fetched": row[2],
                 "cpu_s": cpu_seconds(pids)}  # fmt: skip
@@ -735,8 +748,7 @@ def _costs(
         costs |= {
             "db_cpu_cores": db_cpu_s / seconds,
             "db_cpu_us_per_job": db_cpu_s / jobs * 1e6,
-            # One of each sample's own transactions is the sampling query's.
-            "db_xacts_per_job": (d1["xacts"] - d0["xacts"] - 1) / jobs,
+            "db_xacts_per_job": (d1["xacts"] - d0["xacts"]) / jobs,
             "db_rows_written_per_job": (d1["rows_written"] - d0["rows_written"]) / jobs,
         }
     return costs
