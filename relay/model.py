@@ -60,6 +60,9 @@ class Priority(enum.IntEnum):
 
 WIRE_PRIORITIES = tuple(p.wire for p in Priority)
 PRIORITY_BY_WIRE = {p.wire: p for p in Priority}
+# The same as plain ints, for what is bound to SQL: sqlite3 adapts an IntEnum parameter
+# through its adapter protocol (two failed attribute look-ups, each an exception made).
+PRIORITY_INT_BY_WIRE = {p.wire: int(p) for p in Priority}
 
 
 def effective_priority(base: int, ready_at: int, now: int) -> int:

@@ -14,7 +14,7 @@ import attrs
 
 from relay.model import (
     DEFAULT_BACKOFF,
-    PRIORITY_BY_WIRE,
+    PRIORITY_INT_BY_WIRE,
     WIRE_PRIORITIES,
     Backoff,
     JobState,
@@ -114,7 +114,7 @@ class Submit:
         return SubmitSpec(
             queue=self.queue,
             payload=payload,
-            priority=PRIORITY_BY_WIRE[self.priority],
+            priority=PRIORITY_INT_BY_WIRE[self.priority],
             delay_ms=self.delay_ms or 0,
             run_at=self.run_at,
             max_attempts=self.retries + 1,

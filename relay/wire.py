@@ -17,7 +17,7 @@ import orjson
 from relay.errors import BadRequest, RelayError
 from relay.model import (
     DEFAULT_BACKOFF,
-    PRIORITY_BY_WIRE,
+    PRIORITY_INT_BY_WIRE,
     QUEUE_NAME_RE,
     WIRE_PRIORITIES,
     JobInfo,
@@ -162,7 +162,7 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
     if type(queue) is not str or (queue not in _VALID_QUEUES and not valid_queue(queue)):
         return None
     priority_name = get("priority", "normal")
-    priority = PRIORITY_BY_WIRE.get(priority_name) if type(priority_name) is str else None
+    priority = PRIORITY_INT_BY_WIRE.get(priority_name) if type(priority_name) is str else None
     retries = get("retries", DEFAULT_RETRIES)
     delay_ms = get("delay_ms", 0)
     key = get("idempotency_key")

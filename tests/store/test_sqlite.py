@@ -1439,6 +1439,54 @@ def test_ack_many_completes_every_job_with_its_result(store):
     assert store.event_totals()[("q", "acked")] == 3
 
 
+@pytest.mark.parametrize("count", [1, 16, 128])  # (up to ONE_STATEMENT_ROWS)
+@pytest.mark.parametrize("granted_here", [True, False])
+def test_ack_many_is_one_update_or_a_read_and_an_update(tmp_path, count, granted_here):
+    # Not an update RETURNING its rows: SQLite returns them one step each, and each step
+    # releases and retakes the GIL (the writer then waits for the trio thread). The leases
+    # this store granted need no read; a store opened afresh (a restart) reads the rows.
+    path = str(tmp_path / "acks.db")
+    store = SqliteStore.open(path)
+    store.jobs_submit([spec() for _ in range(count)], T0)
+    leases = store.jobs_claim(["q"], "w1", count, LEASE_MS, T0)
+    if not granted_here:
+        store.close()
+        store = SqliteStore.open(path)
+    traced: list[str] = []
+    store._db.set_trace_callback(traced.append)
+    outcomes = store.jobs_ack_many([(x.job_id, "w1", x.token, None) for x in leases], T0 + 1)
+    store._db.set_trace_callback(None)
+    assert outcomes == [None] * count
+    assert (
+        [sql.split()[0] for sql in traced] == ["UPDATE"] if granted_here else ["SELECT", "UPDATE"]
+    )
+    assert "RETURNING" not in traced[-1]
+    assert store.queue_stats()["q"]["succeeded"] == count
+    assert store.event_totals()[("q", "acked")] == count
+    store.close()
+
+
+@sqlite_only
+def test_an_ack_of_a_lease_that_ended_unseen_is_refused_and_the_others_are_acked(store, caplog):
+    """A lease the store took for held but that ended behind its back (only a bug would
+    do that): the update finds fewer rows than expected, and the rows say which."""
+    store.jobs_submit([spec(), spec(), spec()], T0)
+    leases = store.jobs_claim(["q"], "w1", 3, LEASE_MS, T0)
+    gone = parse_job_id(leases[1].job_id)
+    store._db.execute(
+        "UPDATE jobs SET state = 'ready', lease_expires_at = NULL WHERE id = ?", (gone,)
+    )
+    store._counts[("q", "leased")] -= 1  # (as the transition that ended it would have)
+    store._counts[("q", "ready")] += 1
+    outcomes = store.jobs_ack_many([(x.job_id, "w1", x.token, None) for x in leases], T0 + 1)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], StaleToken)
+    assert store.job_inspect(leases[1].job_id).state == "ready"
+    counts = store.queue_stats()["q"]
+    assert (counts["succeeded"], counts["ready"], counts["leased"]) == (2, 1, 0)
+    assert "lease_book_stale" in caplog.text
+
+
 def test_ack_many_accepts_an_ack_repeated_with_the_completing_token(store):
     submit(store, T0)
     submit(store, T0)

@@ -90,11 +90,17 @@ class SqliteJobs(SqliteBase):
         having written nothing. (The writer's group commit of plain submits: BEGIN and
         COMMIT are two statements more, each a wait for the GIL.)
         """
-        plain_only = all(map(_plain, specs))
+        # (_plain, written out by position: this runs per job, and a named tuple's
+        # attributes are descriptors, its unpacking an iteration, each dearer than an
+        # index. SubmitSpec: queue 0, payload 1, priority 2, delay_ms 3, run_at 4,
+        # max_attempts 5, backoff 6, idempotency_key 7.)
+        plain_only = all(
+            [s[7] is None and s[4] is None and not s[3] and s[6] is DEFAULT_BACKOFF for s in specs]
+        )
         if alone and not (
             plain_only
             and len(specs) <= ALONE_ROWS
-            and sum(len(spec.payload) for spec in specs) <= ALONE_PAYLOAD_CHARS
+            and sum([len(spec[1]) for spec in specs]) <= ALONE_PAYLOAD_CHARS  # (payloads)
         ):
             return None
         if plain_only:
@@ -138,7 +144,8 @@ class SqliteJobs(SqliteBase):
             else:
                 rows.append(
                     (
-                        key, queue, state, int(spec.priority), spec.payload, spec.max_attempts,
+                        key, queue, state.value, int(spec.priority), spec.payload,
+                        spec.max_attempts,
                         backoff.kind, backoff.base_ms, backoff.max_ms, int(backoff.jitter),
                         now, ready_at, run_at, idempotency_key,
                     )
@@ -171,40 +178,40 @@ class SqliteJobs(SqliteBase):
     def _submit_plain(
         self, specs: Sequence[SubmitSpec], now: int, alone: bool
     ) -> list[SubmitResult]:
-        """``jobs_submit`` of jobs that are all plain (``_plain``), in list comprehensions:
-        the common batch, whose per-job work showed in the profile of submit_batch. The
-        insert is its last step that can fail: what comes after only counts."""
-        per_queue: dict[tuple[str, str], int] = {}
+        """``jobs_submit`` of jobs that are all plain (``_plain``), in list comprehensions
+        over the specs by position (see jobs_submit): the common batch, whose per-job work
+        showed in the profile of submit_batch. The insert is its last step that can fail:
+        what comes after only counts."""
+        per_queue: dict[str, int] = {}  # queue -> new jobs
         for spec in specs:
-            per_queue[spec.queue, READY] = per_queue.get((spec.queue, READY), 0) + 1
-        self._check_depth(per_queue)
+            queue = spec[0]
+            per_queue[queue] = per_queue.get(queue, 0) + 1
+        if self.config.max_depth is not None or self.config.queue_depths:
+            self._check_depth({(queue, READY): n for queue, n in per_queue.items()})
         # Consecutive ids, as JobIdGenerator.next_id would give them one by one.
         first = max(now << ID_SEQ_BITS, self._ids.last_id + 1)
         self._ids.last_id = first + len(specs) - 1
         if len(specs) <= ONE_STATEMENT_ROWS or not alone:
-            rows = [
-                (key, spec.queue, spec.priority, spec.payload, spec.max_attempts, now, now)
-                for key, spec in enumerate(specs, first)
-            ]
+            rows = [(key, s[0], s[2], s[1], s[5], now, now) for key, s in enumerate(specs, first)]
             _execute_rows(self._db, _INSERT_PLAIN_JOBS, _INSERT_PLAIN_ROW, rows)
         else:
             # Alone, with more rows than one VALUES statement takes: one json_each
             # statement, so that the batch is still one statement (a VALUES text per row
             # count would be prepared anew for each count, ~2 ms for 1,000 rows). Its JSON
             # is bounded by ALONE_ROWS and ALONE_PAYLOAD_CHARS.
-            rows = [
-                (key, spec.queue, int(spec.priority), spec.payload, spec.max_attempts)
-                for key, spec in enumerate(specs, first)
-            ]
+            rows = [(key, s[0], int(s[2]), s[1], s[5]) for key, s in enumerate(specs, first)]
             self._db.execute(_INSERT_PLAIN_JSON, (now, orjson.dumps(rows)))
-        results = [_new_result(SubmitResult, (f"job_{row[0]:016x}", READY, False)) for row in rows]
-        self.changes.ready_queues.update([queue for queue, _ in per_queue])
-        for (queue, state), n in per_queue.items():
-            self._move(queue, None, state, n)
+        results = [
+            _new_result(SubmitResult, (f"job_{key:016x}", READY, False))
+            for key in range(first, first + len(specs))
+        ]
+        self.changes.ready_queues.update(per_queue)
+        for queue, n in per_queue.items():
+            self._move(queue, None, READY, n)
             self._count(queue, "submitted", n)
         if self.recording:
             self.changes.events += [
-                (result[0], spec.queue, "ready", 0, now, None)
+                (result[0], spec[0], "ready", 0, now, None)
                 for spec, result in zip(specs, results, strict=True)
             ]
         return results

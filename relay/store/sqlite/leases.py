@@ -8,6 +8,7 @@ showed it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from relay.errors import RelayError
@@ -31,33 +32,37 @@ from relay.store.base import (
 from relay.store.sqlite.sql import (
     _JSON_IDS,
     _PRIORITIES_HIGH_FIRST,
+    HELD_MAX,
     INLINE_CANDIDATES,
     SqliteBase,
     _claim_candidates_sql,
     _execute_rows,
     _json_ids,
     _json_rows,
-    _returning_rows,
 )
 
+log = logging.getLogger("relay.store")
+
 _ACK_ROW = "(?, ?, ?, ?)"
+_new_lease = tuple.__new__  # (a NamedTuple's own __new__ is a Python function)
 
 # A job's lease row: the columns ``check_lease`` reads, in its order, then the backoff.
 _LEASE_COLUMNS = (
     "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
     "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter"
 )
-_LEASE_ROWS_SQL = (
-    f"SELECT json_group_array(json_array({_LEASE_COLUMNS})) FROM jobs WHERE id IN {_JSON_IDS}"
+# The same for many jobs, as one row of JSON, without the backoff (what acks need).
+_ACK_ROWS_SQL = (
+    "SELECT json_group_array(json_array(id, queue, state, attempt, max_attempts, lease_token, "
+    f"lease_worker, lease_expires_at)) FROM jobs WHERE id IN {_JSON_IDS}"
 )
 # Acks the jobs whose lease the (token, worker) holds unexpired, and only those: the
-# condition of ``check_lease`` accepting, as SQL. Returns what the counts and events need.
+# condition of ``check_lease`` accepting, as SQL (jobs_ack_many checks it first as well).
 _ACK_HELD = (
     "UPDATE jobs SET state = 'succeeded', finished_at = ?1, result = v.column4, "
     "lease_expires_at = NULL FROM (VALUES {values}) AS v WHERE jobs.id = v.column1 "
     "AND jobs.state = 'leased' AND jobs.lease_token = v.column2 "
-    "AND jobs.lease_worker = v.column3 AND jobs.lease_expires_at > ?1 "
-    "RETURNING jobs.id, jobs.queue, jobs.attempt"
+    "AND jobs.lease_worker = v.column3 AND jobs.lease_expires_at > ?1"
 )
 _LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
 
@@ -124,17 +129,20 @@ class SqliteLeases(SqliteBase):
                 found[key][7] = payload
         per_queue: dict[str, int] = {}
         results: list[list[Lease]] = []
+        book = self._held
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
-            for key, token, _worker, expires_at in mine:
+            for key, token, worker, expires_at in mine:
                 _, priority, _, _, queue, attempt, max_attempts, payload = found[key]
                 leases.append(
-                    Lease(
+                    _new_lease(Lease, (
                         f"job_{key:016x}", queue, payload, priority, attempt + 1, max_attempts,
                         token, expires_at,
-                    )
+                    ))
                 )  # fmt: skip
                 per_queue[queue] = per_queue.get(queue, 0) + 1
+                if len(book) < HELD_MAX:
+                    book[key] = (token, worker, expires_at, queue, attempt + 1)
             if leases:
                 self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
             results.append(leases)
@@ -171,6 +179,8 @@ class SqliteLeases(SqliteBase):
         assert row is not None
         expires_at = now + lease_ms
         self._db.execute("UPDATE jobs SET lease_expires_at = ? WHERE id = ?", (expires_at, row[0]))
+        if (held := self._held.get(row[0])) is not None:
+            self._held[row[0]] = (*held[:2], expires_at, *held[3:])
         self.changes.expiry(expires_at)
         return expires_at
 
@@ -185,63 +195,108 @@ class SqliteLeases(SqliteBase):
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
     ) -> list[RelayError | None]:
-        """Ack many jobs (job_id, worker_id, token, result) with one statement: each ack's
+        """Ack many jobs (job_id, worker_id, token, result) with one update: each ack's
         outcome (None, or the ``RelayError`` that refuses it), as if each had been acked on
-        its own. One more read only if some are not accepted, to say why (or that it is
-        an ack repeated with the completing token: ok). Raises ValueError, having changed
-        nothing, if one job appears twice."""
+        its own. Which leases are held comes from the leases this store granted (``_held``,
+        see sql.py), else from a read of the jobs' rows, checked as ``check_lease`` checks
+        them; the update's condition is that of a held lease again, and what it changed is
+        checked against what was expected. Raises ValueError, having changed nothing, if
+        one job appears twice."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
         known = [key for key in keys if key is not None]  # (a malformed id: not found)
         if len(set(known)) != len(known):
             raise ValueError("not a run of distinct job ids")
-        rows = [
-            (key, token, worker_id, result)
-            for key, (_job_id, worker_id, token, result) in zip(keys, acks, strict=True)
-            if key is not None
-        ]
-        found = _returning_rows(self._db, _ACK_HELD, _ACK_ROW, rows, (now,))
-        acked = {row[0]: row for row in found}
+        book = self._held
         outcomes: list[RelayError | None] = [None] * len(acks)
-        if len(acked) != len(acks):
-            outcomes = self._ack_refusals(acks, keys, acked, now)
+        updates: list[tuple] = []
+        held: list[tuple] = []  # (position, key, queue, attempt) of each ack to make
+        unknown: list[int] = []  # positions of the acks the book cannot vouch for
+        for i, (key, (_job_id, worker_id, token, result)) in enumerate(
+            zip(keys, acks, strict=True)
+        ):
+            lease = book.get(key)  # (token, worker, expires_at, queue, attempt)
+            if lease is not None and lease[0] == token and lease[1] == worker_id and now < lease[2]:
+                updates.append((key, token, worker_id, result))
+                held.append((i, key, lease[3], lease[4]))
+            else:
+                unknown.append(i)
+        if unknown:
+            self._ack_unknown(acks, keys, unknown, now, outcomes, updates, held)
+        if updates:
+            before = self._db.total_changes
+            _execute_rows(self._db, _ACK_HELD, _ACK_ROW, updates, (now,))
+            if self._db.total_changes - before != len(updates):
+                held = self._ack_checked(acks, held, now, outcomes)
+            for _i, key, _queue, _attempt in held:
+                book.pop(key, None)
         per_queue: dict[str, int] = {}
-        for _key, queue, _attempt in acked.values():
+        for _i, _key, queue, _attempt in held:
             per_queue[queue] = per_queue.get(queue, 0) + 1
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n)
         if self.recording:  # in the order of the acks
-            for key in keys:
-                row = acked.get(key)
-                if row is not None:
-                    self._record(key, row[1], "leased", "succeeded", row[2], now)
+            for _i, key, queue, attempt in sorted(held):
+                self._record(key, queue, "leased", "succeeded", attempt, now)
         return outcomes
 
-    def _ack_refusals(
+    def _ack_unknown(
         self,
         acks: Sequence[tuple[str, str, str, str | None]],
         keys: list[int | None],
-        acked: dict[int, tuple],
+        unknown: list[int],
         now: int,
-    ) -> list[RelayError | None]:
-        """The outcomes of acks of which only ``acked`` were accepted: why each other one
-        was refused, from its row as it is now (None for a repeat of the completing ack)."""
-        others = [key for key in keys if key is not None and key not in acked]
-        rows = {row[0]: row for row in _json_rows(self._db, _LEASE_ROWS_SQL, (_json_ids(others),))}
-        outcomes: list[RelayError | None] = []
-        for key, (job_id, worker_id, token, _result) in zip(keys, acks, strict=True):
-            if key in acked:
-                outcomes.append(None)
+        outcomes: list[RelayError | None],
+        updates: list[tuple],
+        held: list[tuple],
+    ) -> None:
+        """The acks at ``unknown``, checked against their rows as they are: each is to be
+        made (added to ``updates`` and ``held``) or answered in ``outcomes``."""
+        ids = [keys[i] for i in unknown if keys[i] is not None]
+        rows = {row[0]: row for row in _json_rows(self._db, _ACK_ROWS_SQL, (_json_ids(ids),))}
+        for i in unknown:
+            key, (job_id, worker_id, token, result) = keys[i], acks[i]
+            row = rows.get(key)
+            try:
+                if check_lease(row, job_id, worker_id, token, now, "ack") is None:
+                    continue  # an ack repeated with the completing token: ok
+            except RelayError as exc:
+                outcomes[i] = exc
+                continue
+            assert row is not None
+            updates.append((key, token, worker_id, result))
+            held.append((i, key, row[1], row[3]))
+
+    def _ack_checked(
+        self,
+        acks: Sequence[tuple[str, str, str, str | None]],
+        held: list[tuple],
+        now: int,
+        outcomes: list[RelayError | None],
+    ) -> list[tuple]:
+        """After an update that acked fewer jobs than ``held``: the rows say which were
+        acked (those now succeeded with the ack's token: only this store acks, and it
+        forgets a lease as it acks it), and why the others were refused. Only a lease that
+        ended without this store forgetting it (a bug) brings this about."""
+        log.warning("ack.lease_book_stale: an ack found a lease ended that was taken as held")
+        ids = [key for _i, key, _queue, _attempt in held]
+        rows = {row[0]: row for row in _json_rows(self._db, _ACK_ROWS_SQL, (_json_ids(ids),))}
+        acked = []
+        for entry in held:
+            i, key = entry[0], entry[1]
+            job_id, worker_id, token, _result = acks[i]
+            self._held.pop(key, None)
+            row = rows.get(key)
+            if row is not None and row[2] == SUCCEEDED and row[5] == token and row[6] == worker_id:
+                acked.append(entry)
                 continue
             try:
-                held = check_lease(rows.get(key), job_id, worker_id, token, now, "ack")
+                check_lease(row, job_id, worker_id, token, now, "ack")
             except RelayError as exc:
-                outcomes.append(exc)
+                outcomes[i] = exc
                 continue
-            if held is not None:  # the update's condition and check_lease disagree
-                raise AssertionError(f"{job_id}: held, yet not acked")
-            outcomes.append(None)
-        return outcomes
+            raise AssertionError(f"{job_id}: held, yet not acked")
+        return acked
 
     def jobs_fail(
         self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int
@@ -250,6 +305,7 @@ class SqliteLeases(SqliteBase):
         row = self._held_lease(job_id, worker_id, token, now, "fail")
         assert row is not None
         key, queue, _state, attempt, max_attempts = row[:5]
+        self._held.pop(key, None)
         error = truncate_utf8(error, self.config.max_error_bytes)
         self._record_error(key, attempt, error, now)
         self._count(queue, "failed")
@@ -283,6 +339,7 @@ class SqliteLeases(SqliteBase):
         before this lease, and it keeps its place (ready_at) in the queue."""
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
+        self._held.pop(row[0], None)
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = ?",

@@ -84,6 +84,7 @@ class SqliteMaintenance(SqliteBase):
         ready: list[tuple[int, int]] = []  # (id, expired at): ready again from its expiry
         dead: list[int] = []
         for key, queue, attempt, max_attempts, expired_at in rows:
+            self._held.pop(key, None)
             self._count(queue, "expired")
             if attempt < max_attempts:
                 ready.append((key, expired_at))
@@ -120,6 +121,7 @@ class SqliteMaintenance(SqliteBase):
         rows = self._db.execute(
             "SELECT id, queue, attempt FROM jobs WHERE state = 'leased'"
         ).fetchall()
+        self._held.clear()
         for key, queue, attempt in rows:
             self._record_error(key, attempt, RESTART_ERROR, now)
             self._move(queue, LEASED, READY)

@@ -75,20 +75,6 @@ def _execute_rows(
         db.execute(_values_sql(template, row, len(chunk)), params)
 
 
-def _returning_rows(
-    db: sqlite3.Connection, template: str, row: str, rows: Sequence[tuple], head: tuple = ()
-) -> list[tuple]:
-    """``_execute_rows`` for a statement with ``RETURNING``: the rows it returns, each
-    statement stepped to its end (so that nothing is left unfinished)."""
-    found: list[tuple] = []
-    for chunk in _chunks(rows):
-        params = list(head)
-        for values in chunk:
-            params += values
-        found += db.execute(_values_sql(template, row, len(chunk)), params).fetchall()
-    return found
-
-
 def _json_ids(keys: Iterable[int]) -> str:
     """Job ids as the text of a JSON array, the parameter of ``_JSON_IDS``."""
     return orjson.dumps(list(keys)).decode()
@@ -131,6 +117,11 @@ INLINE_PAYLOAD_BYTES = 512
 INLINE_CANDIDATES = 256
 
 
+# The leases this store granted and has not seen end, at most this many (~150 bytes each):
+# beyond it, acks of the leases not kept read their rows instead (see ``_held``).
+HELD_MAX = 100_000
+
+
 class SqliteBase(CountsBook):
     """What the parts of ``SqliteStore`` share (relay/store/sqlite/store.py sets it up):
     its state, the counts of jobs per state in memory, and a few helper transitions.
@@ -147,6 +138,13 @@ class SqliteBase(CountsBook):
     # (queue, state) -> jobs, every one in memory: loaded at open, moved by each transition
     # (``_move``), undone with the journal (``CountsBook``), so never a scan of the table.
     _counts: Counter[tuple[str, str]]
+    # id -> (token, worker, expires_at, queue, attempt) of each lease this store granted
+    # (jobs_claim_many) and has not seen end: what an ack of it needs to know, without a
+    # read of its row. A cache: every ack is still conditioned on the row's lease, and one
+    # that changes fewer rows than expected reads them (jobs_ack_many). A rolled-back
+    # claim leaves leases nobody holds (their tokens were never sent); a rolled-back
+    # ack, fail or release forgets a lease still held (its ack then reads its row).
+    _held: dict[int, tuple[str, str, int, str, int]]
 
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
         if src is not None:

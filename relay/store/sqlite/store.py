@@ -55,6 +55,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         super().__init__()  # the counts book (relay/store/base.py): empty, no transaction
         self._counts = Counter()
         self._load_counts()
+        self._held = {}  # the leases granted (SqliteBase, sql.py)
         self.changes = Changes()
         # Whether transitions append to ``changes.events``. Off, they cost one check of
         # this flag per call and no statement more; the writer sets it per batch.
