@@ -30,7 +30,7 @@ from relay.store import commands as cmd
 from relay.store.base import Changes, Store, StoreConfig
 from relay.store.postgres import PostgresStore
 from relay.store.sqlite import SqliteStore
-from relay.store.writer import Writer, open_writer, wall_clock_ms
+from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
 
 log = logging.getLogger("relay.server")
 
@@ -122,6 +122,10 @@ def open_store(config: ServerConfig) -> Store:
     return SqliteStore.open(config.db, config.store_config(), synchronous=config.synchronous)
 
 
+def _has_events(changes: Changes) -> bool:
+    return bool(changes.events)  # (recorded only while someone watches)
+
+
 @asynccontextmanager
 async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     """Open the store, recover leases, start the writer and the time-driven services.
@@ -146,9 +150,10 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         limits = config.limits
         longpolls = LongPolls(writer, PARKED_PER_CONNECTION * limits.max_connections)
         promoter, reaper = Alarm(), Alarm()
-        writer.commit_listeners += [longpolls.on_commit, commit_listener(promoter, reaper)]
+        wakes = CommitListener(longpolls.on_commit, longpolls.wants)
+        writer.commit_listeners += [wakes, commit_listener(promoter, reaper)]
         watchers = Watchers(writer, limits.max_watchers, limits.max_watch_buffer)
-        writer.commit_listeners.append(watchers.on_commit)
+        writer.commit_listeners.append(CommitListener(watchers.on_commit, _has_events))
         dispatcher = Dispatcher(writer, limits, longpolls, config.tokens, watchers)
         async with open_service_nursery() as services:
             await services.start(longpolls.run)

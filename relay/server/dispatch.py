@@ -38,6 +38,7 @@ from relay.server import ops
 from relay.server.access import Access
 from relay.server.admin import AdminHandlers, job_reply_bytes
 from relay.server.auth import Role, Tokens
+from relay.server.direct import AnsweredNow
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
 from relay.store.base import REPLY_OVERHEAD_BYTES
@@ -106,9 +107,12 @@ class Dispatcher(AdminHandlers):
         self.connections: Callable[[], int] = lambda: 0
         self._started_ns = time.monotonic_ns()
         self._durations: dict[str, Histogram] = {}
-        self.in_flight = 0
+        # Requests in flight: ``in_flight``, this count (trio thread) less those the writer
+        # thread answered itself (``answered_now``, relay/server/direct.py).
+        self._in_flight = 0
+        self.answered_now = AnsweredNow(trio.lowlevel.current_clock(), DURATION_BOUNDS)
         self._idle = trio.Event()
-        self._idle.set()
+        self.idle_wanted = 0  # wait_idle under way (read by the writer thread)
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
         self._job_bytes = job_reply_bytes(limits)  # (admin.py)
         handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
@@ -135,16 +139,32 @@ class Dispatcher(AdminHandlers):
 
     # -- accounting --------------------------------------------------------------------------
 
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight - self.answered_now.count
+
     async def wait_idle(self) -> None:
         """Return once no request is in flight on any connection."""
-        while self.in_flight:
-            await self._idle.wait()
+        self.idle_wanted += 1  # (before looking: see relay/server/direct.py)
+        try:
+            while self.in_flight:
+                if self._idle.is_set():  # (one event for every waiter, set once idle)
+                    self._idle = trio.Event()
+                await self._idle.wait()
+        finally:
+            self.idle_wanted -= 1
+
+    def check_idle(self) -> None:
+        if self.idle_wanted and not self.in_flight:
+            self._idle.set()
 
     def statistics(self) -> DispatchStatistics:
         return DispatchStatistics(
             in_flight=self.in_flight,
             parked_leases=self.longpolls.parked,
-            durations={op: h.snapshot() for op, h in self._durations.items()},
+            durations=self.answered_now.durations(
+                {op: h.snapshot() for op, h in self._durations.items()}
+            ),
         )
 
     def _answer_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
@@ -190,13 +210,11 @@ class Dispatcher(AdminHandlers):
     def _count_in(self, connection: Connection) -> None:
         """A request handed on (to the writer, or to a task): in flight until answered."""
         connection.begin_request()
-        self.in_flight += 1
-        if self.in_flight == 1:
-            self._idle = trio.Event()
+        self._in_flight += 1
 
     def _count_out(self, n: int) -> None:
-        self.in_flight -= n
-        if self.in_flight == 0:
+        self._in_flight -= n
+        if self.idle_wanted and not self.in_flight:
             self._idle.set()
 
     def _histogram(self, op: str) -> Histogram:

@@ -132,6 +132,11 @@ class LongPolls:
         if woke:
             self._lot.unpark_all()
 
+    def wants(self, changes: Changes) -> bool:
+        """Writer thread: whether ``on_commit`` would wake a lease (plain reads only)."""
+        by_queue = self._by_queue
+        return any(queue in by_queue for queue in changes.ready_queues)
+
     def wake_all(self) -> None:
         """Wake every parked lease to claim again: commits may have been missed (another
         server's, while the feed of them was down)."""
@@ -220,6 +225,10 @@ class LongPolls:
                 room = sink.reply_room()
                 if room < lease.job_bytes:
                     self._short.setdefault(id(sink), set()).add(self._register(item, sink))
+                    # Registered, then looked at again: the writer thread may have made
+                    # room meanwhile, and it looks for leases short of room only after.
+                    if sink.reply_room() >= lease.job_bytes:
+                        self.room_made(sink)
                     continue
                 lease.reserved = min(lease.reply_bytes, room)
                 sink.reserve(lease.reserved)

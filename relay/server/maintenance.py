@@ -19,7 +19,7 @@ from relay.log import event
 from relay.model import JobState
 from relay.store import commands as cmd
 from relay.store.base import Changes, Reaped
-from relay.store.writer import Writer
+from relay.store.writer import CommitListener, Writer
 
 log = logging.getLogger("relay.maintenance")
 
@@ -61,8 +61,9 @@ class Alarm:
                 await self._lot.park()
 
 
-def commit_listener(promoter: Alarm, reaper: Alarm) -> Callable[[Changes], None]:
-    """Route each commit's new deadlines to the loop that serves them."""
+def commit_listener(promoter: Alarm, reaper: Alarm) -> CommitListener:
+    """Route each commit's new deadlines to the loop that serves them; a commit concerns
+    it only with a deadline earlier than its loop's (``wants``, in the writer thread)."""
 
     def listen(changes: Changes) -> None:
         if changes.next_due_at is not None:
@@ -70,7 +71,13 @@ def commit_listener(promoter: Alarm, reaper: Alarm) -> Callable[[Changes], None]
         if changes.next_expiry_at is not None:
             reaper.notify(changes.next_expiry_at)
 
-    return listen
+    def wants(changes: Changes) -> bool:
+        due, expiry = changes.next_due_at, changes.next_expiry_at
+        return (due is not None and due < promoter.earliest) or (
+            expiry is not None and expiry < reaper.earliest
+        )
+
+    return CommitListener(listen, wants)
 
 
 async def promote_once(writer: Writer) -> int:

@@ -21,7 +21,7 @@ from relay.errors import RelayError
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.store import commands as cmd
-from relay.store.base import Store
+from relay.store.base import READY, Store
 from relay.store.items import Item
 
 log = logging.getLogger("relay.dispatch")
@@ -138,17 +138,24 @@ class _SubmitBatch(RequestOp):
     def reply(self, item: Item, outcome: Any) -> Any:
         if isinstance(outcome, RelayError):
             return wire.encode_error(item[2], outcome)
-        # Written out: a dict per job cost more than the rest of the reply. Job ids and
-        # states need no JSON escaping.
-        results = ",".join([_RESULT % (r[0], r[1], _BOOL[r[2]]) for r in outcome])
-        return b'{"id":%s,"ok":true,"results":[%s]}\n' % (
-            orjson.dumps(item[2]),
-            results.encode(),
-        )
+        if outcome and all([state is READY and not dup for _id, state, dup in outcome]):
+            # The common batch, every job new and ready: the ids joined into the one text
+            # (job ids need no JSON escaping), several times cheaper than a dict per job.
+            return _READY_RESULTS % (
+                orjson.dumps(item[2]),
+                _READY_JOINER.join([r[0] for r in outcome]).encode(),
+            )
+        results = [
+            {"job_id": job_id, "state": state.value, "duplicate": duplicate}
+            for job_id, state, duplicate in outcome
+        ]
+        return orjson.dumps({"id": item[2], "ok": True, "results": results}, option=_NL)
 
 
-_RESULT = '{"job_id":"%s","state":"%s","duplicate":%s}'
-_BOOL = {False: "false", True: "true"}
+_READY_RESULTS = (
+    b'{"id":%s,"ok":true,"results":[{"job_id":"%s","state":"ready","duplicate":false}]}\n'
+)
+_READY_JOINER = '","state":"ready","duplicate":false},{"job_id":"'
 
 
 class _Ack(RequestOp):

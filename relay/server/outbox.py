@@ -7,13 +7,19 @@ kernel does not take goes to the sender task (``run_sender``, one per connection
 waits for the socket to drain. While the sender writes, later replies queue behind it, so
 bytes never interleave. The owner (``relay.server.session.Session``) decides when to
 flush (it holds the replies of a slice of one read, and of one delivery, to write them
-together) and is told when room is made or the connection breaks. Trio thread only.
+together) and is told when room is made or the connection breaks.
+
+The writer thread may write a commit's replies itself (``write_now``), but only while the
+outbox is idle: nothing queued, nothing being sent. ``lock`` makes that check and the
+write one step against the trio thread's own queueing and writing, so that bytes never
+interleave; every other method runs in the trio thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import trio
@@ -28,6 +34,10 @@ SEND_PIECE_BYTES = 64 * 1024
 # replies faster than it reads them, beyond what the reservations foresaw (as Redis's client
 # output buffer limit). A reader drains a burst at the speed of the network long before.
 MAX_UNSENT_BYTES = 64 * 1024 * 1024
+
+# What ``write_now`` did: nothing (the trio thread queues the replies as usual), all of
+# them, or part (the rest is queued, and the trio thread must flush it).
+NOT_WRITTEN, WRITTEN, PART_WRITTEN = 0, 1, 2
 
 
 class Outbox:
@@ -53,32 +63,62 @@ class Outbox:
         # the client to read (None: not waiting).
         self.send_waiting_since: float | None = None
         self._lot = trio.lowlevel.ParkingLot()  # the sender waits here for replies
+        # Held while the queue is changed or written, by either thread (see write_now);
+        # reentrant, as a failed write closes the outbox from inside a flush.
+        self.lock = threading.RLock()
+
+    def write_now(self, data: bytes) -> int:
+        """Writer thread: write ``data`` (replies) if nothing is queued or being sent, and
+        queue what the socket does not take; NOT_WRITTEN, WRITTEN or PART_WRITTEN. A
+        failed write writes nothing: the trio thread's own write then meets the error."""
+        with self.lock:
+            if self.parts or self.sending or self.closed or self._fd is None:
+                return NOT_WRITTEN
+            try:
+                written = os.write(self._fd, data)
+            except OSError:  # BlockingIOError too: the socket takes nothing now
+                return NOT_WRITTEN
+            if written == len(data):
+                return WRITTEN
+            self.parts.append(data[written:])
+            self.count += 1
+            self.unsent += len(data) - written
+            return PART_WRITTEN
 
     def add(self, data: bytes) -> None:
         """Queue one reply (written at the next ``flush``)."""
         if not self.closed:
-            self.parts.append(data)
-            self.count += 1
-            self.unsent += len(data)
+            with self.lock:
+                self.parts.append(data)
+                self.count += 1
+                self.unsent += len(data)
 
     def add_all(self, data: list[bytes]) -> None:
         """Queue these replies, in order (``add`` for each)."""
         if not self.closed:
-            self.parts += data
-            self.count += len(data)
-            self.unsent += sum(map(len, data))
+            with self.lock:
+                self.parts += data
+                self.count += len(data)
+                self.unsent += sum(map(len, data))
 
     def close(self) -> None:
         """Drop what is queued and every later reply."""
-        self.closed = True
-        self.parts.clear()
-        self.count = 0
-        self.unsent = 0
+        with self.lock:
+            self.closed = True
+            self.parts.clear()
+            self.count = 0
+            self.unsent = 0
 
     def flush(self) -> None:
         """Write what is queued, without waiting; what the socket does not take now is
         left to the sender task. Only while the sender is not itself writing: two writers
         would interleave bytes."""
+        if not self.parts or self.closed:
+            return
+        with self.lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if not self.parts or self.closed:
             return
         if not self.sending:
@@ -114,10 +154,11 @@ class Outbox:
             while True:
                 while not self.parts:
                     await self._lot.park()
-                data = memoryview(b"".join(self.parts))
-                self.sending = self.count
-                self.parts.clear()
-                self.count = 0
+                with self.lock:
+                    data = memoryview(b"".join(self.parts))
+                    self.sending = self.count
+                    self.parts.clear()
+                    self.count = 0
                 # In pieces, so that the watchdog sees progress: a client that reads a
                 # large backlog steadily is slow, not stalled.
                 for start in range(0, len(data), SEND_PIECE_BYTES):
@@ -126,7 +167,8 @@ class Outbox:
                     await self._stream.send_all(piece)
                     self.unsent -= len(piece)
                 self.send_waiting_since = None
-                self.sending = 0
+                with self.lock:
+                    self.sending = 0
                 self._on_room()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._on_broken(exc)

@@ -34,6 +34,10 @@ class Room:
         # The reader's watch for the client's next bytes while it waits for room: cancelled
         # when room is made (see wait).
         self._watch: trio.CancelScope | None = None
+        # Waits under way (the reader's, a drain's, a watch pump's), counted before they
+        # look: the writer thread, answering requests itself, then knows to wake them
+        # (relay/server/direct.py).
+        self.waiting = 0
 
     async def wait(self, line_waiting: bool) -> None:
         """Wait until the connection is no longer full (``Session.full``), watching for
@@ -43,20 +47,32 @@ class Room:
         session = self._session
         watch = not line_waiting and self._io.socket is not None
         session.flush()  # held replies count as owed: write them first
-        while session.full():
-            if watch and self._longpolls.parked_for(session):
-                watch = await self._watch_for_goodbye()
-            else:
-                await self._lot.park()
+        self.waiting += 1
+        try:
+            while session.full():
+                if watch and self._longpolls.parked_for(session):
+                    watch = await self._watch_for_goodbye()
+                else:
+                    await self._lot.park()
+        finally:
+            self.waiting -= 1
 
     async def wait_answered(self) -> None:
         """Wait until nothing is owed: every request answered, and its reply written."""
-        while self._session.owed():
-            await self._lot.park()
+        self.waiting += 1
+        try:
+            while self._session.owed():
+                await self._lot.park()
+        finally:
+            self.waiting -= 1
 
     async def wait_sent(self) -> None:
         """Wait until the outbox next writes everything queued (a watch's pump)."""
-        await self._sent_lot.park()
+        self.waiting += 1
+        try:
+            await self._sent_lot.park()
+        finally:
+            self.waiting -= 1
 
     async def _watch_for_goodbye(self) -> bool:
         """Wait for room or for the client's next bytes. On EOF or a reset, answer the

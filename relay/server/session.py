@@ -3,9 +3,10 @@
 A session is three tasks in its own nursery, whatever its traffic: the reader (this task)
 splits frames and hands each to the dispatcher; the sender (``Outbox.run_sender``) writes
 the replies that the socket could not take at once; the watchdog (relay/server/
-watchdog.py) closes the connection when it idles or stops reading its replies. Replies
-arrive from the writer's hand-off through ``deliver`` (sync), so the replies of one group
-commit go out together.
+watchdog.py) closes the connection when it idles or stops reading its replies. The
+replies of one group commit go out together: written by the writer thread itself while
+nothing else is queued (``deliver_now``, relay/server/direct.py), else from its hand-off
+through ``deliver`` (sync).
 
 Write-through (relay/server/outbox.py): a reply is written to the socket at once when
 nothing is queued before it. The replies of one ``deliver`` (one commit) are written with
@@ -35,6 +36,7 @@ from relay.errors import FrameTooLarge
 from relay.framing import LineSplitter
 from relay.log import event
 from relay.server.auth import Role
+from relay.server.direct import DirectReplies
 from relay.server.dispatch import Dispatcher
 from relay.server.outbox import Outbox
 from relay.server.room import Room
@@ -60,7 +62,7 @@ MAX_OWED_BYTES = 32 * 1024 * 1024
 HELLO_TIMEOUT_S = 10.0
 
 
-class Session:
+class Session(DirectReplies):
     def __init__(
         self,
         stream: trio.abc.Stream,
@@ -79,7 +81,7 @@ class Session:
         self._refusal: tuple[bytes, float] | None = None
         self.splitter = LineSplitter(self.limits.max_frame_bytes)
         self._max_in_flight = self.limits.max_in_flight
-        self.in_flight = 0  # requests taken, not yet answered
+        self._in_flight = 0  # requests taken (see in_flight, relay/server/direct.py)
         # While the client sends requests, a long-poll may wait for it. Once it has
         # stopped (EOF, shutdown), parked leases are answered at once and none is
         # claimed again: a job must not be leased to a client that has gone.
@@ -90,7 +92,8 @@ class Session:
         self._room = Room(self, self._io, dispatcher.longpolls)
         # The replies owed (relay/server/outbox.py): written through, or by its sender.
         self._outbox = Outbox(stream, self._io.fd, peer, self._room.made, self._broken)
-        self._reserved = 0  # bytes set aside for large replies of requests in flight
+        # Bytes set aside for large replies of requests in flight (less _released_now).
+        self._reserved = 0
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
         # held until the slice ends; those of other tasks (a whole-queue dead_retry's, say)
@@ -136,7 +139,7 @@ class Session:
     # -- called by the dispatcher and the writer's hand-off (sync, trio thread) --------------
 
     def begin_request(self) -> None:
-        self.in_flight += 1
+        self._in_flight += 1
 
     def reserve(self, nbytes: int) -> None:
         self._reserved += nbytes
@@ -145,10 +148,10 @@ class Session:
         self._reserved -= nbytes
 
     def reply_room(self) -> int:
-        return MAX_OWED_BYTES - self._reserved - self._outbox.unsent
+        return MAX_OWED_BYTES - (self._reserved - self._released_now) - self._outbox.unsent
 
     def reply(self, data: bytes) -> None:
-        self.in_flight -= 1
+        self._in_flight -= 1
         if self.closed:
             return
         self._outbox.add(data)
@@ -187,7 +190,7 @@ class Session:
             if data_of_lines:
                 self._outbox.add_all(data_of_lines)
             if lines:
-                self.in_flight -= len(lines)
+                self._in_flight -= len(lines)
                 dispatcher.answered_lines(lines, now)
         self.flush()
 
@@ -246,9 +249,11 @@ class Session:
         the replies owed (reserved by large requests in flight, or not yet written) reach
         MAX_OWED_BYTES. (Asked per request: written out rather than through owed and
         reply_room.)"""
+        outbox = self._outbox
         return (
-            self.in_flight + self._outbox.count + self._outbox.sending >= self._max_in_flight
-            or self._reserved + self._outbox.unsent >= MAX_OWED_BYTES
+            self._in_flight - self._answered_now + outbox.count + outbox.sending
+            >= self._max_in_flight
+            or self._reserved - self._released_now + outbox.unsent >= MAX_OWED_BYTES
         )
 
     def _busy(self) -> bool:

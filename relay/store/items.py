@@ -49,9 +49,18 @@ class Op(Protocol):
 
 class ReplySink(Protocol):
     """Where replies go. ``deliver`` runs in the trio thread, must not block, and gets the
-    (item, reply) pairs of one batch for this sink, in the order they were sent."""
+    (item, reply) pairs of one batch for this sink, in the order they were sent.
+
+    A sink may also have ``deliver_now`` (a connection that can write its replies from
+    any thread): the writer thread offers it a batch's pairs first (``offer``), and it
+    answers NOT_TAKEN (they go to ``deliver`` as usual), TAKEN (written, or dropped, and
+    counted: nothing more to do) or TAKEN_WAKE (the same, but ``after_now`` must then run
+    in the trio thread: someone there waits for what it took)."""
 
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
+
+
+NOT_TAKEN, TAKEN, TAKEN_WAKE = 0, 1, 2
 
 
 class CommandOp:
@@ -106,3 +115,37 @@ def deliver(pairs: list[tuple[Item, Any]]) -> None:
             sink.deliver(mine)
         except Exception:
             log.exception("a reply sink failed; the other replies are delivered")
+
+
+def offer(pairs: list[tuple[Item, Any]]) -> tuple[list[tuple[Item, Any]], list[Any]]:
+    """Writer thread: offer each sink that has ``deliver_now`` its pairs of this batch.
+    Returns the pairs left for ``deliver`` (in order) and the sinks whose ``after_now``
+    must run in the trio thread."""
+    by_sink: dict[int, tuple[Any, list[tuple[Item, Any]]]] = {}
+    last: Any = _NO_SINK
+    mine: list[tuple[Item, Any]] = []
+    for pair in pairs:
+        sink = pair[0][1]
+        if sink is not last:
+            entry = by_sink.get(id(sink))
+            if entry is None:
+                entry = by_sink[id(sink)] = (sink, [])
+            last, mine = sink, entry[1]
+        mine.append(pair)
+    if len(by_sink) == 1 and getattr(last, "deliver_now", None) is None:
+        return pairs, []  # (a typed command's waiter, say)
+    rest: list[tuple[Item, Any]] = []
+    woken: list[Any] = []
+    for sink, mine in by_sink.values():
+        deliver_now = getattr(sink, "deliver_now", None)
+        taken = NOT_TAKEN
+        if deliver_now is not None:
+            try:
+                taken = deliver_now(mine)
+            except Exception:
+                log.exception("a reply sink failed to take its replies; the trio thread will")
+        if taken == NOT_TAKEN:
+            rest += mine
+        elif taken == TAKEN_WAKE:
+            woken.append(sink)
+    return rest, woken

@@ -206,6 +206,16 @@ def _phase(op: Op) -> int:
     return op.phase
 
 
+def replies(batch: list[Item], outcomes: list[Any]) -> list[tuple[Item, Any]]:
+    """The (item, reply) pair of each item, made by its op (after the commit). If making
+    one fails (a bug), they are made again one by one, each failure answered on its own
+    (a reply's side effect, a log line, may then happen twice)."""
+    try:
+        return [(item, item[0].reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
+    except Exception:
+        return [(item, reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
+
+
 def reply(item: Item, outcome: Any) -> Any:
     try:
         return item[0].reply(item, outcome)

@@ -1,9 +1,12 @@
 """The writer thread's body: batches, the passes that run them, commits, and the hand-off.
 
 The thread takes every item already queued (up to ``max_batch``) and runs them in one
-transaction, commits once, makes the replies, and posts them back to trio with one
-``run_sync_soon``, never waiting on trio; a batch of plain submits alone is one statement
-that SQLite commits on its own (``Op.run_alone``). The items of one batch were all sent
+transaction, commits once, makes the replies, writes those that their connections can take
+from this thread (an idle plain TCP connection: ``items.offer``), and posts the rest back
+to trio with one ``run_sync_soon``, never waiting on trio; when every reply went out and
+nothing on the trio side waits for the batch (``Writer._wants_trio``), it posts nothing. A
+batch of plain submits alone is one statement that SQLite commits on its own
+(``Op.run_alone``). The items of one batch were all sent
 before any of their replies, so any order of them is valid: the batch runs grouped by op,
 in the ops' ``phase`` order (leases first), each op's items as they came. See
 docs/architecture.md, "The writer thread". A batch whose writes the database refuses (a
@@ -29,7 +32,7 @@ from relay.log import event
 from relay.store import passes
 from relay.store.base import Changes, Store
 from relay.store.failures import RECONNECT_MAX_S, RECONNECT_S, store_error
-from relay.store.items import Item, deliver
+from relay.store.items import Item, deliver, offer
 
 if TYPE_CHECKING:
     from relay.store.writer import Writer
@@ -61,19 +64,27 @@ class WriterThread:
 
     # -- the trio side (called with run_sync_soon) -------------------------------------------
 
-    def _delivered(
-        self, pairs: list, changes: Changes | None, seconds: float | None, failure: str | None
-    ) -> None:
-        self.writer._answered(len(pairs), seconds, failure)
-        deliver(pairs)
-        # Wake-ups after replies: a long-poll that a reply of this very batch parks is
-        # registered by then, so a job made ready in the same batch still wakes it.
-        if changes is not None:
-            for listener in self.writer.commit_listeners:
+    def _delivered(self, pairs: list, woken: list, changes: Changes | None) -> None:
+        writer = self.writer
+        try:
+            writer._answered(len(pairs))
+            deliver(pairs)
+            for sink in woken:  # (their replies went out from the writer thread)
                 try:
-                    listener(changes)
+                    sink.after_now()
                 except Exception:
-                    log.exception("a commit listener failed")
+                    log.exception("a reply sink failed after the writer wrote its replies")
+            # Wake-ups after replies: a long-poll that a reply of this very batch parks is
+            # registered by then, so a job made ready in the same batch still wakes it.
+            if changes is not None:
+                for listener in writer.commit_listeners:
+                    try:
+                        listener(changes)
+                    except Exception:
+                        log.exception("a commit listener failed")
+        finally:
+            # Last: until now the trio side (a long-poll parked above, say) lagged.
+            writer._handed_done += 1
 
     def _stopped(self, in_hand: list[Item], crashed: bool) -> None:
         writer = self.writer
@@ -89,7 +100,7 @@ class WriterThread:
         error: RelayError = InternalError("not committed: writer crashed")
         if not crashed:
             error = ShuttingDown("the store has stopped")
-        writer.queued -= len(in_hand)
+        writer._answered(len(in_hand))
         deliver([(item, item[0].reply(item, error)) for item in in_hand])
         self.finished.set()
 
@@ -116,9 +127,9 @@ class WriterThread:
                         more = False  # the stop marker: after this batch
                         break
                     batch.append(item)
-                pairs, changes, seconds, failure = self._execute(batch)
-                self.token.run_sync_soon(self._delivered, pairs, changes, seconds, failure)
-                batch = []
+                done = self._execute(batch)
+                batch = []  # (committed or answered: never answered again, see _stopped)
+                self._finish(*done)
         except trio.RunFinishedError:
             log.warning("trio stopped before the writer was closed")
         except BaseException:
@@ -131,6 +142,28 @@ class WriterThread:
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
                     self.token.run_sync_soon(self._stopped, batch, crashed)
+
+    def _finish(
+        self, pairs: list, changes: Changes | None, seconds: float | None, failure: str | None
+    ) -> None:
+        """After the commit (or its failure): record the batch, write the replies that
+        connections can take from this thread (``offer``), and hand the rest, and what
+        the trio side must hear of, to the trio thread: one ``run_sync_soon``, or none
+        when every reply went out and nothing there waits for this batch."""
+        writer = self.writer
+        writer._record(len(pairs), seconds, failure)
+        rest, woken = offer(pairs)
+        # Counted before asking who waits (_wants_trio): a sender that begins to wait for
+        # room meanwhile has said so first, so one of the two sees the other.
+        writer._done_now += len(pairs) - len(rest)
+        try:
+            wanted = bool(rest or woken) or writer._wants_trio(changes)
+        except Exception:  # (some replies are out: nothing here may stop the hand-off)
+            log.exception("asking who waits for a commit failed; it is handed over")
+            wanted = True
+        if wanted:
+            writer._handed += 1
+            self.token.run_sync_soon(self._delivered, rest, woken, changes)
 
     def _execute(self, batch: list[Item]) -> tuple[list, Changes | None, float | None, str | None]:
         """Run ``batch`` in one transaction; the (item, reply) pairs, what changed, how
@@ -159,10 +192,7 @@ class WriterThread:
             if outcomes is not None:
                 seconds = time.perf_counter() - started
                 self._written(written)
-                pairs = [
-                    (item, passes.reply(item, o)) for item, o in zip(batch, outcomes, strict=True)
-                ]
-                return pairs, store.take_changes(), seconds, None
+                return passes.replies(batch, outcomes), store.take_changes(), seconds, None
         try:
             store.begin()
             outcomes = passes.apply_fast(store, batch, runs, now)
@@ -181,11 +211,7 @@ class WriterThread:
             return [(item, item[0].reply(item, error)) for item in batch], None, None, None
         seconds = time.perf_counter() - started
         self._written(written)
-        pairs = [
-            (item, passes.reply(item, outcome))
-            for item, outcome in zip(batch, outcomes, strict=True)
-        ]
-        return pairs, changes, seconds, None
+        return passes.replies(batch, outcomes), changes, seconds, None
 
     def _unavailable(
         self, batch: list[Item], runs: list, now: int, exc: Exception
@@ -209,7 +235,7 @@ class WriterThread:
         self.episode_failures += 1
         error = Unavailable(f"not committed: {description}; retry later")
         outcomes = passes.apply_unwritten(self.store, batch, runs, now, error)
-        pairs = [(item, passes.reply(item, o)) for item, o in zip(batch, outcomes, strict=True)]
+        pairs = passes.replies(batch, outcomes)
         return pairs, None, None, kind
 
     def _reconnect(self, at: float) -> None:

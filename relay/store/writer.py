@@ -5,18 +5,20 @@ Data flows one way::
     trio thread: put(item) --> SimpleQueue --> writer thread: BEGIN IMMEDIATE
                                                  the batch's items, grouped by op
                                                COMMIT; each reply made (encoded)
-    sink.deliver(pairs) <-- trio thread <-- one run_sync_soon per batch
+                                               replies written to idle connections
+    sink.deliver(pairs) <-- trio thread <-- one run_sync_soon per batch, when needed
 
 What an item is: relay/store/items.py. What the thread does with a batch (group commit,
-the passes, a batch of plain submits as one statement): relay/store/thread.py. Here: the
-``Writer`` that trio code puts items into and waits on, and ``open_writer``, which owns
-the thread.
+the passes, a batch of plain submits as one statement, the replies it writes itself):
+relay/store/thread.py. Here: the ``Writer`` that trio code puts items into and waits on,
+and ``open_writer``, which owns the thread.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -65,6 +67,20 @@ class WriterStatistics:
     commit_seconds: HistogramSnapshot
 
 
+@attrs.frozen
+class CommitListener:
+    """A commit listener (``on_commit``, trio thread) that can say in the writer thread
+    whether a commit concerns it (``wants``: plain reads of what the trio thread keeps,
+    never a call into trio). A batch whose replies the thread wrote itself is handed to
+    the trio thread only if some listener wants its changes (``Writer._wants_trio``)."""
+
+    on_commit: Callable[[Changes], None]
+    wants: Callable[[Changes], bool]
+
+    def __call__(self, changes: Changes) -> None:
+        self.on_commit(changes)
+
+
 class _Waiter:
     """A one-shot sink for ``Writer.execute``: one command, one awaiting task."""
 
@@ -85,25 +101,41 @@ class Writer:
     def __init__(self, capacity: int) -> None:
         self.inbox: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self.capacity = capacity
-        self.queued = 0  # items put and not yet answered (trio thread only)
+        # Items put (trio thread), less those answered through the trio thread; those the
+        # writer thread answered itself are ``_done_now`` (writer thread): ``queued``.
+        self._put = 0
+        self._done_now = 0
         self.closed = False  # put refuses: stopping, stopped, or the thread is gone
         self._room = trio.lowlevel.ParkingLot()  # senders waiting for queued < capacity
+        self._room_wanted = 0  # senders about to wait, or waiting (read by the thread)
+        # Per batch, kept by the writer thread (read by statistics()).
         self._batch_sizes = Histogram(BATCH_SIZE_BOUNDS)
         self._commit_seconds = Histogram(COMMIT_SECONDS_BOUNDS)
         self._batches = 0
         self._commands = 0
         self._failed_commits = 0
         self._store_errors = dict.fromkeys(STORE_ERROR_KINDS, 0)
-        # Called in the trio thread after each commit's replies are delivered.
+        # Called in the trio thread after each commit's replies are delivered. A listener
+        # with a ``wants(changes)`` method (a ``CommitListener``) is asked first, in the
+        # writer thread, whether this commit concerns it; one without always is.
         self.commit_listeners: list[Callable[[Changes], None]] = []
+        # Hand-offs posted by the thread / run by the trio thread: while they differ, what
+        # the trio side knows lags the commits, and every batch is handed over.
+        self._handed = 0
+        self._handed_done = 0
         # Whether the store records each job state change in the Changes given to the
         # listeners (``Changes.events``): set while someone watches. The thread reads it
         # at the start of each batch.
         self.recording = False
 
     @property
+    def queued(self) -> int:
+        """Items put and not yet answered."""
+        return self._put - self._done_now
+
+    @property
     def full(self) -> bool:
-        return self.queued >= self.capacity
+        return self._put - self._done_now >= self.capacity
 
     def put(self, item: Item) -> None:
         """Queue ``item`` now, whether or not the writer is ``full``: callers that may wait
@@ -115,13 +147,19 @@ class Writer:
         """
         if self.closed:
             raise ShuttingDown("the store is shutting down")
-        self.queued += 1
+        self._put += 1
         self.inbox.put(item)
 
     async def wait_room(self) -> None:
         """Wait until fewer than ``capacity`` items are queued (or the writer closed)."""
-        while self.queued >= self.capacity and not self.closed:
-            await self._room.park()
+        # Said before looking, so that the writer thread, answering items itself, sees
+        # that someone may wait (relay/store/thread.py) whenever this sees no room.
+        self._room_wanted += 1
+        try:
+            while self._put - self._done_now >= self.capacity and not self.closed:
+                await self._room.park()
+        finally:
+            self._room_wanted -= 1
 
     async def send(self, command: Command, sink: ReplySink, tag: Any = None) -> None:
         """Queue a typed command, waiting for room first (backpressure); its outcome goes
@@ -148,6 +186,9 @@ class Writer:
         return waiter.outcome
 
     def statistics(self) -> WriterStatistics:
+        """The writer thread keeps these per batch, and they are read here field by field:
+        a snapshot taken as a batch is recorded may count it in some fields and not yet in
+        others (each field only grows; the next snapshot has it in all)."""
         return WriterStatistics(
             queued=self.queued,
             batches=self._batches,
@@ -158,8 +199,16 @@ class Writer:
             commit_seconds=self._commit_seconds.snapshot(),
         )
 
-    def _answered(self, n: int, seconds: float | None, store_error: str | None = None) -> None:
-        self.queued -= n
+    def _answered(self, n: int) -> None:
+        """Trio thread: ``n`` items were answered through it; there may be room now (for
+        those the thread answered itself too)."""
+        self._put -= n
+        if self._room and self._put - self._done_now < self.capacity:
+            self._room.unpark_all()
+
+    def _record(self, n: int, seconds: float | None, store_error: str | None) -> None:
+        """Writer thread: a batch of ``n`` items committed in ``seconds``, or not (None),
+        stopped by a store error of this kind (or another failure: None)."""
         if seconds is None:
             self._failed_commits += 1
             if store_error is not None:
@@ -169,8 +218,24 @@ class Writer:
             self._commands += n
             self._batch_sizes.observe(n)
             self._commit_seconds.observe(seconds)
-        if self._room and self.queued < self.capacity:
-            self._room.unpark_all()
+
+    def _wants_trio(self, changes: Changes | None) -> bool:
+        """Writer thread: whether a batch whose replies all went out from the thread must
+        still be handed to the trio thread: a sender waits for room, an earlier hand-off
+        has not run yet, or a commit listener wants its changes. Plain reads only."""
+        if self._room_wanted or self._handed != self._handed_done:
+            return True
+        if changes is None:
+            return False
+        for listener in self.commit_listeners:
+            wants = getattr(listener, "wants", None)
+            try:
+                if wants is None or wants(changes):
+                    return True
+            except Exception:
+                log.exception("a commit listener's wants() failed; it is told")
+                return True
+        return False
 
     def _close(self) -> None:
         self.closed = True
@@ -195,6 +260,12 @@ async def open_writer(
     is so stuck that the deadline passes, the exit logs it and returns; the daemon thread
     then ends with the process, and SQLite's journal keeps the file consistent.
     """
+    # The writer thread and the trio thread share counters that each writes alone, and
+    # each says what it does before it looks at what the other did: under the GIL those
+    # steps happen one at a time, in an order both threads see (relay/server/direct.py).
+    # A free-threaded interpreter gives no such order.
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        raise RuntimeError("relay-trio needs the GIL: run it with PYTHON_GIL=1")
     writer = Writer(capacity)
     thread_side = WriterThread(store, writer, clock, max_batch)
     thread = threading.Thread(target=thread_side.run, name="relay-writer", daemon=True)

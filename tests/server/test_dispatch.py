@@ -7,6 +7,8 @@ from typing import Any
 import orjson
 import pytest
 import trio
+import trio.lowlevel
+from trio.testing import wait_all_tasks_blocked
 
 from relay import wire
 from relay.errors import ShuttingDown
@@ -125,7 +127,7 @@ async def test_replies_answered_together_are_each_counted_out_and_timed():
 
     writer = ClosedWriter()
     dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
-    dispatcher.in_flight = 5
+    dispatcher._in_flight = 5  # (as if dispatched)
     items = [
         (ops.SUBMIT, None, 1, 10.0, None),
         (ops.SUBMIT, None, 2, 10.0, None),
@@ -140,3 +142,43 @@ async def test_replies_answered_together_are_each_counted_out_and_timed():
     assert durations["submit"].total == pytest.approx(1.0 * 2 + 0.5 * 2)
     with trio.fail_after(1):
         await dispatcher.wait_idle()
+
+
+async def test_replies_the_writer_wrote_itself_are_counted_out_and_timed_with_the_others():
+    from relay.server import ops
+
+    writer = ClosedWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
+    dispatcher._in_flight = 3  # (as if dispatched)
+    started = trio.current_time()
+    dispatcher.answered_lines([(ops.SUBMIT, None, 1, started, None)], started)
+    answered = [(ops.SUBMIT, None, 2, started, None), (ops.ACK, None, 3, started, None)]
+    dispatcher.answered_now.answered([(item, b"{}\n") for item in answered])  # (writer's)
+    assert dispatcher.in_flight == 0
+    durations = dispatcher.statistics().durations
+    assert durations["submit"].count == 2 and durations["ack"].count == 1
+    with trio.fail_after(1):
+        await dispatcher.wait_idle()
+
+
+async def test_every_caller_of_wait_idle_returns_once_idle():
+    writer = ClosedWriter()
+    dispatcher = Dispatcher(writer, wire.Limits(), LongPolls(writer))  # type: ignore[arg-type]
+    dispatcher._in_flight = 1  # (as if dispatched)
+    done: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await dispatcher.wait_idle()
+        done.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter, "first")
+        await wait_all_tasks_blocked()
+        nursery.start_soon(waiter, "second")
+        await wait_all_tasks_blocked()
+        assert done == []
+        dispatcher._count_out(1)
+        with trio.fail_after(1):
+            while len(done) < 2:
+                await trio.lowlevel.checkpoint()
+    assert sorted(done) == ["first", "second"]

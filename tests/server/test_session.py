@@ -609,7 +609,8 @@ async def test_a_session_closed_for_any_reason_has_its_woken_long_polls_claim_no
             await c.ok("stats")  # both parked
             session = sessions[-1]
             listeners = session.dispatcher.writer.commit_listeners
-            at = listeners.index(session.dispatcher.longpolls.on_commit)
+            on_commit = session.dispatcher.longpolls.on_commit
+            at = next(i for i, x in enumerate(listeners) if x.on_commit == on_commit)
 
             def close_first(changes: Any, wake: Any = listeners[at]) -> None:
                 if not session.closed:

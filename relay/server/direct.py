@@ -1,0 +1,142 @@
+"""Replies the writer thread writes to a connection itself: a part of ``Session``.
+
+After a commit, the writer thread offers each connection its replies of the batch
+(``relay.store.items.offer``). A plain TCP connection whose outbox is idle (nothing queued,
+nothing being sent) takes them if they are all reply lines: the thread writes them to its
+socket at once (``Outbox.write_now``, under the outbox's lock) and counts them answered,
+with counters that only it writes and the trio thread reads:
+
+- ``_answered_now``: requests answered, taken from the session's in-flight count;
+- ``_released_now``: reply bytes that the answered requests had reserved;
+- the dispatcher's in-flight count and request durations (``AnsweredNow``).
+
+So the trio thread is not woken for a commit whose replies all went out, unless someone
+there waits for what the replies change. Everyone who may wait says so before looking:
+the reader waiting for room and a drain or a watch's pump (``Room.waiting``), a long-poll
+short of room (``LongPolls.short_of_room``, registered before its room is looked at
+again), shutdown waiting for no request in flight (``Dispatcher.idle_wanted``). The
+thread counts first and looks after, so one of the two always sees the other: it then
+answers TAKEN_WAKE, and ``after_now`` runs in the trio thread (the GIL makes each of these
+reads and writes one step that the other thread sees in order).
+
+Anything else goes to the trio thread as before (``Session.deliver``): a long-poll that
+found nothing (the trio thread parks it), a TLS or WebSocket stream, an outbox with
+replies queued, a write the socket refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from relay.histogram import Histogram, HistogramSnapshot
+from relay.server.outbox import NOT_WRITTEN, PART_WRITTEN
+from relay.store.items import NOT_TAKEN, TAKEN, TAKEN_WAKE, Item
+
+log = logging.getLogger("relay.session")
+
+if TYPE_CHECKING:
+    from relay.server.dispatch import Dispatcher
+    from relay.server.outbox import Outbox
+    from relay.server.room import Room
+
+
+class AnsweredNow:
+    """The requests the writer thread answered itself, on every connection, counted by it
+    alone (the dispatcher's): how many, and their durations per op on trio's clock."""
+
+    def __init__(self, clock: trio.abc.Clock, bounds: Sequence[float]) -> None:
+        self.count = 0
+        self._clock = clock  # (its current_time may be read from any thread)
+        self._bounds = bounds
+        self._durations: dict[str, Histogram] = {}
+
+    def answered(self, pairs: list[tuple[Item, Any]]) -> None:
+        """Writer thread: count these out, one observation per run of an op's requests
+        that arrived together."""
+        self.count += len(pairs)
+        now = self._clock.current_time()
+        op, started, n = pairs[0][0][0], pairs[0][0][3], 0
+        for item, _reply in pairs:
+            if item[0] is op and item[3] == started:
+                n += 1
+                continue
+            self._histogram(op.name).observe(now - started, n)
+            op, started, n = item[0], item[3], 1
+        self._histogram(op.name).observe(now - started, n)
+
+    def _histogram(self, op: str) -> Histogram:
+        histogram = self._durations.get(op)
+        if histogram is None:
+            histogram = self._durations[op] = Histogram(self._bounds)
+        return histogram
+
+    def durations(self, others: dict[str, HistogramSnapshot]) -> dict[str, HistogramSnapshot]:
+        """Trio thread: ``others`` (the trio thread's durations) with these added in."""
+        for op, histogram in list(self._durations.items()):
+            mine = histogram.snapshot()
+            others[op] = others[op].merged(mine) if op in others else mine
+        return others
+
+
+class DirectReplies:
+    """The writer thread's side of a session (``Session`` inherits it)."""
+
+    dispatcher: Dispatcher
+    _outbox: Outbox
+    _room: Room
+    _in_flight: int  # requests taken, less those answered through the trio thread
+    # Written by the writer thread only (see the module docstring).
+    _answered_now = 0
+    _released_now = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests taken and not yet answered."""
+        return self._in_flight - self._answered_now
+
+    def deliver_now(self, pairs: list[tuple[Item, Any]]) -> int:
+        """Writer thread: write the replies of one commit for this connection, if it can
+        take them now; NOT_TAKEN, TAKEN or TAKEN_WAKE (``ReplySink``)."""
+        lines = []
+        for _item, reply in pairs:
+            if type(reply) is not bytes:
+                return NOT_TAKEN  # a long-poll that found nothing: the trio thread decides
+            lines.append(reply)
+        written = self._outbox.write_now(lines[0] if len(lines) == 1 else b"".join(lines))
+        if written == NOT_WRITTEN:
+            return NOT_TAKEN
+        # Written: whatever happens now, they are taken (they must not go out a second
+        # time through the trio thread), and a failure wakes the trio side to be safe.
+        try:
+            released = 0
+            for item, _reply in pairs:
+                if item[0].reserves:  # (a lease, an inspect: what it reserved goes back)
+                    released += item[4].reserved
+                    item[4].reserved = 0
+            self._released_now += released
+            self._answered_now += len(pairs)
+            dispatcher = self.dispatcher
+            dispatcher.answered_now.answered(pairs)
+            # Counted; now, who may wait for it.
+            if (
+                written == PART_WRITTEN
+                or self._room.waiting
+                or dispatcher.idle_wanted
+                or dispatcher.longpolls.short_of_room(self)
+            ):
+                return TAKEN_WAKE
+        except Exception:
+            log.exception("counting the replies the writer wrote failed")
+            return TAKEN_WAKE
+        return TAKEN
+
+    def after_now(self) -> None:
+        """Trio thread: the writer thread wrote replies of this connection and someone may
+        wait for it: write what the socket did not take, and wake the waiters."""
+        self._outbox.flush()
+        self._room.made()
+        self.dispatcher.check_idle()
