@@ -184,7 +184,8 @@ class Dispatcher(AdminHandlers):
                 _give_back(connection, item[4])
             self._answer_now(connection, item[0].name, item[3], wire.encode_error(item[2], exc))
             return
-        self._count_in(connection)
+        connection.begin_request()  # (_count_in, written out: this runs per request)
+        self._in_flight += 1
 
     def answered(self, connection: Connection, item: Item, now: float) -> None:
         """``item`` is answered (or dropped with its connection) at ``now``: count it out."""

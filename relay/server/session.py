@@ -346,10 +346,10 @@ class Session(DirectReplies):
         writer = self.dispatcher.writer
         try:
             for n, line in enumerate(lines, 1):
-                if self.full() or writer.full:
+                if self.full() or writer.full():
                     try:
                         await self._room.wait(line_waiting=True)
-                        if writer.full:
+                        if writer.full():
                             self.flush()  # held replies count as owed: write them first
                             await writer.wait_room()
                     except trio.Cancelled:

@@ -183,7 +183,7 @@ def runs_of(batch: list[Item]) -> list[tuple[Any, list[int]]]:
     """The batch as runs of positions: the items of an op that has ``run_many`` as one
     run, every other item alone; ops in ``phase`` order, each op's items as they came."""
     first = batch[0][0]
-    if first.run_many is not None and all(item[0] is first for item in batch):
+    if first.run_many is not None and all([item[0] is first for item in batch]):
         return [(first, list(range(len(batch))))]  # the common batch: one kind of request
     by_op: dict[Any, list[int]] = {}
     for i, item in enumerate(batch):

@@ -133,8 +133,9 @@ class Writer:
         """Items put and not yet answered."""
         return self._put - self._done_now
 
-    @property
     def full(self) -> bool:
+        """``capacity`` items are queued: a sender waits (``wait_room``). (A method, not a
+        property: the reader asks it per request, and a property's call costs more.)"""
         return self._put - self._done_now >= self.capacity
 
     def put(self, item: Item) -> None:

@@ -86,7 +86,8 @@ async def test_a_whole_queue_retry_cut_short_is_still_answered_and_accounted():
 class ClosedWriter:
     """A writer that is shutting down: nothing can be queued."""
 
-    full = False
+    def full(self) -> bool:
+        return False
 
     def put(self, item: Any) -> None:
         raise ShuttingDown("the store is shutting down")

@@ -570,7 +570,8 @@ every_op = st.tuples(
 class RecordingWriter:
     """Takes every item and command, answers none (a command counts 0)."""
 
-    full = False
+    def full(self) -> bool:
+        return False
 
     def __init__(self) -> None:
         self.items: list[Any] = []
