@@ -1548,6 +1548,26 @@ def test_ack_many_refuses_a_job_twice_and_changes_nothing(store):
     assert snapshot(store, lease.job_id) == before
 
 
+@pytest.mark.parametrize("reopened", [False, True])
+def test_ack_many_refuses_a_job_twice_whether_its_lease_is_known_or_read(tmp_path, reopened):
+    # One ack the lease book vouches for and the same job's again, or (a store opened
+    # afresh) both from the rows: either way refused before anything is written.
+    path = str(tmp_path / "twice.db")
+    store = SqliteStore.open(path)
+    store.jobs_submit([spec(), spec()], T0)
+    leases = store.jobs_claim(["q"], "w1", 2, LEASE_MS, T0)
+    if reopened:
+        store.close()
+        store = SqliteStore.open(path)
+    acks = [(x.job_id, "w1", x.token, None) for x in leases]
+    with pytest.raises(ValueError):
+        store.jobs_ack_many([acks[0], acks[1], acks[0]], T0 + 1)
+    assert store.queue_stats()["q"]["leased"] == 2
+    assert store.jobs_ack_many(acks, T0 + 1) == [None, None]  # (and the book still serves)
+    assert store.queue_stats()["q"]["succeeded"] == 2
+    store.close()
+
+
 # -- replies stay bounded whatever a client asks for ------------------------------------------
 
 

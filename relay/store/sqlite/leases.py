@@ -16,6 +16,7 @@ from relay.model import (
     Backoff,
     FailOutcome,
     Lease,
+    format_job_id,
     parse_job_id,
     truncate_utf8,
 )
@@ -134,15 +135,16 @@ class SqliteLeases(SqliteBase):
             leases = []
             for key, token, worker, expires_at in mine:
                 _, priority, _, _, queue, attempt, max_attempts, payload = found[key]
+                job_id = f"job_{key:016x}"
                 leases.append(
                     _new_lease(Lease, (
-                        f"job_{key:016x}", queue, payload, priority, attempt + 1, max_attempts,
-                        token, expires_at,
+                        job_id, queue, payload, priority, attempt + 1, max_attempts, token,
+                        expires_at,
                     ))
                 )  # fmt: skip
                 per_queue[queue] = per_queue.get(queue, 0) + 1
                 if len(book) < HELD_MAX:
-                    book[key] = (token, worker, expires_at, queue, attempt + 1)
+                    book[job_id] = (key, token, worker, expires_at, queue, attempt + 1)
             if leases:
                 self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
             results.append(leases)
@@ -179,8 +181,9 @@ class SqliteLeases(SqliteBase):
         assert row is not None
         expires_at = now + lease_ms
         self._db.execute("UPDATE jobs SET lease_expires_at = ? WHERE id = ?", (expires_at, row[0]))
-        if (held := self._held.get(row[0])) is not None:
-            self._held[row[0]] = (*held[:2], expires_at, *held[3:])
+        held_id = format_job_id(row[0])
+        if (held := self._held.get(held_id)) is not None:
+            self._held[held_id] = (*held[:3], expires_at, *held[4:])
         self.changes.expiry(expires_at)
         return expires_at
 
@@ -202,60 +205,61 @@ class SqliteLeases(SqliteBase):
         them; the update's condition is that of a held lease again, and what it changed is
         checked against what was expected. Raises ValueError, having changed nothing, if
         one job appears twice."""
-        keys = [parse_job_id(job_id) for job_id, *_ in acks]
-        known = [key for key in keys if key is not None]  # (a malformed id: not found)
-        if len(set(known)) != len(known):
-            raise ValueError("not a run of distinct job ids")
         book = self._held
         outcomes: list[RelayError | None] = [None] * len(acks)
         updates: list[tuple] = []
-        held: list[tuple] = []  # (position, key, queue, attempt) of each ack to make
+        held: list[tuple] = []  # (position, key, queue, attempt, job id) of each ack to make
         unknown: list[int] = []  # positions of the acks the book cannot vouch for
-        for i, (key, (_job_id, worker_id, token, result)) in enumerate(
-            zip(keys, acks, strict=True)
-        ):
-            lease = book.get(key)  # (token, worker, expires_at, queue, attempt)
-            if lease is not None and lease[0] == token and lease[1] == worker_id and now < lease[2]:
-                updates.append((key, token, worker_id, result))
-                held.append((i, key, lease[3], lease[4]))
+        for i, (job_id, worker_id, token, result) in enumerate(acks):
+            lease = book.get(job_id)  # (key, token, worker, expires_at, queue, attempt)
+            if lease is not None and lease[1] == token and lease[2] == worker_id and now < lease[3]:
+                updates.append((lease[0], token, worker_id, result))
+                held.append((i, lease[0], lease[4], lease[5], job_id))
             else:
                 unknown.append(i)
+        keys = [entry[1] for entry in held]
         if unknown:
-            self._ack_unknown(acks, keys, unknown, now, outcomes, updates, held)
+            unknown_keys = [parse_job_id(acks[i][0]) for i in unknown]
+            keys += [key for key in unknown_keys if key is not None]  # (malformed: not found)
+        if len(set(keys)) != len(keys):
+            raise ValueError("not a run of distinct job ids")
+        if unknown:
+            self._ack_unknown(acks, unknown, unknown_keys, now, outcomes, updates, held)
         if updates:
             before = self._db.total_changes
             _execute_rows(self._db, _ACK_HELD, _ACK_ROW, updates, (now,))
             if self._db.total_changes - before != len(updates):
                 held = self._ack_checked(acks, held, now, outcomes)
-            for _i, key, _queue, _attempt in held:
-                book.pop(key, None)
+            for entry in held:
+                book.pop(entry[4], None)
         per_queue: dict[str, int] = {}
-        for _i, _key, queue, _attempt in held:
+        for _i, _key, queue, _attempt, _job_id in held:
             per_queue[queue] = per_queue.get(queue, 0) + 1
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n)
         if self.recording:  # in the order of the acks
-            for _i, key, queue, attempt in sorted(held):
+            for _i, key, queue, attempt, _job_id in sorted(held):
                 self._record(key, queue, "leased", "succeeded", attempt, now)
         return outcomes
 
     def _ack_unknown(
         self,
         acks: Sequence[tuple[str, str, str, str | None]],
-        keys: list[int | None],
         unknown: list[int],
+        keys: list[int | None],
         now: int,
         outcomes: list[RelayError | None],
         updates: list[tuple],
         held: list[tuple],
     ) -> None:
-        """The acks at ``unknown``, checked against their rows as they are: each is to be
-        made (added to ``updates`` and ``held``) or answered in ``outcomes``."""
-        ids = [keys[i] for i in unknown if keys[i] is not None]
+        """The acks at ``unknown`` (their jobs' ``keys``), checked against their rows as
+        they are: each is to be made (added to ``updates`` and ``held``) or answered in
+        ``outcomes``."""
+        ids = [key for key in keys if key is not None]
         rows = {row[0]: row for row in _json_rows(self._db, _ACK_ROWS_SQL, (_json_ids(ids),))}
-        for i in unknown:
-            key, (job_id, worker_id, token, result) = keys[i], acks[i]
+        for i, key in zip(unknown, keys, strict=True):
+            job_id, worker_id, token, result = acks[i]
             row = rows.get(key)
             try:
                 if check_lease(row, job_id, worker_id, token, now, "ack") is None:
@@ -263,9 +267,9 @@ class SqliteLeases(SqliteBase):
             except RelayError as exc:
                 outcomes[i] = exc
                 continue
-            assert row is not None
+            assert row is not None and key is not None
             updates.append((key, token, worker_id, result))
-            held.append((i, key, row[1], row[3]))
+            held.append((i, key, row[1], row[3], format_job_id(key)))  # (the book's id)
 
     def _ack_checked(
         self,
@@ -279,13 +283,13 @@ class SqliteLeases(SqliteBase):
         forgets a lease as it acks it), and why the others were refused. Only a lease that
         ended without this store forgetting it (a bug) brings this about."""
         log.warning("ack.lease_book_stale: an ack found a lease ended that was taken as held")
-        ids = [key for _i, key, _queue, _attempt in held]
+        ids = [entry[1] for entry in held]
         rows = {row[0]: row for row in _json_rows(self._db, _ACK_ROWS_SQL, (_json_ids(ids),))}
         acked = []
         for entry in held:
             i, key = entry[0], entry[1]
             job_id, worker_id, token, _result = acks[i]
-            self._held.pop(key, None)
+            self._held.pop(entry[4], None)
             row = rows.get(key)
             if row is not None and row[2] == SUCCEEDED and row[5] == token and row[6] == worker_id:
                 acked.append(entry)
@@ -305,7 +309,7 @@ class SqliteLeases(SqliteBase):
         row = self._held_lease(job_id, worker_id, token, now, "fail")
         assert row is not None
         key, queue, _state, attempt, max_attempts = row[:5]
-        self._held.pop(key, None)
+        self._held.pop(format_job_id(key), None)
         error = truncate_utf8(error, self.config.max_error_bytes)
         self._record_error(key, attempt, error, now)
         self._count(queue, "failed")
@@ -339,7 +343,7 @@ class SqliteLeases(SqliteBase):
         before this lease, and it keeps its place (ready_at) in the queue."""
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
-        self._held.pop(row[0], None)
+        self._held.pop(format_job_id(row[0]), None)
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = ?",

@@ -84,7 +84,7 @@ class SqliteMaintenance(SqliteBase):
         ready: list[tuple[int, int]] = []  # (id, expired at): ready again from its expiry
         dead: list[int] = []
         for key, queue, attempt, max_attempts, expired_at in rows:
-            self._held.pop(key, None)
+            self._held.pop(format_job_id(key), None)
             self._count(queue, "expired")
             if attempt < max_attempts:
                 ready.append((key, expired_at))
