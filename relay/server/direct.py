@@ -89,6 +89,7 @@ class DirectReplies:
     _outbox: Outbox
     _room: Room
     _in_flight: int  # requests taken, less those answered through the trio thread
+    _reserved: int  # reply bytes reserved by the requests in flight (trio thread)
     # Written by the writer thread only (see the module docstring).
     _answered_now = 0
     _released_now = 0
@@ -112,12 +113,15 @@ class DirectReplies:
         # Written: whatever happens now, they are taken (they must not go out a second
         # time through the trio thread), and a failure wakes the trio side to be safe.
         try:
-            released = 0
-            for item, _reply in pairs:
-                if item[0].reserves:  # (a lease, an inspect: what it reserved goes back)
-                    released += item[4].reserved
-                    item[4].reserved = 0
-            self._released_now += released
+            # A request that reserved reply bytes holds them until answered, so if none
+            # are held, none of these reserved (the common batch: submits, acks).
+            if self._reserved != self._released_now:
+                released = 0
+                for item, _reply in pairs:
+                    if item[0].reserves:  # (a lease, an inspect: what it reserved goes back)
+                        released += item[4].reserved
+                        item[4].reserved = 0
+                self._released_now += released
             self._answered_now += len(pairs)
             dispatcher = self.dispatcher
             dispatcher.answered_now.answered(pairs)

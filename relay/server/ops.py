@@ -111,10 +111,16 @@ class _Submit(RequestOp):
     def reply(self, item: Item, outcome: Any) -> Any:
         if isinstance(outcome, RelayError):
             return wire.encode_error(item[2], outcome)
-        job_id, state, duplicate = outcome
-        reply = {"id": item[2], "ok": True, "job_id": job_id, "state": state}
-        reply["duplicate"] = duplicate
-        return orjson.dumps(reply, option=_NL)
+        # Written out, as the batch's common reply is (job ids and states need no escaping).
+        return _SUBMITTED % (
+            orjson.dumps(item[2]),
+            outcome[0].encode(),
+            outcome[1].encode(),
+            b"true" if outcome[2] else b"false",
+        )
+
+
+_SUBMITTED = b'{"id":%s,"ok":true,"job_id":"%s","state":"%s","duplicate":%s}\n'
 
 
 class _SubmitBatch(RequestOp):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import operator
 import secrets
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from relay.model import effective_priority
@@ -38,7 +37,7 @@ def choose(
     its payloads reach its byte budget (always at least one job)."""
     chosen: list[list[int]] = [[] for _ in claims]
     found: dict[int, Sequence] = {}
-    taken_from: Counter[str] = Counter()  # queue -> jobs taken by earlier groups
+    taken_from: dict[str, int] = {}  # queue -> jobs taken by earlier groups
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, (queues, _worker, count, _lease_ms, _max_bytes) in enumerate(claims):
         if count > 0 and queues:
@@ -46,13 +45,13 @@ def choose(
     for queues, members in groups.items():
         # Enough candidates for every member, even if earlier groups (claims on some of
         # these queues among others) took some of them.
-        wanted = sum(claims[i][2] for i in members) + sum(taken_from[q] for q in queues)
+        wanted = sum([claims[i][2] for i in members]) + sum([taken_from.get(q, 0) for q in queues])
         candidates = fetch(queues, wanted)
         # Within one (queue, class) the oldest job also has the highest effective
         # priority, so the best of all candidates are the best jobs overall.
         if len(candidates) > 1:
             base = candidates[0][1]
-            if all(c[1] == base for c in candidates):
+            if all([c[1] == base for c in candidates]):
                 # One base class (the common case): aging never puts a younger job above
                 # an older one, so the order is by age alone.
                 candidates.sort(key=_BY_AGE)
@@ -66,7 +65,7 @@ def choose(
                 key, length, queue = candidate[0], candidate[3], candidate[4]
                 mine.append(key)
                 found[key] = candidate
-                taken_from[queue] += 1
+                taken_from[queue] = taken_from.get(queue, 0) + 1
                 size += length + REPLY_OVERHEAD_BYTES
                 if len(mine) == count or (max_bytes is not None and size >= max_bytes):
                     break
@@ -80,8 +79,15 @@ def grant(
     each, from one call for all of them."""
     hex_digits = secrets.token_hex(TOKEN_BYTES * sum(map(len, chosen)))
     width = 2 * TOKEN_BYTES
-    tokens = iter([hex_digits[i : i + width] for i in range(0, len(hex_digits), width)])
-    return [
-        [(key, next(tokens), claim[1], now + claim[3]) for key in mine]
-        for claim, mine in zip(claims, chosen, strict=True)
-    ]
+    granted: list[list[tuple[int, str, str, int]]] = []
+    at = 0  # where the next token's digits start
+    for claim, mine in zip(claims, chosen, strict=True):
+        worker, expires_at = claim[1], now + claim[3]
+        granted.append(
+            [
+                (key, hex_digits[i : i + width], worker, expires_at)
+                for key, i in zip(mine, range(at, at + width * len(mine), width), strict=True)
+            ]
+        )
+        at += width * len(mine)
+    return granted

@@ -53,6 +53,26 @@ async def test_the_replies_of_an_idle_tcp_connection_are_written_by_the_writer(
     assert delivered == []
 
 
+async def test_leases_answered_by_the_writer_give_back_the_reply_bytes_they_reserved(
+    tmp_path, monkeypatch
+):
+    # Each lease of 8 sets aside ~1.25 MiB of the connection's 32 MiB for its reply until
+    # it is answered: were it not given back when the writer writes the reply, the reader
+    # would stop for good after ~26 of them.
+    leases = 40
+    with delivered_by_trio(monkeypatch) as delivered:
+        async with custom_server(tmp_path) as srv, connected(srv) as c:
+            with trio.fail_after(BOUND_S):
+                jobs = [{"queue": "q", "payload": i} for i in range(8 * leases)]
+                await c.ok("submit_batch", jobs=jobs)
+                for _ in range(leases):
+                    got = await c.ok("lease", queues=["q"], worker_id="w", count=8)
+                    assert len(got["jobs"]) == 8
+                stats = await c.ok("stats")
+    assert stats["queues"]["q"]["leased"] == 8 * leases
+    assert delivered == []  # (all written by the writer thread)
+
+
 async def test_a_long_poll_that_finds_nothing_and_a_websocket_go_through_the_trio_thread(
     tmp_path, monkeypatch
 ):
