@@ -15,9 +15,8 @@ lines: the reader yields every ``SLICE_LINES`` lines, so one client's pipelined 
 cannot hold the others. So a request costs no task switch and no timeout scope of its own:
 the watchdog checks two timestamps, the last read and the start of a pending send.
 
-Read-through, the other way: after a short read the reader waits for the socket before it
-reads again, and after a full one it reads at once (``_receive``), so a client that sends
-one request at a time costs one read per request, not a failing read and then a read.
+Read-through (``StreamIO.receive``): after a short read the reader waits for the socket
+before it reads again, after a full one it reads at once: one read per request, no failing one.
 
 Backpressure: at most ``max_in_flight`` requests (and MAX_OWED_BYTES of their replies) may
 be unanswered or answered-but-unsent; at that point the reader stops reading, and TCP pushes
@@ -92,8 +91,7 @@ class Session(DirectReplies):
         self._room = Room(self, self._io, dispatcher.longpolls)
         # The replies owed (relay/server/outbox.py): written through, or by its sender.
         self._outbox = Outbox(stream, self._io.fd, peer, self._room.made, self._broken)
-        # Bytes set aside for large replies of requests in flight (less _released_now).
-        self._reserved = 0
+        self._reserved = 0  # bytes set aside for large replies in flight (less _released_now)
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
         # held until the slice ends; those of other tasks (a whole-queue dead_retry's, say)
