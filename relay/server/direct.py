@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from relay.histogram import Histogram, HistogramSnapshot
+from relay.histogram import HistogramSnapshot
+from relay.server.durations import Durations
 from relay.server.outbox import NOT_WRITTEN, PART_WRITTEN
 from relay.store.items import NOT_TAKEN, TAKEN, TAKEN_WAKE, Item
 
 log = logging.getLogger("relay.session")
+
+_ITEM = itemgetter(0)  # (of a pair: its item)
 
 if TYPE_CHECKING:
     from relay.server.dispatch import Dispatcher
@@ -51,33 +55,16 @@ class AnsweredNow:
     def __init__(self, clock: trio.abc.Clock, bounds: Sequence[float]) -> None:
         self.count = 0
         self._clock = clock  # (its current_time may be read from any thread)
-        self._bounds = bounds
-        self._durations: dict[str, Histogram] = {}
+        self._durations = Durations(bounds)
 
     def answered(self, pairs: list[tuple[Item, Any]]) -> None:
-        """Writer thread: count these out, one observation per run of an op's requests
-        that arrived together."""
+        """Writer thread: count these out, and time them (``Durations.observe_runs``)."""
         self.count += len(pairs)
-        now = self._clock.current_time()
-        op, started, n = pairs[0][0][0], pairs[0][0][3], 0
-        for item, _reply in pairs:
-            if item[0] is op and item[3] == started:
-                n += 1
-                continue
-            self._histogram(op.name).observe(now - started, n)
-            op, started, n = item[0], item[3], 1
-        self._histogram(op.name).observe(now - started, n)
-
-    def _histogram(self, op: str) -> Histogram:
-        histogram = self._durations.get(op)
-        if histogram is None:
-            histogram = self._durations[op] = Histogram(self._bounds)
-        return histogram
+        self._durations.observe_runs(map(_ITEM, pairs), self._clock.current_time())
 
     def durations(self, others: dict[str, HistogramSnapshot]) -> dict[str, HistogramSnapshot]:
         """Trio thread: ``others`` (the trio thread's durations) with these added in."""
-        for op, histogram in list(self._durations.items()):
-            mine = histogram.snapshot()
+        for op, mine in self._durations.snapshots().items():
             others[op] = others[op].merged(mine) if op in others else mine
         return others
 

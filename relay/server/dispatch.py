@@ -33,12 +33,12 @@ from relay.errors import (
     ShuttingDown,
     UnknownOp,
 )
-from relay.histogram import Histogram
 from relay.server import ops
 from relay.server.access import Access
 from relay.server.admin import AdminHandlers, job_reply_bytes
 from relay.server.auth import Role, Tokens
 from relay.server.direct import AnsweredNow
+from relay.server.durations import Durations
 from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
 from relay.store.base import REPLY_OVERHEAD_BYTES
@@ -106,7 +106,7 @@ class Dispatcher(AdminHandlers):
         # How many client connections are open, for stats; the transport sets it.
         self.connections: Callable[[], int] = lambda: 0
         self._started_ns = time.monotonic_ns()
-        self._durations: dict[str, Histogram] = {}
+        self._durations = Durations(DURATION_BOUNDS)
         # Requests in flight: ``in_flight``, this count (trio thread) less those the writer
         # thread answered itself (``answered_now``, relay/server/direct.py).
         self._in_flight = 0
@@ -135,7 +135,7 @@ class Dispatcher(AdminHandlers):
             "unwatch": self._unwatch,
         }
         # Who may use which: a connection holds the table of its role (relay/server/access.py).
-        self.access = Access(tokens, handlers, self._answer_now, self._histogram)
+        self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -162,16 +162,14 @@ class Dispatcher(AdminHandlers):
         return DispatchStatistics(
             in_flight=self.in_flight,
             parked_leases=self.longpolls.parked,
-            durations=self.answered_now.durations(
-                {op: h.snapshot() for op, h in self._durations.items()}
-            ),
+            durations=self.answered_now.durations(self._durations.snapshots()),
         )
 
     def _answer_now(self, connection: Connection, op: str, started: float, data: bytes) -> None:
         """Answer a request that was not queued: counted in and out at once."""
         connection.begin_request()
         connection.reply(data)
-        self._histogram(op).observe(trio.current_time() - started)
+        self._durations.histogram(op).observe(trio.current_time() - started)
 
     def _queue(self, connection: Connection, item: Item) -> None:
         """Hand ``item`` to the writer. A request whose reply may be large (inspect,
@@ -193,20 +191,13 @@ class Dispatcher(AdminHandlers):
         if op.reserves:
             _give_back(connection, item[4])
         self._count_out(1)
-        self._histogram(op.name).observe(now - item[3])
+        self._durations.histogram(op.name).observe(now - item[3])
 
     def answered_lines(self, items: list[Item], now: float) -> None:
         """``items`` (none holding a reservation) are answered at ``now``: count them out,
         one histogram observation per run of items of one op that arrived together."""
         self._count_out(len(items))
-        op, started, n = items[0][0], items[0][3], 0
-        for item in items:
-            if item[0] is op and item[3] == started:
-                n += 1
-                continue
-            self._histogram(op.name).observe(now - started, n)
-            op, started, n = item[0], item[3], 1
-        self._histogram(op.name).observe(now - started, n)
+        self._durations.observe_runs(items, now)
 
     def _count_in(self, connection: Connection) -> None:
         """A request handed on (to the writer, or to a task): in flight until answered."""
@@ -215,14 +206,7 @@ class Dispatcher(AdminHandlers):
 
     def _count_out(self, n: int) -> None:
         self._in_flight -= n
-        if self.idle_wanted and not self.in_flight:
-            self._idle.set()
-
-    def _histogram(self, op: str) -> Histogram:
-        histogram = self._durations.get(op)
-        if histogram is None:
-            histogram = self._durations[op] = Histogram(DURATION_BOUNDS)
-        return histogram
+        self.check_idle()
 
     # -- requests ----------------------------------------------------------------------------
 

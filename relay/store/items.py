@@ -97,20 +97,26 @@ def command_op(command: Command) -> CommandOp:
 _NO_SINK = object()  # (what no pair's sink is: a None sink is grouped like any other)
 
 
-def deliver(pairs: list[tuple[Item, Any]]) -> None:
-    """Hand each sink its pairs, in order; a failing sink does not stop the others."""
-    by_sink: dict[int, tuple[ReplySink, list[tuple[Item, Any]]]] = {}
+def by_sink(pairs: list[tuple[Item, Any]]) -> list[tuple[Any, list[tuple[Item, Any]]]]:
+    """``pairs`` grouped by sink (``item[1]``), in order of first appearance, each sink's
+    pairs in order."""
+    groups: dict[int, tuple[Any, list[tuple[Item, Any]]]] = {}
     last: Any = _NO_SINK
     mine: list[tuple[Item, Any]] = []
     for pair in pairs:
         sink = pair[0][1]
         if sink is not last:  # (a connection's items mostly come in runs)
-            entry = by_sink.get(id(sink))
+            entry = groups.get(id(sink))
             if entry is None:
-                entry = by_sink[id(sink)] = (sink, [])
+                entry = groups[id(sink)] = (sink, [])
             last, mine = sink, entry[1]
         mine.append(pair)
-    for sink, mine in by_sink.values():
+    return list(groups.values())
+
+
+def deliver(pairs: list[tuple[Item, Any]]) -> None:
+    """Hand each sink its pairs, in order; a failing sink does not stop the others."""
+    for sink, mine in by_sink(pairs):
         try:
             sink.deliver(mine)
         except Exception:
@@ -121,22 +127,12 @@ def offer(pairs: list[tuple[Item, Any]]) -> tuple[list[tuple[Item, Any]], list[A
     """Writer thread: offer each sink that has ``deliver_now`` its pairs of this batch.
     Returns the pairs left for ``deliver`` (in order) and the sinks whose ``after_now``
     must run in the trio thread."""
-    by_sink: dict[int, tuple[Any, list[tuple[Item, Any]]]] = {}
-    last: Any = _NO_SINK
-    mine: list[tuple[Item, Any]] = []
-    for pair in pairs:
-        sink = pair[0][1]
-        if sink is not last:
-            entry = by_sink.get(id(sink))
-            if entry is None:
-                entry = by_sink[id(sink)] = (sink, [])
-            last, mine = sink, entry[1]
-        mine.append(pair)
-    if len(by_sink) == 1 and getattr(last, "deliver_now", None) is None:
+    groups = by_sink(pairs)
+    if len(groups) == 1 and getattr(groups[0][0], "deliver_now", None) is None:
         return pairs, []  # (a typed command's waiter, say)
     rest: list[tuple[Item, Any]] = []
     woken: list[Any] = []
-    for sink, mine in by_sink.values():
+    for sink, mine in groups:
         deliver_now = getattr(sink, "deliver_now", None)
         taken = NOT_TAKEN
         if deliver_now is not None:

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from relay import wire
-from relay.server import direct as direct_module
+from relay.server import durations as durations_module
 from relay.server import session as session_module
 from relay.store.base import Changes
 from relay.store.writer import CommitListener, Writer
@@ -150,16 +150,16 @@ async def test_a_failure_counting_what_the_writer_wrote_costs_no_second_answer(
 ):
     """The durations of what the writer wrote are kept after the write: a failure there
     must not send the replies again through the trio thread."""
-    histogram = direct_module.AnsweredNow._histogram
-    calls: list[str] = []
+    observe_runs = durations_module.Durations.observe_runs
+    calls: list[float] = []
 
-    def failing_once(self: direct_module.AnsweredNow, op: str) -> Any:
-        calls.append(op)
-        if len(calls) == 1:
+    def failing_once(self: durations_module.Durations, items: Any, now: float) -> None:
+        calls.append(now)
+        if len(calls) == 1:  # (the first: the writer's, for the submit it answered)
             raise ValueError("a bug in timing")
-        return histogram(self, op)
+        observe_runs(self, items, now)
 
-    monkeypatch.setattr(direct_module.AnsweredNow, "_histogram", failing_once)
+    monkeypatch.setattr(durations_module.Durations, "observe_runs", failing_once)
     async with custom_server(tmp_path) as srv, connected(srv) as c:
         with trio.fail_after(BOUND_S):
             await c.ok("submit", queue="q", payload=1)
