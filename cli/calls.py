@@ -13,9 +13,9 @@ import trio
 from cattrs.preconf.orjson import make_converter
 from rich.console import Console
 
-from cli.errors import run
-from cli.options import client_target, client_token
 from relay.client import Client, open_client
+from relay_cli.errors import run
+from relay_cli.options import client_target, client_token
 
 T = TypeVar("T")
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from cli import views
-from cli.calls import call, console, plural, print_json
-from cli.options import address_option, json_option
+from relay_cli import views
+from relay_cli.calls import call, console, plural, print_json
+from relay_cli.options import address_option, json_option
 
 
 @click.group()

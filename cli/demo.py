@@ -24,8 +24,8 @@ import attrs
 import trio
 from rich.console import Console
 
-from cli import views
 from relay import Client, DeadPage, LeasedJob, PermanentError, Stats, Worker, job_fields, open_local
+from relay_cli import views
 
 DEMO_WORKER_ID = "relay-trio-demo"
 # Enough slots that the slow jobs (100-800 ms each) do not hold up the rest.

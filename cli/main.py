@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import click
 
-from cli.dead import dead
-from cli.errors import PROG, RelayGroup
-from cli.options import read_client_token
-from cli.reads import inspect_command, stats, top, watch
-from cli.server import SPARE_FILES, raise_open_files_limit, server
-from cli.submit import parse_backoff, submit
-from cli.work import demo, load_handler, worker
+from relay_cli.dead import dead
+from relay_cli.errors import PROG, RelayGroup
+from relay_cli.options import read_client_token
+from relay_cli.reads import inspect_command, stats, top, watch
+from relay_cli.server import SPARE_FILES, raise_open_files_limit, server
+from relay_cli.submit import parse_backoff, submit
+from relay_cli.work import demo, load_handler, worker
 
 
 @click.group(cls=RelayGroup)

@@ -10,12 +10,12 @@ import click
 import orjson
 import trio
 
-from cli import views
-from cli.calls import call, console, converter, print_json
-from cli.errors import run
-from cli.options import address_option, check_queues, client_target, client_token, json_option
 from relay.client import open_client
 from relay.model import JobState
+from relay_cli import views
+from relay_cli.calls import call, console, converter, print_json
+from relay_cli.errors import run
+from relay_cli.options import address_option, check_queues, client_target, client_token, json_option
 
 STATE_NAMES = [str(state) for state in JobState]
 
@@ -64,7 +64,7 @@ def top(address: str) -> None:
     """A live view of the queues until Ctrl-C: counts by state, jobs submitted, succeeded
     and failed per second over the last 10 s, and the latest failures. Reconnects when
     the server restarts."""
-    from cli.top import TopView, run_top
+    from relay_cli.top import TopView, run_top
 
     token = client_token()
     address, tls_ca = client_target(address)

@@ -16,7 +16,6 @@ import attrs
 import click
 import trio
 
-from cli.options import DEFAULT_ADDRESS, parse_address
 from relay import log as relay_log
 from relay import wire
 from relay.errors import StoreError
@@ -24,6 +23,7 @@ from relay.model import QUEUE_NAME_RE
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig
 from relay.server.tls import TlsConfigError
+from relay_cli.options import DEFAULT_ADDRESS, parse_address
 
 if TYPE_CHECKING:
     from relay.server.serve import ServerHandle

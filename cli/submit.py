@@ -9,9 +9,9 @@ from typing import Any
 import click
 import orjson
 
-from cli.calls import call, print_json
-from cli.options import address_option, json_option
 from relay.model import WIRE_PRIORITIES
+from relay_cli.calls import call, print_json
+from relay_cli.options import address_option, json_option
 
 
 def _payload_option(ctx: click.Context, param: click.Parameter, value: str) -> Any:

@@ -20,10 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.views import format_duration
 from relay.client import Client, open_client
 from relay.errors import RelayError
 from relay.model import JobState
+from relay_cli.views import format_duration
 
 RATE_WINDOW_S = 10.0  # rates are per second over this many seconds
 STATS_EVERY_S = 1.0

@@ -17,14 +17,14 @@ from typing import Any
 
 import click
 
-from cli import views
-from cli.calls import console, plural
-from cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
-from cli.errors import fail, run
-from cli.options import address_option, check_queues, client_target, client_token
 from relay import log as relay_log
 from relay.client import Client, open_client
 from relay.worker import DEFAULT_LEASE_MS, Worker, run_worker
+from relay_cli import views
+from relay_cli.calls import console, plural
+from relay_cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
+from relay_cli.errors import fail, run
+from relay_cli.options import address_option, check_queues, client_target, client_token
 
 # -- worker ---------------------------------------------------------------------------------
 

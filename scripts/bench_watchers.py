@@ -17,7 +17,7 @@ import attrs
 import orjson
 import trio
 
-from scripts import relay_bench as bench
+from relay_scripts import relay_bench as bench
 
 KINDS = ("none", "idle", "all")
 IDLE_QUEUE = "bench-watch-idle"  # no scenario submits to it

@@ -913,7 +913,7 @@ async def run_all(
         )  # fmt: skip
 
     if watchers:
-        from scripts.bench_watchers import run_watchers
+        from relay_scripts.bench_watchers import run_watchers
 
         await run_watchers(sizes, runs, db_dir, note)
         return results

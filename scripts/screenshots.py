@@ -1,6 +1,6 @@
 """The README's screenshots, taken from a real server with real traffic.
 
-    .venv/bin/python -m scripts.screenshots [OUT_DIR]      # default: docs/
+    .venv/bin/python -m relay_scripts.screenshots [OUT_DIR]      # default: docs/
 
 Starts a server on a temporary database (on 127.0.0.1:7400-7402 when they are free, else
 on any free ports), submits jobs to three queues for a few seconds while two workers run
@@ -33,10 +33,10 @@ from rich.highlighter import JSONHighlighter
 from rich.text import Text
 
 import relay
-from cli.top import TopView, _follow
 from relay.client import job_fields
 from relay.server.serve import ServerConfig, ServerHandle, serve
-from scripts.browser import open_browser, page_rates, screenshot_svg, wait_for
+from relay_cli.top import TopView, _follow
+from relay_scripts.browser import open_browser, page_rates, screenshot_svg, wait_for
 
 DEFAULT_PORTS = (7400, 7401, 7402)  # jobs, metrics, WebSocket: what a reader would see
 TRAFFIC_S = 8.0  # long enough for the rates over 10 s to show

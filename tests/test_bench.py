@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 
-from scripts import plot_bench
+from relay_scripts import plot_bench
 from tests import pg
 
 BENCH = str(Path(sys.executable).parent / "relay-bench")

@@ -9,11 +9,11 @@ import click
 import pytest
 import trio
 
-from cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
-from cli.errors import _explain
-from cli.main import SPARE_FILES, load_handler, parse_backoff, raise_open_files_limit
 from relay import LeasedJob, PermanentError
 from relay.errors import ConnectionLost, JobNotFound, NotADatabase
+from relay_cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
+from relay_cli.errors import _explain
+from relay_cli.main import SPARE_FILES, load_handler, parse_backoff, raise_open_files_limit
 
 
 def test_parse_backoff_forms():
@@ -105,7 +105,7 @@ async def test_demo_handler_does_what_the_payload_says(autojump_clock):
 
 
 def test_queue_depths_parse_queue_equals_number():
-    from cli.server import _parse_depths
+    from relay_cli.server import _parse_depths
 
     assert _parse_depths(("email=10", "a.b:c=0")) == {"email": 10, "a.b:c": 0}
     for bad in ("email", "=5", "bad name=3", "email=-1", "email=x"):

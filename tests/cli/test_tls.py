@@ -12,10 +12,10 @@ import click
 import pytest
 import trio
 
-from cli.errors import _explain
-from cli.main import main
 from relay import JobState, open_client
 from relay.client import Client
+from relay_cli.errors import _explain
+from relay_cli.main import main
 from tests.server.conftest import RunningServer, start_server
 from tests.server.test_process import RELAY, server_process
 from tests.tls_helpers import TlsFiles

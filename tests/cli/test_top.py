@@ -6,7 +6,7 @@ import trio
 from rich.console import Console
 
 import relay
-from cli.top import TopView, _follow, age, follow
+from relay_cli.top import TopView, _follow, age, follow
 from tests.server.conftest import BOUND_S, start_server
 
 W = "top-worker"

@@ -8,9 +8,9 @@ import attrs
 import pytest
 from rich.console import Console, RenderableType
 
-from cli import views
 from relay.client import DeadPage, JobView, ServerInfo, Stats
 from relay.model import ErrorEntry, JobState
+from relay_cli import views
 from tests.conftest import T0  # 2026-01-01T00:00:00Z
 
 JOB = "job_3445487880000004"

@@ -23,7 +23,7 @@ import relay
 from relay.errors import JobNotFound
 from relay.server.auth import Role, Tokens, _digest
 from relay.server.dashboard import Dashboard
-from scripts.browser import (
+from relay_scripts.browser import (
     BrowserMissing,
     open_browser,
     page_counts,
