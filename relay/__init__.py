@@ -6,6 +6,10 @@ Public API (re-exports only):
 - ``open_local(db)``: embedded mode, the same client API without sockets
 - ``Worker``, ``run_worker``, ``PermanentError``: the pull worker
 - the errors, one per wire error code
+
+docs/client.md lists every name here (tests/test_public_api.py compares the two). Importing
+``relay`` loads the clients and the worker, never the server, the stores or their drivers:
+``open_local`` imports the server's core when it opens a queue.
 """
 
 import importlib.metadata
@@ -27,6 +31,7 @@ from relay.errors import (
     ShuttingDown,
     StaleToken,
     Unauthorized,
+    Unavailable,
     UnknownOp,
 )
 from relay.local import open_local
@@ -59,6 +64,7 @@ __all__ = [
     "Stats",
     "SubmitResult",
     "Unauthorized",
+    "Unavailable",
     "UnknownOp",
     "Worker",
     "connect",

@@ -7,6 +7,10 @@
 ``open_local`` runs the same core as the server (store, writer thread, dispatcher,
 promoter, reaper, long-polls) and hands out a ``Client`` whose requests go straight to the
 dispatcher: one request means exactly what it means over TCP, limits and errors included.
+
+The server's core is imported when a queue is opened, not with this module: ``import relay``
+stays free of the server, the stores and their drivers (a web application that only
+submits over TCP pays for none of them).
 """
 
 from __future__ import annotations
@@ -16,15 +20,16 @@ import itertools
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import trio
 
 from relay.client import Client
 from relay.errors import RelayError, ShuttingDown, reply_fields
-from relay.server.auth import Role
-from relay.server.core import Core, ServerConfig, open_core
+
+if TYPE_CHECKING:  # annotations only: the core is imported by open_local when it runs
+    from relay.server.core import Core, ServerConfig
 
 
 class LocalTransport:
@@ -40,6 +45,8 @@ class LocalTransport:
         self.nursery = core.nursery  # the dispatcher's admin tasks (dead retry of a queue)
         self.peer = "local"
         # In-process: the program that opened the queue may do everything.
+        from relay.server.auth import Role
+
         core.dispatcher.access.set_role(self, Role.ADMIN)
 
     # -- the dispatcher's Connection interface ----------------------------------------------
@@ -125,6 +132,8 @@ async def open_local(
     stops the services and closes the database. Exceptions of the body come out as they
     are, not in an exception group.
     """
+    from relay.server.core import ServerConfig, open_core
+
     if config is None:
         config = ServerConfig(db=db, metrics_port=None, **options)
     async with open_core(config) as core:

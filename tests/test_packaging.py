@@ -4,6 +4,7 @@ relay_scripts)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,12 +20,18 @@ INSTALLED_AS = {"relay": "relay", "cli": "relay_cli", "scripts": "relay_scripts"
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in INSTALLED_AS:
+        shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
     # No build isolation: setuptools comes from the test extras, nothing is downloaded.
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(ROOT)],
-        check=True, timeout=300, cwd=build, env={"PATH": "/usr/bin:/bin", "HOME": str(build)},
+         "--wheel-dir", str(out), str(source)],
+        check=True, timeout=300, cwd=source, env={"PATH": "/usr/bin:/bin", "HOME": str(source)},
     )  # fmt: skip
     (path,) = out.glob("relay_trio-*.whl")
     with zipfile.ZipFile(path) as archive:

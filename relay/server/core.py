@@ -21,15 +21,12 @@ from relay.log import event
 from relay.nursery import open_service_nursery
 from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
-from relay.server.feed import ChangeFeed
 from relay.server.longpoll import PARKED_PER_CONNECTION, LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
 from relay.store.base import Changes, Store, StoreConfig
-from relay.store.postgres import PostgresStore
-from relay.store.sqlite import SqliteStore
 from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
 
 log = logging.getLogger("relay.server")
@@ -116,9 +113,15 @@ def describe_db(db: str) -> str:
 
 
 def open_store(config: ServerConfig) -> Store:
-    """The store ``config.db`` names: PostgreSQL for a URL, else the SQLite file."""
+    """The store ``config.db`` names: PostgreSQL for a URL, else the SQLite file. Each is
+    imported only here, when chosen: a server on SQLite loads nothing of PostgreSQL's
+    (psycopg, and numpy through it where installed), nor one on PostgreSQL sqlite-utils."""
     if is_postgres_url(config.db):
+        from relay.store.postgres import PostgresStore
+
         return PostgresStore.open(config.db, config.store_config())
+    from relay.store.sqlite import SqliteStore
+
     return SqliteStore.open(config.db, config.store_config(), synchronous=config.synchronous)
 
 
@@ -160,7 +163,9 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
             await services.start(run_promoter, writer, promoter, config.clock)
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
-            if isinstance(store, PostgresStore) and store.url is not None:
+            if is_postgres_url(config.db):  # other servers may commit too: follow them
+                from relay.server.feed import ChangeFeed
+
                 others = [longpolls.on_commit, commit_listener(promoter, reaper)]
 
                 def deliver(changes: Changes) -> None:

@@ -8,8 +8,7 @@ a bug, answered ``internal``. See docs/failure-model.md.
 from __future__ import annotations
 
 import sqlite3
-
-import psycopg
+import sys
 
 from relay.errors import StoreError
 
@@ -36,13 +35,18 @@ def store_error(exc: BaseException | None) -> tuple[str, str] | None:
     conflict), else None. The chain of contexts is searched too: a savepoint's ``ROLLBACK
     TO`` fails ("no such savepoint") after SQLite rolled the whole transaction back, and
     its error then hides the one that did it."""
+    # psycopg is looked up, not imported: a server on SQLite never loads it, and if it is
+    # not loaded, no error can be one of its.
+    psycopg = sys.modules.get("psycopg")
     while exc is not None:
         code = getattr(exc, "sqlite_errorcode", None)
         if code is not None and code & 0xFF in STORE_ERRORS:
             return STORE_ERRORS[code & 0xFF]
-        if isinstance(exc, psycopg.errors.TransactionRollback):
+        if psycopg is not None and isinstance(exc, psycopg.errors.TransactionRollback):
             return CONFLICT
-        if isinstance(exc, (psycopg.OperationalError, StoreError)):
+        if isinstance(exc, StoreError) or (
+            psycopg is not None and isinstance(exc, psycopg.OperationalError)
+        ):
             return CONNECTION
         exc = exc.__context__
     return None
