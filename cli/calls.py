@@ -15,31 +15,34 @@ from rich.console import Console
 
 from relay.client import Client, open_client
 from relay_cli.errors import run
-from relay_cli.options import client_target, client_token
+from relay_cli.options import DEFAULT_TIMEOUT_S, client_target, client_timeout, client_token
 
 T = TypeVar("T")
 
-# A one-shot command gives up on its reply after this long. Generous: retrying or purging
-# a whole queue's dead jobs takes many transactions on a big queue.
-REPLY_TIMEOUT_S = 60.0
 
-
-def call(address: str, action: Callable[[Client], Awaitable[T]]) -> T:
-    """Connect to the server at ``address``, run ``action`` with the client, disconnect.
-    A one-shot command does not reconnect: a dropped connection is an error at once."""
+def call(
+    address: str, action: Callable[[Client], Awaitable[T]], *, timeout: float = DEFAULT_TIMEOUT_S
+) -> T:
+    """Connect to the server at ``address``, run ``action`` with the client, disconnect,
+    all within the command's ``--timeout`` (``timeout`` if not given). A one-shot command
+    does not reconnect: a dropped connection is an error at once."""
 
     token = client_token()
     address, tls_ca = client_target(address)
+    timeout = client_timeout(timeout)
 
     async def session() -> T:
-        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
-            try:
-                with trio.fail_after(REPLY_TIMEOUT_S):
+        try:
+            with trio.fail_after(timeout):  # the connection, its hello and the reply
+                async with open_client(
+                    address, reconnect=False, token=token, tls_ca=tls_ca, connect_timeout=timeout
+                ) as client:
                     return await action(client)
-            except trio.TooSlowError:
-                raise click.ClickException(
-                    f"no reply from {address} within {REPLY_TIMEOUT_S:.0f} s"
-                ) from None
+        except trio.TooSlowError:
+            raise click.ClickException(
+                f"no answer from {address} within {timeout:g} s (is a relay-trio server "
+                "running there? --timeout SECONDS waits longer)"
+            ) from None
 
     return run(session, address=address)
 

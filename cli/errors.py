@@ -1,41 +1,66 @@
-"""Expected failures as one line on stderr, "relay-trio: ...", and a non-zero exit: 2 for
-usage errors, else 1. ``RelayGroup`` does it for click's errors, ``run`` for what a
-command's trio code raises (no server, an error reply, a database refused); anything else
-is a bug and keeps its traceback.
+"""Expected failures as one line on stderr, "relay-trio: ...", and an exit code: 2 for a
+usage or configuration error (a bad option, a refused database, a request the server calls
+malformed), 1 for a failed operation (no server, an error reply), 130 for Ctrl-C.
+``RelayGroup`` does it for click's errors and for Ctrl-C, ``run`` for what a command's trio
+code raises; anything else is a bug and keeps its traceback.
+
+Imports only click at module level: ``relay-trio --help`` loads this module, and should
+not pay for trio or the client.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import socket
-import sqlite3
-import ssl
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import click
-import orjson
-import trio
-
-from relay.errors import RelayError, StoreError
 
 T = TypeVar("T")
 
 PROG = "relay-trio"
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     """Print "relay-trio: message" (on one line) to stderr and exit with ``code``."""
     click.echo(f"{PROG}: {' '.join(message.split())}", err=True)
     sys.exit(code)
 
 
+def exit_interrupted() -> NoReturn:
+    """End the command after Ctrl-C: exit code 130 and nothing more to say (the terminal
+    shows the ^C), but a newline, so that the shell's prompt starts on a line of its own."""
+    if sys.stderr.isatty():
+        click.echo(err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+class ConfigurationError(click.ClickException):
+    """A mistake the user must fix in what they gave (exit code 2), found after parsing:
+    a database refused, a request the server calls malformed."""
+
+    exit_code = EXIT_USAGE
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ctrl-C, also inside an exception group (a nursery wraps the
+    KeyboardInterrupt that trio delivers to a task inside it)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(KeyboardInterrupt) is not None
+    return isinstance(exc, KeyboardInterrupt) or (
+        isinstance(exc, click.Abort) and isinstance(exc.__context__, KeyboardInterrupt)
+    )
+
+
 class RelayGroup(click.Group):
     """A click group whose errors are one line on stderr, usage errors included (click's
-    own are three: usage, hint, error). The exit codes stay click's: 2 for usage, else 1."""
+    own are three: usage, hint, error), and whose Ctrl-C ends the command with exit code 130
+    and no traceback wherever it lands."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -51,13 +76,17 @@ class RelayGroup(click.Group):
         except click.ClickException as exc:
             fail(exc.format_message(), exc.exit_code)
         except click.Abort as exc:
-            if isinstance(exc.__context__, KeyboardInterrupt):
-                fail("interrupted", EXIT_INTERRUPTED)
+            if interrupted(exc):
+                sys.exit(EXIT_INTERRUPTED)  # click wrote the newline
             fail("aborted")
         except BrokenPipeError:
             # The reader went away (`relay-trio stats | head`): nothing left to say.
             sys.stderr.close()
-            os._exit(1)
+            os._exit(EXIT_FAILED)
+        except BaseException as exc:
+            if interrupted(exc):
+                exit_interrupted()
+            raise
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -71,7 +100,13 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _reason(exc: BaseException) -> str:
-    """Why a connection could not be made, without trio's "all attempts failed" wrapper."""
+    """Why a connection could not be made, without trio's "all attempts failed" wrapper,
+    and with what to do where the reason says it."""
+    import socket
+    import ssl
+
+    import trio
+
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
     if isinstance(exc.__cause__, BaseExceptionGroup):
@@ -81,23 +116,68 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, socket.gaierror) and exc.strerror:
         return exc.strerror
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS certificate verification failed: {exc.verify_message}"
+        reason = f"TLS certificate verification failed: {exc.verify_message}"
+        if getattr(exc, "verify_code", None) in UNTRUSTED_ISSUER_CODES:
+            reason += (
+                " (if the server's certificate comes from a private CA, give that CA's"
+                " certificate with --tls-ca PATH)"
+            )
+        return reason
     if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not the system's
-        return f"TLS handshake failed: {(exc.reason or str(exc)).lower().replace('_', ' ')}"
+        name = (exc.reason or str(exc)).lower().replace("_", " ")
+        if name in PLAIN_SERVER_REASONS:
+            return "the server does not speak TLS there (connect without --tls or tls://)"
+        return f"TLS handshake failed: {name}"
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         return os.strerror(exc.errno)
     return str(exc) or type(exc).__name__
 
 
+# OpenSSL's verify codes for a chain that ends at an issuer the client does not trust:
+# unable to get local issuer certificate, self-signed certificate (in the chain).
+UNTRUSTED_ISSUER_CODES = frozenset({18, 19, 20})
+# What OpenSSL says when the peer answers a TLS ClientHello with plain bytes.
+PLAIN_SERVER_REASONS = frozenset(
+    {"wrong version number", "record layer failure", "packet length too long"}
+)
+
+# What to do after an error reply of these codes, where the message alone does not say.
+REPLY_HINTS = {
+    "unauthorized": {
+        "a hello with a valid token must come first": "the server needs a token: give one "
+        "with --token-file PATH or the RELAY_AUTH_TOKEN environment variable",
+        "invalid token": "the server refused the token from --token-file or RELAY_AUTH_TOKEN",
+    },
+}
+
+
+def _reply_message(code: str, message: str) -> str:
+    hint = REPLY_HINTS.get(code, {}).get(message)
+    return f"{code}: {message}" + (f" ({hint})" if hint else "")
+
+
 def _explain(exc: BaseException, address: str | None) -> click.ClickException | None:
     """The one-line error for an expected failure, or None for anything else (a bug)."""
+    import sqlite3
+
+    import orjson
+    import trio
+
+    from relay.errors import BadRequest, RelayError, StoreError, WrongServer
+
     for leaf in _leaves(exc):
         if isinstance(leaf, click.ClickException):
             return leaf
         if isinstance(leaf, StoreError):
-            return click.ClickException(f"refusing to open {leaf.path}: {leaf.problem}")
+            return ConfigurationError(f"refusing to open {leaf.path}: {leaf.problem}")
+        if isinstance(leaf, BadRequest):
+            # The server calls the request malformed: it is what the user gave (a queue
+            # name, a payload too large...), as when the command line refuses it itself.
+            return ConfigurationError(_reply_message(leaf.code, leaf.message))
+        if isinstance(leaf, WrongServer):
+            return click.ClickException(f"cannot talk to {address or 'the server'}: {leaf.message}")
         if isinstance(leaf, RelayError):
-            return click.ClickException(f"{leaf.code}: {leaf.message}")
+            return click.ClickException(_reply_message(leaf.code, leaf.message))
         if isinstance(leaf, sqlite3.Error):
             # The embedded queue's database (demo): e.g. a directory that does not exist.
             return click.ClickException(f"database error: {leaf}")
@@ -111,12 +191,15 @@ def _explain(exc: BaseException, address: str | None) -> click.ClickException | 
 
 def run(async_fn: Callable[..., Awaitable[T]], *args: Any, address: str | None = None) -> T:
     """``trio.run``, with expected failures turned into one-line errors. With ``address``,
-    an OSError is a failure to reach the server there."""
+    an OSError is a failure to reach the server there. Ctrl-C comes out as itself (or in a
+    group) for ``RelayGroup`` to end the command with."""
+    import trio
+
     try:
         return trio.run(async_fn, *args)
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except BaseException as exc:
+        if interrupted(exc) or isinstance(exc, SystemExit):
+            raise
         problem = _explain(exc, address)
         if problem is None:
             raise

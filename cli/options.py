@@ -1,7 +1,10 @@
 """The options the client commands share, and what they read: ``--address`` (env
-``RELAY_ADDRESS``) with ``--tls``, ``--tls-ca`` (env ``RELAY_TLS_CA``) and ``--token-file``
-(``address_option``; ``client_target`` and ``client_token`` read them), ``--json``, and the
-check of a ``--queue`` name.
+``RELAY_ADDRESS``) with ``--tls``, ``--tls-ca`` (env ``RELAY_TLS_CA``), ``--token-file`` and
+``--timeout`` (``address_option``; ``client_target``, ``client_token`` and
+``client_timeout`` read them), ``--json``, and the check of a ``--queue`` name.
+
+Imports no more than click and the light parts of relay (its model's names): every
+command's module imports this one.
 """
 
 from __future__ import annotations
@@ -12,13 +15,26 @@ from typing import Any
 
 import click
 
-from relay.client import TLS_SCHEME
 from relay.model import QUEUE_NAME_RE
+from relay.tls import TLS_SCHEME
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
+# A plain address may say so; the clients take it without.
+TCP_SCHEME = "tcp://"
+# How long a client command waits for the server to connect and answer, by default. A
+# server on this machine or its network answers in milliseconds; one that has not answered
+# in this long is down, hung or not a relay-trio server.
+DEFAULT_TIMEOUT_S = 10.0
 
 
 def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
+    scheme, sep, _ = text.partition("://")
+    if sep:
+        known = f"{scheme}://" in (TCP_SCHEME, TLS_SCHEME)
+        problem = "give HOST:PORT here" if known else (
+            f"the scheme {scheme}:// is not one of {TCP_SCHEME} or {TLS_SCHEME}"
+        )  # fmt: skip
+        raise click.BadParameter(f"{text!r}: {problem}", param_hint=option)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise click.BadParameter(f"{text!r} is not HOST:PORT", param_hint=option)
@@ -26,6 +42,7 @@ def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
 
 
 def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    value = value.removeprefix(TCP_SCHEME)
     try:
         parse_address(value.removeprefix(TLS_SCHEME))
     except click.BadParameter as exc:
@@ -58,15 +75,29 @@ def client_token() -> str | None:
     return click.get_current_context().meta.get("relay.token")
 
 
-def _keep_tls_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-    # Kept on the context rather than passed to every command: see client_target.
+def _keep_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    # Kept on the context rather than passed to every command: see client_target and
+    # client_timeout.
     ctx.meta[f"relay.{param.name}"] = value
     return value
 
 
+def client_timeout(default: float = DEFAULT_TIMEOUT_S) -> float:
+    """The running command's ``--timeout`` in seconds (``default`` if not given)."""
+    value = click.get_current_context().meta.get("relay.timeout")
+    return default if value is None else value
+
+
 def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--address``; ``--token-file`` for a server with access control; ``--tls`` and
-    ``--tls-ca``, which ``client_target`` reads."""
+    ``--tls-ca``, which ``client_target`` reads; ``--timeout``, which ``client_timeout``
+    reads."""
+    fn = click.option(
+        "--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+        expose_value=False, callback=_keep_option,
+        help="Give up on a server that has not connected and answered within this long "
+        f"(default {DEFAULT_TIMEOUT_S:g}).",
+    )(fn)  # fmt: skip
     fn = click.option(
         "--token-file", metavar="PATH", expose_value=False, callback=_token_option,
         help="A file holding the access token to say hello with (default: env "
@@ -74,11 +105,11 @@ def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)  # fmt: skip
     fn = click.option(
         "--tls-ca", envvar="RELAY_TLS_CA", type=click.Path(exists=True, dir_okay=False),
-        metavar="PATH", expose_value=False, callback=_keep_tls_option,
+        metavar="PATH", expose_value=False, callback=_keep_option,
         help="Use TLS, and trust the CA certificate(s) in this PEM file (env RELAY_TLS_CA).",
     )(fn)  # fmt: skip
     fn = click.option(
-        "--tls", is_flag=True, expose_value=False, callback=_keep_tls_option,
+        "--tls", is_flag=True, expose_value=False, callback=_keep_option,
         help="Use TLS, verifying the server with the system's trust store.",
     )(fn)  # fmt: skip
     return click.option(

@@ -4,18 +4,22 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import click
 import orjson
-import trio
 
 from relay.client import open_client
 from relay.model import JobState
 from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
 from relay_cli.errors import run
-from relay_cli.options import address_option, check_queues, client_target, client_token, json_option
+from relay_cli.options import (
+    address_option,
+    check_queues,
+    client_target,
+    client_timeout,
+    client_token,
+    json_option,
+)
 
 STATE_NAMES = [str(state) for state in JobState]
 
@@ -47,8 +51,12 @@ def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> Non
     address, tls_ca = client_target(address)
     out = click.get_text_stream("stdout")
 
+    timeout = client_timeout()
+
     async def session() -> None:
-        async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
+        async with open_client(
+            address, reconnect=False, token=token, tls_ca=tls_ca, connect_timeout=timeout
+        ) as client:
             events = client.watch(queues or None, states or None)
             async with events:
                 async for event in events:
@@ -63,13 +71,13 @@ def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> Non
 def top(address: str) -> None:
     """A live view of the queues until Ctrl-C: counts by state, jobs submitted, succeeded
     and failed per second over the last 10 s, and the latest failures. Reconnects when
-    the server restarts."""
+    the server restarts; ends at once on what no reconnection fixes (a token refused, a
+    TLS mismatch, a server that is not relay-trio)."""
     from relay_cli.top import TopView, run_top
 
     token = client_token()
     address, tls_ca = client_target(address)
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(run_top, address, token, tls_ca, TopView())
+    run(run_top, address, token, tls_ca, TopView(), client_timeout(), address=address)
 
 
 @click.command()

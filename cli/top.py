@@ -3,13 +3,16 @@
 ``TopView`` holds what is shown and knows nothing of sockets: the events and stats given
 to it, and ``render()``, so that a test can draw it into a recording Console. ``run_top``
 owns the connection: it reconnects after a server restart (showing that it does), and
-draws at most ``REFRESH_PER_S`` times a second.
+draws at most ``REFRESH_PER_S`` times a second. An error that no retry can fix (a token
+refused, TLS on one side only or a certificate not trusted, a peer that is not a relay-trio
+server) ends it instead, for the command to say in one line.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relay.client import Client, open_client
-from relay.errors import RelayError
+from relay.errors import BadRequest, RelayError, Unauthorized, WrongServer
 from relay.model import JobState
 from relay_cli.views import format_duration
 
@@ -123,25 +126,65 @@ def age(ms: int | None) -> str:
     return "-" if ms is None else format_duration(ms)
 
 
-async def run_top(address: str, token: str | None, tls_ca: str | None, view: TopView) -> None:
-    """Show the view until cancelled (Ctrl-C), reconnecting whenever the server goes."""
+async def run_top(
+    address: str, token: str | None, tls_ca: str | None, view: TopView, connect_timeout: float
+) -> None:
+    """Show the view until cancelled (Ctrl-C), reconnecting whenever the server goes.
+    Raises what ``follow`` cannot retry, once the screen is restored."""
     with Live(view.render(), refresh_per_second=REFRESH_PER_S, screen=True) as live:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_redraw, live, view)
-            await follow(address, token, tls_ca, view)
+            await follow(address, token, tls_ca, view, connect_timeout)
+            nursery.cancel_scope.cancel()
 
 
-async def follow(address: str, token: str | None, tls_ca: str | None, view: TopView) -> None:
+async def follow(
+    address: str,
+    token: str | None,
+    tls_ca: str | None,
+    view: TopView,
+    connect_timeout: float = 10.0,
+) -> None:
     """Feed the view until cancelled: connect, follow, and after the connection is lost
-    (or cannot be made) say so in the view and try again every RECONNECT_S."""
+    (or cannot be made) say so in the view and try again every RECONNECT_S. Raises the
+    first error that trying again cannot fix (see ``incurable``)."""
+    connected = False
     while True:
         try:
-            async with open_client(address, reconnect=False, token=token, tls_ca=tls_ca) as client:
+            async with open_client(
+                address,
+                reconnect=False,
+                token=token,
+                tls_ca=tls_ca,
+                connect_timeout=connect_timeout,
+            ) as client:
+                connected = True
                 view.status = f"connected to {address}"
                 await _follow(client, view)
         except* (RelayError, OSError, trio.TooSlowError) as lost:  # from any of _follow's tasks
+            for exc in _leaves(lost):
+                if incurable(exc, connected):
+                    raise exc from None
             view.status = f"reconnecting to {address} ({type(lost.exceptions[0]).__name__})"
         await trio.sleep(RECONNECT_S)
+
+
+def incurable(exc: BaseException, connected: bool) -> bool:
+    """Whether no retry can fix ``exc``: a token refused (or of a role that may not watch),
+    a request refused as malformed, a certificate not trusted or TLS on one side only, a
+    peer that is not a relay-trio server. A server that answered before (``connected``) and
+    now closes at hello is taken to be restarting, not to have become another kind."""
+    if isinstance(exc, Unauthorized | BadRequest | ssl.SSLCertVerificationError):
+        return True
+    if isinstance(exc, ssl.SSLError):  # not an EOF: the peer does not speak TLS
+        return not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
+    return isinstance(exc, WrongServer) and not connected
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 async def _redraw(live: Live, view: TopView) -> None:

@@ -10,6 +10,7 @@ import importlib
 import logging
 import operator
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -18,12 +19,12 @@ from typing import Any
 import click
 
 from relay import log as relay_log
-from relay.client import Client, open_client
+from relay.errors import BadRequest
 from relay.worker import DEFAULT_LEASE_MS, Worker, run_worker
 from relay_cli import views
 from relay_cli.calls import console, plural
 from relay_cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
-from relay_cli.errors import fail, run
+from relay_cli.errors import EXIT_INTERRUPTED, fail, run
 from relay_cli.options import address_option, check_queues, client_target, client_token
 
 # -- worker ---------------------------------------------------------------------------------
@@ -88,46 +89,41 @@ def worker(
     lease_ms: int,
     handler: Callable[..., Any] | None,
 ) -> None:
-    """Lease jobs from QUEUEs and run them until SIGINT or SIGTERM (graceful: running jobs
-    get the shutdown timeout; a second signal stops at once). Logs JSON lines on stderr."""
+    """Lease jobs from QUEUEs and run them until Ctrl-C or SIGTERM.
+
+    The first signal drains: no more leases, running jobs get --shutdown-timeout-ms to
+    finish, then are released; a second one stops at once. Exits 130 after a Ctrl-C, 0
+    after a SIGTERM that drained. A server that is down, at start or later, is retried
+    with backoff (logged); a token, TLS setting or option the server refuses ends the
+    worker with one line. Logs on stderr: one line per failed job, per reconnection.
+    """
     relay_log.configure()
-    worker = functools.partial(
-        Worker, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
-        lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000,
-    )  # fmt: skip
     address, tls_ca = client_target(address)
-    run(_work, address, tls_ca, client_token(), worker, address=address)
+    worker = Worker(
+        address, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
+        lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000, token=client_token(),
+        tls_ca=tls_ca,
+    )  # fmt: skip
+    received = run(_work, worker, address=address)
+    if signal.SIGINT in received or len(received) > 1:
+        sys.exit(EXIT_INTERRUPTED)
 
 
-async def _work(
-    address: str, tls_ca: str | None, token: str | None, make_worker: Callable[[Client], Worker]
-) -> None:
-    # The worker rides out server restarts, so its client reconnects (open_client's default).
-    async with open_client(address, tls_ca=tls_ca, token=token) as client:
-        hello = await client.hello("relay-trio worker")
-        worker = make_worker(client)
-        if hello.role == "producer":
-            raise click.ClickException(
-                f"the token's role is {hello.role}: a worker needs the worker or admin role"
-            )
-        _check_worker_limits(worker, hello.limits)
-        await run_worker(worker)
+# The worker's settings that the server may refuse at start, by the field its error names.
+_OPTIONS = {"lease_ms": "--lease-ms", "queues": "--queue"}
 
 
-def _check_worker_limits(worker: Worker, limits: dict[str, int]) -> None:
-    """Refuse at start what every lease request would be refused for, instead of a worker
-    that logs the same bad_request forever."""
-    checks = (
-        ("--lease-ms", worker.lease_ms, "max_lease_ms"),
-        ("--concurrency", worker.concurrency, "max_batch"),
-        ("--queue", len(worker.queues), "max_queues_per_lease"),
-    )
-    for option, value, limit in checks:
-        top = limits.get(limit)
-        if top is not None and value > top:
-            raise click.BadParameter(
-                f"{value} is more than the server allows ({limit} = {top})", param_hint=option
-            )
+async def _work(worker: Worker) -> list[signal.Signals]:
+    """``run_worker``, with a setting the server refused (``BadRequest`` naming the
+    field) turned into a usage error naming the option."""
+    try:
+        return await run_worker(worker)
+    except* BadRequest as refused:
+        exc = refused.exceptions[0]
+        assert isinstance(exc, BadRequest)
+        if exc.field not in _OPTIONS:
+            raise
+        raise click.BadParameter(exc.message, param_hint=_OPTIONS[exc.field]) from None
 
 
 # -- demo -----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from relay.errors import (
     Unauthorized,
     Unavailable,
     UnknownOp,
+    WrongServer,
 )
 from relay.local import open_local
 from relay.model import JobState, SubmitResult
@@ -67,6 +68,7 @@ __all__ = [
     "Unavailable",
     "UnknownOp",
     "Worker",
+    "WrongServer",
     "connect",
     "job_fields",
     "open_client",

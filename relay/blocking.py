@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from relay.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
-from relay.errors import ConnectionLost, RelayError, Unavailable, reply_fields
+from relay.errors import ConnectionLost, RelayError, Unavailable, WrongServer, reply_fields
 from relay.model import SubmitResult
 from relay.replies import JobView, Stats, structure_reply, submit_result
 from relay.tcp import CONNECT_TIMEOUT_S
@@ -103,28 +103,38 @@ class BlockingClient:
             except BaseException:
                 sock.close()
                 raise
+        try:
+            self._say_hello(sock)  # within the connect timeout, too
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(self.timeout)
-        if self.token is not None:
-            try:
-                self._authenticate(sock)
-            except BaseException:
-                sock.close()
-                raise
         return sock
 
-    def _authenticate(self, sock: socket.socket) -> None:
-        """Say hello with the token before anything else; raises Unauthorized if the
-        server refuses it."""
-        sock.sendall(orjson.dumps({"op": "hello", "id": 0, "token": self.token}) + b"\n")
+    def _say_hello(self, sock: socket.socket) -> None:
+        """Say hello (with the token, if any) before anything else. Raises Unauthorized if
+        the server refuses the token, the error of an error reply (overloaded), and
+        WrongServer if the peer is not a relay-trio server."""
+        hello: dict[str, Any] = {"op": "hello", "id": 0}
+        if self.token is not None:
+            hello["token"] = self.token
+        sock.sendall(orjson.dumps(hello) + b"\n")
         data = b""
         while b"\n" not in data:
             more = sock.recv(READ_BYTES)
             if not more:
-                hint = f" ({TLS_HINT})" if self._ssl_context is None and not data else ""
-                raise ConnectionLost(f"the server closed the connection during hello{hint}")
+                if self._ssl_context is None and not data:  # a TLS server, to a plain client
+                    raise WrongServer(f"the server closed the connection at hello ({TLS_HINT})")
+                raise ConnectionLost("the server closed the connection during hello")
             data += more
         line, self._buffer = data.split(b"\n", 1)
-        reply_fields(orjson.loads(line))
+        try:
+            reply = orjson.loads(line)
+            reply_fields(reply)
+        except (orjson.JSONDecodeError, AttributeError):
+            raise WrongServer("the server does not answer as a relay-trio server") from None
+        if reply.get("server") != "relay-trio":
+            raise WrongServer("the server does not answer hello as a relay-trio server")
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply's fields, or raise its error.
@@ -154,28 +164,23 @@ class BlockingClient:
         if self._sock is not None and not self._alive():
             self._drop()  # the server closed it while we were idle: nothing was lost
         requests = self._requests(calls)
-        fresh = False  # a connection made for these calls: nothing read on it yet
         try:
             if self._sock is None:
                 self._sock = self._connect()
-                fresh = self.token is None
             self._sock.sendall(b"".join(line for _, line, _ in requests))
             replies = self._read_replies({request_id for request_id, _, _ in requests})
             for request_id, _, answer in requests:
                 answer(replies[request_id])
-        except RelayError as exc:  # refused at hello: the token, or overloaded
+        except RelayError as exc:  # refused at hello: the token, overloaded, a wrong server
             self._drop()
             for call in calls:
                 if not call.done:
                     call.error, call.done = exc, True
         except OSError as exc:
             self._drop()
-            hint = ""
-            if fresh and self._ssl_context is None and isinstance(exc, ConnectionResetError):
-                hint = f" ({TLS_HINT})"  # closed at once, without a byte
             for call in calls:
                 if not call.done:
-                    call.error, call.done = ConnectionLost(f"{call.op}: {exc}{hint}"), True
+                    call.error, call.done = ConnectionLost(f"{call.op}: {exc}"), True
 
     def _requests(self, calls: list[_Call]) -> list[tuple[int, bytes, Callable]]:
         """(request id, line, what to do with its reply) per request that ``calls`` make:

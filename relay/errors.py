@@ -18,6 +18,8 @@ The tree:
       Unavailable                   unavailable  (extension: not committed, the store
                                                  cannot write now: disk full, I/O error)
       ConnectionLost                (client side: the connection dropped mid-request)
+      WrongServer                   (client side: the peer does not speak relay-trio's
+                                    protocol, or TLS on one side only)
       StoreError                    (fatal at start, never sent on the wire)
         NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt
 
@@ -157,6 +159,14 @@ class ConnectionLost(RelayError):
     taken effect. Raised by the client; never sent by the server."""
 
     code = "connection_lost"
+
+
+class WrongServer(RelayError):
+    """The peer does not answer a ``hello`` as a relay-trio server: another kind of server,
+    or TLS on one side only (a plain client of a TLS server is closed on without a byte).
+    Trying again will not help. Raised by the clients; never sent by the server."""
+
+    code = "wrong_server"
 
 
 class StoreError(RelayError):

@@ -6,6 +6,10 @@ calls by id and reconnects when the connection drops. Both tasks belong to ``ope
 (relay/client.py), which owns this transport. With an SSL context, every connection (each
 reconnection too) does its TLS handshake (relay/tls.py) within the connect timeout.
 
+Every connection begins with a ``hello`` (with the token, if there is one), answered within
+the connect timeout: a server that accepts but never answers, or a peer that is not a
+relay-trio server (``WrongServer``), fails the connection there rather than the first call.
+
 Here: the connection's side (connect and say hello, the reader task, what a drop does to
 the calls in flight, reconnection, giving up, closing). The calls' side (``request``, the
 outbox and the flusher task) is ``TcpCalls`` in relay/tcp_calls.py, a part that
@@ -15,6 +19,7 @@ outbox and the flusher task) is ``TcpCalls`` in relay/tcp_calls.py, a part that
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import ssl
 from collections import deque
@@ -24,9 +29,19 @@ from typing import Any
 import orjson
 import trio
 
-from relay.errors import ConnectionLost, RelayError, Unauthorized, reply_error, reply_fields
+from relay.errors import (
+    ConnectionLost,
+    RelayError,
+    Unauthorized,
+    WrongServer,
+    reply_error,
+    reply_fields,
+)
+from relay.log import event
 from relay.tcp_calls import RETRY_SAFE_OPS, TcpCalls, _Call
 from relay.tls import TLS_HINT, _handshake
+
+log = logging.getLogger("relay.client")
 
 CONNECT_TIMEOUT_S = 5.0
 RECONNECT_TIMEOUT_S = 30.0
@@ -69,7 +84,6 @@ class TcpTransport(TcpCalls):
         self._stream: trio.abc.Stream | None = None
         self._generation = 0  # which connection _stream is
         self._unread_generation = -1  # a connection whose later lines the server ignored
-        self._answered_generation = -1  # the last connection that brought any data
         self._connected = trio.Event()  # set while _stream is usable
         self._send_lock = trio.Lock()
         # Lines to send, in order: written together by the flusher task, so the calls
@@ -89,6 +103,10 @@ class TcpTransport(TcpCalls):
         self.events_dropped = 0
         self.events_lot = trio.lowlevel.ParkingLot()
         self.nursery: trio.Nursery | None = None  # open_client's, for release tasks
+
+    @property
+    def _address(self) -> str:
+        return f"{self.host}:{self.port}"
 
     def _event(self, event: dict[str, Any]) -> None:
         if self.events is None:
@@ -119,12 +137,11 @@ class TcpTransport(TcpCalls):
             stream = await trio.open_tcp_stream(self.host, self.port)
             if self.ssl_context is not None:
                 stream = await _handshake(stream, self.ssl_context, self.host)
-            if self.token is not None:
-                try:
-                    await _authenticate(stream, self.token, self.ssl_context is None)
-                except BaseException:
-                    await trio.aclose_forcefully(stream)
-                    raise
+            try:
+                await _say_hello(stream, self.token, self.ssl_context is None)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
             return stream
 
     def _give_up(self, error: RelayError) -> None:
@@ -159,10 +176,13 @@ class TcpTransport(TcpCalls):
                     call.resent = True
                     resend.append(call)
                 else:
-                    call.settle(error=ConnectionLost(f"{call.op}: {self._dropped(generation)}"))
+                    call.settle(error=ConnectionLost(f"{call.op}: the connection dropped"))
             if not self.reconnect:
-                self._give_up(ConnectionLost(self._dropped(generation)))
+                self._give_up(ConnectionLost("the connection dropped"))
                 return
+            lost_at = trio.current_time()
+            event(log, logging.WARNING, "client.connection_lost", address=self._address,
+                  reconnecting=True)  # fmt: skip
             while True:
                 try:
                     self._stream = await self._reconnect()
@@ -171,6 +191,8 @@ class TcpTransport(TcpCalls):
                     # Fail what waits, then sleep until someone calls again: a worker
                     # outliving a long outage (or a token's rotation) reconnects once
                     # the server is back (or takes the token again).
+                    event(log, logging.WARNING, "client.reconnect_failed",
+                          address=self._address, error=str(exc))  # fmt: skip
                     self._give_up(exc)
                     self._demand = trio.Event()
                     await self._demand.wait()
@@ -180,6 +202,8 @@ class TcpTransport(TcpCalls):
             self._failure = None
             self.connections += 1
             self._generation += 1
+            event(log, logging.INFO, "client.reconnected", address=self._address,
+                  down_ms=round((trio.current_time() - lost_at) * 1000))  # fmt: skip
             for call in resend:
                 if not call.done.is_set():
                     call.sent_on = self._generation
@@ -205,20 +229,12 @@ class TcpTransport(TcpCalls):
             f"could not reconnect to {self.host}:{self.port} within {self.reconnect_timeout} s"
         )
 
-    def _dropped(self, generation: int) -> str:
-        """What to say of a connection that dropped: with a hint when it was plain and the
-        server closed it without a byte (what a server with TLS does to plain clients)."""
-        if self.ssl_context is None and self._answered_generation != generation:
-            return f"the connection dropped before any reply ({TLS_HINT})"
-        return "the connection dropped"
-
     async def _read_replies(self, stream: trio.abc.Stream) -> None:
         buffer = bytearray()
         while True:
             data = await stream.receive_some(READ_BYTES)
             if not data:
                 return
-            self._answered_generation = self._generation
             buffer += data
             # Split only when a line ended: a long reply arriving in many reads is then
             # gathered in linear time, not re-scanned on every read.
@@ -232,7 +248,7 @@ class TcpTransport(TcpCalls):
                     reply.get("id")
                 except (orjson.JSONDecodeError, AttributeError):
                     self._give_up(
-                        RelayError(
+                        WrongServer(
                             f"{self.host}:{self.port} does not answer as a relay-trio server"
                         )
                     )
@@ -307,19 +323,27 @@ class TcpTransport(TcpCalls):
             await trio.aclose_forcefully(self._stream)
 
 
-async def _authenticate(stream: trio.abc.Stream, token: str, plain: bool = False) -> None:
-    """Say hello with ``token`` on a new connection, before anything else is sent, and
-    read its answer. Raises Unauthorized if the server refuses the token."""
-    await stream.send_all(orjson.dumps({"op": "hello", "id": 0, "token": token}) + b"\n")
+async def _say_hello(stream: trio.abc.Stream, token: str | None, plain: bool = False) -> None:
+    """Say hello (with ``token``, if any) on a new connection, before anything else is
+    sent, and read its answer. Raises Unauthorized if the server refuses the token, the
+    error of an error reply (overloaded), and WrongServer if the peer is not a relay-trio
+    server."""
+    hello: dict[str, Any] = {"op": "hello", "id": 0}
+    if token is not None:
+        hello["token"] = token
+    await stream.send_all(orjson.dumps(hello) + b"\n")
     data = b""
     while b"\n" not in data:
         more = await stream.receive_some(READ_BYTES)
         if not more:
-            hint = f" ({TLS_HINT})" if plain and not data else ""
-            raise ConnectionLost(f"the server closed the connection during hello{hint}")
+            if plain and not data:  # what a server with TLS does to a plain client
+                raise WrongServer(f"the server closed the connection at hello ({TLS_HINT})")
+            raise ConnectionLost("the server closed the connection during hello")
         data += more
     try:
         reply = orjson.loads(data.split(b"\n", 1)[0])
         reply_fields(reply)
-    except orjson.JSONDecodeError:
-        raise RelayError("the server does not answer as a relay-trio server") from None
+    except (orjson.JSONDecodeError, AttributeError):
+        raise WrongServer("the server does not answer as a relay-trio server") from None
+    if reply.get("server") != "relay-trio":
+        raise WrongServer("the server does not answer hello as a relay-trio server")

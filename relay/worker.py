@@ -28,6 +28,13 @@ Graceful stop: stop leasing, let running jobs finish within ``shutdown_timeout``
 cancel them and ``release`` their leases so others can take them at once. A second stop
 (second signal) cancels at once.
 
+The server going away is one rule, at start as later: a worker given an address retries
+until the server answers (with backoff: 50 ms doubling to 5 s, with jitter), logging each
+attempt; after the first connection its client reconnects the same way (relay/tcp.py).
+What no retry can fix ends ``run`` with its error: a token refused or of the producer
+role, a certificate not trusted or TLS on one side only, a peer that is not a relay-trio
+server, a lease length or a number of queues over the server's limits.
+
 Here: the configuration, ``run`` (which owns every task: one per running job, the renewal
 task and the ack task), ``stop``, the lease loop and the renewal task. ``Worker`` inherits
 the rest, as ``SqliteStore`` inherits the store's parts: relay/worker_jobs.py, one job's
@@ -37,22 +44,33 @@ the ack task.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import inspect
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+import ssl
+from collections.abc import Mapping, Sequence
 
 import attrs
 import trio
 
 from relay.client import Client, open_client
-from relay.errors import BadRequest, ConnectionLost, RelayError
+from relay.errors import (
+    BadRequest,
+    ConnectionLost,
+    Overloaded,
+    RelayError,
+    ShuttingDown,
+    Unauthorized,
+)
 from relay.histogram import Histogram
 from relay.log import event
+from relay.replies import Hello
 from relay.worker_acks import WorkerAcks
 from relay.worker_jobs import (
     _LEASE_GONE,
@@ -72,6 +90,11 @@ LEASE_WAIT_MS = 5_000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # After a failed lease request (server restarting...), wait this long before the next.
 LEASE_ERROR_BACKOFF_S = 0.5
+# A worker that starts before its server (or while it restarts) tries again after 50 ms,
+# doubling to 5 s: quick to catch a server that is starting, and a line in the log every
+# few seconds, not a flood, while one is down. The client's reconnections do the same.
+CONNECT_RETRY_FIRST_S = 0.05
+CONNECT_RETRY_CAP_S = 5.0
 # Most acks, and most bytes of results, sent in one ack_batch: well inside the server's
 # default max_batch (1000) and max_frame_bytes (1 MiB), and lowered to a quarter of the
 # frame and to max_batch if the server advertises less. A batch the server refuses anyway
@@ -153,6 +176,7 @@ class Worker(WorkerJobs, WorkerAcks):
         self._threads = trio.CapacityLimiter(concurrency)
         self._leasing = trio.CancelScope()
         self._jobs_scope = trio.CancelScope()
+        self._connect_wait = trio.CancelScope()  # between attempts to reach the server
         self._stopping = False
         # Keyed by entry, not job id: a job whose lease expired under a slow run may be
         # leased to this worker again while that run is still finishing.
@@ -199,11 +223,21 @@ class Worker(WorkerJobs, WorkerAcks):
             return
         self._stopping = True
         self._leasing.cancel()
+        self._connect_wait.cancel()  # a worker still waiting for its server stops waiting
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Work until ``stop()``. Owns its connection (unless given a client), one task per
-        running job, the renewal task and the ack task; all end before this returns."""
-        async with self._client() as client, trio.open_nursery() as helpers:
+        running job, the renewal task and the ack task; all end before this returns.
+
+        Raises what no retry can fix (see the module docstring): ``Unauthorized``,
+        ``BadRequest`` (a setting over the server's limits, with ``field`` naming it),
+        ``WrongServer``, an ``ssl.SSLError``."""
+        async with contextlib.AsyncExitStack() as stack:
+            client = await self._connect(stack)
+            if client is None:  # stopped before the server answered
+                task_status.started()
+                return
+            helpers = await stack.enter_async_context(trio.open_nursery())
             event(
                 log, logging.INFO, "worker.started", worker_id=self.worker_id,
                 queues=self.queues, concurrency=self.concurrency,
@@ -228,13 +262,59 @@ class Worker(WorkerJobs, WorkerAcks):
             helpers.cancel_scope.cancel()
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
-    @asynccontextmanager
-    async def _client(self) -> AsyncIterator[Client]:
+    async def _connect(self, stack: contextlib.AsyncExitStack) -> Client | None:
+        """The client to work with: the one given, or a connection to the address, tried
+        until the server answers (None if ``stop()`` came first). Its hello is checked:
+        a producer's token, or settings over the server's limits, raise."""
         if isinstance(self._server, Client):
-            yield self._server
-        else:
-            async with open_client(self._server, token=self._token, tls_ca=self._tls_ca) as client:
-                yield client
+            with trio.fail_after(SETTLE_TIMEOUT_S):
+                self._check_hello(await self._server.hello())
+            return self._server
+        delay = CONNECT_RETRY_FIRST_S
+        while not self._stopping:
+            try:
+                async with contextlib.AsyncExitStack() as attempt:
+                    client = await attempt.enter_async_context(
+                        open_client(self._server, token=self._token, tls_ca=self._tls_ca)
+                    )
+                    with trio.fail_after(SETTLE_TIMEOUT_S):
+                        hello = await client.hello()
+                    stack.push_async_exit(attempt.pop_all())
+            except (OSError, trio.TooSlowError, ConnectionLost, Overloaded, ShuttingDown) as exc:
+                if incurable(exc):
+                    raise
+                wait = delay * random.uniform(0.5, 1.0)
+                event(
+                    log, logging.WARNING, "worker.connect_failed", address=str(self._server),
+                    error=describe(exc), retry_in_s=round(wait, 2),
+                )  # fmt: skip
+                with trio.move_on_after(wait) as self._connect_wait:
+                    await trio.sleep_forever()
+                delay = min(delay * 2, CONNECT_RETRY_CAP_S)
+                continue
+            self._check_hello(hello)
+            return client
+        return None
+
+    def _check_hello(self, hello: Hello) -> None:
+        """Refuse at start what the server would refuse on every lease: a token of the
+        producer role; a lease or a list of queues over its limits. (A concurrency over
+        its max_batch is not: leases then ask for max_batch jobs at most.)"""
+        if hello.role == "producer":
+            raise Unauthorized(
+                "the token's role is producer: a worker needs the worker or admin role"
+            )
+        checks = (
+            ("lease_ms", self.lease_ms, "max_lease_ms"),
+            ("queues", len(self.queues), "max_queues_per_lease"),
+        )
+        for field, value, limit in checks:
+            top = hello.limits.get(limit)
+            if top is not None and value > top:
+                raise BadRequest(
+                    f"{field} {value} is more than the server allows ({limit} = {top})",
+                    field=field,
+                )
 
     async def _lease_loop(self, client: Client, jobs: trio.Nursery) -> None:
         while True:
@@ -325,20 +405,56 @@ class Worker(WorkerJobs, WorkerAcks):
             event(log, logging.INFO, "worker.hello_failed", error=repr(exc))
 
 
-async def run_worker(worker: Worker) -> None:
-    """Run ``worker`` until SIGINT/SIGTERM: the first stops it gracefully, the second at
-    once. For command lines and simple programs."""
+def incurable(exc: BaseException) -> bool:
+    """Whether no retry can make a connection that failed with ``exc``: a certificate not
+    trusted, or TLS refused by a peer that does not speak it (an EOF during the handshake
+    may be a server restarting: that one is retried)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    return isinstance(exc, ssl.SSLError) and not isinstance(
+        exc, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """An error as a log field: its text, or its type where it has none."""
+    if isinstance(exc, OSError) and isinstance(exc.__cause__, BaseExceptionGroup):
+        # trio's "all attempts to connect failed": the first attempt's reason says it
+        exc = exc.__cause__.exceptions[0]
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        return os.strerror(exc.errno)
+    return str(exc) or type(exc).__name__
+
+
+async def run_worker(worker: Worker) -> list[signal.Signals]:
+    """Run ``worker`` until SIGINT/SIGTERM: the first stops it gracefully (it logs
+    ``worker.draining`` with how long running jobs may still take), the second at once.
+    Returns the signals received, in order (empty if the worker stopped otherwise): a
+    command line exits 130 after a Ctrl-C. For command lines and simple programs."""
+    received: list[signal.Signals] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 async for signum in signals:
-                    event(log, logging.INFO, "worker.signal", signal=signal.Signals(signum).name)
+                    received.append(signal.Signals(signum))
+                    name = received[-1].name
+                    if len(received) == 1:
+                        event(
+                            log, logging.WARNING, "worker.draining", signal=name,
+                            running=len(worker._running), timeout_s=worker.shutdown_timeout,
+                            hint="running jobs may finish within timeout_s; signal again to "
+                            "stop at once (their leases are released)",
+                        )  # fmt: skip
+                    else:
+                        event(log, logging.WARNING, "worker.stopping_now", signal=name,
+                              running=len(worker._running))  # fmt: skip
                     worker.stop()
 
             nursery.start_soon(watch)
             await worker.run()
             nursery.cancel_scope.cancel()
+    return received
 
 
 __all__ = ["PermanentError", "Worker", "WorkerStatistics", "default_worker_id", "run_worker"]

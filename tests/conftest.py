@@ -35,3 +35,18 @@ def pg_url() -> Iterator[str]:
     dropped at the end of the run. Fails, never skips, where PostgreSQL does not answer."""
     with pg.run_database() as url:
         yield url
+
+
+async def answer_hello(stream) -> None:
+    """Play a relay-trio server for a client's first line, its hello (every connection of
+    the clients begins with one): for fake servers that then misbehave."""
+    import orjson
+
+    data = b""
+    while b"\n" not in data:
+        more = await stream.receive_some(65536)
+        assert more, "the client closed before its hello"
+        data += more
+    assert orjson.loads(data.split(b"\n", 1)[0])["op"] == "hello"
+    hello = {"id": 0, "ok": True, "server": "relay-trio", "version": "test", "protocol": 1}
+    await stream.send_all(orjson.dumps(hello) + b"\n")

@@ -98,11 +98,12 @@ async def test_open_client_with_a_wrong_token_raises_unauthorized_at_once(authed
             pytest.fail("opened with a wrong token")
 
 
-async def test_open_client_without_a_token_is_refused_on_its_first_call(authed):
-    with trio.fail_after(BOUND_S):
-        async with open_client(authed.address, reconnect=False) as client:
-            with pytest.raises(Unauthorized):
-                await client.stats()
+async def test_open_client_without_a_token_is_refused_at_its_hello(authed):
+    """Every connection begins with a hello: without a token, open_client fails there, not
+    at the first call."""
+    with trio.fail_after(BOUND_S), pytest.raises(Unauthorized, match="must come first"):
+        async with open_client(authed.address, reconnect=False):
+            pass
 
 
 async def test_a_worker_token_may_lease_and_a_producer_token_may_not(authed):

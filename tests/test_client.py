@@ -50,6 +50,7 @@ from relay.errors import (
 )
 from relay.model import ErrorEntry, FailOutcome
 from relay.wire import Limits
+from tests.conftest import answer_hello
 
 from .worker_helpers import (
     BOUND_S,
@@ -775,7 +776,9 @@ async def test_a_call_given_up_while_its_write_was_cut_short_is_not_sent_again()
         async with trio.open_nursery() as nursery:
 
             async def accept_one() -> None:
-                accepted.append(await listeners[0].accept())
+                stream = await listeners[0].accept()
+                await answer_hello(stream)
+                accepted.append(stream)
 
             nursery.start_soon(accept_one)
             async with open_client(("127.0.0.1", port), reconnect_timeout=0.5) as client:

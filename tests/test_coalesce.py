@@ -11,6 +11,7 @@ import trio.testing
 
 from relay import BadRequest, Client, ConnectionLost, StaleToken, SubmitResult, open_client
 from relay.coalesce import Coalescer
+from tests.conftest import answer_hello
 
 from .worker_helpers import BOUND_S, Server
 
@@ -146,6 +147,7 @@ async def test_calls_waiting_or_in_flight_when_the_client_closes_raise_connectio
 
     async def read_forever() -> None:
         stream = await listeners[0].accept()
+        await answer_hello(stream)
         while await stream.receive_some(65536):
             pass
 

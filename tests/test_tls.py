@@ -13,7 +13,7 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from relay import ConnectionLost, JobState, LeasedJob, Worker, connect, open_client
+from relay import ConnectionLost, JobState, LeasedJob, Worker, WrongServer, connect, open_client
 from relay.client import parse_address, uses_tls
 from relay.tcp import TcpTransport
 from tests.tls_helpers import TlsFiles, make_tls_files
@@ -151,10 +151,10 @@ async def test_a_client_without_the_ca_is_refused_and_others_go_on(tls_server, t
         queue = connect(f"tls://{tls_server.address}", timeout=5)
         with queue, pytest.raises(ConnectionLost, match="certificate verify failed"):
             await call(queue.stats)
-        # A plain client: the server's handshake fails on its request, and closes.
-        with pytest.raises(ConnectionLost):
-            async with open_client(tls_server.address, reconnect=False) as plain:
-                await plain.ping()
+        # A plain client: the server's handshake fails on its hello, and closes.
+        with pytest.raises(WrongServer):
+            async with open_client(tls_server.address, reconnect=False):
+                pass
         async with open_client(tls_server.address, tls_ca=tls_files.ca) as client:
             await client.ping()
 
@@ -173,17 +173,15 @@ async def test_a_tls_client_of_a_plain_server_fails_at_connect(tmp_path, tls_fil
 
 
 async def test_a_plain_client_of_a_tls_server_is_told_to_use_tls(tls_server):
-    """The server closes a plain connection without a byte; the error says why it may."""
-    with trio.fail_after(BOUND_S):
-        async with open_client(tls_server.address, reconnect=False) as client:
-            with pytest.raises(ConnectionLost, match="tls://"):
-                await client.ping()
-    with trio.fail_after(BOUND_S), pytest.raises(ConnectionLost, match="tls://"):
-        async with open_client(tls_server.address, reconnect=False, token="t0ken") as client:
-            await client.ping()
+    """The server closes a plain connection without a byte, at the client's hello: the
+    client fails at connect, with an error that says why it may (WrongServer: trying
+    again will not help)."""
     for token in (None, "t0ken"):
+        with trio.fail_after(BOUND_S), pytest.raises(WrongServer, match="tls://"):
+            async with open_client(tls_server.address, reconnect=False, token=token):
+                pass
         blocking = connect(tls_server.address, token=token)
-        with pytest.raises(ConnectionLost, match="tls://"):
+        with pytest.raises(WrongServer, match="tls://"):
             await call(blocking.stats)
         blocking.close()
 

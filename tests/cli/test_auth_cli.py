@@ -15,7 +15,7 @@ import trio
 from relay import JobState, open_client
 from relay.client import Client
 from relay.server.auth import load_tokens
-from relay_cli.main import read_client_token
+from relay_cli.options import read_client_token
 from tests.server.conftest import RunningServer, start_server
 from tests.server.test_process import server_process
 from tests.worker_helpers import serving, wait_for_state

@@ -13,7 +13,9 @@ from relay import LeasedJob, PermanentError
 from relay.errors import ConnectionLost, JobNotFound, NotADatabase
 from relay_cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
 from relay_cli.errors import _explain
-from relay_cli.main import SPARE_FILES, load_handler, parse_backoff, raise_open_files_limit
+from relay_cli.server import SPARE_FILES, raise_open_files_limit
+from relay_cli.submit import parse_backoff
+from relay_cli.work import load_handler
 
 
 def test_parse_backoff_forms():

@@ -42,7 +42,9 @@ async def tls_client(tls_server, tls_files) -> AsyncIterator[Client]:
 def test_every_client_command_takes_tls_and_tls_ca():
     def commands(group: click.Group) -> list[click.Command]:
         found = []
-        for command in group.commands.values():
+        ctx = click.Context(group)
+        for name in group.list_commands(ctx):
+            command = group.get_command(ctx, name)
             found += commands(command) if isinstance(command, click.Group) else [command]
         return found
 
