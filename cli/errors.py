@@ -1,7 +1,7 @@
 """Expected failures as one line on stderr, "relay-trio: ...", and a non-zero exit: 2 for
-usage errors, else 1. ``RelayGroup`` does it for click's errors, ``run`` for what a
-command's trio code raises (no server, an error reply, a database refused); anything else
-is a bug and keeps its traceback.
+usage errors and a refused database, else 1. ``RelayGroup`` does it for click's errors,
+``run`` for what a command's trio code raises (no server, an error reply, a database
+refused); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 PROG = "relay-trio"
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
+EXIT_CONFIGURATION = 2  # a database refused, as click's usage errors
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -94,8 +95,10 @@ def _explain(exc: BaseException, address: str | None) -> click.ClickException | 
     for leaf in _leaves(exc):
         if isinstance(leaf, click.ClickException):
             return leaf
-        if isinstance(leaf, StoreError):
-            return click.ClickException(f"refusing to open {leaf.path}: {leaf.problem}")
+        if isinstance(leaf, StoreError):  # a configuration error, as for the server
+            refused = click.ClickException(f"refusing to open {leaf.path}: {leaf.problem}")
+            refused.exit_code = EXIT_CONFIGURATION
+            return refused
         if isinstance(leaf, RelayError):
             return click.ClickException(f"{leaf.code}: {leaf.message}")
         if isinstance(leaf, sqlite3.Error):

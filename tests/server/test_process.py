@@ -456,6 +456,15 @@ async def test_a_second_server_on_the_same_file_is_refused_and_the_first_undistu
         await stop_gracefully(restarted, client)
 
 
+async def test_demo_on_a_file_a_server_holds_is_refused_in_one_line(tmp_path):
+    db = tmp_path / "relay.db"
+    async with server_process(db) as server:
+        before = digest(db, tmp_path / "relay.db-wal")
+        done = await run_command("demo", "--db", str(db), "--jobs", "1")
+        one_line_error(done, f"refusing to open {db}", f"pid {server.process.pid}")
+        assert digest(db, tmp_path / "relay.db-wal") == before
+
+
 # -- --db paths that cannot hold a database ------------------------------------------------
 
 
