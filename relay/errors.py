@@ -21,7 +21,8 @@ The tree:
       WrongServer                   (client side: the peer does not speak relay-trio's
                                     protocol, or TLS on one side only)
       StoreError                    (fatal at start, never sent on the wire)
-        NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt
+        NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt, DatabaseInUse,
+        BadDatabasePath
 
 Job errors carry fields (``job_id``, ``state``) so callers need not parse messages. An
 error rebuilt from a reply on the client side (``error_from_wire``) carries the server's
@@ -30,6 +31,7 @@ message; its fields are None where the reply does not state them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -192,6 +194,29 @@ class SchemaTooNew(StoreError):
 
 class DatabaseCorrupt(StoreError):
     """SQLite's integrity check failed."""
+
+
+class DatabaseInUse(StoreError):
+    """Another open store owns the SQLite file (relay/store/owner.py); ``pid`` is its
+    process where the lock file tells it, else None."""
+
+    pid: int | None = None
+
+    def __init__(self, path: str, pid: int | None) -> None:
+        if pid is not None and pid == os.getpid():
+            problem = f"already open in this process (pid {pid}): close that store first"
+        else:
+            holder = "" if pid is None else f" (pid {pid})"
+            problem = (
+                f"in use by another relay-trio process{holder}; "
+                "stop it, or give this one another --db"
+            )
+        super().__init__(path, problem)
+        self.pid = pid
+
+
+class BadDatabasePath(StoreError):
+    """The path cannot hold a database: a directory, a missing directory, no permission."""
 
 
 NotFound = JobNotFound

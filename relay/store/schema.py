@@ -1,8 +1,9 @@
 """The database file: checks before touching it, the schema, migrations, and connection setup.
 
-``open_database`` is the only way in. It refuses, without writing a byte, a file that is
-not SQLite, a SQLite file of another application, a schema newer than this code, and a
-file that fails ``PRAGMA quick_check``. Only then does it open the write connection, switch
+``open_database`` is the only way in. It takes the file's owner lock first (one open store
+per file: relay/store/owner.py), then refuses, without writing a byte, a file that is not
+SQLite, a SQLite file of another application, a schema newer than this code, and a file
+that fails ``PRAGMA quick_check``. Only then does it open the write connection, switch
 to WAL and create or migrate the schema in one transaction.
 """
 
@@ -23,6 +24,7 @@ from relay.errors import (
     SchemaTooNew,
     StoreError,
 )
+from relay.store.owner import OwnedConnection, OwnerLock
 
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
@@ -181,7 +183,12 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
     ``BEGIN IMMEDIATE`` / ``COMMIT`` itself. It may be handed to one other thread, which
     then owns it; nothing else may use it.
 
+    A file is owned by the connection returned, which holds its lock (relay/store/owner.py)
+    until it is closed.
+
     Raises:
+        BadDatabasePath: the path is a directory, its directory is missing, no permission.
+        DatabaseInUse: another open store owns the file.
         NotADatabase, ForeignDatabase, SchemaTooNew, DatabaseCorrupt: the file is refused
             and left byte-for-byte unchanged.
     """
@@ -189,15 +196,24 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
         raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, not {synchronous!r}")
     in_memory = path == ":memory:"
     version = 0
-    if not in_memory and os.path.exists(path):
-        version = inspect_file(path)
+    # Before a byte of the file is read: one owner per file (relay/store/owner.py).
+    owner = None if in_memory else OwnerLock.acquire(path)
+    conn = None
     try:
+        if not in_memory and os.path.exists(path):
+            version = inspect_file(path)
         conn = sqlite3.connect(
             path, isolation_level=None, check_same_thread=False,
-            cached_statements=CACHED_STATEMENTS,
+            cached_statements=CACHED_STATEMENTS, factory=OwnedConnection,
         )  # fmt: skip
-    except sqlite3.Error as exc:  # a missing directory, no permission...
+        conn.owner = owner  # released when the connection is closed
+    except sqlite3.Error as exc:  # e.g. the directory went away since the check
         raise StoreError(path, f"cannot be opened: {exc}") from exc
+    except OSError as exc:  # inspect_file's read of the header
+        raise StoreError(path, f"cannot be read: {exc.strerror or exc}") from exc
+    finally:
+        if conn is None and owner is not None:
+            owner.release()
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         if not in_memory:

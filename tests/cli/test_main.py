@@ -63,9 +63,9 @@ def test_explain_unwraps_exception_groups_into_one_line():
     assert _explain(ConnectionLost("stats: dropped"), None).message == (
         "connection_lost: stats: dropped"
     )
-    assert _explain(NotADatabase("x.db", "not SQLite"), None).message == (
-        "refusing to open x.db: not SQLite"
-    )
+    database = _explain(NotADatabase("x.db", "not SQLite"), None)
+    assert database.message == "refusing to open x.db: not SQLite"
+    assert database.exit_code == 2  # a configuration error, as the server exits
     # Without an address an OSError is not about connecting; and bugs stay bugs.
     assert _explain(refused(), None) is None
     assert _explain(ExceptionGroup("g", [KeyError("x")]), "h:1") is None

@@ -6,11 +6,15 @@ stderr) names the address it got, so there is no free-port race. Every wait is b
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -371,6 +375,156 @@ async def test_refused_database_exits_2_and_leaves_the_file_unchanged(tmp_path, 
     stderr = done.stderr.decode(errors="replace")
     assert str(db) in stderr, stderr
     assert db.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == siblings  # no -wal, -shm, journal
+    # No -wal, -shm or journal; the owner lock file, taken first, is left in place.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*siblings, "precious.db.lock"])
     assert done.returncode == 2, f"exit code {done.returncode}; stderr:\n{stderr}"
     assert "Traceback" not in stderr, stderr
+
+
+# -- one server per database file ----------------------------------------------------------
+
+
+async def run_command(*args: str, as_user: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``relay-trio *args`` to completion (bounded), its output captured."""
+    with trio.fail_after(BOUND_S * 2):
+        return await trio.run_process(
+            [*as_user, str(RELAY), *args], stdin=subprocess.DEVNULL, capture_stdout=True,
+            capture_stderr=True, check=False,
+        )  # fmt: skip
+
+
+def one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2 and exactly one "relay-trio: ..." line on stderr naming each fragment."""
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 2, f"exit code {done.returncode}; stderr:\n{stderr}"
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relay-trio: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def server_args(db: Path | str) -> tuple[str, ...]:
+    """A second server's command line: every listener of its own (port 0)."""
+    return (
+        "server", "--db", str(db), "--address", "127.0.0.1:0",
+        "--metrics-address", "127.0.0.1:0", "--ws-address", "127.0.0.1:0",
+    )  # fmt: skip
+
+
+def digest(*paths: Path) -> list[str | None]:
+    return [hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None for p in paths]
+
+
+async def test_a_second_server_on_the_same_file_is_refused_and_the_first_undisturbed(tmp_path):
+    db = tmp_path / "relay.db"
+    wal = tmp_path / "relay.db-wal"
+    async with server_process(db) as first:
+        client = await first.connect()
+        job_id = (await client.ok("submit", queue="q", payload={"n": 1}))["job_id"]
+        [job] = (await client.ok("lease", queues=["q"], worker_id="w", lease_ms=600_000))["jobs"]
+        before = digest(db, wal)  # the first server is idle now
+
+        second = await run_command(*server_args(db))
+        line = one_line_error(second, str(db), f"pid {first.process.pid}", "in use")
+        assert line == (
+            f"relay-trio: refusing to open {db}: in use by another relay-trio process "
+            f"(pid {first.process.pid}); stop it, or give this one another --db"
+        )
+        assert second.stdout == b""
+        assert digest(db, wal) == before  # it neither recovered nor wrote anything
+
+        # The first server's lease stands: the job was not handed back, and its ack works.
+        assert (await client.ok("inspect", job_id=job_id))["job"]["state"] == "leased"
+        stats = (await client.ok("stats"))["queues"]["q"]
+        assert (stats["leased"], stats["ready"]) == (1, 0), stats
+        await client.ok("ack", job_id=job_id, worker_id="w", token=job["token"])
+        # A lease held when the first server dies, for the restart to recover.
+        second_job = (await client.ok("submit", queue="q", payload={"n": 2}))["job_id"]
+        await client.ok("lease", queues=["q"], worker_id="w", lease_ms=600_000)
+
+        first.process.kill()  # SIGKILL: the kernel drops its lock
+        assert await first.wait(BOUND_S) == -signal.SIGKILL
+        await client.aclose()
+
+    async with server_process(db) as restarted:
+        [recovered] = [e for e in restarted.events if e["event"] == "server.recovered_leases"]
+        assert recovered["count"] == 1
+        client = await restarted.connect()
+        assert (await client.ok("inspect", job_id=job_id))["job"]["state"] == "succeeded"
+        assert (await client.ok("inspect", job_id=second_job))["job"]["state"] == "ready"
+        await stop_gracefully(restarted, client)
+
+
+async def test_demo_on_a_file_a_server_holds_is_refused_in_one_line(tmp_path):
+    db = tmp_path / "relay.db"
+    async with server_process(db) as server:
+        before = digest(db, tmp_path / "relay.db-wal")
+        done = await run_command("demo", "--db", str(db), "--jobs", "1")
+        one_line_error(done, f"refusing to open {db}", f"pid {server.process.pid}")
+        assert digest(db, tmp_path / "relay.db-wal") == before
+
+
+# -- --db paths that cannot hold a database ------------------------------------------------
+
+
+async def test_a_directory_as_db_is_refused_in_one_line(tmp_path):
+    done = await run_command(*server_args(tmp_path))
+    one_line_error(done, f"refusing to open {tmp_path}: is a directory: give a file path")
+    assert not await trio.Path(f"{tmp_path}.lock").exists()
+
+
+async def test_a_db_in_a_missing_directory_is_refused_in_one_line(tmp_path):
+    missing = tmp_path / "no" / "such"
+    done = await run_command(*server_args(missing / "relay.db"))
+    one_line_error(done, str(missing / "relay.db"), f"directory {missing} does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+NOBODY = 65534  # the unprivileged user of most Linux systems
+
+
+@pytest.fixture
+def unprivileged() -> Iterator[tuple[Path, tuple[str, ...]]]:
+    """A directory others may enter, and a command prefix under which permission bits
+    apply: none for a normal user; as root (whom they do not stop: CI), nobody's rights
+    through setpriv(1), if that can run relay-trio here."""
+    as_user: tuple[str, ...] = ()
+    if os.geteuid() == 0:
+        as_user = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+        if shutil.which("setpriv") is None:
+            pytest.skip("root writes anything, and setpriv(1) is missing to run as nobody")
+        probe = subprocess.run([*as_user, str(RELAY), "--version"], capture_output=True,
+                               timeout=BOUND_S * 2, check=False)  # fmt: skip
+        if probe.returncode != 0:
+            pytest.skip(f"root writes anything, and nobody cannot run relay-trio: {probe}")
+    base = Path(tempfile.mkdtemp(prefix="relay-trio-perm-"))  # (tmp_path's parent is 0700)
+    base.chmod(0o755)
+    try:
+        yield base, as_user
+    finally:
+        for path in (base, *base.rglob("*")):
+            path.chmod(0o700 if path.is_dir() else 0o600)
+        shutil.rmtree(base)
+
+
+async def test_a_db_in_a_directory_without_write_permission_is_refused(unprivileged):
+    base, as_user = unprivileged
+    locked = base / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)  # others (and the owner) may enter but not create
+    done = await run_command(*server_args(locked / "relay.db"), as_user=as_user)
+    line = one_line_error(done, str(locked / "relay.db"), "permission denied", str(locked))
+    assert "-wal" in line and ".lock" in line  # why the directory must be writable
+    assert list(locked.iterdir()) == []
+
+
+async def test_a_db_file_without_read_write_permission_is_refused(unprivileged):
+    base, as_user = unprivileged
+    base.chmod(0o777)  # the directory is not the problem here
+    db = base / "relay.db"
+    db.write_bytes(b"")
+    db.chmod(0)
+    done = await run_command(*server_args(db), as_user=as_user)
+    one_line_error(done, f"refusing to open {db}: permission denied")
+    assert sorted(p.name for p in base.iterdir()) == ["relay.db"]
