@@ -7,41 +7,62 @@ Public API (re-exports only):
 - ``Worker``, ``run_worker``, ``PermanentError``: the pull worker
 - the errors, one per wire error code
 
-docs/client.md lists every name here (tests/test_public_api.py compares the two). Importing
-``relay`` loads the clients and the worker, never the server, the stores or their drivers:
-``open_local`` imports the server's core when it opens a queue.
+docs/client.md lists every name here (tests/test_public_api.py compares the two).
+
+Each name is imported from its module when it is first used (PEP 562), not with the
+package: ``import relay`` costs almost nothing, a program that only submits loads the
+client and not the worker, and the server (which imports ``relay.x`` modules, and so this
+package) loads no client it does not use. None of them loads the server, the stores or
+their drivers: ``open_local`` imports the server's core when it opens a queue.
 """
 
-import importlib.metadata
+from __future__ import annotations
 
-from relay.blocking import BlockingClient, connect
-from relay.client import Client, DeadPage, JobView, LeasedJob, Stats, job_fields, open_client
-from relay.errors import (
-    BadRequest,
-    ConnectionLost,
-    FrameTooLarge,
-    InternalError,
-    InvalidState,
-    JobNotFound,
-    LeaseExpired,
-    NotFound,
-    Overloaded,
-    QueueFull,
-    RelayError,
-    ShuttingDown,
-    StaleToken,
-    Unauthorized,
-    Unavailable,
-    UnknownOp,
-    WrongServer,
-)
-from relay.local import open_local
-from relay.model import JobState, SubmitResult
-from relay.worker import PermanentError, Worker, run_worker
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__version__ = importlib.metadata.version("relay-trio")  # pyproject.toml's
+# Where each public name lives.
+_EXPORTS = {
+    "BlockingClient": "relay.blocking",
+    "connect": "relay.blocking",
+    "Client": "relay.client",
+    "DeadPage": "relay.client",
+    "JobView": "relay.client",
+    "LeasedJob": "relay.client",
+    "Stats": "relay.client",
+    "job_fields": "relay.client",
+    "open_client": "relay.client",
+    "open_local": "relay.local",
+    "JobState": "relay.model",
+    "SubmitResult": "relay.model",
+    "PermanentError": "relay.worker",
+    "Worker": "relay.worker",
+    "run_worker": "relay.worker",
+    **dict.fromkeys(
+        [
+            "BadRequest",
+            "ConnectionLost",
+            "FrameTooLarge",
+            "InternalError",
+            "InvalidState",
+            "JobNotFound",
+            "LeaseExpired",
+            "NotFound",
+            "Overloaded",
+            "QueueFull",
+            "RelayError",
+            "ShuttingDown",
+            "StaleToken",
+            "Unauthorized",
+            "Unavailable",
+            "UnknownOp",
+            "WrongServer",
+        ],
+        "relay.errors",
+    ),
+}
 
-__all__ = [
+__all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
     "BadRequest",
     "BlockingClient",
     "Client",
@@ -75,3 +96,47 @@ __all__ = [
     "open_local",
     "run_worker",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib import metadata
+
+        value: Any = metadata.version("relay-trio")  # pyproject.toml's
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'relay' has no attribute {name!r}")
+    globals()[name] = value  # the next use finds it at once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__, "__version__"])
+
+
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
+    from relay.blocking import BlockingClient, connect
+    from relay.client import Client, DeadPage, JobView, LeasedJob, Stats, job_fields, open_client
+    from relay.errors import (
+        BadRequest,
+        ConnectionLost,
+        FrameTooLarge,
+        InternalError,
+        InvalidState,
+        JobNotFound,
+        LeaseExpired,
+        NotFound,
+        Overloaded,
+        QueueFull,
+        RelayError,
+        ShuttingDown,
+        StaleToken,
+        Unauthorized,
+        Unavailable,
+        UnknownOp,
+        WrongServer,
+    )
+    from relay.local import open_local
+    from relay.model import JobState, SubmitResult
+    from relay.worker import PermanentError, Worker, run_worker

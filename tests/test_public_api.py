@@ -27,9 +27,11 @@ def _documented_names() -> set[str]:
 
 
 def test_the_documented_names_are_relays_all() -> None:
-    assert _documented_names() == set(relay.__all__)
+    assert _documented_names() == set(relay.__all__) == set(relay._EXPORTS)
     for name in relay.__all__:
         assert getattr(relay, name) is not None
+    assert relay.NotFound is relay.JobNotFound
+    assert isinstance(relay.__version__, str)
 
 
 def test_every_relay_name_the_docs_use_is_importable() -> None:

@@ -13,9 +13,8 @@ import contextlib
 import os
 import sqlite3
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import quote
-
-import sqlite_utils
 
 from relay.errors import (
     DatabaseCorrupt,
@@ -25,6 +24,10 @@ from relay.errors import (
     StoreError,
 )
 from relay.store.owner import OwnedConnection, OwnerLock
+
+if TYPE_CHECKING:  # imported by _migrate, when a schema is created or migrated: a server
+    # opening a database already at this version does without it (its imports: ~4 MB)
+    import sqlite_utils
 
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
@@ -235,6 +238,8 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
 def _migrate(conn: sqlite3.Connection, version: int) -> None:
     if version == SCHEMA_VERSION:
         return
+    import sqlite_utils
+
     db = sqlite_utils.Database(conn)
     conn.execute("BEGIN IMMEDIATE")
     try:
