@@ -1,5 +1,6 @@
-"""``relay-trio dead``: the dead jobs: ``list`` them a page at a time, ``retry`` them with
-fresh attempts, ``purge`` them for good; one job, or every dead job of a queue.
+"""``relay-trio dead``: the dead jobs: ``list`` them a page at a time (newest first, or
+``--oldest``), ``retry`` them with fresh attempts, ``purge`` them for good; one job, or
+every dead job of a queue.
 """
 
 from __future__ import annotations
@@ -22,18 +23,50 @@ def dead() -> None:
 @dead.command("list")
 @click.option("--queue", help="Only this queue's dead jobs.")
 @click.option("--limit", type=click.IntRange(min=1), help="Jobs per page (default 100).")
-@click.option("--cursor", help="Where the previous page ended (its next_cursor).")
+@click.option(
+    "--cursor",
+    help="Where the previous page ended (its next_cursor): the next page, in the same order.",
+)
+@click.option("--oldest", is_flag=True, help="Oldest first instead.")
 @address_option
 @json_option
 def dead_list(
-    queue: str | None, limit: int | None, cursor: str | None, address: str, as_json: bool
+    queue: str | None,
+    limit: int | None,
+    cursor: str | None,
+    oldest: bool,
+    address: str,
+    as_json: bool,
 ) -> None:
-    """List dead jobs, oldest first, a page at a time."""
-    page = call(address, lambda client: client.dead_list(queue, limit=limit, cursor=cursor))
+    """List dead jobs, newest first (by job id: the most recently submitted first), a
+    page at a time. The next page: the same command with the --cursor that the table's
+    caption gives (next_cursor with --json)."""
+    order = "oldest" if oldest else "newest"
+    page = call(
+        address, lambda client: client.dead_list(queue, limit=limit, cursor=cursor, order=order)
+    )
     if as_json:
         print_json(page)
+        return
+    table = views.dead_table(page)
+    table.caption = _caption(oldest, page.next_cursor)
+    console().print(table)
+
+
+def _caption(oldest: bool, next_cursor: str | None) -> str:
+    """The dead table's caption: which order, and the option that gives the next page
+    (on a line of its own, so that it is never wrapped in two)."""
+    if oldest:
+        order, more = (
+            "oldest first (--oldest)",
+            f"next page (newer): --oldest --cursor {next_cursor}",
+        )
     else:
-        console().print(views.dead_table(page))
+        order, more = (
+            "newest first (--oldest: oldest first)",
+            f"next page (older): --cursor {next_cursor}",
+        )
+    return order if next_cursor is None else f"{order}\n{more}"
 
 
 def _dead_target(job_id: str | None, queue: str | None, every: bool) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import functools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import trio
 
@@ -250,9 +250,16 @@ class Client:
         return structure_reply(reply, Stats)
 
     async def dead_list(
-        self, queue: str | None = None, *, limit: int | None = None, cursor: str | None = None
+        self,
+        queue: str | None = None,
+        *,
+        limit: int | None = None,
+        cursor: str | None = None,
+        order: Literal["oldest", "newest"] | None = None,
     ) -> DeadPage:
-        reply = await self._call("dead_list", queue=queue, limit=limit, cursor=cursor)
+        """A page of dead jobs by job id: oldest first (the default) or ``order="newest"``;
+        pass its ``next_cursor`` as ``cursor`` (with the same order) for the next page."""
+        reply = await self._call("dead_list", queue=queue, limit=limit, cursor=cursor, order=order)
         return structure_reply(reply, DeadPage)
 
     async def dead_retry(

@@ -237,11 +237,16 @@ class Stats:
         pass
 
 
+# The orders of a dead list (an extension): by job id, so by creation time.
+DEAD_ORDERS = ("oldest", "newest")
+
+
 @attrs.frozen
 class DeadList:
     queue: str | None = None
     limit: int = DEFAULT_DEAD_LIST
     cursor: str | None = None
+    order: str = "oldest"
 
     def check(self, limits: Limits) -> None:
         if self.queue is not None:
@@ -249,6 +254,8 @@ class DeadList:
         check_range("limit", self.limit, 1, limits.max_dead_list)
         if self.cursor is not None and parse_job_id(self.cursor) is None:
             raise _bad("cursor", "not a cursor returned by dead_list")
+        if self.order not in DEAD_ORDERS:
+            raise _bad("order", 'must be "oldest" or "newest"')
 
 
 @attrs.frozen

@@ -384,6 +384,18 @@ async def test_dead_list_pages(client):
     assert first.payload == {"i": 0} and first.finished_at is not None
 
 
+async def test_dead_list_newest_first_pages_with_the_same_order(client):
+    ids = await make_dead(client, "dn", 3)
+    page = await client.dead_list("dn", limit=2, order="newest")
+    assert [j.job_id for j in page.jobs] == [ids[2], ids[1]]
+    rest = await client.dead_list("dn", limit=2, cursor=page.next_cursor, order="newest")
+    assert [j.job_id for j in rest.jobs] == [ids[0]] and rest.next_cursor is None
+    oldest = await client.dead_list("dn", order="oldest")
+    assert [j.job_id for j in oldest.jobs] == ids
+    with pytest.raises(BadRequest, match="order"):
+        await client.dead_list("dn", order="latest")  # type: ignore[arg-type]
+
+
 async def test_dead_retry_and_purge_by_id(client):
     retry_id, purge_id = await make_dead(client, "dr", 2)
     assert await client.dead_retry(retry_id) == 1

@@ -50,7 +50,7 @@ class AdminHandlers:
 
     def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "dead_list")
-        page = (r.queue, r.limit, r.cursor, self.limits.max_reply_bytes)
+        page = (r.queue, r.limit, r.cursor, self.limits.max_reply_bytes, r.order == "newest")
         args = ops.Reserving(page, self.limits.max_reply_bytes + self._job_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))

@@ -301,10 +301,16 @@ class Store(Protocol):
         """Per queue with ready jobs: how long its oldest ready job has waited (ms)."""
 
     def dead_list(
-        self, queue: str | None, limit: int, cursor: str | None, max_bytes: int | None = None
+        self,
+        queue: str | None,
+        limit: int,
+        cursor: str | None,
+        max_bytes: int | None = None,
+        newest: bool = False,
     ) -> tuple[list[JobInfo], str | None]:
-        """Dead jobs oldest first, a page of at most ``limit`` (and ``max_bytes``, at least
-        one job), and the cursor of the next page or None."""
+        """Dead jobs by job id, oldest first (``newest``: newest first), a page of at most
+        ``limit`` (and ``max_bytes``, at least one job) after ``cursor``'s job in that
+        order, and the cursor of the next page or None."""
 
     # -- dead letters ------------------------------------------------------------------------
 

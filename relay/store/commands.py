@@ -252,9 +252,10 @@ class DeadList:
     limit: int
     cursor: str | None = None
     max_bytes: int | None = None
+    newest: bool = False
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_list(self.queue, self.limit, self.cursor, self.max_bytes)
+        return store.dead_list(self.queue, self.limit, self.cursor, self.max_bytes, self.newest)
 
 
 @attrs.frozen

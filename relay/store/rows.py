@@ -14,6 +14,10 @@ JOB_COLUMNS = (
     "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
 )
 
+# The largest key a job id can have (63 bits, relay/model.py): the bound of the first page
+# newest first. Both SQLite's and PostgreSQL's integers hold it.
+MAX_JOB_KEY = (1 << 63) - 1
+
 
 def _same(text: str | None) -> str | None:
     return text
@@ -49,11 +53,15 @@ def job_info(
     )
 
 
-def after_cursor(cursor: str | None) -> int:
-    """The id a dead-list page starts after: its cursor's, or -1 (the first page, or a
-    cursor that names no job)."""
-    after = parse_job_id(cursor) if cursor is not None else None
-    return -1 if after is None else after
+def cursor_bound(cursor: str | None, newest: bool) -> int:
+    """Where a dead-list page starts: after its cursor's job in the order asked. Oldest
+    first, the page holds ids above the bound (the cursor's id, or -1); newest first, ids
+    up to it (the cursor's id less one, or the largest id). No cursor, or one that names
+    no job: the first page."""
+    key = parse_job_id(cursor) if cursor is not None else None
+    if newest:
+        return MAX_JOB_KEY if key is None else key - 1
+    return -1 if key is None else key
 
 
 def page(

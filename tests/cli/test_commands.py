@@ -151,11 +151,11 @@ async def test_dead_list_retry_and_purge(address, client):
 
     page = (await relay_trio("dead", "list", "--queue", "alpha", "--limit", "1", "--json",
                              address=address)).json()  # fmt: skip
-    assert [job["job_id"] for job in page["jobs"]] == [a1]
+    assert [job["job_id"] for job in page["jobs"]] == [a2]
     assert page["next_cursor"] is not None
     rest = (await relay_trio("dead", "list", "--queue", "alpha", "--cursor",
                              page["next_cursor"], "--json", address=address)).json()  # fmt: skip
-    assert [job["job_id"] for job in rest["jobs"]] == [a2] and rest["next_cursor"] is None
+    assert [job["job_id"] for job in rest["jobs"]] == [a1] and rest["next_cursor"] is None
 
     retried = await relay_trio("dead", "retry", a1, address=address)
     assert retried.stdout.strip() == "retried 1 dead job", retried
@@ -174,6 +174,56 @@ async def test_dead_list_retry_and_purge(address, client):
     assert forced.json() == {"count": 1}
     empty = await relay_trio("dead", "list", address=address)
     assert "no dead jobs" in empty.stdout
+
+
+JOB_ID = re.compile(r"job_[0-9a-f]{16}")
+NEXT_PAGE = re.compile(r"--cursor (job_[0-9a-f]{16})")
+
+
+async def test_dead_list_shows_the_newest_first_and_pages_in_either_order(address, client):
+    ids = [await make_dead(client, "q", f"error {n}") for n in range(3)]
+    runs = {
+        "table": ("dead", "list"),
+        "json": ("dead", "list", "--json"),
+        "oldest table": ("dead", "list", "--oldest"),
+        "oldest json": ("dead", "list", "--oldest", "--json"),
+    }
+    results = {}
+
+    async def run(name: str, *args: str) -> None:
+        results[name] = await relay_trio(*args, address=address)
+
+    async def pages(name: str, *args: str) -> None:
+        """Every page of one job, following the cursor the table's caption prints."""
+        seen: list[str] = []
+        more: tuple[str, ...] = ()
+        for _ in range(5):
+            page = await relay_trio("dead", "list", "--limit", "1", *args, *more, address=address)
+            assert page.code == 0, page
+            [row] = [line for line in page.stdout.splitlines() if line.startswith("│")]
+            seen += JOB_ID.findall(row)
+            if (cursor := NEXT_PAGE.search(page.stdout)) is None:
+                break
+            assert cursor[1] == seen[-1], page.stdout
+            more = ("--cursor", cursor[1])
+        results[name] = seen
+
+    async with trio.open_nursery() as nursery:
+        for name, args in runs.items():
+            nursery.start_soon(run, name, *args)
+        nursery.start_soon(pages, "newest pages")
+        nursery.start_soon(pages, "oldest pages", "--oldest")
+    for name in runs:
+        assert results[name].code == 0, results[name]
+    newest = ids[::-1]
+    assert JOB_ID.findall(results["table"].stdout) == newest
+    assert "newest first" in results["table"].stdout
+    assert [job["job_id"] for job in results["json"].json()["jobs"]] == newest
+    assert JOB_ID.findall(results["oldest table"].stdout) == ids
+    assert "oldest first" in results["oldest table"].stdout
+    assert [job["job_id"] for job in results["oldest json"].json()["jobs"]] == ids
+    assert results["newest pages"] == newest
+    assert results["oldest pages"] == ids
 
 
 async def test_dead_retry_and_purge_need_a_job_or_a_whole_queue(address):

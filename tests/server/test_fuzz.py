@@ -424,6 +424,8 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),
             "limit": int_field(1, LIMITS.max_dead_list),
             "cursor": Field("str", cursors, nullable=True, bad=bad_cursors),
+            "order": Field("str", st.sampled_from(["oldest", "newest"]),
+                           bad=st.sampled_from(["", "newer", "NEWEST", "oldest "])),
         },
     ),
     ("dead_retry", DEAD_ONE),

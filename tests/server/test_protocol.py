@@ -692,6 +692,52 @@ async def test_dead_list_pages_with_cursor(client):
     assert everything["next_cursor"] is None
 
 
+async def dead_pages(client: LineClient, **fields: Any) -> list[list[str]]:
+    """The job ids of every page of ``dead_list`` with ``fields``, following next_cursor."""
+    pages: list[list[str]] = []
+    cursor = None
+    while len(pages) < 10:
+        more = {} if cursor is None else {"cursor": cursor}
+        reply = await client.ok("dead_list", **fields, **more)
+        pages.append([job["job_id"] for job in reply["jobs"]])
+        if (cursor := reply["next_cursor"]) is None:
+            return pages
+        assert cursor == pages[-1][-1]
+    raise AssertionError(f"no last page: {pages}")
+
+
+async def test_dead_list_newest_first_pages_to_the_oldest(client):
+    ids = await make_dead(client, "dq", 5)
+    await make_dead(client, "other", 1)
+    assert await dead_pages(client, queue="dq", limit=2, order="newest") == [
+        ids[:2:-1], ids[2:0:-1], ids[:1]
+    ]  # fmt: skip
+    assert await dead_pages(client, queue="dq", limit=2, order="oldest") == [
+        ids[:2], ids[2:4], ids[4:]
+    ]  # fmt: skip
+    assert await dead_pages(client, queue="dq", limit=2) == await dead_pages(
+        client, queue="dq", limit=2, order="oldest"
+    )
+    every = await dead_pages(client, limit=100, order="newest")
+    assert len(every[0]) == 6 and every[0] == sorted(every[0], reverse=True)
+
+
+async def test_dead_list_cursor_goes_on_after_its_job_when_jobs_die_between_pages(client):
+    ids = await make_dead(client, "dq", 4)
+    first = await client.ok("dead_list", queue="dq", limit=2, order="newest")
+    cursor = first["next_cursor"]
+    assert [j["job_id"] for j in first["jobs"]] == [ids[3], ids[2]] and cursor == ids[2]
+    # A job dies between the pages: newer than the cursor, so not on the next page newest
+    # first (it is on the first page again); oldest first, after the same cursor, it is.
+    [late] = await make_dead(client, "dq", 1)
+    rest = await client.ok("dead_list", queue="dq", cursor=cursor, order="newest")
+    assert [j["job_id"] for j in rest["jobs"]] == [ids[1], ids[0]] and rest["next_cursor"] is None
+    after = await client.ok("dead_list", queue="dq", cursor=cursor, order="oldest")
+    assert [j["job_id"] for j in after["jobs"]] == [ids[3], late]
+    top = await client.ok("dead_list", queue="dq", limit=1, order="newest")
+    assert [j["job_id"] for j in top["jobs"]] == [late]
+
+
 async def test_dead_retry_one_job(client):
     job_id, other = await make_dead(client, "dq", 2)
     reply = await client.ok("dead_retry", job_id=job_id)
@@ -843,6 +889,12 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("dead_list", {"limit": "10"}, ("limit",)),
     ("dead_list", {"queue": BAD}, ("queue",)),
     ("dead_list", {"queue": "q\n"}, ("queue",)),
+    ("dead_list", {"order": "newer"}, ("order",)),
+    ("dead_list", {"order": "NEWEST"}, ("order",)),
+    ("dead_list", {"order": 1}, ("order",)),
+    ("dead_list", {"order": None}, ("order",)),
+    ("dead_list", {"cursor": "job_1", "order": "newest"}, ("cursor",)),
+    ("dead_list", {"cursor": 5, "order": "oldest"}, ("cursor",)),
     ("dead_retry", {"queue": "q"}, ("all",)),
     ("dead_retry", {"queue": "q", "all": False}, ("all",)),
     ("dead_retry", {"queue": "q", "all": "yes"}, ("all",)),

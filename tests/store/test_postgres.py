@@ -34,6 +34,7 @@ from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import maintenance as maintenance_sql
 from relay.store.postgres import reads as reads_sql
 from relay.store.postgres.sql import decode_text, encode_text
+from relay.store.rows import MAX_JOB_KEY
 from tests.conftest import T0
 
 LEASE_MS = 30_000
@@ -541,10 +542,14 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
             ("SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'", (), "jobs_leased"),
             (reads_sql._DEAD, (-1, 10), "jobs_dead"),
             (reads_sql._DEAD_OF_QUEUE, ("q0", -1, 10), "jobs_dead_queue"),
+            (reads_sql._DEAD_NEWEST, (MAX_JOB_KEY, 10), "jobs_dead"),
+            (reads_sql._DEAD_OF_QUEUE_NEWEST, ("q0", MAX_JOB_KEY, 10), "jobs_dead_queue"),
             (dead_sql._PURGE_QUEUE, ("q0", 10), "jobs_dead_queue"),
         ]:
             plan = _plan(conn, statement, params, prepared)
             assert f"using {index} on jobs" in plan, plan
             assert "Seq Scan on jobs" not in plan, plan
             if index == "jobs_ready":  # each class's oldest first, in the index's order
+                assert "Sort" not in plan, plan
+            if statement in reads_sql._DEAD_PAGES.values():  # either order: the index's
                 assert "Sort" not in plan, plan

@@ -934,6 +934,59 @@ def test_dead_list_pages_oldest_first_until_next_cursor_is_none(store, total):
     assert [len(p) for p in pages] == [2] * (total // 2) + ([1] if total % 2 else [])
 
 
+def _pages(store: Store, queue: str | None, limit: int, newest: bool) -> list[list[str]]:
+    """Every page of the dead list in one order, following next_cursor to the end."""
+    pages: list[list[str]] = []
+    cursor = None
+    while True:
+        jobs, cursor = store.dead_list(queue, limit, cursor, newest=newest)
+        pages.append([j.job_id for j in jobs])
+        if cursor is None:
+            return pages
+        assert cursor == jobs[-1].job_id and len(pages) < 100
+
+
+@pytest.mark.parametrize("queue", [None, "q"])
+def test_dead_list_pages_newest_first_by_job_id(store, queue):
+    # The oldest job dies last: the order is by job id (creation), not by time of death.
+    first = submit(store, T0, max_attempts=1, delay_ms=10)
+    dead = [make_dead(store, T0 + i) for i in range(1, 6)]
+    make_dead(store, T0, "other")  # listed only without a queue
+    store.jobs_promote_due(T0 + 10, 10)
+    lease = claim_one(store, T0 + 10)
+    assert lease.job_id == first
+    store.jobs_fail(first, "w1", lease.token, "late", False, T0 + 10)
+    submit(store, T0 + 20)  # a live job is never listed
+    mine = [first, *dead]
+    pages = _pages(store, queue, 2, newest=True)
+    assert [len(p) for p in pages] == ([2, 2, 2] if queue else [2, 2, 2, 1])
+    listed = [job for page in pages for job in page]
+    assert [j for j in listed if j in mine] == mine[::-1]
+    assert listed == sorted(listed, reverse=True)
+    assert [job for page in _pages(store, queue, 2, newest=False) for job in page] == listed[::-1]
+
+
+def test_dead_list_cursor_means_after_its_job_in_the_order_asked(store):
+    dead = [make_dead(store, T0 + i) for i in range(5)]
+    jobs, cursor = store.dead_list(None, 2, None, newest=True)
+    assert [j.job_id for j in jobs] == [dead[4], dead[3]] and cursor == dead[3]
+    # A job that dies between pages is on a later page only if it lies beyond the cursor:
+    # newest first, a new job (the newest id) is not; oldest first, it is.
+    late = make_dead(store, T0 + 10)
+    jobs, _ = store.dead_list(None, 10, cursor, newest=True)
+    assert [j.job_id for j in jobs] == [dead[2], dead[1], dead[0]]
+    # The same cursor oldest first: the jobs after it in that order.
+    jobs, _ = store.dead_list(None, 10, cursor, newest=False)
+    assert [j.job_id for j in jobs] == [dead[4], late]
+    # The cursor's own job need not be dead any more.
+    store.dead_purge(dead[3])
+    jobs, _ = store.dead_list(None, 1, cursor, newest=True)
+    assert [j.job_id for j in jobs] == [dead[2]]
+    # A cursor that names no job: the first page, in either order.
+    assert store.dead_list(None, 1, "nope", newest=True)[0][0].job_id == late
+    assert store.dead_list(None, 1, "nope")[0][0].job_id == dead[0]
+
+
 def test_dead_list_filters_by_queue(store):
     a = [make_dead(store, T0, "a") for _ in range(3)]
     make_dead(store, T0, "b")
@@ -1389,6 +1442,16 @@ def test_time_driven_pass_seeks_its_partial_index(store, call, index):
     selects = _traced_selects(store, lambda: call(store))
     assert len(selects) == 1, selects
     _assert_seeks_only(_plan(store, selects[0]), index)
+
+
+@sqlite_only
+@pytest.mark.parametrize("queue", [None, "q"])
+@pytest.mark.parametrize("newest", [False, True], ids=["oldest", "newest"])
+def test_dead_list_seeks_its_partial_index_in_either_order(store, queue, newest):
+    make_dead(store, T0)
+    selects = _traced_selects(store, lambda: store.dead_list(queue, 10, None, newest=newest))
+    assert len(selects) == 1, selects
+    _assert_seeks_only(_plan(store, selects[0]), "jobs_dead_queue" if queue else "jobs_dead")
 
 
 @sqlite_only

@@ -14,7 +14,7 @@ from relay.errors import JobNotFound
 from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
 from relay.store.base import ERRORS_SHOWN
 from relay.store.postgres.sql import decode_text
-from relay.store.rows import JOB_COLUMNS, after_cursor, job_info, page
+from relay.store.rows import JOB_COLUMNS, cursor_bound, job_info, page
 
 if TYPE_CHECKING:
     from relay.store.postgres.store import PostgresStore
@@ -35,11 +35,27 @@ _OLDEST_READY = (
     "state = 'ready' AND queue = q AND priority = p ORDER BY ready_at LIMIT 1) AS first "
     "FROM unnest(ARRAY[3, 2, 1, 0]) AS p) AS firsts) FROM unnest(%s::text[]) AS q"
 )
+# A page of the dead list, by (of one queue, newest first): an index scan of jobs_dead
+# (or jobs_dead_queue: queue then id), forward or backward from the cursor's bound
+# (rows.cursor_bound), never a sort.
 _DEAD = f"SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND id > %s ORDER BY id LIMIT %s"
+_DEAD_NEWEST = (
+    f"SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND id <= %s ORDER BY id DESC LIMIT %s"
+)
 _DEAD_OF_QUEUE = (
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND queue = %s AND id > %s "
     "ORDER BY id LIMIT %s"
 )
+_DEAD_OF_QUEUE_NEWEST = (
+    f"SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'dead' AND queue = %s AND id <= %s "
+    "ORDER BY id DESC LIMIT %s"
+)
+_DEAD_PAGES = {
+    (False, False): _DEAD,
+    (False, True): _DEAD_NEWEST,
+    (True, False): _DEAD_OF_QUEUE,
+    (True, True): _DEAD_OF_QUEUE_NEWEST,
+}
 
 
 class Reads:
@@ -87,15 +103,15 @@ class Reads:
         limit: int,
         cursor: str | None,
         max_bytes: int | None = None,
+        newest: bool = False,
     ) -> tuple[list[JobInfo], str | None]:
-        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page.
+        """Dead jobs by job id, oldest first (``newest``: newest first), ``limit`` at a
+        time; pass ``next_cursor`` for the next page.
 
         With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
         least one job); ``next_cursor`` then continues after the last job given.
         """
-        after = after_cursor(cursor)
-        if queue is None:
-            rows = self._read(_DEAD, (after, limit + 1)).fetchall()
-        else:
-            rows = self._read(_DEAD_OF_QUEUE, (queue, after, limit + 1)).fetchall()
+        bound = cursor_bound(cursor, newest)
+        params = (bound, limit + 1) if queue is None else (queue, bound, limit + 1)
+        rows = self._read(_DEAD_PAGES[queue is not None, newest], params).fetchall()
         return page(self._job_infos(rows[:limit]), len(rows) > limit, max_bytes)

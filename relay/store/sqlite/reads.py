@@ -11,7 +11,7 @@ from __future__ import annotations
 from relay.errors import JobNotFound
 from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
 from relay.store.base import ERRORS_SHOWN, READY
-from relay.store.rows import JOB_COLUMNS, after_cursor, job_info, page
+from relay.store.rows import JOB_COLUMNS, cursor_bound, job_info, page
 from relay.store.sqlite.sql import _PRIORITIES_HIGH_FIRST, SqliteBase
 
 # The oldest ready_at of a queue: the least of each priority's first entry in jobs_ready.
@@ -24,6 +24,28 @@ _OLDEST_READY_SQL = (
     )
     + ")"
 )
+
+# A page of the dead list, by (of one queue, newest first): one seek of a partial index
+# (jobs_dead, or jobs_dead_queue: queue then id), read forward or backward from the
+# cursor's bound (rows.cursor_bound), never a sort.
+_DEAD_PAGES = {
+    (False, False): (
+        f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+        "WHERE state = 'dead' AND id > ? ORDER BY id LIMIT ?"
+    ),
+    (False, True): (
+        f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+        "WHERE state = 'dead' AND id <= ? ORDER BY id DESC LIMIT ?"
+    ),
+    (True, False): (
+        f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
+        "WHERE state = 'dead' AND queue = ? AND id > ? ORDER BY id LIMIT ?"
+    ),
+    (True, True): (
+        f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
+        "WHERE state = 'dead' AND queue = ? AND id <= ? ORDER BY id DESC LIMIT ?"
+    ),
+}
 
 
 class SqliteReads(SqliteBase):
@@ -83,24 +105,20 @@ class SqliteReads(SqliteBase):
         return [job_info(row, errors[row[0]]) for row in rows]
 
     def dead_list(
-        self, queue: str | None, limit: int, cursor: str | None, max_bytes: int | None = None
+        self,
+        queue: str | None,
+        limit: int,
+        cursor: str | None,
+        max_bytes: int | None = None,
+        newest: bool = False,
     ) -> tuple[list[JobInfo], str | None]:
-        """Dead jobs oldest first, ``limit`` at a time; pass ``next_cursor`` for the next page.
+        """Dead jobs by job id, oldest first (``newest``: newest first), ``limit`` at a
+        time; pass ``next_cursor`` for the next page.
 
         With ``max_bytes``, a page also ends once its jobs' texts reach it (always at
         least one job); ``next_cursor`` then continues after the last job given.
         """
-        after = after_cursor(cursor)
-        if queue is None:
-            rows = self._db.execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead "
-                "WHERE state = 'dead' AND id > ? ORDER BY id LIMIT ?",
-                (after, limit + 1),
-            ).fetchall()
-        else:
-            rows = self._db.execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs INDEXED BY jobs_dead_queue "
-                "WHERE state = 'dead' AND queue = ? AND id > ? ORDER BY id LIMIT ?",
-                (queue, after, limit + 1),
-            ).fetchall()
+        bound = cursor_bound(cursor, newest)
+        params = (bound, limit + 1) if queue is None else (queue, bound, limit + 1)
+        rows = self._db.execute(_DEAD_PAGES[queue is not None, newest], params).fetchall()
         return page(self._job_infos(rows[:limit]), len(rows) > limit, max_bytes)
