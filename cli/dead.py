@@ -5,6 +5,7 @@ every dead job of a queue.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ import click
 
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
-from relay_cli.options import address_option, json_option
+from relay_cli.options import DEFAULT_TIMEOUT_S, address_option, json_option
 
 
 @click.group()
@@ -20,7 +21,7 @@ def dead() -> None:
     """Dead jobs: list them, retry them, purge them."""
 
 
-@dead.command("list")
+@dead.command("list", short_help="List dead jobs, newest first, a page at a time.")
 @click.option("--queue", help="Only this queue's dead jobs.")
 @click.option("--limit", type=click.IntRange(min=1), help="Jobs per page (default 100).")
 @click.option(
@@ -84,29 +85,44 @@ def _dead_target(job_id: str | None, queue: str | None, every: bool) -> dict[str
     return {"queue": queue, "all": True}
 
 
+# Retrying or purging a whole queue's dead jobs runs in many bounded transactions, and is
+# answered when the last has committed: on a queue of a million dead jobs, tens of seconds.
+WHOLE_QUEUE_TIMEOUT_S = 600.0
+
+
+def _timeout(every: bool) -> float:
+    """The default --timeout: a whole queue's may take long; one job's is quick."""
+    return WHOLE_QUEUE_TIMEOUT_S if every else DEFAULT_TIMEOUT_S
+
+
 def _dead_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = json_option(fn)
     fn = address_option(fn)
-    fn = click.option("--all", "every", is_flag=True, help="Every dead job of --queue.")(fn)
+    fn = click.option(
+        "--all",
+        "every",
+        is_flag=True,
+        help="Every dead job of --queue (--timeout then defaults to 600 s).",
+    )(fn)
     fn = click.option("--queue", help="With --all: the queue whose dead jobs to take.")(fn)
     return click.argument("job_id", metavar="[JOB]", required=False)(fn)
 
 
-@dead.command("retry")
+@dead.command("retry", short_help="Make dead jobs ready again, with fresh attempts.")
 @_dead_options
 def dead_retry(
     job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool
 ) -> None:
     """Make a dead job (or every dead job of a queue) ready again, with fresh attempts."""
     target = _dead_target(job_id, queue, every)
-    count = call(address, lambda client: client.dead_retry(**target))
+    count = call(address, lambda client: client.dead_retry(**target), timeout=_timeout(every))
     if as_json:
         print_json({"count": count})
     else:
         click.echo(f"retried {plural(count, 'dead job')}")
 
 
-@dead.command("purge")
+@dead.command("purge", short_help="Delete dead jobs for good.")
 @_dead_options
 @click.option("--yes", is_flag=True, help="Do not ask before purging a whole queue.")
 def dead_purge(
@@ -115,10 +131,15 @@ def dead_purge(
     """Delete a dead job (or every dead job of a queue) for good."""
     target = _dead_target(job_id, queue, every)
     if every and not yes:
+        if not sys.stdin.isatty():
+            raise click.UsageError(
+                f"--all would delete every dead job of queue {queue} for good, and there is "
+                "no terminal to confirm on: add --yes"
+            )
         click.confirm(
             f"Delete every dead job of queue {queue}? This cannot be undone", abort=True, err=True
         )
-    count = call(address, lambda client: client.dead_purge(**target))
+    count = call(address, lambda client: client.dead_purge(**target), timeout=_timeout(every))
     if as_json:
         print_json({"count": count})
     else:

@@ -332,3 +332,12 @@ async def test_an_address_with_another_scheme_is_refused_naming_the_schemes():
     assert_one_line_error(result, "http://", "tcp://", "tls://", code=2)
     result = await relay_trio("stats", "--address", "tcp://127.0.0.1:1", "--timeout", "2")
     assert_one_line_error(result, "cannot connect to 127.0.0.1:1")
+
+
+async def test_purging_a_whole_queue_without_a_terminal_asks_for_yes(address, client):
+    await client.submit("doomed", {"fail": True}, retries=0)
+    result = await relay_trio("dead", "purge", "--queue", "doomed", "--all", address=address)
+    assert_one_line_error(result, "no terminal to confirm on", "--yes", code=2)
+    result = await relay_trio("dead", "purge", "--queue", "doomed", "--all", "--yes",
+                              address=address)  # fmt: skip
+    assert result.code == 0 and result.stdout.startswith("purged"), result
