@@ -161,10 +161,10 @@ async def test_dead_list_retry_and_purge(address, client):
     assert retried.stdout.strip() == "retried 1 dead job", retried
     assert (await client.inspect(a1)).state == JobState.READY
 
-    # A whole queue is purged only once confirmed.
+    # A whole queue is purged only once confirmed: without a terminal, --yes says so.
     refused = await relay_trio("dead", "purge", "--queue", "alpha", "--all", address=address,
-                               stdin="n\n")  # fmt: skip
-    assert refused.code == 1 and "aborted" in refused.stderr, refused
+                               stdin="y\n")  # fmt: skip
+    assert refused.code == 2 and "--yes" in refused.stderr, refused
     assert (await client.inspect(a2)).state == JobState.DEAD
     confirmed = await relay_trio("dead", "purge", "--queue", "beta", "--all", address=address,
                                  stdin="y\n")  # fmt: skip
