@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import signal
 import socket
@@ -18,7 +19,9 @@ from relay.client import Client
 
 from .conftest import (
     BOUND_S,
+    COMMAND_TIMEOUT_S,
     RELAY,
+    Result,
     assert_one_line_error,
     cli_env,
     relay_trio,
@@ -166,8 +169,8 @@ async def test_dead_list_retry_and_purge(address, client):
                                stdin="y\n")  # fmt: skip
     assert refused.code == 2 and "--yes" in refused.stderr, refused
     assert (await client.inspect(a2)).state == JobState.DEAD
-    confirmed = await relay_trio("dead", "purge", "--queue", "beta", "--all", address=address,
-                                 stdin="y\n")  # fmt: skip
+    confirmed = await on_a_terminal("y", "dead", "purge", "--queue", "beta", "--all",
+                                    address=address)  # fmt: skip
     assert confirmed.stdout.strip() == "purged 1 dead job", confirmed
     forced = await relay_trio("dead", "purge", "--queue", "alpha", "--all", "--yes", "--json",
                               address=address)  # fmt: skip
@@ -305,6 +308,22 @@ async def test_errors_are_one_line_with_a_non_zero_exit(address, nursery):
     assert_one_line_error(results["demo db nowhere"], "--db", "no such directory", code=2)
     for result in results.values():
         assert result.stdout == ""
+
+
+async def on_a_terminal(answer: str, *args: str, address: str) -> Result:
+    """``relay-trio *args`` with a terminal (a pty) for stdin, where ``answer`` is typed."""
+    leader, follower = os.openpty()
+    try:
+        os.write(leader, answer.encode() + b"\n")
+        with trio.fail_after(COMMAND_TIMEOUT_S):
+            done = await trio.run_process(
+                [str(RELAY), *args], stdin=follower, capture_stdout=True, capture_stderr=True,
+                check=False, env=cli_env(address),
+            )  # fmt: skip
+    finally:
+        os.close(leader)
+        os.close(follower)
+    return Result(done.returncode, done.stdout.decode(), done.stderr.decode())
 
 
 # -- demo ---------------------------------------------------------------------------------
