@@ -127,7 +127,8 @@ class TopView:
         status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
                       overflow="ellipsis")  # fmt: skip
         if self.server is not None:
-            status.append(f" · {self.server.connections} connections")
+            connections = self.server.connections
+            status.append(f" · {connections} connection" + ("" if connections == 1 else "s"))
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
         layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids)

@@ -204,6 +204,9 @@ def test_top_shows_whole_ids_when_asked(width):
 
 
 def test_top_before_its_first_stats_shows_empty_tables():
-    lines = lines_of(TopView(clock=lambda: 0.0).render(), 80)
+    view = TopView(clock=lambda: 0.0)
+    lines = lines_of(view.render(), 80)
     assert lines[0] == "relay-trio top · connecting"
     assert "none yet" in row(lines, "none yet")
+    view.stats({}, ServerInfo("0.1.0", 1_000, 1), {})
+    assert lines_of(view.render(), 80)[0] == "relay-trio top · connecting · 1 connection"
