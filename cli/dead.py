@@ -29,6 +29,7 @@ def dead() -> None:
     help="Where the previous page ended (its next_cursor): the next page, in the same order.",
 )
 @click.option("--oldest", is_flag=True, help="Oldest first instead.")
+@click.option("--full", is_flag=True, help="Whole job ids (--json always has them).")
 @address_option
 @json_option
 def dead_list(
@@ -36,6 +37,7 @@ def dead_list(
     limit: int | None,
     cursor: str | None,
     oldest: bool,
+    full: bool,
     address: str,
     as_json: bool,
 ) -> None:
@@ -49,9 +51,9 @@ def dead_list(
     if as_json:
         print_json(page)
         return
-    table = views.dead_table(page)
-    table.caption = _caption(oldest, page.next_cursor)
-    console().print(table)
+    console().print(
+        views.dead_table(page, full_ids=full, caption=_caption(oldest, page.next_cursor))
+    )
 
 
 def _caption(oldest: bool, next_cursor: str | None) -> str:

@@ -67,8 +67,9 @@ def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> Non
 
 
 @click.command()
+@click.option("--full", is_flag=True, help="Whole job ids in the failures.")
 @address_option
-def top(address: str) -> None:
+def top(full: bool, address: str) -> None:
     """A live view of the queues until Ctrl-C: counts by state, jobs submitted, succeeded
     and failed per second over the last 10 s, and the latest failures. Reconnects when
     the server restarts; ends at once on what no reconnection fixes (a token refused, a
@@ -77,7 +78,8 @@ def top(address: str) -> None:
 
     token = client_token()
     address, tls_ca = client_target(address)
-    run(run_top, address, token, tls_ca, TopView(), client_timeout(), address=address)
+    view = TopView(full_ids=full)
+    run(run_top, address, token, tls_ca, view, client_timeout(), address=address)
 
 
 @click.command()

@@ -5,17 +5,20 @@ to it, and ``render()``, so that a test can draw it into a recording Console. ``
 owns the connection: it reconnects after a server restart (showing that it does), and
 draws at most ``REFRESH_PER_S`` times a second. An error that no retry can fix (a token
 refused, TLS on one side only or a certificate not trusted, a peer that is not a relay-trio
-server) ends it instead, for the command to say in one line.
+server) ends it instead, for the command to say in one line. The view is laid out for the
+terminal's width as the other tables are (cli/views.py): one line per queue and per
+failure.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import ssl
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import trio
 from rich.console import Group
@@ -26,7 +29,7 @@ from rich.text import Text
 from relay.client import Client, open_client
 from relay.errors import BadRequest, RelayError, Unauthorized, WrongServer
 from relay.model import JobState
-from relay_cli.views import format_duration
+from relay_cli import views
 
 RATE_WINDOW_S = 10.0  # rates are per second over this many seconds
 STATS_EVERY_S = 1.0
@@ -36,13 +39,38 @@ RECONNECT_S = 1.0
 STATES = [str(state) for state in JobState]
 
 
+# The rates, by the kind of event counted, with their columns' headers.
+RATES = (("submitted", "sub/s"), ("succeeded", "ok/s"), ("failed", "fail/s"))
+# The counts left out when the queue names would not fit whole beside them: the rates of
+# submitted and succeeded jobs stay, and ``relay-trio stats`` shows every count.
+OPTIONAL_STATES = ("pending", "succeeded")
+NO_FAILURES = "none yet"
+
+
 class TopView:
     """What ``top`` shows: per queue, the counts by state (from stats) and the rates of
     submitted, succeeded and failed jobs over the last RATE_WINDOW_S (from events); the
-    latest failures; and the connection's status."""
+    latest failures; and the connection's status.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    Drawn as two tables, one line per row, at the width of the terminal:
+
+    - per queue: the jobs in each state, how long its oldest ready job has waited, and
+      the jobs submitted, succeeded and failed per second ("sub/s", "ok/s", "fail/s").
+      The pending and succeeded counts are left out where they would cut a queue name:
+      at 80 columns, a name longer than 3 to 9 characters (as the counts and rates have
+      six figures or one); at 100, longer than 23 to 29. The other columns then leave a
+      name 21 to 27 characters at 80; a longer one is cut in the middle
+      (``views.cut_middle``): "billing.in…nightly-run".
+    - the latest failures: the job's id (the shortest abbreviation unique among the
+      failures shown, ``views.short_ids``; whole with ``full_ids``), its queue, the
+      attempt and the first line of its error, which gets the rest of the width.
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, full_ids: bool = False
+    ) -> None:
         self.clock = clock
+        self.full_ids = full_ids
         self.queues: dict[str, dict[str, int]] = {}
         self.oldest_ready_ms: dict[str, int] = {}  # per queue with ready jobs
         self.server: Any = None  # the stats' ServerInfo
@@ -90,40 +118,107 @@ class TopView:
             counts[queue][kind] += 1
         return {q: {k: n / RATE_WINDOW_S for k, n in c.items()} for q, c in counts.items()}
 
-    def render(self) -> Group:
+    def render(self) -> views.Fitted:
+        """The view as it is now, laid out at the width it is drawn at. What it shows is
+        taken here, in the caller's thread: a Live redraws it from a thread of its own
+        while events go on changing the view."""
         rates = self.rates()
-        table = Table(title="Queues", expand=True)
-        table.add_column("queue")
-        for state in STATES:
-            table.add_column(state, justify="right")
-        table.add_column("oldest ready", justify="right")
-        for kind in ("submitted/s", "succeeded/s", "failed/s"):
-            table.add_column(kind, justify="right")
-        for queue in sorted(set(self.queues) | set(rates)):
-            counts = self.queues.get(queue, {})
-            rate = rates.get(queue, {})
-            table.add_row(
-                queue,
-                *(f"{counts.get(state, 0):,}" for state in STATES),
-                age(self.oldest_ready_ms.get(queue)),
-                *(f"{rate.get(kind, 0.0):.1f}" for kind in ("submitted", "succeeded", "failed")),
-            )
-        failures = Table(title="Latest failures", expand=True)
-        for column in ("job", "queue", "attempt", "error"):
-            failures.add_column(column)
-        for job_id, queue, attempt, error in self.failures:
-            failures.add_row(job_id, queue, str(attempt), error)
-        status = Text(f"relay-trio top · {self.status}", style="bold")
+        rows = [
+            _QueueRow(name, dict(self.queues.get(name, {})), self.oldest_ready_ms.get(name),
+                      rates.get(name, {}))
+            for name in sorted(set(self.queues) | set(rates))
+        ]  # fmt: skip
+        status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
+                      overflow="ellipsis")  # fmt: skip
         if self.server is not None:
-            status.append(f" · {self.server.connections} connections")
+            connections = self.server.connections
+            status.append(f" · {connections} connection" + ("" if connections == 1 else "s"))
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
-        return Group(status, table, failures)
+        layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids)
+        return views.Fitted(layout)
+
+
+class _QueueRow(NamedTuple):
+    name: str
+    counts: dict[str, int]
+    oldest_ready_ms: int | None
+    rates: dict[str, float]
+
+
+def _layout(
+    status: Text,
+    rows: Sequence[_QueueRow],
+    failures: Sequence[tuple[str, str, int, str]],
+    full_ids: bool,
+    width: int,
+) -> Group:
+    return Group(status, _queues_table(rows, width), _failures_table(failures, full_ids, width))
+
+
+def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
+    columns: dict[str, list[Text]] = {
+        state: [views.count_text(row.counts.get(state, 0), state) for row in rows]
+        for state in STATES
+    }
+    columns[views.OLDEST_READY] = [Text(age(row.oldest_ready_ms)) for row in rows]
+    for kind, header in RATES:
+        columns[header] = [Text(rate(row.rates.get(kind, 0.0))) for row in rows]
+    widths = {header: views.column_width(header, cells) for header, cells in columns.items()}
+    widths[views.OLDEST_READY] += 1  # "2m 03s" has a space: one more before it
+
+    names = ["queue", *(row.name for row in rows)]
+    longest = max(map(len, names))
+    if longest > width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP):
+        for state in OPTIONAL_STATES:
+            del columns[state], widths[state]
+    queue = views.queue_width(names, width - views.tables_width([0, *widths.values()],
+                                                                 views.NUMBERS_GAP))  # fmt: skip
+
+    table = views.plain_table("Queues", gap=views.NUMBERS_GAP)
+    table.add_column("queue", width=queue, no_wrap=True)
+    for header, column in widths.items():
+        table.add_column(header, justify="right", width=column, no_wrap=True,
+                         header_style=views.STATE_STYLES.get(header, ""))  # fmt: skip
+    for n, row in enumerate(rows):
+        table.add_row(views.cut_middle(row.name, queue), *(cells[n] for cells in columns.values()))
+    return table
+
+
+def _failures_table(
+    failures: Sequence[tuple[str, str, int, str]], full_ids: bool, width: int
+) -> Table:
+    job_ids = [job_id for job_id, *_ in failures]
+    ids = {job_id: job_id for job_id in job_ids} if full_ids else views.short_ids(job_ids)
+    attempts = [str(attempt) for _, _, attempt, _ in failures]
+    errors = [views.truncate(error) for *_, error in failures]
+    fixed = [views.column_width("job", [*ids.values(), NO_FAILURES]),
+             views.column_width("attempt", attempts)]  # fmt: skip
+    queue, error = views.share_room(width - views.tables_width([*fixed, 0, 0]),
+                                    ["queue", *(queue for _, queue, _, _ in failures)],
+                                    ["error", *errors])  # fmt: skip
+    table = views.plain_table("Latest failures")
+    table.add_column("job", width=fixed[0], no_wrap=True)
+    table.add_column("queue", width=queue, no_wrap=True)
+    table.add_column("attempt", width=fixed[1], no_wrap=True, justify="right")
+    table.add_column("error", width=error, no_wrap=True, style="red")
+    for (job_id, name, _, _), attempt, text in zip(failures, attempts, errors, strict=True):
+        table.add_row(ids[job_id], views.cut_middle(name, queue), attempt,
+                      views.truncate(text, error))  # fmt: skip
+    if not failures:
+        table.add_row(Text(NO_FAILURES, style="dim"), "", "", "")
+    return table
 
 
 def age(ms: int | None) -> str:
-    """How long the oldest ready job has waited; "-" for a queue with none ready."""
-    return "-" if ms is None else format_duration(ms)
+    """How long the oldest ready job has waited ("2m 03s", "1h 02m"); "-" for a queue with
+    none ready."""
+    return "-" if ms is None else views.short_duration(ms)
+
+
+def rate(per_s: float) -> str:
+    """Jobs per second: "0.5", "123.4", then whole ("1234"), and "1.23M" past a million."""
+    return f"{per_s:.1f}" if per_s < 1000 else views.short_number(round(per_s))
 
 
 async def run_top(

@@ -2,26 +2,40 @@
 
 Pure functions over the client's typed results (``Stats``, ``DeadPage``, ``JobView``): no
 I/O and no clock reads, so each view is tested by rendering it into
-``Console(file=io.StringIO(), width=100)``. Times are shown in UTC next to their raw
-milliseconds, so what the terminal shows can be matched with what ``--json`` prints.
+``Console(file=io.StringIO(), width=80)`` and wider. Times are shown in UTC (the job panel
+gives their raw milliseconds too, so what the terminal shows can be matched with what
+``--json`` prints).
+
+Every table is laid out for the width it is drawn at (``Fitted``): one line per row, its
+numbers, ids, times and headers whole, and the room that is left given to the queue names
+and the errors, which are cut only when that room runs out: a queue name in the middle
+(``cut_middle``), an error at its end, after its first ``ERROR_MIN`` characters at least.
+A job id is shown as the shortest abbreviation unique among the rows (``short_ids``),
+whole with ``full_ids=True`` (``--json`` always has whole ids). No line ends in spaces:
+rich pads every cell to its column's width, which a terminal hides but a pipe keeps.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.json import JSON
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
 from relay.client import DeadPage, JobView, Stats
-from relay.model import JobState
+from relay.model import JobState, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -41,12 +55,20 @@ PRIORITY_STYLES: Mapping[str, str] = {
     "critical": "bold red",
 }
 
-# The dead table shows the first line of the last error, cut to this many characters: a
-# row per job stays one line high, and the whole text is one `relay-trio inspect` away.
-ERROR_CHARS = 60
 ELLIPSIS = "…"
-JOB_ID_CHARS = 20  # "job_" and 16 hex digits
-QUEUE_CHARS = 24  # a longer queue name is cut in the dead table (they may have 128)
+# Before a queue name is cut, an error keeps this many characters of its first line: enough
+# for its type and first words ("DemoFailure: card declined", "TimeoutError: warehouse").
+ERROR_MIN = 25
+# A queue name (up to 128 characters) is cut no shorter than this, so that both its ends
+# stay identifiable: "billin…batch" for "billing.invoices.nightly-batch".
+QUEUE_MIN = 12
+# A queue name of up to this many characters (most are) is shown whole before an error
+# gets more than its ERROR_MIN characters; a longer one only once the errors are whole.
+QUEUE_WHOLE = 40
+# Columns between two cells of a table: one of padding and the box's blank separator; in
+# the tables of counts, the separator alone, so that a queue's name has more room.
+GAP = 2
+NUMBERS_GAP = 1
 
 
 # -- values -------------------------------------------------------------------------------
@@ -61,6 +83,14 @@ def format_time(ms: int | None, *, millis: bool = True) -> str:
     if millis:
         text += f".{ms % 1000:03d}"
     return text + " UTC"
+
+
+def format_minute(ms: int | None) -> str:
+    """Milliseconds since the epoch as a UTC time to the minute ("2026-01-01 00:00"), "-"
+    for None: a table's column, whose header says UTC."""
+    if ms is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC).strftime("%Y-%m-%d %H:%M")
 
 
 def format_duration(ms: int) -> str:
@@ -81,21 +111,37 @@ def format_duration(ms: int) -> str:
 
 
 def short_duration(ms: int) -> str:
-    """``format_duration`` in two units at most ("1h 02m", "3d 04h"): a table's column."""
+    """``format_duration`` in two units at most ("1h 02m", "3d 04h"): six characters at
+    most, a table's column."""
     if ms < 3_600_000:
         return format_duration(ms)
     return format_duration(ms).rsplit(" ", 1)[0]
 
 
-def truncate(text: str | None, limit: int = ERROR_CHARS) -> str:
-    """The first line of ``text``, at most ``limit`` characters (ending in "…" if cut)."""
+def truncate(text: str | None, limit: int | None = None) -> str:
+    """The first line of ``text``, at most ``limit`` cells wide; it ends in "…" if it was cut
+    or if more lines follow."""
     if not text:
         return ""
     lines = text.strip().splitlines()
-    first = lines[0] if lines else ""
-    if len(lines) > 1 or len(first) > limit:
-        return first[: limit - 1] + ELLIPSIS
-    return first
+    line = Text(lines[0] if lines else "")
+    if len(lines) > 1:
+        line.append(ELLIPSIS)
+    if limit is not None and line.cell_len > limit:
+        line.truncate(limit, overflow="ellipsis")
+    return line.plain
+
+
+def cut_middle(name: str, width: int) -> str:
+    """``name`` if it fits in ``width`` cells, else its start and end with "…" between:
+    "billing.invoi…nightly-batch". A queue name is cut so (they are ASCII): its start
+    usually names the family, its end tells it from its siblings."""
+    if len(name) <= width:
+        return name
+    if width < 3:
+        return name[:width]
+    tail = (width - 1) // 2
+    return name[: width - 1 - tail] + ELLIPSIS + name[len(name) - tail :]
 
 
 def state_text(state: str) -> Text:
@@ -121,6 +167,135 @@ def unfinished(stats: Stats) -> int:
     return sum(totals[state] for state in UNFINISHED)
 
 
+# -- job ids ------------------------------------------------------------------------------
+
+ID_PREFIX = "job_"
+# Hex digits an abbreviated id keeps at least: git's default. An id's leading digits are
+# its creation millisecond (relay/model.py), so the first 7 change every 2**15 ms (~33 s).
+ID_HEX_MIN = 7
+# Ids that share their first 11 hex digits (44 bits: all of the millisecond) were made in
+# the same millisecond, by one batch, and differ only in their last digits (the sequence
+# number): for them a longer prefix would be the whole id, so the middle is left out.
+ID_HEX_PREFIX_MAX = 11
+ID_TAIL_MIN = 2
+
+
+def short_ids(ids: Iterable[str]) -> dict[str, str]:
+    """Each job id in ``ids`` shortened as ``git log --oneline`` shortens a commit's hash:
+    ``job_`` and the fewest hex digits (at least ID_HEX_MIN) that no other of ``ids``
+    begins with, so a view's rows are told apart by their ids' starts ("job_34472c7",
+    "job_34472d0a"). Ids made in the same millisecond (a batch) share their first 11
+    digits: each of those keeps its first ID_HEX_MIN digits and, after "…", the fewest
+    last digits that tell it from the others ("job_34472c7…02"). A string that is not a
+    job id, or an id no shorter so, stays whole."""
+    ids = list(ids)
+    hexes = sorted({
+        job_id[len(ID_PREFIX) :] for job_id in ids if parse_job_id(job_id) is not None
+    })  # fmt: skip
+    # Sorted strings of one length: the longest prefix one shares with any other is the
+    # longest it shares with a neighbour.
+    shared = dict.fromkeys(hexes, 0)
+    for a, b in itertools.pairwise(hexes):
+        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    shown: dict[str, str] = {}
+    same_ms: dict[str, list[str]] = {}  # by their first ID_HEX_MIN digits
+    for hex_id in hexes:
+        digits = max(ID_HEX_MIN, shared[hex_id] + 1)
+        if digits <= ID_HEX_PREFIX_MAX:
+            shown[ID_PREFIX + hex_id] = ID_PREFIX + hex_id[:digits]
+        else:
+            same_ms.setdefault(hex_id[:ID_HEX_MIN], []).append(hex_id)
+    for head, group in same_ms.items():
+        tail = ID_TAIL_MIN
+        while len({hex_id[-tail:] for hex_id in group}) < len(group):
+            tail += 1
+        for hex_id in group:
+            short = f"{ID_PREFIX}{head}{ELLIPSIS}{hex_id[-tail:]}"
+            whole = ID_PREFIX + hex_id
+            shown[whole] = short if len(short) < len(whole) else whole
+    return {job_id: shown.get(job_id, job_id) for job_id in ids}
+
+
+# -- laying a table out -------------------------------------------------------------------
+
+
+class Fitted:
+    """A view laid out for the width it is drawn at, with no spaces at its lines' ends.
+
+    ``layout(width)`` makes the renderable, so that a table can give the room it has to
+    the columns that need it. Rich pads each cell to its column's width and a title to the
+    table's: a terminal does not show those spaces, but a file or a pipe keeps them, so
+    they are cut from every line drawn.
+    """
+
+    def __init__(self, layout: Callable[[int], RenderableType]) -> None:
+        self.layout = layout
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        # Without a height (a full-screen Live gives one, which render_lines pads up to), and
+        # wrapping as a table's cells do also on a console that soft-wraps its prints.
+        options = options.update(height=None, no_wrap=False, overflow=None)
+        for line in console.render_lines(self.layout(options.max_width), options, pad=False):
+            yield from _rstrip(line)
+            yield Segment.line()
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.layout(options.max_width))
+
+
+def _rstrip(line: list[Segment]) -> list[Segment]:
+    """``line`` without the spaces at its end."""
+    end = len(line)
+    while end and not line[end - 1].control and not line[end - 1].text.rstrip(" "):
+        end -= 1
+    if not end or line[end - 1].control:
+        return line[:end]
+    text, style, control = line[end - 1]
+    return [*line[: end - 1], Segment(text.rstrip(" "), style, control)]
+
+
+def plain_table(title: str | None = None, *, gap: int = GAP) -> Table:
+    """The look of every table here: a rule under the headers, no borders, ``gap`` (1 or
+    2) columns between cells; one line per row."""
+    return Table(
+        title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+        collapse_padding=True, padding=(0, gap - 1),
+    )  # fmt: skip
+
+
+def column_width(header: str, cells: Iterable[str | Text]) -> int:
+    """The cells a column needs for ``header`` (one line of it per "\n") and ``cells``."""
+    widths = [cell_len(line) for line in header.split("\n")]
+    widths += [cell.cell_len if isinstance(cell, Text) else cell_len(cell) for cell in cells]
+    return max(widths)
+
+
+def queue_width(names: Iterable[str], room: int) -> int:
+    """The width of a queue column that has ``room``: its longest name if that fits, else
+    what is left (QUEUE_MIN at least; names are then cut in the middle)."""
+    longest = max((len(name) for name in names), default=0)
+    return max(min(longest, QUEUE_MIN), min(longest, room))
+
+
+def share_room(room: int, queues: Iterable[str], errors: Sequence[str]) -> tuple[int, int]:
+    """Widths of a queue column and an error column that share ``room``, given in this
+    order: QUEUE_MIN to the queue names; the errors' first ERROR_MIN characters; the names
+    up to QUEUE_WHOLE; the errors as far as their first lines go; the longer names."""
+    names = list(queues)
+    longest_error = max((cell_len(error) for error in errors), default=0)
+    # Less than ERROR_MIN where the other columns leave less (whole ids at 80 columns).
+    error = max(0, min(longest_error, ERROR_MIN, room - queue_width(names, QUEUE_MIN)))
+    queue = queue_width([name[:QUEUE_WHOLE] for name in names], room - error)
+    error = max(error, min(longest_error, room - queue))
+    return queue_width(names, room - error), error
+
+
+def tables_width(widths: Sequence[int], gap: int = GAP) -> int:
+    """The width of a ``plain_table`` with columns of these widths."""
+    return sum(widths) + gap * (len(widths) - 1)
+
+
 # -- stats --------------------------------------------------------------------------------
 
 
@@ -139,59 +314,67 @@ def short_number(n: int) -> str:
     return str(n)
 
 
-def _count(count: int, state: str | None = None) -> Text:
+def count_text(count: int, state: str | None = None) -> Text:
     if count == 0:
         return Text("0", style="dim")
     return Text(short_number(count), style=STATE_STYLES.get(state or "", ""))
 
 
-def stats_table(stats: Stats) -> Table:
+OLDEST_READY = "oldest\nready"  # how long a queue's oldest ready job has waited
+
+
+def stats_table(stats: Stats) -> Fitted:
     """Queues (rows, sorted by name) by states (columns), a total per queue, how long its
     oldest ready job has waited, and a totals row; the server's version, uptime and
-    connections in the caption."""
+    connections below.
+
+    The eight columns of numbers take 59 to 63 cells (a count is six at most), so at 80
+    columns a queue name of 17 to 21 characters is whole (at 100, 37 to 41; at 120, 57 to
+    61); a longer one is cut in the middle (``cut_middle``), to QUEUE_MIN at the least.
+    """
+    return Fitted(functools.partial(_stats_layout, stats))
+
+
+def _stats_layout(stats: Stats, width: int) -> RenderableType:
     server = stats.server
     connections = f"{server.connections} connection" + ("" if server.connections == 1 else "s")
-    table = Table(
-        title="Queues",
-        caption=f"relay-trio {server.version} · up {format_duration(server.uptime_ms)} · "
-        f"{connections}",
-        caption_justify="left",
-    )
-    # Fits 80 columns: no vertical rules, numbers and headings never cut (a long queue
-    # name folds instead), "oldest ready" on two lines.
-    table.box = box.SIMPLE_HEAD
-    table.pad_edge = False
-    table.collapse_padding = True
-    table.add_column("queue", overflow="fold", min_width=8)
-    for state in STATES:
-        table.add_column(
-            state, justify="right", header_style=STATE_STYLES[state], no_wrap=True,
-            min_width=len(state),
-        )  # fmt: skip
-    table.add_column("total", justify="right", style="bold", no_wrap=True, min_width=5)
-    table.add_column("oldest\nready", justify="right", no_wrap=True, min_width=6)
+    uptime = format_duration(server.uptime_ms)
+    caption = f"relay-trio {server.version} · up {uptime} · {connections}"
     oldest = stats.oldest_ready_ms or {}
-    for name in sorted(stats.queues):
+    names = sorted(stats.queues)
+    rows = []
+    for name in names:
         counts = stats.queues[name]
         wait = oldest.get(name)
-        table.add_row(
-            name,
-            *(_count(counts.get(state, 0), state) for state in STATES),
-            short_number(sum(counts.values())),
-            "-" if wait is None else short_duration(wait),
-        )
-    if not stats.queues:
-        table.add_row(Text("no jobs yet", style="dim"), *("" for _ in STATES), "", "")
+        rows.append([
+            *(count_text(counts.get(state, 0), state) for state in STATES),
+            Text(short_number(sum(counts.values()))),
+            Text("-" if wait is None else short_duration(wait)),
+        ])  # fmt: skip
     totals = totals_by_state(stats)
+    total_row = [*(count_text(totals[state], state) for state in STATES),
+                 Text(short_number(sum(totals.values()))), Text("")]  # fmt: skip
+    headers = [*STATES, "total", OLDEST_READY]
+    widths = [column_width(header, [row[i] for row in [*rows, total_row]])
+              for i, header in enumerate(headers)]  # fmt: skip
+    widths[-1] += 1  # "1d 02h" has a space: one more before it, so it reads as one value
+    labels = [*names, "queue", "total"] if names else ["no jobs yet"]
+    queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
+
+    table = plain_table("Queues", gap=NUMBERS_GAP)
+    table.add_column("queue", width=queue, no_wrap=True)
+    for header, column in zip(headers, widths, strict=True):
+        table.add_column(
+            header, justify="right", width=column, no_wrap=True,
+            header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
+        )  # fmt: skip
+    for name, row in zip(names, rows, strict=True):
+        table.add_row(cut_middle(name, queue), *row)
+    if not names:
+        table.add_row(Text("no jobs yet", style="dim"), *("" for _ in headers))
     table.add_section()
-    table.add_row(
-        Text("total", style="bold"),
-        *(_count(totals[state], state) for state in STATES),
-        short_number(sum(totals.values())),
-        "",
-        style="bold",
-    )
-    return table
+    table.add_row(Text("total", style="bold"), *total_row, style="bold")
+    return Group(table, Text(caption, style="table.caption"))
 
 
 # -- dead jobs ----------------------------------------------------------------------------
@@ -204,33 +387,54 @@ def failed_at(job: JobView) -> int | None:
     return job.errors[-1].at if job.errors else None
 
 
-def dead_table(page: DeadPage) -> Table:
-    """One row per dead job: id, queue, attempts, last error (first line, truncated) and
-    when it failed. The caption gives the cursor of the next page, if there is one."""
-    caption = None
-    if page.next_cursor is not None:
-        caption = f"more dead jobs: --cursor {page.next_cursor}"
-    table = Table(title="Dead jobs", caption=caption, caption_justify="left")
-    # Every column but the error keeps its full width; the error takes what is left.
-    longest_queue = max((len(job.queue) for job in page.jobs), default=5)
-    table.add_column("id", no_wrap=True, min_width=JOB_ID_CHARS)
-    table.add_column("queue", no_wrap=True, min_width=min(longest_queue, QUEUE_CHARS))
-    table.add_column("attempts", justify="right", no_wrap=True, min_width=8)
-    table.add_column("last error", style="red")
-    table.add_column("failed at (UTC)", no_wrap=True, min_width=19)
-    for job in page.jobs:
-        table.add_row(
-            job.job_id,
-            job.queue,
-            f"{job.attempt}/{job.max_attempts}",
-            # A wrappable column (so that it alone gives way when the table is too wide)
-            # holding text that does not wrap: it is cut with "…" instead.
-            Text(truncate(job.last_error), no_wrap=True, overflow="ellipsis"),
-            format_time(failed_at(job), millis=False).removesuffix(" UTC"),
-        )
-    if not page.jobs:
+def dead_table(page: DeadPage, *, full_ids: bool = False, caption: str | None = None) -> Fitted:
+    """One row per dead job: its id (the shortest abbreviation unique among the rows, see
+    ``short_ids``; whole with ``full_ids``), queue, attempts, when it failed (UTC, to the
+    minute) and the first line of its last error, which gets the rest of the width. Below
+    it, ``caption`` (the order and how to get the next page: ``relay-trio dead list``
+    says), or else the next page's cursor, if there is one.
+
+    At 80 columns, with abbreviated ids (11 to 15 characters), a queue name of up to 12 to
+    15 characters is whole and the error gets the other 25 or more; at 120, a queue name
+    of 40 and 37 to 40 of the error. A longer name is cut in the middle (``cut_middle``),
+    to QUEUE_MIN characters at the least, then the error at its end; ``relay-trio
+    inspect`` shows both whole.
+    """
+    return Fitted(functools.partial(_dead_layout, page, full_ids, caption))
+
+
+def _dead_layout(page: DeadPage, full_ids: bool, caption: str | None, width: int) -> RenderableType:
+    jobs = page.jobs
+    ids = short_ids(job.job_id for job in jobs)
+    if full_ids:
+        ids = {job_id: job_id for job_id in ids}
+    tries = [f"{job.attempt}/{job.max_attempts}" for job in jobs]
+    times = [format_minute(failed_at(job)) for job in jobs]
+    errors = [truncate(job.last_error) for job in jobs]
+    headers = ("id", "queue", "tries", "failed at (UTC)", "last error")
+    shown_ids = list(ids.values()) or ["no dead jobs"]
+    fixed = [column_width(headers[0], shown_ids), column_width(headers[2], tries),
+             column_width(headers[3], times)]  # fmt: skip
+    queue, error = share_room(width - tables_width([*fixed, 0, 0]),
+                              [headers[1], *(job.queue for job in jobs)],
+                              [headers[4], *errors])  # fmt: skip
+
+    table = plain_table("Dead jobs")
+    table.add_column(headers[0], width=fixed[0], no_wrap=True)
+    table.add_column(headers[1], width=queue, no_wrap=True)
+    table.add_column(headers[2], width=fixed[1], no_wrap=True, justify="right")
+    table.add_column(headers[3], width=fixed[2], no_wrap=True)
+    table.add_column(headers[4], width=error, no_wrap=True, style="red")
+    for job, shown_time, attempts, last_error in zip(jobs, times, tries, errors, strict=True):
+        table.add_row(ids[job.job_id], cut_middle(job.queue, queue), attempts, shown_time,
+                      truncate(last_error, error))  # fmt: skip
+    if not jobs:
         table.add_row(Text("no dead jobs", style="dim"), "", "", "", "")
-    return table
+    if caption is None and page.next_cursor is not None:
+        caption = f"more dead jobs: --cursor {page.next_cursor}"
+    if caption is None:
+        return table
+    return Group(table, Text(caption, style="table.caption"))
 
 
 # -- one job ------------------------------------------------------------------------------
@@ -258,12 +462,21 @@ def _json(value: Any) -> RenderableType:
         return Text(repr(value))
 
 
-def job_panel(job: JobView) -> Panel:
+def job_panel(job: JobView) -> Fitted:
     """Everything ``inspect`` knows of a job: state, queue, priority, attempts, timings (UTC
-    and raw ms), worker, last error, the error history, the payload and the result."""
+    and raw ms), worker, last error, the error history, the payload and the result.
+
+    The job's own values are shown whole, a long one on as many lines as it needs: the
+    whole id in the title, a queue name of up to 128 characters, the last error with its
+    traceback. The error history has one line per attempt: the first line of each error,
+    cut to the width (the last one is whole above; ``--json`` has every one whole)."""
+    return Fitted(functools.partial(_job_layout, job))
+
+
+def _job_layout(job: JobView, width: int) -> RenderableType:
     fields = Table.grid(padding=(0, 2))
     fields.add_column(style="bold", no_wrap=True)
-    fields.add_column()
+    fields.add_column(overflow="fold")
     fields.add_row("state", state_text(job.state))
     fields.add_row("queue", job.queue)
     fields.add_row("priority", priority_text(job.priority))
@@ -283,13 +496,16 @@ def job_panel(job: JobView) -> Panel:
 
     parts: list[RenderableType] = [fields]
     if job.errors:
-        errors = Table(title="errors", title_justify="left", expand=True)
+        errors = plain_table()
+        errors.title, errors.title_justify = "errors", "left"
         errors.add_column("attempt", justify="right", no_wrap=True)
         errors.add_column("at (UTC)", no_wrap=True)
-        errors.add_column("error", style="red", ratio=1)
+        # The rest of the panel's width (its border and padding take 4): ratio=1 with expand.
+        errors.add_column("error", style="red", no_wrap=True, overflow="ellipsis", ratio=1)
+        errors.expand = True
         for entry in job.errors:
             errors.add_row(str(entry.attempt), format_time(entry.at).removesuffix(" UTC"),
-                           entry.error)  # fmt: skip
+                           truncate(entry.error))  # fmt: skip
         parts += [Text(), errors]
     parts += [Text(), Text("payload", style="bold"), _json(job.payload)]
     if job.result is not None:
@@ -301,6 +517,7 @@ def job_panel(job: JobView) -> Panel:
         subtitle=state_text(job.state),
         subtitle_align="right",
         border_style=STATE_STYLES.get(str(job.state), ""),
+        width=width,
     )
 
 
@@ -309,7 +526,8 @@ def job_panel(job: JobView) -> Panel:
 
 def state_progress(console: Console | None = None) -> tuple[Progress, dict[str, TaskID]]:
     """A progress display with one bar per job state (all jobs as the total), and the task
-    of each state. Feed it with ``update_state_progress``."""
+    of each state. Feed it with ``update_state_progress``. Its 9 + 40 + 11 cells (name, bar,
+    "10000/10000") fit 80 columns."""
     progress = Progress(
         TextColumn("{task.description}", justify="right"),
         BarColumn(bar_width=40),

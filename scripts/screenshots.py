@@ -9,7 +9,8 @@ them (some fail and retry, two fail for good), and meanwhile follows it three wa
 - ``dashboard.png``: the dashboard page (GET / on the metrics listener) in headless
   Chromium, once it shows rates and the dead jobs;
 - ``top.png``: ``relay-trio top``'s view (cli/top.py), fed by the same server, drawn into
-  a recording rich Console and exported as SVG, then screenshot in Chromium;
+  a recording rich Console of TOP_WIDTH columns and exported as SVG, then screenshot in
+  Chromium;
 - ``watch.png``: the first lines that ``relay-trio watch --queue email`` (the command, in
   a subprocess) printed, drawn the same way.
 
@@ -41,7 +42,9 @@ from relay_scripts.browser import open_browser, page_rates, screenshot_svg, wait
 DEFAULT_PORTS = (7400, 7401, 7402)  # jobs, metrics, WebSocket: what a reader would see
 TRAFFIC_S = 8.0  # long enough for the rates over 10 s to show
 WATCH_LINES = 10
-WIDTH = 132  # columns: the top view with every heading whole
+WIDTH = 132  # columns: the watch lines (JSON) unwrapped
+# Columns of the top view: a terminal a little wider than 80, where every count shows.
+TOP_WIDTH = 100
 PAGE_WIDTH = 1200
 BOUND_S = 30.0
 
@@ -123,8 +126,8 @@ async def collect_watch(address: str, lines: list[str]) -> None:
         await proc.stdout.aclose()
 
 
-def terminal_svg(renderables: list[Any], title: str) -> str:
-    console = Console(record=True, width=WIDTH, file=io.StringIO(), force_terminal=True,
+def terminal_svg(renderables: list[Any], title: str, width: int = WIDTH) -> str:
+    console = Console(record=True, width=width, file=io.StringIO(), force_terminal=True,
                       color_system="truecolor")  # fmt: skip
     for renderable in renderables:
         console.print(renderable)
@@ -178,7 +181,7 @@ async def main(out: Path) -> None:
                     work.start_soon(traffic, client)
                     await trio.sleep(TRAFFIC_S)  # the traffic goes on while the shots are taken
                     await trio.to_thread.run_sync(shoot_dashboard, driver, out / "dashboard.png")
-                    top = terminal_svg([view.render()], "relay-trio top")
+                    top = terminal_svg([view.render()], "relay-trio top", TOP_WIDTH)
                     work.cancel_scope.cancel()  # traffic, workers and top's feed: the end
                 with trio.fail_after(BOUND_S):
                     while len(watched) < WATCH_LINES:  # noqa: ASYNC110 (the subprocess's lines)

@@ -145,12 +145,14 @@ async def test_dead_list_retry_and_purge(address, client):
     a2 = await make_dead(client, "alpha", "x" * 200)
     b1 = await make_dead(client, "beta", "410 Gone")
 
-    listed = await relay_trio("dead", "list", address=address)
+    listed = await relay_trio("dead", "list", "--full", address=address)
     assert listed.code == 0, listed
     for job_id in (a1, a2, b1):
         assert job_id in listed.stdout
     assert "card declined" in listed.stdout and "410 Gone" in listed.stdout
-    assert "x" * 59 + "…" in listed.stdout and "x" * 60 not in listed.stdout
+    # The error fills the rest of the line (COLUMNS=200), cut with an ellipsis.
+    (long_row,) = [line for line in listed.stdout.splitlines() if "xxx" in line]
+    assert len(long_row) == 200 and long_row.endswith("x…"), long_row
 
     page = (await relay_trio("dead", "list", "--queue", "alpha", "--limit", "1", "--json",
                              address=address)).json()  # fmt: skip
@@ -186,9 +188,9 @@ NEXT_PAGE = re.compile(r"--cursor (job_[0-9a-f]{16})")
 async def test_dead_list_shows_the_newest_first_and_pages_in_either_order(address, client):
     ids = [await make_dead(client, "q", f"error {n}") for n in range(3)]
     runs = {
-        "table": ("dead", "list"),
+        "table": ("dead", "list", "--full"),
         "json": ("dead", "list", "--json"),
-        "oldest table": ("dead", "list", "--oldest"),
+        "oldest table": ("dead", "list", "--oldest", "--full"),
         "oldest json": ("dead", "list", "--oldest", "--json"),
     }
     results = {}
@@ -201,9 +203,11 @@ async def test_dead_list_shows_the_newest_first_and_pages_in_either_order(addres
         seen: list[str] = []
         more: tuple[str, ...] = ()
         for _ in range(5):
-            page = await relay_trio("dead", "list", "--limit", "1", *args, *more, address=address)
+            page = await relay_trio(
+                "dead", "list", "--full", "--limit", "1", *args, *more, address=address
+            )
             assert page.code == 0, page
-            [row] = [line for line in page.stdout.splitlines() if line.startswith("│")]
+            [row] = [line for line in page.stdout.splitlines() if line.startswith("job_")]
             seen += JOB_ID.findall(row)
             if (cursor := NEXT_PAGE.search(page.stdout)) is None:
                 break

@@ -1,13 +1,20 @@
-"""``relay-trio top``: its view, drawn into a recording Console, shows what the server says."""
+"""``relay-trio top``: its view, drawn into a recording Console, shows what the server says,
+a line per queue and per failure at 80 columns as at 200."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 from rich.console import Console
 
 import relay
+from relay.client import ServerInfo
+from relay_cli import views
 from relay_cli.top import TopView, _follow, age, follow
+from tests.conftest import T0
 from tests.server.conftest import BOUND_S, start_server
+
+from .test_views import QUEUE_40, job_id, lines_of, row
 
 W = "top-worker"
 
@@ -38,20 +45,24 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     text = draw(view)
-    row = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("mail"))
-    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    cells = mail_row(text)
     counts = dict(zip(["pending", "ready", "leased", "retrying", "succeeded", "dead"],
                       cells[1:7], strict=True))  # fmt: skip
     assert counts == {s: str(n) for s, n in stats.queues["mail"].items()}
     assert counts["ready"] == "3" and counts["succeeded"] == "1" and counts["dead"] == "1"
-    # 5 submitted, 1 succeeded, 1 failed within the 10 s window: per second.
     assert cells[7] == age(view.oldest_ready_ms["mail"])  # the 3 ready jobs' wait
+    # 5 submitted, 1 succeeded, 1 failed within the 10 s window: per second.
     assert cells[8:11] == ["0.5", "0.1", "0.1"]
-    assert leased[1].job_id in text and "smtp said no" in text and "trace" not in text
+    failure = next(line for line in text.splitlines() if "smtp said no" in line)
+    assert failure.startswith(leased[1].job_id[:11] + " ") and "trace" not in text
     now[0] += 11  # the window moves on: the rates fall to zero, the counts stay
-    assert [c.strip() for c in next(
-        line for line in draw(view).splitlines() if line.lstrip("│ ").startswith("mail")
-    ).strip("│ ").split("│")][8:11] == ["0.0", "0.0", "0.0"]  # fmt: skip
+    assert mail_row(draw(view))[8:11] == ["0.0", "0.0", "0.0"]
+
+
+def mail_row(text: str) -> list[str]:
+    """The cells of the queue "mail"'s row: its name, six counts, the wait, three rates."""
+    words = next(line for line in text.splitlines() if line.startswith("mail ")).split()
+    return [*words[:7], " ".join(words[7:-3]), *words[-3:]]
 
 
 def test_top_says_when_it_reconnects_and_what_it_lost():
@@ -105,3 +116,97 @@ def test_only_a_job_just_made_counts_as_submitted():
     view.event({**base, "state": "ready", "from": "leased"})  # its first lease released
     view.event({**base, "state": "ready", "from": "pending", "job_id": "job_2"})  # due
     assert view.rates() == {"q": {"submitted": 2 / 10}}
+
+
+# -- the layout ---------------------------------------------------------------------------
+
+
+def busy_view(full_ids: bool = False) -> TopView:
+    """Three queues (one of 40 characters), counts in the millions, jobs going through at
+    tens a second, and four failures, three of them from one batch."""
+    now = [0.0]
+    view = TopView(clock=lambda: now[0], full_ids=full_ids)
+    queues = {
+        "email": dict(ready=1_234_567, leased=16, retrying=2, succeeded=987_654_321, dead=3),
+        "thumbnails.resize": dict(pending=5, ready=20, leased=8, succeeded=120_000),
+        QUEUE_40: dict(pending=250_000, ready=7, leased=1, succeeded=99, dead=12),
+    }
+    view.stats({name: {state: counts.get(state, 0) for state in views.STATES}
+                for name, counts in queues.items()}, ServerInfo("0.1.0", 1_000, 3),
+               {"email": 3 * 3_600_000 + 5_000, QUEUE_40: 4_200})  # fmt: skip
+    for _ in range(600):
+        view.event({"event": "job", "job_id": "j", "queue": "thumbnails.resize", "attempt": 0,
+                    "state": "ready", "at": 1})  # fmt: skip
+        view.event({"event": "job", "job_id": "j", "queue": "thumbnails.resize", "attempt": 1,
+                    "state": "succeeded", "from": "leased", "at": 1})  # fmt: skip
+    view.event({"event": "job", "job_id": "j", "queue": QUEUE_40, "state": "dead",
+                "from": "leased", "attempt": 3, "at": 1})  # fmt: skip
+    for seq, error in enumerate(FAILURES):
+        view.failure(job_id(T0, seq + 1), QUEUE_40 if seq == 1 else "email", seq + 1, error)
+    view.failure(job_id(T0 + 3_000), "thumbnails.resize", 1, "PIL.UnidentifiedImageError: "
+                 "cannot identify image file 'img-4-2.jpg'")  # fmt: skip
+    view.status = "connected to 127.0.0.1:7400"
+    return view
+
+
+FAILURES = [
+    "SMTPRecipientsRefused: 550 5.1.1 <ada@example.com> mailbox unavailable",
+    "TimeoutError: warehouse query took over 30 s while computing the nightly reminders",
+    "smtp.example.com closed the connection",
+]
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_top_reads_as_a_line_per_queue_and_per_failure(width):
+    view = busy_view()
+    lines = lines_of(view.render(), width)
+    split = lines.index(next(line for line in lines if "Latest failures" in line))
+    lines, failures = lines[:split], lines[split:]
+    assert lines[0] == "relay-trio top · connected to 127.0.0.1:7400 · 3 connections"
+    # Every header whole, on one line (with "oldest" above "ready"); at 80 columns the
+    # pending and succeeded counts make way for the queue names.
+    headers = ["queue", *views.STATES, "ready", "sub/s", "ok/s", "fail/s"]
+    if width == 80:
+        headers = [header for header in headers if header not in ("pending", "succeeded")]
+    assert row(lines, "sub/s").split() == headers
+    assert "oldest" in lines[2]
+    cells = row(lines, "thumbnails.resize ").split()
+    assert cells[-3:] == ["60.0", "60.0", "0.0"]  # 600 in the 10 s window
+    email = row(lines, "email ").split()
+    assert email[1:3] == (["1.23M", "16"] if width == 80 else ["0", "1.23M"])
+    assert email[-5:-3] == ["3h", "00m"]
+    assert ("987M" in email) == (width > 80)
+    long = row(lines, "billing.i")
+    if width == 80:
+        name = long.split()[0]
+        assert len(name) >= 20 and "…" in name and name.endswith("run-eu")
+    else:
+        assert long.startswith(QUEUE_40 + " ") and "250000" in long
+    assert long.split()[-3:] == ["0.0", "0.0", "0.1"]
+
+    assert failures[1].split() == ["job", "queue", "attempt", "error"]
+    assert len(failures) == 3 + 4  # title, headers, rule, four failures
+    shown = views.short_ids(failure[0] for failure in view.failures)
+    for job, queue, attempt, error in view.failures:
+        line = row(failures, shown[job])
+        assert line.startswith(shown[job] + " ") and job not in line
+        assert f" {attempt}  " in line
+        assert error[: 24 if width == 80 else 40] in line
+        assert queue in line or (width == 80 and queue == QUEUE_40)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_top_shows_whole_ids_when_asked(width):
+    view = busy_view(full_ids=True)
+    lines = lines_of(view.render(), width)
+    for job, _, _, error in view.failures:
+        assert row(lines, job).startswith(job + "  ") and error[:18] in row(lines, job)
+
+
+def test_top_before_its_first_stats_shows_empty_tables():
+    view = TopView(clock=lambda: 0.0)
+    lines = lines_of(view.render(), 80)
+    assert lines[0] == "relay-trio top · connecting"
+    assert "none yet" in row(lines, "none yet")
+    view.stats({}, ServerInfo("0.1.0", 1_000, 1), {})
+    assert lines_of(view.render(), 80)[0] == "relay-trio top · connecting · 1 connection"

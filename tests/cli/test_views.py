@@ -1,25 +1,55 @@
-"""The views render into a console of 100 columns (and a wide one) and say what they should."""
+"""The views render into consoles of 80, 120 and 200 columns and say what they should: one
+line per row, numbers, ids and headers whole, the rest of the width to queue names and
+errors, no line wider than the console or ending in spaces."""
 
 from __future__ import annotations
 
 import io
+import subprocess
 
 import attrs
 import pytest
+from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
 from relay.client import DeadPage, JobView, ServerInfo, Stats
-from relay.model import ErrorEntry, JobState
+from relay.model import ID_SEQ_BITS, ErrorEntry, JobState, format_job_id
 from relay_cli import views
 from tests.conftest import T0  # 2026-01-01T00:00:00Z
 
+from .conftest import RELAY, cli_env, relay_trio
+
 JOB = "job_3445487880000004"
+WIDTHS = [80, 120, 200]
+QUEUE_40 = "billing.invoice-reminders.nightly-run-eu"
+QUEUE_128 = ("acme." + "eu-west-1.billing." * 7)[:124] + ".end"
+assert (len(QUEUE_40), len(QUEUE_128)) == (40, 128)
 
 
 def render(renderable: RenderableType, width: int = 100) -> str:
     console = Console(file=io.StringIO(), width=width, color_system=None)
     console.print(renderable)
     return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def lines_of(renderable: RenderableType, width: int) -> list[str]:
+    """The lines drawn at ``width``, each checked: no wider, no spaces at its end."""
+    lines = render(renderable, width).splitlines()
+    for line in lines:
+        assert cell_len(line) <= width, (width, line)
+        assert line == line.rstrip(), f"spaces at the end of {line!r}"
+    return lines
+
+
+def row(lines: list[str], fragment: str) -> str:
+    """The one line that holds ``fragment`` (a row drawn on two lines would fail)."""
+    found = [line for line in lines if fragment in line]
+    assert len(found) == 1, (fragment, found)
+    return found[0]
+
+
+def job_id(ms: int, seq: int = 0) -> str:
+    return format_job_id((ms << ID_SEQ_BITS) | seq)
 
 
 def stats(**queues: dict[str, int]) -> Stats:
@@ -49,6 +79,7 @@ def test_format_time_is_utc_with_millis():
     assert views.format_time(T0 + 1_234) == "2026-01-01 00:00:01.234 UTC"
     assert views.format_time(T0 + 1_234, millis=False) == "2026-01-01 00:00:01 UTC"
     assert views.format_time(None) == "-"
+    assert views.format_minute(T0 + 61_234) == "2026-01-01 00:01"
 
 
 @pytest.mark.parametrize(
@@ -65,6 +96,16 @@ def test_truncate_keeps_short_first_lines_and_cuts_the_rest():
     assert views.truncate(None) == ""
     assert views.truncate("x" * 100, 10) == "x" * 9 + "…"
     assert views.truncate("first line\nTraceback...", 60) == "first line…"
+    assert views.truncate("first line\nTraceback...") == "first line…"
+    assert views.truncate("東京 is far", 5) == "東京…"  # cells, not characters
+
+
+def test_cut_middle_keeps_a_long_names_start_and_end():
+    assert views.cut_middle("email", 12) == "email"
+    assert views.cut_middle(QUEUE_40, 40) == QUEUE_40
+    assert views.cut_middle(QUEUE_40, 21) == "billing.in…tly-run-eu"
+    cut = views.cut_middle(QUEUE_128, views.QUEUE_MIN)
+    assert len(cut) == views.QUEUE_MIN and cut.startswith("acme.") and cut.endswith(".end")
 
 
 def test_totals_and_unfinished_count_every_state_over_every_queue():
@@ -76,53 +117,106 @@ def test_totals_and_unfinished_count_every_state_over_every_queue():
     assert views.unfinished(stats()) == 0
 
 
+# -- job ids ------------------------------------------------------------------------------
+
+
+def test_short_ids_are_the_shortest_prefixes_unique_among_the_ids_given():
+    a, b = job_id(T0), job_id(T0 + 3_000)  # 3 s apart: the same first 7 hex digits
+    c = job_id(T0 + 86_400_000)  # a day later
+    shown = views.short_ids([a, b, c])
+    assert shown[c] == c[:11]  # "job_" and the minimum of 7 digits
+    assert a[:11] == b[:11]
+    digits = next(n for n in range(7, 17) if a[4 : 4 + n] != b[4 : 4 + n])
+    assert (shown[a], shown[b]) == (a[: 4 + digits], b[: 4 + digits])
+    assert views.short_ids([a]) == {a: a[:11]}
+
+
+def test_short_ids_of_one_millisecond_keep_their_start_and_the_last_digits_that_differ():
+    batch = [job_id(T0, seq) for seq in (1, 2, 0x11, 0x2A)]  # one submit_batch
+    other = job_id(T0 + 3_000)
+    shown = views.short_ids([*batch, other])
+    assert [shown[i] for i in batch] == [f"{batch[0][:11]}…{i[-2:]}" for i in batch]
+    assert shown[other] == other[: len(shown[other])] and len(shown[other]) < 20
+    assert len(set(shown.values())) == 5
+    # The tail grows until it tells them apart: ...001 and ...101 differ in the third digit.
+    pair = [job_id(T0, 0x001), job_id(T0, 0x101)]
+    assert [views.short_ids(pair)[i] for i in pair] == [f"{i[:11]}…{i[-3:]}" for i in pair]
+
+
+def test_short_ids_leave_other_strings_whole():
+    assert views.short_ids(["job_1", "not-an-id", JOB]) == {
+        "job_1": "job_1", "not-an-id": "not-an-id", JOB: JOB[:11],
+    }  # fmt: skip
+    zero = "job_" + "0" * 16  # the first id there can be is one too
+    assert views.short_ids([zero, JOB]) == {zero: zero[:11], JOB: JOB[:11]}
+
+
 # -- stats --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("width", [80, 100, 200])
+@pytest.mark.parametrize("width", WIDTHS)
 def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     s = stats(
         thumbnails=counts(pending=4, ready=3, leased=2, retrying=1, succeeded=120, dead=7),
         email=counts(ready=10, succeeded=5),
     )
-    text = render(views.stats_table(s), width)
-    for state in views.STATES:
-        assert state in text
+    lines = lines_of(views.stats_table(s), width)
+    text = "\n".join(lines)
+    for header in (*views.STATES, "queue", "total", "oldest", "ready"):
+        assert header in text
     assert "…" not in text  # nothing cut, also in a terminal of 80 columns
-    assert max(map(len, text.splitlines())) <= width
-    lines = text.splitlines()
-    email = next(line for line in lines if "email" in line).split()
+    email = row(lines, "email").split()
     assert [w for w in email if w.isdigit()] == ["0", "10", "0", "0", "5", "0", "15"]
-    thumbs = next(line for line in lines if "thumbnails" in line).split()
+    thumbs = row(lines, "thumbnails").split()
     assert [w for w in thumbs if w.isdigit()] == ["4", "3", "2", "1", "120", "7", "137"]
-    total = next(line for line in lines if "total" in line and "pending" not in line).split()
-    assert [w for w in total if w.isdigit()] == ["4", "13", "2", "1", "125", "7", "152"]
+    total = next(line for line in lines if line.startswith("total"))
+    assert [w for w in total.split() if w.isdigit()] == ["4", "13", "2", "1", "125", "7", "152"]
     # Queues sorted by name, the totals row last.
     assert text.index("email") < text.index("thumbnails") < text.rindex("total")
     assert "relay-trio 0.1.0" in text and "up 1h 02m 03s" in text and "2 connections" in text
+    # Title, two lines of headers, rule, two queues, the blank line, totals, server.
+    assert len(lines) == 9
 
 
-def test_stats_table_fits_80_columns_with_counts_in_the_millions():
-    s = stats(
-        **{
-            "thumbnails.resize": counts(
-                pending=12_345_678, ready=9_876_543, leased=1_000_000, retrying=5,
-                succeeded=987_654_321_000, dead=70_000_000,
-            ),
-            "email": counts(ready=1_234_567, succeeded=999_999),
-        }
-    )  # fmt: skip
-    s = attrs.evolve(s, oldest_ready_ms={"email": 26 * 3_600_000 + 5 * 60_000})
-    text = render(views.stats_table(s), 80)
-    assert "…" not in text and max(map(len, text.splitlines())) <= 80
-    # Every queue shown: a long name folds within its column rather than vanishing.
-    first_column = "".join(line[:14].strip() for line in text.splitlines())
-    assert "email" in first_column and "thumbnails.resize" in first_column
-    email = next(line for line in text.splitlines() if "email" in line).split()
+def millions() -> Stats:
+    return attrs.evolve(stats(**{
+        "thumbnails.resize": counts(
+            pending=12_345_678, ready=9_876_543, leased=1_000_000, retrying=5,
+            succeeded=987_654_321_000, dead=70_000_000,
+        ),
+        "email": counts(ready=1_234_567, succeeded=999_999),
+        QUEUE_40: counts(ready=250_000, leased=16, succeeded=4_000_000, dead=3),
+        QUEUE_128: counts(succeeded=1),
+    }), oldest_ready_ms={"email": 26 * 3_600_000 + 5 * 60_000, QUEUE_40: 4_200})  # fmt: skip
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_gives_queue_names_the_room_the_counts_leave(width):
+    lines = lines_of(views.stats_table(millions()), width)
+    assert lines[2].split() == ["queue", *views.STATES, "total", "ready"]  # all whole
+    email = row(lines, "email ").split()
     assert email[1:] == ["0", "1.23M", "0", "0", "999999", "0", "2.23M", "1d", "02h"]
     for shown in ("12.3M", "9.87M", "1.00M", "987G", "70.0M"):
-        assert shown in text
-    assert "queue" in text and "total" in text
+        assert shown in row(lines, "thumbnails.resize")
+    # The counts take at most 63 cells: at 80 columns a name of 17 is whole, and longer
+    # ones keep their start and end; at 120, a name of 40.
+    long_row = row(lines, "billing.i")
+    if width == 80:
+        name = long_row.split()[0]
+        assert name.startswith("billing.i") and "…" in name and name.endswith("run-eu")
+        assert lines[2].index("pending") - 1 >= 17
+    else:
+        assert QUEUE_40 in long_row
+    huge = row(lines, "acme.")
+    assert huge.split()[0].endswith(".end") and (QUEUE_128 in huge) == (width == 200)
+    assert long_row.split()[1:] == ["0", "250000", "16", "0", "4.00M", "3", "4.25M", "4.2", "s"]
+
+
+def test_stats_table_without_queues_says_so():
+    lines = lines_of(views.stats_table(stats()), 80)
+    assert "no jobs yet" in row(lines, "no jobs yet")
+    total = next(line for line in lines if line.startswith("total"))
+    assert [w for w in total.split() if w.isdigit()] == ["0"] * 7
 
 
 @pytest.mark.parametrize(
@@ -134,55 +228,92 @@ def test_short_number_truncates_to_three_figures(n, shown):
     assert views.short_number(n) == shown
 
 
-def test_stats_table_without_queues_says_so():
-    text = render(views.stats_table(stats()))
-    assert "no jobs yet" in text
-    total = next(line for line in text.splitlines() if "total" in line and "pending" not in line)
-    assert [w for w in total.split() if w.isdigit()] == ["0"] * 7
-
-
 # -- dead jobs ----------------------------------------------------------------------------
 
-
-def test_dead_table_rows_show_id_queue_attempts_error_and_time():
-    page = DeadPage([dead_job(), dead_job("job_3445487880000005", "webhooks", "410 Gone",
-                                          attempt=1, max_attempts=1)], None)  # fmt: skip
-    text = render(views.dead_table(page))
-    assert "Dead jobs" in text
-    row = next(line for line in text.splitlines() if JOB in line)
-    assert "payments" in row and "2/2" in row and "card declined" in row
-    assert "2026-01-01 00:00:02" in row
-    other = next(line for line in text.splitlines() if "job_3445487880000005" in line)
-    assert "webhooks" in other and "1/1" in other and "410 Gone" in other
-    assert "--cursor" not in text
+ERRORS = {
+    "card": "DemoFailure: card declined",
+    "timeout": "TimeoutError: warehouse query took over 30 s while computing the nightly "
+    "invoice reminders for every tenant\nTraceback (most recent call last):\n  File x.py",
+    "smtp": "SMTPRecipientsRefused: 550 5.1.1 <ada@example.com> mailbox unavailable",
+    "gone": "endpoint answered 410 Gone",
+}
 
 
-def test_dead_table_truncates_long_errors_to_one_line():
-    long_error = "RuntimeError: " + "the upstream said no " * 10 + "\n  File x.py, line 3"
-    page = DeadPage([dead_job(error=long_error)], next_cursor=JOB)
-    wide = render(views.dead_table(page), 200)
-    row = next(line for line in wide.splitlines() if JOB in line)
-    assert views.truncate(long_error) in row  # the first 59 characters and "…"
-    assert len(views.truncate(long_error)) == views.ERROR_CHARS
-    assert "File x.py" not in wide
-    # At 100 columns the error gives way further; the id and the time stay whole.
-    narrow = render(views.dead_table(page), 100)
-    row = next(line for line in narrow.splitlines() if JOB in line)
-    assert "RuntimeError: the" in row and "…" in row and "2026-01-01 00:00:02" in row
-    assert all(len(line) <= 100 for line in narrow.splitlines())
-    assert f"--cursor {JOB}" in narrow
+def dead_page() -> DeadPage:
+    """Dead jobs as a busy server has them: four of one batch (one millisecond), one made
+    3 s later, one a day before; a queue of 40 characters and one of 128."""
+    batch = [job_id(T0, seq) for seq in (2, 0x11, 0x17, 0x1C)]
+    jobs = [
+        dead_job(job_id(T0 - 86_400_000), "email", ERRORS["smtp"], attempt=5, max_attempts=5),
+        dead_job(batch[0], "payments", ERRORS["card"]),
+        dead_job(batch[1], QUEUE_40, ERRORS["timeout"], attempt=10, max_attempts=10),
+        dead_job(batch[2], "webhooks", ERRORS["gone"], attempt=1, max_attempts=1),
+        dead_job(batch[3], QUEUE_128, ERRORS["card"], finished_at=T0 + 61_000),
+        dead_job(job_id(T0 + 3_000), "payments", ERRORS["card"], finished_at=None),
+    ]
+    return DeadPage(jobs, next_cursor=jobs[-1].job_id)
+
+
+# At each width, how much of the first line of an error a row shows at least (the queue
+# of 40 characters is whole from 120 columns).
+ERROR_SHOWN = {80: 25, 120: 37, 200: 200}
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_dead_table_rows_are_one_line_with_short_ids_whole_queues_and_errors(width):
+    page = dead_page()
+    lines = lines_of(views.dead_table(page), width)
+    assert lines[0].strip() == "Dead jobs"
+    assert lines[1].split() == ["id", "queue", "tries", "failed", "at", "(UTC)", "last", "error"]
+    # Title, headers, rule, a line per job, the next page's cursor.
+    assert len(lines) == 3 + len(page.jobs) + 1
+    assert lines[-1] == f"more dead jobs: --cursor {page.next_cursor}"
+    shown = views.short_ids(job.job_id for job in page.jobs)
+    assert len(set(shown.values())) == len(page.jobs)
+    for job in page.jobs:
+        line = row(lines[:-1], shown[job.job_id] + " ")
+        assert line.startswith(shown[job.job_id]) and job.job_id not in line
+        first = job.last_error.splitlines()[0]
+        assert first[: ERROR_SHOWN[width] - 1] in line, (first, line)
+        assert f" {job.attempt}/{job.max_attempts} " in line
+        assert views.format_minute(views.failed_at(job)) in line
+        if len(job.queue) <= 15 or (width >= 120 and len(job.queue) <= 40):
+            assert f" {job.queue} " in line
+        else:  # cut in the middle, its start and end kept
+            assert f" {job.queue[:5]}" in line and f"{job.queue[-4:]} " in line
+            assert "…" in line.split()[1]
+    assert (QUEUE_40 in "\n".join(lines)) == (width >= 120)
+    # The error takes the rest of the line, as far as its first line goes.
+    timeout = row(lines, "TimeoutError")
+    assert cell_len(timeout) == min(width, timeout.index("TimeoutError") + 1 + len(
+        ERRORS["timeout"].splitlines()[0]))  # fmt: skip
+    assert "Traceback" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_dead_table_shows_whole_ids_when_asked(width):
+    page = dead_page()
+    lines = lines_of(views.dead_table(page, full_ids=True), width)[:-1]  # not the cursor
+    assert len(lines) == 3 + len(page.jobs)
+    for job in page.jobs:
+        line = row(lines, job.job_id)
+        assert line.startswith(job.job_id + "  ")
+        assert f" {job.attempt}/{job.max_attempts} " in line
+        # At 80 columns the whole ids leave the error 19 characters (the queue, 12).
+        assert job.last_error.splitlines()[0][: 18 if width == 80 else 30] in line
 
 
 def test_dead_table_falls_back_to_the_last_error_time_and_says_when_empty():
     job = dead_job(finished_at=None)
     assert views.failed_at(job) == T0 + 2_500
-    assert "no dead jobs" in render(views.dead_table(DeadPage([], None)))
+    lines = lines_of(views.dead_table(DeadPage([], None)), 80)
+    assert "no dead jobs" in row(lines, "no dead jobs")
 
 
 # -- one job ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("width", [100, 200])
+@pytest.mark.parametrize("width", [80, 100, 200])
 def test_job_panel_shows_fields_timings_errors_payload_and_result(width):
     job = dead_job(
         state=JobState.SUCCEEDED, priority="critical", attempt=3, max_attempts=4,
@@ -191,7 +322,7 @@ def test_job_panel_shows_fields_timings_errors_payload_and_result(width):
                 ErrorEntry(2, "DemoFailure: gateway timeout", T0 + 2_500)],
         last_error="DemoFailure: gateway timeout", finished_at=T0 + 3_100,
     )  # fmt: skip
-    text = render(views.job_panel(job), width)
+    text = "\n".join(lines_of(views.job_panel(job), width))
     assert JOB in text
     for fragment in ("succeeded", "payments", "critical", "3 of 4", "host:1:abc", "order-7"):
         assert fragment in text
@@ -206,6 +337,26 @@ def test_job_panel_shows_fields_timings_errors_payload_and_result(width):
     assert '"order": 7' in text and '"charged": 1250' in text
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_job_panel_history_is_a_line_per_attempt_and_the_values_are_whole(width):
+    error = ERRORS["timeout"]
+    job = dead_job(job_id(T0, 3), QUEUE_40, error, attempt=3, max_attempts=3, errors=[
+        ErrorEntry(n, error, T0 + n * 1_000) for n in (1, 2, 3)
+    ])  # fmt: skip
+    lines = lines_of(views.job_panel(job), width)
+    assert job.job_id in lines[0]  # the whole id, in the title
+    assert QUEUE_40 in row(lines, " queue ")
+    history = [line for line in lines if "TimeoutError" in line and "attempt" not in line]
+    for n in (1, 2, 3):
+        line = row(lines, f"2026-01-01 00:00:0{n}.000 ")
+        assert line.split()[1:3] == [str(n), "2026-01-01"]
+        assert error[:25] in line and "Traceback" not in line
+    # The last error is whole above the history, on as many lines as it takes.
+    text = "\n".join(lines)
+    assert "Traceback (most recent call last):" in text and "File x.py" in text
+    assert len(history) == 3 + 1  # three attempts, and the first line of the last error
+
+
 def test_job_panel_of_a_fresh_job_leaves_out_what_it_does_not_have():
     job = JobView(job_id=JOB, queue="email", state=JobState.READY, priority="normal",
                   payload=[1, "two"], attempt=0, max_attempts=4, created_at=T0)  # fmt: skip
@@ -213,6 +364,12 @@ def test_job_panel_of_a_fresh_job_leaves_out_what_it_does_not_have():
     assert "ready" in text and "0 of 4" in text and '"two"' in text
     for absent in ("errors", "result", "last error", "worker", "finished", "lease expires"):
         assert absent not in text, absent
+
+
+def test_job_panel_folds_a_queue_of_128_characters_rather_than_cutting_it():
+    job = dead_job(queue=QUEUE_128)
+    text = "".join(line.strip("│ ") for line in lines_of(views.job_panel(job), 80))
+    assert QUEUE_128 in text
 
 
 # -- demo progress ------------------------------------------------------------------------
@@ -230,3 +387,75 @@ def test_state_progress_has_a_bar_per_state_out_of_every_job():
     assert by_state["dead"].completed == 3 and by_state["pending"].completed == 0
     text = render(progress.make_tasks_table(progress.tasks))
     assert "succeeded" in text and "5/10" in text and "3/10" in text
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_demos_progress_and_tables_read_at_80_and_120_columns(width):
+    """What ``relay-trio demo`` prints at its end (cli/work.py): its progress bars, the
+    stats and its dead jobs (one batch: ids of one millisecond)."""
+    s = stats(email=counts(succeeded=9_995), thumbnails=counts(succeeded=2_000),
+              reports=counts(succeeded=2_000), payments=counts(succeeded=1_400, dead=400),
+              webhooks=counts(dead=350))  # fmt: skip
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    progress, tasks = views.state_progress(console)
+    views.update_state_progress(progress, tasks, s)
+    errors = ["DemoFailure: endpoint answered 410 Gone", "DemoFailure: insufficient funds"]
+    dead = DeadPage([
+        dead_job(job_id(T0, n), "webhooks" if n % 2 else "payments", errors[n % 2])
+        for n in range(1, 21)
+    ], None)  # fmt: skip
+    lines = [
+        *lines_of(progress.make_tasks_table(progress.tasks), width),
+        *lines_of(views.stats_table(s), width),
+        *lines_of(views.dead_table(dead), width),
+    ]
+    assert row(lines, "succeeded ━").endswith("15395/16145")
+    shown = views.short_ids(job.job_id for job in dead.jobs)
+    for job in dead.jobs:
+        assert len(shown[job.job_id]) == len("job_3445487…01")
+        assert job.last_error[: 28 if width == 80 else 39] in row(lines, shown[job.job_id])
+
+
+# -- through the commands -----------------------------------------------------------------
+
+
+def test_the_demo_reads_at_80_columns_through_the_command():
+    """``COLUMNS=80 relay-trio demo | cat``: a line per dead job, with the first words of
+    its error, and no line of the tables ends in spaces."""
+    env = cli_env()
+    env["COLUMNS"] = "80"
+    done = subprocess.run([str(RELAY), "demo", "--seed", "1"], env=env, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done
+    lines = done.stdout.splitlines()
+    tables = lines[next(n for n, line in enumerate(lines) if line.strip() == "Queues") :]
+    tables = tables[: next(n for n, line in enumerate(tables) if line.startswith("Done in"))]
+    for line in tables:
+        assert len(line) <= 80 and line == line.rstrip(), line
+    rows = [line for line in tables if line.startswith("job_")]
+    assert len(rows) == 8  # 4 doomed and 4 rejected of the 60 jobs
+    for line in rows:
+        assert "DemoFailure: " in line and len(line.split("DemoFailure: ")[1]) >= 12, line
+
+
+async def test_stats_and_dead_list_read_at_80_columns_through_the_commands(address, client):
+    """A 43-character queue name does not push ``relay-trio stats`` onto several lines a
+    queue, and ``relay-trio dead list`` shows the first words of each error."""
+    long_queue = "billing.invoice-reminders.nightly-run-eu-01"
+    for queue in (long_queue, "email"):
+        await client.submit(queue, {"n": 1})
+        (job,) = await client.lease([queue], "w")
+        await client.fail(job.job_id, "w", job.token, ERRORS["timeout"], retryable=False)
+        await client.submit(queue, {"n": 2})  # one ready as well
+    env = cli_env(address)
+    env["COLUMNS"] = "80"
+    for args in (["stats"], ["dead", "list"]):
+        result = await relay_trio(*args, env=env)
+        assert result.code == 0, result
+        lines = result.stdout.splitlines()
+        for line in lines:
+            assert len(line) <= 80 and line == line.rstrip(), line
+        for start in ("billin", "email"):
+            assert len([line for line in lines if start in line]) == 1, (start, lines)
+    for line in lines[3:5]:  # the dead jobs' rows, under the title and the headers
+        assert "TimeoutError: warehouse" in line, lines
