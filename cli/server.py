@@ -1,16 +1,19 @@
 """``relay-trio server``: its options made into a ``ServerConfig``, its start-up (the
-open-files limit, the signal receiver, ``serve``) and its start-up failures, each mapped to
-one line on stderr and an exit code.
+open-files limit, the signal handlers, ``serve``), its start-up failures, each mapped to one
+line on stderr and an exit code, and what a person at a terminal reads: the start-up
+summary and the line that says it is stopping (relay/log.py's text format).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import signal
-import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import click
@@ -21,8 +24,10 @@ from relay import wire
 from relay.errors import StoreError
 from relay.model import QUEUE_NAME_RE
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
-from relay.server.core import ServerConfig
+from relay.server.core import ServerConfig, is_postgres_url
+from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
 from relay.server.tls import TlsConfigError
+from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
 
 if TYPE_CHECKING:
@@ -34,6 +39,10 @@ DEFAULT_METRICS_ADDRESS = "127.0.0.1:7401"
 DEFAULT_WS_ADDRESS = "127.0.0.1:7402"
 # Exit code when a second SIGINT/SIGTERM cuts the graceful shutdown short.
 EXIT_SECOND_SIGNAL = 130
+# Exit code of a start-up refused for its configuration (as click's usage errors).
+EXIT_CONFIGURATION = 2
+# The option that sets each listener's address, for the one line a ListenError becomes.
+LISTEN_OPTIONS = {JOBS: "--address", METRICS: "--metrics-address", WEBSOCKET: "--ws-address"}
 
 
 def _limit(name: str, default: int, text: str):
@@ -129,15 +138,24 @@ def server(
     tls_key: str | None,
     **numbers: int,
 ) -> None:
-    """Run the server until SIGINT or SIGTERM (a second one exits at once)."""
+    """Run the server until SIGINT or SIGTERM (a second one exits at once).
+
+    Logs go to stderr: short lines, and a summary once it serves, on a terminal; JSON lines
+    otherwise (RELAY_LOG_FORMAT=json|text chooses; RELAY_LOG=debug|info|warning).
+    """
+    # First: from here on, Ctrl-C stops the server without a traceback, whatever it does.
+    signals = Signals(numbers["shutdown_timeout_ms"])
+    signals.install()
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("give --tls-cert and --tls-key together")
-    relay_log.configure()
+    try:
+        relay_log.configure(renderers=TEXT_RENDERERS)
+    except relay_log.LogConfigError as exc:
+        fail(str(exc), EXIT_CONFIGURATION)
     try:
         tokens = load_tokens(auth_token_file, os.environ.get("RELAY_AUTH_TOKEN"))
     except AuthConfigError as exc:
-        click.echo(f"relay-trio: {exc}", err=True)
-        sys.exit(2)
+        fail(str(exc), EXIT_CONFIGURATION)
     host, port = parse_address(address)
     metrics_host, metrics_port = "127.0.0.1", None
     if metrics_address != "off":
@@ -167,21 +185,18 @@ def server(
         tls_key=tls_key,
         **{k: v for k, v in numbers.items() if k not in limit_fields},
     )
-    # serve() runs under a nursery, so a start-up failure arrives in an exception group.
-    failure: tuple[int, str] | None = None
+    # serve() raises each start-up failure as itself (_run_server keeps it out of an
+    # exception group); anything else is a bug and keeps its traceback.
     try:
-        trio.run(_run_server, config)
-    except* (ExposureError, TlsConfigError) as group:
-        failure = (2, f"relay-trio: {group.exceptions[0]}")
-    except* StoreError as group:
-        exc = group.exceptions[0]
-        assert isinstance(exc, StoreError)
-        failure = (2, f"relay-trio: refusing to open {exc.path}: {exc.problem}")
-    except* OSError as group:
-        failure = (1, f"relay-trio: cannot listen on {address}: {group.exceptions[0]}")
-    if failure is not None:
-        click.echo(failure[1], err=True)
-        sys.exit(failure[0])
+        trio.run(_run_server, config, signals)
+    except ListenError as exc:
+        option = LISTEN_OPTIONS[exc.listener]
+        fail(f"cannot open the {exc.listener} listener ({option}) on {exc.address}: "
+             f"{exc.reason}", EXIT_CONFIGURATION)  # fmt: skip
+    except StoreError as exc:
+        fail(f"refusing to open {exc.path}: {exc.problem}", EXIT_CONFIGURATION)
+    except (ExposureError, TlsConfigError) as exc:
+        fail(str(exc), EXIT_CONFIGURATION)
 
 
 # File descriptors the server needs besides its client connections: the database and its
@@ -221,29 +236,187 @@ def _parse_depths(values: tuple[str, ...]) -> dict[str, int]:
     return depths
 
 
-async def _run_server(config: ServerConfig) -> None:
+class Signals:
+    """SIGINT and SIGTERM, from the command's start to the process's end: the first stops
+    the server (gracefully once it serves; while it starts, at once, closing what is open),
+    a second exits with EXIT_SECOND_SIGNAL at once, in any phase.
+
+    Python-level handlers rather than trio's signal receiver: they run before ``trio.run``
+    (reading the options and the token file), and while the trio thread is busy in
+    synchronous code (opening the database), where a second signal must still end the
+    process. The first is passed to the trio run with ``run_sync_soon``, which may be
+    called from a signal handler. (A handler runs between bytecodes, or when its signal
+    interrupts a system call: a signal that lands just before a blocking call begins waits
+    until that call returns. A person's Ctrl-C during a long wait lands in the wait.)
+    """
+
+    def __init__(self, shutdown_timeout_ms: int) -> None:
+        self.shutdown_timeout_ms = shutdown_timeout_ms
+        self.count = 0
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: Callable[[], bool] | None = None
+        self._first: str | None = None  # the first signal's name, once it came
+        self._said = False  # shutdown.signal was logged
+        self._passed = False  # the first signal was passed to stop()
+        self._over = False  # the trio run is over
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def attach(self, stop: Callable[[], bool]) -> None:
+        """From the trio run: for the first signal (at once if it came before), call
+        ``stop()`` there, which returns whether the server was serving."""
+        self._stop = stop
+        self._token = trio.lowlevel.current_trio_token()
+        if self._first is not None:
+            self._pass_on(self._first)
+
+    def detach(self) -> None:
+        """The trio run is over: a first signal from now on has nothing left to stop."""
+        self._token = None
+        self._over = True
+
+    def _pass_on(self, name: str) -> None:
+        """In the trio run: stop the server (once), and say so (unless said already)."""
+        if self._passed or self._stop is None:
+            return
+        self._passed = True
+        serving = self._stop()
+        self._say(name, starting=not serving)
+
+    def _say(self, name: str, *, starting: bool) -> None:
+        if not self._said:
+            self._said = True
+            relay_log.event(
+                log, logging.INFO, "shutdown.signal", signal=name, starting=starting,
+                shutdown_timeout_ms=self.shutdown_timeout_ms,
+            )  # fmt: skip
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count > 1:
+            # SQLite's journal keeps the file consistent; nothing to flush here.
+            relay_log.event(log, logging.WARNING, "shutdown.forced", signal=name)
+            os._exit(EXIT_SECOND_SIGNAL)
+        self._first = name
+        token = self._token
+        if token is None:
+            # Before the run, said now: start-up may be stuck where it is (a token file
+            # that is a pipe), and the person should know that a second Ctrl-C ends it.
+            if not self._over:
+                self._say(name, starting=True)
+            return
+        with contextlib.suppress(trio.RunFinishedError):  # it has just ended
+            token.run_sync_soon(self._pass_on, name)
+
+
+@attrs.define
+class _Started:
+    """serve()'s ``task_status``, passed on to ``outer``: ``handle`` is set in the very
+    step in which serve() logs ``server.started``, so a signal handled after that line
+    finds a server to shut down gracefully, and one handled before it, a start-up to
+    cancel."""
+
+    outer: trio.TaskStatus[None]
+    handle: ServerHandle | None = None
+
+    def started(self, value: ServerHandle) -> None:
+        self.handle = value
+        self.outer.started()
+
+
+async def _run_server(config: ServerConfig, signals: Signals) -> None:
     # Imported here: the TCP server (and its metrics endpoint) is the heaviest import, and
     # no other command needs it.
     from relay.server.serve import serve
 
-    # The signal receiver is installed before serving, so a signal during start-up is
-    # not lost: it stops the server as soon as it is up.
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    started: _Started | None = None
+    failure: Exception | None = None
+
+    async def run(task_status: trio.TaskStatus[None]) -> None:
+        nonlocal started
+        started = _Started(task_status)
+        await serve(config, task_status=started)
+
+    try:
         async with trio.open_nursery() as nursery:
 
-            async def run(task_status: trio.TaskStatus[ServerHandle]) -> None:
-                await serve(config, task_status=task_status)
-                nursery.cancel_scope.cancel()
+            def stop() -> bool:
+                handle = None if started is None else started.handle
+                if handle is None:
+                    nursery.cancel_scope.cancel()  # serve() closes what it opened so far
+                    return False
+                handle.shutdown()
+                return True
 
-            handle: ServerHandle = await nursery.start(run)
-            count = 0
-            async for signum in signals:
-                count += 1
-                name = signal.Signals(signum).name
-                if count == 1:
-                    relay_log.event(log, logging.INFO, "shutdown.signal", signal=name)
-                    handle.shutdown()
-                else:
-                    # SQLite's journal keeps the file consistent; nothing to flush here.
-                    relay_log.event(log, logging.WARNING, "shutdown.forced", signal=name)
-                    os._exit(EXIT_SECOND_SIGNAL)
+            signals.attach(stop)
+            try:
+                await nursery.start(run)
+            except Exception as exc:
+                failure = exc  # a start-up failure: out of the nursery as itself, not in a group
+            # The nursery waits for serve(), which returns after its bounded shutdown.
+    finally:
+        signals.detach()
+    if failure is not None:
+        raise failure
+
+
+# -- what a person at a terminal reads --------------------------------------------------------
+
+
+def startup_summary(fields: Mapping[str, Any]) -> str:
+    """``server.started`` as text: where clients and browsers connect, where the jobs are
+    kept and how durably, whether tokens and TLS are on, and how to stop it."""
+    tls = bool(fields.get("tls"))
+    metrics, websocket = fields.get("metrics"), fields.get("websocket")
+    db = str(fields.get("db", ""))
+    if is_postgres_url(db):
+        database, durability = f"{db} (PostgreSQL)", "each ok after its COMMIT (PostgreSQL's)"
+    else:
+        database = f"{os.path.abspath(db)} (SQLite)"
+        durability = {
+            "full": "synchronous=full: each commit is on disk (fsync) before its ok",
+            "normal": "synchronous=normal: a power loss may lose the last commits",
+        }.get(str(fields.get("synchronous")), f"synchronous={fields.get('synchronous')}")
+    tokens = fields.get("tokens") or 0
+    rows = [
+        ("jobs", f"{fields.get('address')}" + (" (TLS)" if tls else "")),
+        ("metrics", f"http://{metrics}/metrics" if metrics else "off"),
+        ("dashboard", f"http://{metrics}/" if metrics else "off (it is served with metrics)"),
+        ("WebSocket", f"{'wss' if tls else 'ws'}://{websocket}/" if websocket else "off"),
+        ("database", database),
+        ("durability", durability),
+        ("tokens", f"{tokens} (a client says hello with one)" if tokens else
+                   "off (loopback only; any client may do anything)"),
+        ("TLS", "on (jobs and WebSocket; metrics stay plain HTTP)" if tls else "off"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    seconds = _seconds(fields.get("shutdown_timeout_ms"))
+    return "\n".join([
+        f"relay-trio {fields.get('version')} is serving (started in "
+        f"{fields.get('startup_ms')} ms)",
+        *(f"  {name:<{width}}  {value}" for name, value in rows),
+        f"  Ctrl-C stops it: requests in flight get up to {seconds}; a second Ctrl-C stops "
+        "at once.",
+    ])  # fmt: skip
+
+
+def stopping_line(fields: Mapping[str, Any]) -> str:
+    """``shutdown.signal`` as text: that it stops, and how long it may take at most."""
+    name = fields.get("signal")
+    if fields.get("starting"):
+        return f"stopping ({name}) before serving: closing what is open"
+    seconds = _seconds(fields.get("shutdown_timeout_ms"))
+    return (
+        f"stopping ({name}): waiting at most {seconds} for requests in flight, then "
+        "closing the database; Ctrl-C again stops at once"
+    )
+
+
+def _seconds(ms: Any) -> str:
+    return f"{ms / 1000:g} s" if isinstance(ms, int | float) else "the shutdown timeout"
+
+
+TEXT_RENDERERS = {"server.started": startup_summary, "shutdown.signal": stopping_line}

@@ -1,8 +1,13 @@
-"""Structured logs: one JSON object per line on stderr (time, level, event, fields).
+"""Structured logs on stderr: one JSON object per line for programs, or one short line per
+event for a person at a terminal.
 
 Code logs through the standard ``logging`` module, with the event name as the message and
-the fields in ``extra={"fields": {...}}``; ``configure`` installs the JSON formatter on the
-``relay`` logger, at the level named by ``RELAY_LOG`` (debug, info, warning).
+the fields in ``extra={"fields": {...}}``. ``configure`` installs a formatter on the
+``relay`` logger, at the level named by ``RELAY_LOG`` (debug, info, warning), in the
+format named by ``RELAY_LOG_FORMAT``: ``json`` (time, level, event, logger, fields), or
+``text`` (``12:00:01 info  server.recovered_leases count=1``); unset, text when stderr is a
+terminal and JSON otherwise (a file, a pipe, a service manager's journal). Every command
+that logs calls ``configure`` first.
 """
 
 from __future__ import annotations
@@ -10,13 +15,35 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+FORMATS = ("json", "text")
+# The level as a text line shows it: at most five letters, so that events line up.
+LEVEL_TAGS = {
+    logging.DEBUG: "debug",
+    logging.INFO: "info",
+    logging.WARNING: "warn",
+    logging.ERROR: "error",
+    logging.CRITICAL: "crit",
+}
+# A text line's field value that needs no quotes: no space, quote, '=' or control character.
+_BARE = re.compile(r"[^\s\"'=\\]+")
+
+# An event's text line, from its fields, instead of ``name key=value...`` (it may span
+# lines): for events a person reads first, such as the server's start-up summary.
+Renderer = Callable[[Mapping[str, Any]], str]
+
+
+class LogConfigError(ValueError):
+    """``RELAY_LOG`` or ``RELAY_LOG_FORMAT`` names no level or format (the message is
+    one line, for the person who set it)."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -34,19 +61,86 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
-def configure(level: str | None = None, stream: Any = None) -> None:
-    """Send the ``relay`` logger's records to ``stream`` (stderr) as JSON lines."""
-    name = (level or os.environ.get("RELAY_LOG") or "info").lower()
+class TextFormatter(logging.Formatter):
+    """``HH:MM:SS level event key=value ...``, in local time, for a person at a terminal;
+    a traceback follows on its own lines. ``renderers`` give some events their own text."""
+
+    def __init__(self, renderers: Mapping[str, Renderer] | None = None) -> None:
+        super().__init__()
+        self.renderers = dict(renderers or {})
+
+    def format(self, record: logging.LogRecord) -> str:
+        name = record.getMessage()
+        fields = getattr(record, "fields", {})
+        render = self.renderers.get(name)
+        if render is not None:
+            text = render(fields)
+        else:
+            text = " ".join([name, *(f"{key}={text_value(v)}" for key, v in fields.items())])
+        clock = time.strftime("%H:%M:%S", time.localtime(record.created))
+        tag = LEVEL_TAGS.get(record.levelno, record.levelname.lower())
+        line = f"{clock} {tag:<5} {text}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def text_value(value: Any) -> str:
+    """A field's value on a text line: a plain word as it is, other text quoted, a list of
+    plain words joined by commas, anything else as compact JSON."""
+    if isinstance(value, str):
+        return value if _BARE.fullmatch(value) else orjson.dumps(value).decode()
+    if isinstance(value, list | tuple) and all(
+        isinstance(v, str) and _BARE.fullmatch(v) and "," not in v for v in value
+    ):
+        return ",".join(value) if value else "[]"
+    return orjson.dumps(value, default=str).decode()
+
+
+def configure(
+    level: str | None = None,
+    stream: Any = None,
+    *,
+    log_format: str | None = None,
+    renderers: Mapping[str, Renderer] | None = None,
+) -> str:
+    """Send the ``relay`` logger's records to ``stream`` (stderr), and return the format
+    chosen: "json" or "text".
+
+    ``level`` and ``log_format`` default to ``RELAY_LOG`` (else info) and
+    ``RELAY_LOG_FORMAT`` (else text if ``stream`` is a terminal, JSON if not);
+    ``renderers`` give events their own text lines. Raises LogConfigError, having changed
+    nothing, for a level or format it does not know.
+    """
+    name = (level or os.environ.get("RELAY_LOG") or "info").strip().lower()
     if name not in LEVELS:
-        raise ValueError(f"RELAY_LOG must be one of {', '.join(LEVELS)}, not {name!r}")
+        raise LogConfigError(f"RELAY_LOG must be one of {', '.join(LEVELS)}, not {name!r}")
+    chosen = (log_format or os.environ.get("RELAY_LOG_FORMAT") or "").strip().lower()
+    if chosen and chosen not in FORMATS:
+        raise LogConfigError(
+            f"RELAY_LOG_FORMAT must be {' or '.join(FORMATS)} (unset: text on a terminal, "
+            f"else json), not {chosen!r}"
+        )
+    out = stream or sys.stderr
+    if not chosen:
+        chosen = "text" if is_terminal(out) else "json"
     logger = logging.getLogger("relay")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter() if chosen == "json" else TextFormatter(renderers))
     logger.addHandler(handler)
     logger.setLevel(LEVELS[name])
     logger.propagate = False
+    return chosen
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a stream without ``isatty`` is not)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:

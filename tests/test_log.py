@@ -1,8 +1,18 @@
-"""relay/log.py: the summary of events that come in floods."""
+"""relay/log.py: the summary of events that come in floods; the level and format chosen
+by ``configure``; the text format's lines."""
 
 from __future__ import annotations
 
-from relay.log import Summary
+import io
+import logging
+import sys
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from relay.log import LogConfigError, Summary, TextFormatter, configure, event, text_value
 
 
 def test_a_flood_is_logged_once_per_interval_with_its_count():
@@ -12,3 +22,108 @@ def test_a_flood_is_logged_once_per_interval_with_its_count():
     assert summary.count(11.0) == 10  # nine held back, and this one
     assert summary.count(11.5) == 0
     assert summary.count(20.0) == 2
+
+
+# -- configure: the level and the format ------------------------------------------------------
+
+
+class FakeStream(io.StringIO):
+    def __init__(self, terminal: bool) -> None:
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.fixture
+def restore_relay_logger() -> Iterator[None]:
+    logger = logging.getLogger("relay")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    try:
+        yield
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@pytest.mark.usefixtures("restore_relay_logger")
+@pytest.mark.parametrize(
+    ("terminal", "variable", "chosen"),
+    [(True, None, "text"), (False, None, "json"), (True, "json", "json"), (False, "text", "text"),
+     (True, " JSON ", "json")],
+)  # fmt: skip
+def test_text_on_a_terminal_json_elsewhere_unless_relay_log_format_says(
+    monkeypatch, terminal, variable, chosen
+):
+    if variable is None:
+        monkeypatch.delenv("RELAY_LOG_FORMAT", raising=False)
+    else:
+        monkeypatch.setenv("RELAY_LOG_FORMAT", variable)
+    stream = FakeStream(terminal)
+    assert configure("info", stream) == chosen
+    event(logging.getLogger("relay.test"), logging.INFO, "thing.happened", count=1)
+    line = stream.getvalue()
+    if chosen == "json":
+        assert orjson.loads(line)["event"] == "thing.happened"
+    else:
+        assert line.split()[1:] == ["info", "thing.happened", "count=1"]
+
+
+@pytest.mark.usefixtures("restore_relay_logger")
+@pytest.mark.parametrize(
+    ("variable", "value"), [("RELAY_LOG", "loud"), ("RELAY_LOG_FORMAT", "xml")]
+)
+def test_an_unknown_level_or_format_changes_nothing(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    before = list(logging.getLogger("relay").handlers)
+    with pytest.raises(LogConfigError, match=f"{variable} must be .*, not '{value}'") as raised:
+        configure(stream=FakeStream(True))
+    assert "\n" not in str(raised.value)
+    assert logging.getLogger("relay").handlers == before
+
+
+# -- the text format ----------------------------------------------------------------------------
+
+
+def record(name: str, level: int = logging.INFO, **fields: object) -> logging.LogRecord:
+    made = logging.LogRecord("relay.test", level, __file__, 1, name, None, None)
+    made.fields = fields
+    made.created = time.mktime((2026, 1, 2, 12, 0, 1, 0, 0, -1))
+    return made
+
+
+def test_a_text_line_is_local_time_level_event_and_fields():
+    fields = {"state": "retrying", "error": "smtp down: 421", "queues": ["email", "sms"],
+              "attempt": 2, "ok": None, "limits": {"a": 1}}  # fmt: skip
+    line = TextFormatter().format(record("job.failed", logging.WARNING, **fields))
+    assert line == (
+        '12:00:01 warn  job.failed state=retrying error="smtp down: 421" queues=email,sms '
+        'attempt=2 ok=null limits={"a":1}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [("plain", "plain"), ("", '""'), ("a b", '"a b"'), ('say "hi"', '"say \\"hi\\""'),
+     ("k=v", '"k=v"'), ([], "[]"), (["a,b"], '["a,b"]'), (True, "true"), (1.5, "1.5")],
+)  # fmt: skip
+def test_a_field_value_reads_as_itself_and_stays_one_token(value, text):
+    assert text_value(value) == text
+
+
+def test_a_renderer_gives_an_event_its_own_text_and_a_traceback_follows():
+    formatter = TextFormatter({"server.started": lambda f: f"up at {f['address']}\n  more"})
+    assert formatter.format(record("server.started", address="h:1")) == (
+        "12:00:01 info  up at h:1\n  more"
+    )
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = record("internal", logging.ERROR)
+        failed.exc_info = sys.exc_info()
+    lines = formatter.format(failed).splitlines()
+    assert lines[0] == "12:00:01 error internal"
+    assert lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: boom"

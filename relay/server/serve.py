@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import ExitStack, asynccontextmanager
 
 import attrs
 import trio
@@ -46,6 +47,14 @@ from relay.server.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.core import Core, ServerConfig, describe_db, open_core
 from relay.server.dashboard import Dashboard
 from relay.server.dispatch import VERSION
+from relay.server.listen import (
+    JOBS,
+    METRICS,
+    WEBSOCKET,
+    ListenError,
+    host_port,
+    open_listeners,
+)
 from relay.server.listener import Listener
 from relay.server.metrics import MetricsSnapshot, serve_metrics
 from relay.server.session import Session, Sessions
@@ -55,7 +64,7 @@ from relay.store import commands as cmd
 
 log = logging.getLogger("relay.server")
 
-__all__ = ["ServerConfig", "ServerHandle", "serve"]
+__all__ = ["ListenError", "ServerConfig", "ServerHandle", "serve"]
 
 
 @attrs.frozen
@@ -73,9 +82,12 @@ async def serve(
 ) -> None:
     """Run the server until ``shutdown()`` is called on its handle, or until cancelled.
 
-    Raises TlsConfigError if the TLS certificate or key cannot be used, and StoreError if
-    the database is refused, both before ``task_status.started``.
-    Cancellation from outside skips the grace period but still closes the store cleanly.
+    Raises, each before ``task_status.started`` and as itself (not in an exception group):
+    TlsConfigError if the TLS certificate or key cannot be used, ExposureError if a
+    listener would be reachable from other machines without tokens, StoreError if the
+    database is refused, ListenError if a listener cannot be opened. Cancellation from
+    outside (even during start-up) skips the grace period but still closes the store
+    cleanly.
     """
     began = time.monotonic()
     stop = trio.Event()
@@ -88,8 +100,11 @@ async def serve(
     # Before anything is opened: an exposed listener without tokens changes nothing.
     exposed = await trio.to_thread.run_sync(check_exposure, _hosts(config), config.tokens,
                                             config.insecure)  # fmt: skip
-    async with open_core(config) as core:
-        tcp = await trio.open_tcp_listeners(config.port, host=config.host)
+    # Cancelled meanwhile (Ctrl-C while starting): stop here, before opening the database.
+    await trio.lowlevel.checkpoint_if_cancelled()
+    # After the database: a server refused for its database (say, another one uses it)
+    # says so, rather than that its port is taken (by that other server).
+    async with open_core(config) as core, _open_sockets(config) as sockets:
         dispatcher = core.dispatcher
 
         sessions = Sessions()
@@ -99,17 +114,18 @@ async def serve(
             await sessions.run(Session(stream, dispatcher, idle_timeout=idle, peer=peer))
 
         listener = Listener(
-            tcp, run_session, config.limits.max_connections, tls_context=tls_context,
+            sockets.jobs, run_session, config.limits.max_connections, tls_context=tls_context,
             handshake_timeout=config.tls_handshake_timeout_ms / 1000,
         )  # fmt: skip
         listeners = [listener]
         ws_address = None
         origins = Origins(frozenset(config.ws_origins))
-        if config.ws_port is not None:
-            ws = await trio.open_tcp_listeners(config.ws_port, host=config.ws_host)
-            ws_address = ws[0].socket.getsockname()[:2]
+        if sockets.websocket is not None:
+            ws_address = sockets.websocket[0].socket.getsockname()[:2]
             listeners.append(
-                _websocket_listener(ws, config, run_session, listener, tls_context, origins)
+                _websocket_listener(
+                    sockets.websocket, config, run_session, listener, tls_context, origins
+                )
             )
         dispatcher.connections = lambda: listener.connections
 
@@ -132,9 +148,8 @@ async def serve(
             for each in listeners:
                 await transports.start(each.serve)
             metrics_address = None
-            if config.metrics_port is not None:
-                http = await trio.open_tcp_listeners(config.metrics_port, host=config.metrics_host)
-                metrics_address = http[0].socket.getsockname()[:2]
+            if sockets.metrics is not None:
+                metrics_address = sockets.metrics[0].socket.getsockname()[:2]
                 origins.page_port = metrics_address[1]  # the dashboard's page may connect
                 # Open to anyone who can reach it on loopback; elsewhere, with tokens,
                 # a bearer token of any role.
@@ -146,17 +161,17 @@ async def serve(
                     config.metrics_host, config.ws_host, None if ws_address is None else
                     ws_address[1], tls=tls_context is not None, tokens=config.tokens is not None,
                 )  # fmt: skip
-                await transports.start(serve_metrics, http, gather, guard, dashboard)
-            address = tcp[0].socket.getsockname()[:2]
+                await transports.start(serve_metrics, sockets.metrics, gather, guard, dashboard)
+            address = sockets.jobs[0].socket.getsockname()[:2]
             event(
                 log,
                 logging.INFO,
                 "server.started",
                 version=VERSION,
-                address=f"{address[0]}:{address[1]}",
+                address=host_port(*address),
                 tls=tls_context is not None,
-                metrics=None if metrics_address is None else "{}:{}".format(*metrics_address),
-                websocket=None if ws_address is None else "{}:{}".format(*ws_address),
+                metrics=None if metrics_address is None else host_port(*metrics_address),
+                websocket=None if ws_address is None else host_port(*ws_address),
                 db=describe_db(config.db),
                 synchronous=config.synchronous,
                 limits=attrs.asdict(config.limits),
@@ -173,6 +188,37 @@ async def serve(
             transports.cancel_scope.cancel()
         t = time.monotonic()
     event(log, logging.INFO, "server.stopped", writer_close_ms=round((time.monotonic() - t) * 1000))
+
+
+@attrs.frozen
+class _Sockets:
+    """The listening sockets of each endpoint (None: that endpoint is off)."""
+
+    jobs: list[trio.SocketListener]
+    websocket: list[trio.SocketListener] | None
+    metrics: list[trio.SocketListener] | None
+
+
+@asynccontextmanager
+async def _open_sockets(config: ServerConfig) -> AsyncIterator[_Sockets]:
+    """Open every listening socket before any of them serves, so that one that cannot be
+    opened stops the start-up as a ListenError naming it; all are closed on the way out
+    (those a listener already closed, again: closing is idempotent)."""
+    with ExitStack() as opened:
+
+        async def each(listener: str, host: str, port: int) -> list[trio.SocketListener]:
+            sockets = await open_listeners(listener, host, port)
+            for one in sockets:
+                opened.callback(one.socket.close)
+            return sockets
+
+        jobs = await each(JOBS, config.host, config.port)
+        ws = http = None
+        if config.ws_port is not None:
+            ws = await each(WEBSOCKET, config.ws_host, config.ws_port)
+        if config.metrics_port is not None:
+            http = await each(METRICS, config.metrics_host, config.metrics_port)
+        yield _Sockets(jobs, ws, http)
 
 
 def _hosts(config: ServerConfig) -> list[tuple[str, str]]:
