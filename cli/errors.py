@@ -18,6 +18,8 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from relay.log import LogConfigError
+
 T = TypeVar("T")
 
 PROG = "relay-trio"
@@ -79,6 +81,8 @@ class RelayGroup(click.Group):
             if interrupted(exc):
                 sys.exit(EXIT_INTERRUPTED)  # click wrote the newline
             fail("aborted")
+        except LogConfigError as exc:  # RELAY_LOG or RELAY_LOG_FORMAT, as any command reads them
+            fail(str(exc), EXIT_USAGE)
         except BrokenPipeError:
             # The reader went away (`relay-trio stats | head`): nothing left to say.
             sys.stderr.close()

@@ -236,7 +236,7 @@ def _one_server(db: str, sync: str, tls: Tls | None) -> Iterator[ServerProcess]:
     ]  # fmt: skip
     if tls is not None:
         args += ["--tls-cert", tls.cert, "--tls-key", tls.key]
-    env = dict(os.environ, RELAY_LOG="info")
+    env = dict(os.environ, RELAY_LOG="info", RELAY_LOG_FORMAT="json")  # read as JSON below
     process = subprocess.Popen(args, stderr=subprocess.PIPE, env=env, text=True)
     try:
         assert process.stderr is not None

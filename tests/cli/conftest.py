@@ -36,7 +36,10 @@ def address_of(server: RunningServer) -> str:
 
 
 def cli_env(address: str | None = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "RELAY_LOG")}
+    # The tests read the commands' logs as JSON lines: what they write to a pipe, unless
+    # RELAY_LOG_FORMAT says otherwise (a developer's own setting must not).
+    skip = ("FORCE_COLOR", "RELAY_LOG", "RELAY_LOG_FORMAT")
+    env = {k: v for k, v in os.environ.items() if k not in skip}
     env.update(COLUMNS="200", NO_COLOR="1", **extra)
     if address is not None:
         env["RELAY_ADDRESS"] = address

@@ -95,8 +95,14 @@ async def server_process(db: Path, *args: str) -> AsyncIterator[ServerProcess]:
         "--shutdown-timeout-ms", str(SHUTDOWN_TIMEOUT_MS), *args,
     ]  # fmt: skip
     async with trio.open_nursery() as nursery:
+        # Its log is read as JSON lines (what a pipe gets, unless the environment says).
+        env = {**os.environ, "RELAY_LOG_FORMAT": "json"}
         process = await trio.lowlevel.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
         )
         server = ServerProcess(process)
         nursery.start_soon(server.pump)
