@@ -398,8 +398,7 @@ def startup_summary(fields: Mapping[str, Any]) -> str:
         f"relay-trio {fields.get('version')} is serving (started in "
         f"{fields.get('startup_ms')} ms)",
         *(f"  {name:<{width}}  {value}" for name, value in rows),
-        f"  Ctrl-C stops it: requests in flight get up to {seconds}; a second Ctrl-C stops "
-        "at once.",
+        f"  Ctrl-C stops it (requests in flight get up to {seconds}; Ctrl-C again: at once)",
     ])  # fmt: skip
 
 
@@ -409,10 +408,7 @@ def stopping_line(fields: Mapping[str, Any]) -> str:
     if fields.get("starting"):
         return f"stopping ({name}) before serving: closing what is open"
     seconds = _seconds(fields.get("shutdown_timeout_ms"))
-    return (
-        f"stopping ({name}): waiting at most {seconds} for requests in flight, then "
-        "closing the database; Ctrl-C again stops at once"
-    )
+    return f"stopping ({name}): up to {seconds} for requests in flight (again: at once)"
 
 
 def _seconds(ms: Any) -> str:
