@@ -99,7 +99,12 @@ async def test_inspect_shows_the_job_as_a_panel_and_as_json(address, client):
     as_json = (await relay_trio("inspect", job_id, "--json", address=address)).json()
     assert as_json["job_id"] == job_id and as_json["state"] == "dead"
     assert as_json["errors"] == [
-        {"attempt": 1, "error": "card declined", "at": as_json["errors"][0]["at"]}
+        {
+            "attempt": 1,
+            "error": "card declined",
+            "at": as_json["errors"][0]["at"],
+            "traceback": None,
+        }
     ]
     # Stable keys: every field of the job, present or null.
     assert {"result", "run_at", "lease_expires_at", "idempotency_key"} <= set(as_json)
