@@ -2,7 +2,10 @@
 
 Code logs through the standard ``logging`` module, with the event name as the message and
 the fields in ``extra={"fields": {...}}``; ``configure`` installs the JSON formatter on the
-``relay`` logger, at the level named by ``RELAY_LOG`` (debug, info, warning).
+``relay`` logger, at the level named by ``RELAY_LOG`` (debug, info, warning). An event
+meant for people too (a worker's failed job) carries a one-line ``message``: what a
+program's own logging prints when it has not installed this formatter, where the event
+name alone would say nothing. The JSON line keeps the event name and adds the message.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        name = getattr(record, "event", None)  # set by ``event`` when it has a message
         entry: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
-            "event": record.getMessage(),
+            "event": name or record.getMessage(),
             "logger": record.name,
         }
+        if name:
+            entry["message"] = record.getMessage()
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
@@ -49,10 +55,16 @@ def configure(level: str | None = None, stream: Any = None) -> None:
     logger.propagate = False
 
 
-def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
-    """Log ``name`` with ``fields`` (skipping the work when the level is off)."""
+def event(
+    logger: logging.Logger, level: int, name: str, *, message: str | None = None, **fields: Any
+) -> None:
+    """Log ``name`` with ``fields`` (skipping the work when the level is off). With a
+    ``message`` (one line), that is the record's message, and ``name`` its ``event``."""
     if logger.isEnabledFor(level):
-        logger.log(level, name, extra={"fields": fields})
+        if message is None:
+            logger.log(level, name, extra={"fields": fields})
+        else:
+            logger.log(level, "%s", message, extra={"event": name, "fields": fields})
 
 
 # Events that may come in floods (refused connections) are logged at most this often.
