@@ -230,11 +230,20 @@ class Client:
         ]
 
     async def fail(
-        self, job_id: str, worker_id: str, token: str, error: str, *, retryable: bool = True
+        self,
+        job_id: str,
+        worker_id: str,
+        token: str,
+        error: str,
+        *,
+        retryable: bool = True,
+        traceback: str | None = None,
     ) -> FailOutcome:
+        """Record a failed attempt; ``traceback`` (an extension) is kept beside the error,
+        its end if it is long (the server's ``max_traceback_bytes``, 8 KiB by default)."""
         reply = await self._call(
             "fail", job_id=job_id, worker_id=worker_id, token=token, error=error,
-            retryable=retryable,
+            retryable=retryable, traceback=traceback,
         )  # fmt: skip
         return FailOutcome(JobState(reply["state"]), reply.get("retry_at"))
 

@@ -8,6 +8,11 @@ format named by ``RELAY_LOG_FORMAT``: ``json`` (time, level, event, logger, fiel
 ``text`` (``12:00:01 info  server.recovered_leases count=1``); unset, text when stderr is a
 terminal and JSON otherwise (a file, a pipe, a service manager's journal). Every command
 that logs calls ``configure`` first.
+An event meant for people too (a worker's failed job) carries a one-line ``message``: the
+text line then is that message (and the event's ``traceback`` field, if any, below it),
+and it is what a program's own logging prints when it has not installed these formatters,
+where the event name alone would say nothing. The JSON line keeps the event name and adds
+the message.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,13 +54,16 @@ class LogConfigError(ValueError):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        name = getattr(record, "event", None)  # set by ``event`` when it has a message
         entry: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
-            "event": record.getMessage(),
+            "event": name or record.getMessage(),
             "logger": record.name,
         }
+        if name:
+            entry["message"] = record.getMessage()
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
@@ -70,16 +79,20 @@ class TextFormatter(logging.Formatter):
         self.renderers = dict(renderers or {})
 
     def format(self, record: logging.LogRecord) -> str:
-        name = record.getMessage()
         fields = getattr(record, "fields", {})
-        render = self.renderers.get(name)
-        if render is not None:
+        traceback = None
+        if getattr(record, "event", None) is not None:  # an event with a message of its own
+            text = record.getMessage()
+            traceback = fields.get("traceback")
+        elif (render := self.renderers.get(name := record.getMessage())) is not None:
             text = render(fields)
         else:
             text = " ".join([name, *(f"{key}={text_value(v)}" for key, v in fields.items())])
         clock = time.strftime("%H:%M:%S", time.localtime(record.created))
         tag = LEVEL_TAGS.get(record.levelno, record.levelname.lower())
         line = f"{clock} {tag:<5} {text}"
+        if traceback:
+            line += "\n" + textwrap.indent(str(traceback).rstrip("\n"), "    ")
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -143,10 +156,16 @@ def is_terminal(stream: Any) -> bool:
         return False
 
 
-def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
-    """Log ``name`` with ``fields`` (skipping the work when the level is off)."""
+def event(
+    logger: logging.Logger, level: int, name: str, *, message: str | None = None, **fields: Any
+) -> None:
+    """Log ``name`` with ``fields`` (skipping the work when the level is off). With a
+    ``message`` (one line), that is the record's message, and ``name`` its ``event``."""
     if logger.isEnabledFor(level):
-        logger.log(level, name, extra={"fields": fields})
+        if message is None:
+            logger.log(level, name, extra={"fields": fields})
+        else:
+            logger.log(level, "%s", message, extra={"event": name, "fields": fields})
 
 
 # Events that may come in floods (refused connections) are logged at most this often.

@@ -152,9 +152,13 @@ class FailOutcome:
 
 @attrs.frozen
 class ErrorEntry:
+    """One failed attempt of a job: its error text, and the traceback the worker sent with
+    it (None where none was given: a lease that expired, a client that sent none)."""
+
     attempt: int
     error: str
     at: int
+    traceback: str | None = None
 
 
 @attrs.frozen
@@ -226,3 +230,14 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     if len(encoded) <= max_bytes:
         return text
     return encoded[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def truncate_utf8_end(text: str, max_bytes: int) -> str:
+    """The end of ``text``, at most ``max_bytes`` of UTF-8, never inside a character: what
+    a traceback keeps, since its last lines name the failing frame and the exception."""
+    if len(text) * 4 <= max_bytes:  # (a character is at most 4 bytes)
+        return text
+    encoded = text.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[len(encoded) - max_bytes :].decode("utf-8", errors="ignore")

@@ -207,11 +207,13 @@ class AckBatch:
 class Fail(LeaseRef):
     error: str
     retryable: bool = True
+    # The failed attempt's traceback (an extension); null or empty: none.
+    traceback: str | None = None
 
     def check(self, limits: Limits) -> None:
         self.check_ref(limits)
-        # Long texts are truncated by the store (max_error_bytes), not refused; only a
-        # frame's own limit bounds what arrives here.
+        # Long texts are truncated by the store (max_error_bytes, max_traceback_bytes),
+        # not refused; only a frame's own limit bounds what arrives here.
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ from relay.model import (
     PRIORITY_INT_BY_WIRE,
     QUEUE_NAME_RE,
     WIRE_PRIORITIES,
+    ErrorEntry,
     JobInfo,
     Lease,
     Priority,
@@ -46,6 +47,10 @@ class Limits:
     max_batch: int = 1000
     max_queues_per_lease: int = 16
     max_error_bytes: int = 8 * 1024
+    # A failed attempt's traceback (``fail.traceback``, an extension): the server keeps
+    # its last this many bytes, where the failing frame and the exception are. Not
+    # advertised by hello, as ``max_error_bytes`` is not: nothing is refused for its length.
+    max_traceback_bytes: int = 8 * 1024
     # Not advertised by hello, but documented (docs/protocol.md) and enforced the same way.
     max_result_bytes: int = 256 * 1024
     max_retries: int = 1000
@@ -276,6 +281,13 @@ def lease_fields(lease: Lease) -> dict[str, Any]:
     }
 
 
+def _error_fields(entry: ErrorEntry) -> dict[str, Any]:
+    fields: dict[str, Any] = {"attempt": entry.attempt, "error": entry.error, "at": entry.at}
+    if entry.traceback is not None:
+        fields["traceback"] = entry.traceback
+    return fields
+
+
 def job_fields(job: JobInfo) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "job_id": job.job_id,
@@ -286,7 +298,7 @@ def job_fields(job: JobInfo) -> dict[str, Any]:
         "attempt": job.attempt,
         "max_attempts": job.max_attempts,
         "created_at": job.created_at,
-        "errors": [{"attempt": e.attempt, "error": e.error, "at": e.at} for e in job.errors],
+        "errors": [_error_fields(entry) for entry in job.errors],
     }
     optional = {
         "ready_at": job.ready_at,

@@ -7,13 +7,20 @@ returns hands a ``_PendingAck`` to the ack task (relay/worker_acks.py), which se
 job once its ack is answered, and the job's task ends there. Any other outcome the job's
 task reports itself (a raise: fail; cancelled by a stop: release; an ack once the ack task
 has ended), shielded, within ``SETTLE_TIMEOUT_S``; then it frees the slot.
+
+A failed job is one ``fail`` with the error and the formatted traceback of the handler's
+exception (its end, within ``MAX_TRACEBACK_BYTES``), and one WARNING line in the log:
+the job, its error, what happens next (retrying at, or dead), the traceback as a field.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from traceback import format_exception
+from types import TracebackType
 from typing import Any
 
 import attrs
@@ -23,6 +30,7 @@ import trio
 from relay.client import Client, LeasedJob
 from relay.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.log import event
+from relay.model import FailOutcome, JobState, truncate_utf8_end
 
 log = logging.getLogger("relay.worker")  # the worker's: its parts log as the worker does
 
@@ -31,6 +39,12 @@ Handler = Callable[[LeasedJob], Any] | Callable[[LeasedJob], Awaitable[Any]]
 # Bound on reporting a job's outcome (ack, fail, release): past it the lease expires and
 # the job runs again, which at-least-once delivery allows.
 SETTLE_TIMEOUT_S = 10.0
+# The end of a failed handler's traceback that the worker sends: the server's default
+# ``max_traceback_bytes`` (relay/wire.py), which is all a server keeps by default.
+MAX_TRACEBACK_BYTES = 8 * 1024
+# The error's first line in a log line's message is cut to this many characters (its
+# ``error`` field has all of it).
+MESSAGE_ERROR_CHARS = 200
 
 
 class PermanentError(Exception):
@@ -62,6 +76,64 @@ def _is_cancellation(exc: BaseException) -> bool:
 def _error_text(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _traceback_text(exc: BaseException, handler: Any) -> str:
+    """``exc``'s traceback as Python prints it (its causes and contexts included), from
+    the handler's frame on, its last MAX_TRACEBACK_BYTES: the failing frame and the
+    exception are at the end."""
+    tb = _from_handler(exc.__traceback__, handler)
+    text = "".join(format_exception(type(exc), exc, tb)).rstrip("\n")
+    return truncate_utf8_end(text, MAX_TRACEBACK_BYTES)
+
+
+def _from_handler(tb: TracebackType | None, handler: Any) -> TracebackType | None:
+    """``tb`` from the handler's own frame on: the worker's frames above it (and trio's
+    thread machinery, for a sync handler) say nothing about the job. All of ``tb`` where
+    the handler's frame is not found (a ``functools.partial``, no handler at all)."""
+    if handler is None:
+        return tb
+    target = inspect.unwrap(handler)
+    code = getattr(target, "__code__", None)
+    if code is None:  # an object with a __call__ method, or a partial (then none)
+        code = getattr(type(target).__call__, "__code__", None)
+    entry = tb
+    while code is not None and entry is not None:
+        if entry.tb_frame.f_code is code:
+            return entry
+        entry = entry.tb_next
+    return tb
+
+
+def _one_line(error: str) -> str:
+    line = error.split("\n", 1)[0]
+    if len(line) > MESSAGE_ERROR_CHARS or line != error:
+        line = line[:MESSAGE_ERROR_CHARS] + "…"
+    return line
+
+
+def _utc(ms: int) -> str:
+    """A server time (ms since the epoch) as ISO 8601 UTC, to the millisecond."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+
+
+def _job_words(job: LeasedJob) -> str:
+    return f"job {job.job_id} (queue {job.queue}, attempt {job.attempt} of {job.max_attempts})"
+
+
+def _log_failed(
+    job: LeasedJob, error: str, traceback: str, outcome: FailOutcome, retryable: bool
+) -> None:
+    """The one line of a failed job whose fail the server took: what happens next."""
+    if outcome.state == JobState.DEAD:
+        then = "dead: " + ("not retryable" if not retryable else "no attempts left")
+    else:
+        then = f"retrying at {_utc(outcome.retry_at)}" if outcome.retry_at else "retrying"
+    event(log, logging.WARNING, "job.failed",
+          message=f"{_job_words(job)} failed: {_one_line(error)}; {then}",
+          job_id=job.job_id, queue=job.queue, attempt=job.attempt,
+          max_attempts=job.max_attempts, state=str(outcome.state), retry_at=outcome.retry_at,
+          error=error, traceback=traceback)  # fmt: skip
 
 
 @attrs.define(eq=False)
@@ -172,20 +244,39 @@ class WorkerJobs:
         if scope.cancelled_caught:
             error = trio.TooSlowError(f"no answer within {SETTLE_TIMEOUT_S} s")
         if error is not None:
-            self._not_settled(job, outcome, error)
+            self._not_settled(job, outcome, error, value if outcome == "error" else None)
 
-    def _not_settled(self, job: LeasedJob, outcome: str, error: BaseException) -> None:
+    def _not_settled(
+        self,
+        job: LeasedJob,
+        outcome: str,
+        error: BaseException,
+        failure: BaseException | None = None,
+    ) -> None:
         """Log (and count) an ack, fail or release the server did not take. Refused because
         the lease had ended (expired, or taken by the server): the job is lost to this
         worker and runs again, as for a handler cancelled by a refused renewal. Otherwise
         (no answer, the server unreachable or overloaded) it runs again once its lease
-        expires."""
+        expires. A fail's line is the failed job's one line: ``failure`` is the handler's
+        exception, its error and traceback go in too."""
         lost = isinstance(error, _LEASE_GONE)
         if lost:
             self._counts["lost"] += 1
+        request = {"ok": "ack", "error": "fail"}.get(outcome, "release")
+        words = _job_words(job)
+        fields: dict[str, Any] = {}
+        if failure is not None:
+            handler = self._handlers.get(job.queue, self._default)
+            fields = {
+                "handler_error": _error_text(failure),
+                "traceback": _traceback_text(failure, handler),
+            }
+            words += f" failed: {_one_line(fields['handler_error'])}"
+        then = "the lease had ended" if lost else "it runs again once its lease expires"
         event(log, logging.WARNING, "job.lease_lost" if lost else "job.settle_failed",
+              message=f"{words}; its {request} was not taken ({error!r}): {then}",
               outcome=outcome, error=repr(error), job_id=job.job_id, queue=job.queue,
-              attempt=job.attempt)  # fmt: skip
+              attempt=job.attempt, **fields)  # fmt: skip
 
     async def _report(
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]
@@ -197,12 +288,14 @@ class WorkerJobs:
             event(log, logging.DEBUG, "job.succeeded", **ids)
         elif outcome == "error":
             retryable = not isinstance(value, PermanentError)
+            handler = self._handlers.get(job.queue, self._default)
+            error, traceback = _error_text(value), _traceback_text(value, handler)
             result = await client.fail(
-                job.job_id, self.worker_id, job.token, _error_text(value), retryable=retryable
-            )
+                job.job_id, self.worker_id, job.token, error, retryable=retryable,
+                traceback=traceback,
+            )  # fmt: skip
             self._counts["failed"] += 1
-            event(log, logging.INFO, "job.failed", state=str(result.state),
-                  error=_error_text(value), **ids)  # fmt: skip
+            _log_failed(job, error, traceback, result, retryable)
         else:  # cancelled by shutdown: give the job back at once
             await client.release(job.job_id, self.worker_id, job.token)
             self._counts["released"] += 1

@@ -1,5 +1,5 @@
 """relay/log.py: the summary of events that come in floods; the level and format chosen
-by ``configure``; the text format's lines."""
+by ``configure``; the text format's lines; JSON lines of events."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from relay.log import LogConfigError, Summary, TextFormatter, configure, event, text_value
+from relay.log import (
+    JsonFormatter,
+    LogConfigError,
+    Summary,
+    TextFormatter,
+    configure,
+    event,
+    text_value,
+)
 
 
 def test_a_flood_is_logged_once_per_interval_with_its_count():
@@ -127,3 +135,40 @@ def test_a_renderer_gives_an_event_its_own_text_and_a_traceback_follows():
     assert lines[0] == "12:00:01 error internal"
     assert lines[1] == "Traceback (most recent call last):"
     assert lines[-1] == "ValueError: boom"
+
+
+def test_an_event_with_a_message_is_one_json_line_with_its_name_message_and_fields():
+    logger = logging.getLogger("relay.test_log")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        traceback = "Traceback (most recent call last):\n  ...\nValueError"
+        message = "job job_1 failed: 100% wrong"  # (a % is not a format)
+        event(logger, logging.WARNING, "job.failed", message=message, job_id="job_1",
+              traceback=traceback)  # fmt: skip
+        event(logger, logging.WARNING, "plain", n=1)
+    finally:
+        logger.removeHandler(handler)
+    with_message, plain = records
+    # What a handler without relay's formatter prints: the message, one line.
+    assert with_message.getMessage() == "job job_1 failed: 100% wrong"
+    written = orjson.loads(JsonFormatter().format(with_message))
+    assert written["event"] == "job.failed" and written["message"] == with_message.getMessage()
+    assert written["job_id"] == "job_1" and written["traceback"].endswith("\nValueError")
+    assert "\n" not in JsonFormatter().format(with_message)
+    # Without one, the event's name is the message, and no "message" is written.
+    assert plain.getMessage() == "plain"
+    written = orjson.loads(JsonFormatter().format(plain))
+    assert (written["event"], written["n"]) == ("plain", 1) and "message" not in written
+
+
+def test_a_text_line_of_an_event_with_a_message_is_the_message_then_its_traceback():
+    record = logging.LogRecord("relay.worker", logging.WARNING, __file__, 1, "%s",
+                               ("job j failed: ValueError: no; dead",), None)  # fmt: skip
+    record.event = "job.failed"
+    record.fields = {"job_id": "j", "traceback": "Traceback (most recent call last):\n  x\n"}
+    lines = TextFormatter().format(record).splitlines()
+    assert lines[0].endswith("warn  job j failed: ValueError: no; dead"), lines
+    assert lines[1:] == ["    Traceback (most recent call last):", "      x"]

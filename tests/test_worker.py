@@ -8,6 +8,8 @@ once the lease expires) or stopped with SIGTERM (its job is released at once).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import orjson
 import pytest
 import trio
 import trio.testing
@@ -36,7 +39,10 @@ from relay import (
     worker_jobs,
 )
 from relay import worker as worker_module
+from relay.log import JsonFormatter
+from relay.wire import Limits
 from relay.worker import WorkerStatistics
+from tests.server.conftest import logged
 
 from .worker_helpers import (
     BOUND_S,
@@ -241,6 +247,207 @@ async def test_permanent_error_is_dead_at_the_first_failure(backend):
     assert calls == 1
     assert view.attempt == 1 and view.max_attempts == 6
     assert [(e.attempt, e.error) for e in view.errors] == [(1, "PermanentError: bad payload")]
+
+
+# -- what a failure records and logs ---------------------------------------------------------
+
+
+def parse_the_row(row: dict[str, Any]) -> None:
+    """A handler's helper that fails: the traceback must name its frame."""
+    raise ValueError(f"row {row['n']} has no amount")
+
+
+def failure_lines(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if getattr(r, "event", None) == "job.failed"]
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_failure_sends_its_traceback_and_logs_one_line(backend, kind):
+    submitted = await backend.client.submit(
+        "q", {"n": 7}, retries=1, backoff={"kind": "fixed", "delay_ms": 50}
+    )
+
+    def handler(job: LeasedJob) -> None:
+        parse_the_row(job.payload)
+
+    async def async_handler(job: LeasedJob) -> None:
+        parse_the_row(job.payload)
+
+    worker = make_worker(backend.target, handler=async_handler if kind == "async" else handler)
+    with logged("relay.worker") as records:
+        async with running(worker):
+            view = await wait_for_state(backend.client, submitted.job_id, "dead")
+            await wait_until(
+                lambda: _async_true(worker.statistics().failed == 2), what="two failures"
+            )
+    error = "ValueError: row 7 has no amount"
+    assert [(e.attempt, e.error) for e in view.errors] == [(1, error), (2, error)]
+    name = "async_handler" if kind == "async" else "handler"
+    for entry in view.errors:
+        assert entry.traceback is not None
+        first, second, *_ = entry.traceback.splitlines()
+        # From the handler's frame on: the worker's own frames (and trio's, for a thread)
+        # say nothing about the job.
+        assert first == "Traceback (most recent call last):" and second.endswith(f", in {name}")
+        assert ", in parse_the_row\n" in entry.traceback and entry.traceback.endswith(error)
+        assert "worker_jobs.py" not in entry.traceback and "trio" not in entry.traceback
+
+    # One WARNING line per failed attempt: the job, its error, what comes next; the
+    # traceback is a field, never printed as lines of its own.
+    retrying, dead = failure_lines(records)
+    for record, entry in ((retrying, view.errors[0]), (dead, view.errors[1])):
+        fields = record.fields  # type: ignore[attr-defined]
+        assert record.levelno == logging.WARNING and record.exc_info is None
+        assert (fields["job_id"], fields["queue"], fields["attempt"]) == (
+            submitted.job_id, "q", entry.attempt,
+        )  # fmt: skip
+        assert (fields["error"], fields["traceback"]) == (error, entry.traceback)
+        message = record.getMessage()
+        assert submitted.job_id in message and error in message and "\n" not in message
+    assert retrying.fields["state"] == "retrying" and retrying.fields["retry_at"] > 0  # type: ignore[attr-defined]
+    assert "; retrying at 20" in retrying.getMessage()
+    assert dead.fields["state"] == "dead"  # type: ignore[attr-defined]
+    assert dead.getMessage().endswith("; dead: no attempts left")
+    # As relay's JSON log writes it: one line, the traceback a field of it.
+    line = JsonFormatter().format(dead)
+    assert "\n" not in line
+    written = orjson.loads(line)
+    assert (written["event"], written["level"], written["job_id"]) == (
+        "job.failed", "warning", submitted.job_id,
+    )  # fmt: skip
+    assert written["traceback"] == view.errors[1].traceback
+    assert written["message"] == dead.getMessage()
+
+
+def handle_labelled(label: str, job: LeasedJob) -> None:
+    parse_the_row(job.payload)
+
+
+class RowHandler:
+    def __call__(self, job: LeasedJob) -> None:
+        parse_the_row(job.payload)
+
+
+def test_the_traceback_starts_at_a_callable_objects_frame_and_is_whole_for_a_partial():
+    def via(handler: Any) -> str:
+        def the_worker() -> None:
+            handler(LeasedJob("job_1", "q", {"n": 1}, "normal", 1, 1, "t", 0))
+
+        try:
+            the_worker()
+        except ValueError as exc:
+            return worker_jobs._traceback_text(exc, handler)
+        raise AssertionError("no failure")
+
+    called = via(RowHandler()).splitlines()
+    assert called[1].endswith(", in __call__") and called[-1] == "ValueError: row 1 has no amount"
+    # Where the handler's frame cannot be told (a partial): all of it.
+    whole = via(functools.partial(handle_labelled, "rows")).splitlines()
+    assert whole[1].endswith(", in via") and ", in parse_the_row" in whole[-3]
+
+
+async def test_a_permanent_error_sends_its_causes_and_logs_the_job_dead(backend):
+    submitted = await backend.client.submit("q", {}, retries=5)
+
+    async def handler(job: LeasedJob) -> None:
+        try:
+            job.payload["amount"]
+        except KeyError as exc:
+            raise PermanentError("the payload has no amount") from exc
+
+    with logged("relay.worker") as records:
+        async with running(make_worker(backend.target, handler=handler)) as worker:
+            view = await wait_for_state(backend.client, submitted.job_id, "dead")
+            await wait_until(lambda: _async_true(worker.statistics().failed == 1), what="failed")
+    [entry] = view.errors
+    assert entry.error == "PermanentError: the payload has no amount"
+    assert entry.traceback is not None and entry.traceback.endswith(entry.error)
+    assert "KeyError: 'amount'" in entry.traceback
+    assert "The above exception was the direct cause of the following exception" in (
+        entry.traceback
+    )
+    [line] = failure_lines(records)
+    assert line.getMessage() == (
+        f"job {submitted.job_id} (queue q, attempt 1 of 6) failed: "
+        "PermanentError: the payload has no amount; dead: not retryable"
+    )
+
+
+async def test_a_long_traceback_is_sent_as_its_last_8_kib(tmp_path):
+    # The server would keep 64 KiB: what it stores is the end the worker sent.
+    async with open_local(
+        str(tmp_path / "local.db"), limits=Limits(max_traceback_bytes=65_536)
+    ) as client:
+        submitted = await client.submit("q", {}, retries=0)
+
+        async def handler(job: LeasedJob) -> None:
+            raise ValueError("x" * 20_000 + " the end")
+
+        async with running(make_worker(client, handler=handler)):
+            view = await wait_for_state(client, submitted.job_id, "dead")
+    [entry] = view.errors
+    assert entry.traceback is not None and entry.traceback.endswith("x the end")
+    assert len(entry.traceback.encode()) == worker_jobs.MAX_TRACEBACK_BYTES == 8 * 1024
+
+
+FAILING_PROGRAM = textwrap.dedent(
+    """
+    import sys
+
+    import trio
+
+    import relay
+
+
+    def parse_the_row(row):
+        raise ValueError(f"row {row['n']} has no amount")
+
+
+    async def handler(job):
+        parse_the_row(job.payload)
+
+
+    async def main():
+        async with relay.open_local(sys.argv[1]) as queue:
+            job = await queue.submit("q", {"n": 7}, retries=0)
+            print(job.job_id, flush=True)
+            worker = relay.Worker(queue, queues=["q"], handler=handler, shutdown_timeout=1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run)
+                with trio.fail_after(10):
+                    while worker.statistics().failed < 1:
+                        await trio.sleep(0.02)
+                worker.stop()
+
+
+    trio.run(main)
+    """
+)
+
+
+async def test_a_python_program_without_a_log_config_hears_which_job_died_and_why(tmp_path):
+    """A program that configures no logging gets Python's last-resort handler: the
+    record's message alone, WARNING and up. The dead job's line names it and its error,
+    and no traceback is printed."""
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_PROGRAM)
+    with trio.fail_after(30):
+        done = await trio.run_process(
+            [sys.executable, str(script), str(tmp_path / "local.db")],
+            capture_stdout=True, capture_stderr=True, check=False, cwd=str(REPO),
+        )  # fmt: skip
+    stderr = done.stderr.decode()
+    assert done.returncode == 0, stderr
+    job_id = done.stdout.decode().strip()
+    lines = stderr.splitlines()
+    worker_line = (
+        f"job {job_id} (queue q, attempt 1 of 1) failed: ValueError: row 7 has no amount; "
+        "dead: no attempts left"
+    )
+    assert worker_line in lines, stderr
+    assert not [line for line in lines if "Traceback" in line or 'File "' in line], stderr
+    # The server in the program says so too, naming the job and the error.
+    assert f"job {job_id} dead (failed): ValueError: row 7 has no amount" in lines, stderr
 
 
 async def test_handlers_registry_routes_by_queue(backend):
@@ -589,18 +796,26 @@ async def test_a_fail_refused_because_the_lease_ended_counts_the_job_as_lost(bac
 
     # A long lease: no renewal comes (and notices) before the handler fails.
     worker = make_worker(backend.target, handler=handler, lease_ms=60_000)
-    async with running(worker):
-        with trio.fail_after(BOUND_S):
-            await started.wait()
-        (job,) = held
-        await take_away(backend.client, worker, job)
-        go.set()
-        await wait_until(
-            lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
-        )
-        assert worker.statistics().failed == 0
+    with logged("relay.worker") as records:
+        async with running(worker):
+            with trio.fail_after(BOUND_S):
+                await started.wait()
+            (job,) = held
+            await take_away(backend.client, worker, job)
+            go.set()
+            await wait_until(
+                lambda: _async_true(worker.statistics().lost == 1), within=3, what="lost == 1"
+            )
+            assert worker.statistics().failed == 0
     view = await backend.client.inspect(job.job_id)
     assert view.state == JobState.LEASED and view.worker_id == "other" and not view.errors
+    # The failed job's one line says so, with the handler's error and traceback.
+    [line] = [r for r in records if getattr(r, "event", None) == "job.lease_lost"]
+    assert line.fields["handler_error"] == "ValueError: too late"  # type: ignore[attr-defined]
+    assert line.fields["traceback"].endswith("ValueError: too late")  # type: ignore[attr-defined]
+    assert line.getMessage().startswith(f"job {job.job_id} (queue q, attempt 1 of 4) failed: ")
+    assert "its fail was not taken" in line.getMessage()
+    assert not failure_lines(records)
 
 
 async def test_an_ack_cut_short_by_cancellation_is_sent_again(tmp_path):

@@ -32,8 +32,10 @@ DEAD_CHUNK = 1000
 
 def job_reply_bytes(limits: wire.Limits) -> int:
     """The most one job can take in an inspect or dead_list reply: payload, result, and
-    its last error and error history (each error byte at most 6 once escaped as JSON)."""
+    its last error and error history with their tracebacks (each byte of these texts at
+    most 6 once escaped as JSON)."""
     errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
+    errors += ERRORS_SHOWN * 6 * limits.max_traceback_bytes
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
 
 

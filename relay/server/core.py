@@ -71,6 +71,7 @@ class ServerConfig:
             idempotency_window_ms=self.idempotency_window_ms,
             retention_ms=self.retention_ms,
             max_error_bytes=self.limits.max_error_bytes,
+            max_traceback_bytes=self.limits.max_traceback_bytes,
             max_depth=self.max_queue_depth,
             queue_depths=dict(self.queue_depths),
         )

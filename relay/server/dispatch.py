@@ -317,7 +317,7 @@ class Dispatcher(AdminHandlers):
 
     def _fail(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "fail")
-        args = (r.job_id, r.worker_id, r.token, r.error, r.retryable)
+        args = (r.job_id, r.worker_id, r.token, r.error, r.retryable, r.traceback)
         self._queue(connection, (ops.FAIL, connection, rid, started, args))
 
     def _release(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:

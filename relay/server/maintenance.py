@@ -97,16 +97,15 @@ async def reap_once(writer: Writer) -> list[Reaped]:
         batch = await writer.execute(cmd.ReapExpired(PASS_LIMIT))
         reaped += batch
         for job in batch:
-            event(
-                log,
-                logging.INFO if job.state == JobState.READY else logging.WARNING,
-                "lease.expired" if job.state == JobState.READY else "job.dead",
-                job_id=job.job_id,
-                queue=job.queue,
-                attempt=job.attempt,
-                state=str(job.state),
-                reason="lease expired",
-            )
+            fields = {"job_id": job.job_id, "queue": job.queue, "attempt": job.attempt,
+                      "state": str(job.state), "reason": "lease expired"}  # fmt: skip
+            if job.state == JobState.READY:
+                event(log, logging.INFO, "lease.expired", **fields)
+                continue
+            # A line that names the job also where a program logs without relay's JSON.
+            words = f"job {job.job_id} (queue {job.queue}, attempt {job.attempt})"
+            event(log, logging.WARNING, "job.dead", **fields,
+                  message=f"{words} dead: its lease expired with no attempts left")  # fmt: skip
         if len(batch) < PASS_LIMIT:
             return reaped
 

@@ -244,14 +244,17 @@ class _Renew(RequestOp):
 
 class _Fail(RequestOp):
     def run(self, store: Store, now: int, args: tuple) -> Any:
-        return store.jobs_fail(*args, now)
+        job_id, worker_id, token, error, retryable, traceback = args
+        return store.jobs_fail(job_id, worker_id, token, error, retryable, now, traceback)
 
     def fields(self, outcome: FailOutcome, args: Any) -> dict[str, Any]:
         if outcome.state == JobState.DEAD:
-            job_id, _, _, error, retryable = args
+            job_id, _, _, error, retryable, _ = args
+            reason = "failed" if retryable else "failed, not retryable"
+            first_line = error.split("\n", 1)[0][:200]
             event(
-                log, logging.WARNING, "job.dead", job_id=job_id,
-                reason="failed" if retryable else "failed, not retryable", error=error[:200],
+                log, logging.WARNING, "job.dead", job_id=job_id, reason=reason, error=error[:200],
+                message=f"job {job_id} dead ({reason}): {first_line}",
             )  # fmt: skip
             return {"state": outcome.state}
         return {"state": outcome.state, "retry_at": outcome.retry_at}

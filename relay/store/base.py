@@ -35,7 +35,8 @@ RESTART_ERROR = "lease lost: the server restarted while the job was leased"
 TOKEN_BYTES = 16
 
 # Error history entries shown per job (inspect, dead_list): the most recent ones. With
-# errors of at most 8 KiB, a job's history stays under 256 KiB in a reply.
+# errors and tracebacks of at most 8 KiB each, a job's history stays under 512 KiB of
+# text in a reply.
 ERRORS_SHOWN = 32
 # What a job's fields other than its texts add to a reply, roughly: for byte budgets.
 REPLY_OVERHEAD_BYTES = 256
@@ -55,6 +56,8 @@ class StoreConfig:
     idempotency_window_ms: int = 24 * 3600 * 1000
     retention_ms: int = 7 * 24 * 3600 * 1000
     max_error_bytes: int = 8 * 1024
+    # A failed attempt's traceback keeps its last this many bytes (its failing frame).
+    max_traceback_bytes: int = 8 * 1024
     # Unfinished jobs a queue may hold (pending + ready + leased + retrying) before a
     # submit is refused with QueueFull: per queue, else ``max_depth`` (None: unbounded).
     max_depth: int | None = None
@@ -138,10 +141,15 @@ def check_lease(
 
 def info_size(info: JobInfo) -> int:
     """Roughly the bytes of ``info`` in a reply: payload and result go in as the JSON they
-    are, error texts as JSON strings (escaping can make one 6 times its UTF-8 length)."""
+    are, error texts and tracebacks as JSON strings (escaping can make one 6 times its
+    UTF-8 length)."""
     size = len(info.payload.encode()) + len((info.result or "").encode())
-    errors = [info.last_error or "", *(entry.error for entry in info.errors)]
-    return size + sum(len(orjson.dumps(text)) for text in errors) + REPLY_OVERHEAD_BYTES
+    texts = [info.last_error or ""]
+    for entry in info.errors:
+        texts.append(entry.error)
+        if entry.traceback is not None:
+            texts.append(entry.traceback)
+    return size + sum(len(orjson.dumps(text)) for text in texts) + REPLY_OVERHEAD_BYTES
 
 
 class Store(Protocol):
@@ -253,10 +261,18 @@ class Store(Protocol):
         job appears twice."""
 
     def jobs_fail(
-        self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int
+        self,
+        job_id: str,
+        worker_id: str,
+        token: str,
+        error: str,
+        retryable: bool,
+        now: int,
+        traceback: str | None = None,
     ) -> FailOutcome:
-        """Record a failed attempt: retrying after its backoff, or dead when spent or not
-        ``retryable``; raises as ``lease_renew`` does."""
+        """Record a failed attempt (its error, and its ``traceback`` if given and not
+        empty, each truncated to its limit): retrying after its backoff, or dead when spent
+        or not ``retryable``; raises as ``lease_renew`` does."""
 
     def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
         """Give a held job back: ready at once in its old place, its attempt given back;

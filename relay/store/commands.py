@@ -171,11 +171,13 @@ class Fail:
     token: str
     error: str
     retryable: bool = True
+    traceback: str | None = None
 
     def apply(self, store: Store, now: int) -> Any:
         return store.jobs_fail(
-            self.job_id, self.worker_id, self.token, self.error, self.retryable, now
-        )
+            self.job_id, self.worker_id, self.token, self.error, self.retryable, now,
+            self.traceback,
+        )  # fmt: skip
 
 
 @attrs.frozen

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # imported by _migrate, when a schema is created or migrated:
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -120,8 +120,17 @@ def _create_v1(db: sqlite_utils.Database) -> None:
         db.execute(statement)
 
 
+def _v2_error_tracebacks(db: sqlite_utils.Database) -> None:
+    # A failed attempt's traceback, beside its error (NULL: none was given, as for every
+    # row written before). Adding a nullable column rewrites no row.
+    db.execute("ALTER TABLE job_errors ADD COLUMN traceback TEXT")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _create_v1}
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
+    1: _create_v1,
+    2: _v2_error_tracebacks,
+}
 
 
 def inspect_file(path: str) -> int:

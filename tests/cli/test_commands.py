@@ -102,7 +102,12 @@ async def test_inspect_shows_the_job_as_a_panel_and_as_json(address, client):
     as_json = (await relay_trio("inspect", job_id, "--json", address=address)).json()
     assert as_json["job_id"] == job_id and as_json["state"] == "dead"
     assert as_json["errors"] == [
-        {"attempt": 1, "error": "card declined", "at": as_json["errors"][0]["at"]}
+        {
+            "attempt": 1,
+            "error": "card declined",
+            "at": as_json["errors"][0]["at"],
+            "traceback": None,
+        }
     ]
     # Stable keys: every field of the job, present or null.
     assert {"result", "run_at", "lease_expires_at", "idempotency_key"} <= set(as_json)
@@ -412,8 +417,21 @@ async def test_worker_runs_the_demo_executor_and_stops_on_sigterm(address, clien
             "--shutdown-timeout-ms", "2000", "--lease-ms", "10000"]  # fmt: skip
     worker = await run_worker_until(address, args, body)
     assert worker.process.returncode == 0, worker.stderr
-    assert "Traceback" not in worker.stderr.decode()
     assert "worker.draining" in worker.events() and "worker.stopped" in worker.events()
+    # Every line is one JSON object (events() reads them all): the failed job's traceback
+    # is a field of its one job.failed line, never lines of its own.
+    assert not [line for line in worker.stderr.splitlines() if not line.startswith(b"{")]
+    [failed] = [
+        entry
+        for entry in map(orjson.loads, worker.stderr.splitlines())
+        if entry["event"] == "job.failed"
+    ]
+    assert (failed["level"], failed["job_id"], failed["state"]) == (
+        "warning", ids["failing"], "dead",
+    )  # fmt: skip
+    assert failed["error"] == "DemoFailure: nope" and "dead" in failed["message"]
+    assert ", in demo_handler\n" in failed["traceback"]
+    assert failed["traceback"].endswith("DemoFailure: nope")
 
     assert (await client.inspect(ids["quick"])).state == JobState.SUCCEEDED
     slow = await client.inspect(ids["slow"])

@@ -303,6 +303,70 @@ async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, brow
     assert await on_page(no_console_errors, browser) == []
 
 
+# What the page shows of a traceback: its text, whether it scrolls (a bounded height), its
+# font, and how many elements the text made (none: text, never HTML).
+TRACEBACK_JS = """
+const pre = document.querySelector(arguments[0]);
+const style = getComputedStyle(pre);
+return [pre.textContent, pre.scrollHeight > pre.clientHeight, style.overflowY,
+        style.fontFamily, pre.children.length];
+"""
+
+
+async def dead_and_failed(client: relay.Client, error: str, traceback: str | None = None) -> str:
+    """A dead job of queue "email", failed (not retryable) with ``error`` and ``traceback``."""
+    submitted = await client.submit("email", {}, retries=0)
+    (job,) = await client.lease(["email"], W)
+    assert job.job_id == submitted.job_id
+    await client.fail(job.job_id, W, job.token, error, retryable=False, traceback=traceback)
+    return job.job_id
+
+
+async def test_a_dead_jobs_error_opens_onto_the_traceback_of_its_failure(server, browser):
+    frames = "".join(
+        f'  File "jobs.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(60)
+    )
+    traceback = f"Traceback (most recent call last):\n{frames}ValueError: <b>not bold</b>"
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        failed = await dead_and_failed(client, "ValueError: <b>not bold</b>", traceback)
+        plain = await dead_and_failed(client, "RuntimeError: no traceback sent")
+        await open_page(browser, server)
+        await see(browser, status_is("connected"), "connected")
+        cell = f'{dead_row(failed)} td[data-field="error"]'
+        # Closed, the cell shows the error's line as before.
+        text = await see(
+            browser, lambda d: d.find_element(By.CSS_SELECTOR, cell).text, "the dead job", MOVE_S
+        )
+        assert text == "ValueError: <b>not bold</b>"
+        shown = f"{cell} pre.traceback"
+        assert not await on_page(
+            lambda: browser.find_element(By.CSS_SELECTOR, shown).is_displayed()
+        )
+        plain_cell = f'{dead_row(plain)} td[data-field="error"]'
+        assert await on_page(lambda: browser.find_element(By.CSS_SELECTOR, plain_cell).text) == (
+            "RuntimeError: no traceback sent"
+        )
+        assert not await on_page(browser.find_elements, By.CSS_SELECTOR, f"{plain_cell} summary")
+
+        # Opened: the whole traceback, as text, monospace, in a box that scrolls.
+        await see(browser, click(f"{cell} summary"), "the error's toggle")
+        await see(browser, lambda d: d.find_element(By.CSS_SELECTOR, shown).is_displayed(),
+                  "the traceback", MOVE_S)  # fmt: skip
+        text, scrolls, overflow, font, elements = await on_page(
+            browser.execute_script, TRACEBACK_JS, shown
+        )
+        assert text == traceback and elements == 0
+        assert scrolls and overflow == "auto" and "monospace" in font
+
+        # It stays open while the list is drawn again (another job dies).
+        third = await dead_and_failed(client, "RuntimeError: a third")
+        await see(browser, lambda d: d.find_elements(By.CSS_SELECTOR, dead_row(third)),
+                  "the third dead job", MOVE_S)  # fmt: skip
+        assert await on_page(lambda: browser.find_element(By.CSS_SELECTOR, shown).is_displayed())
+    assert await on_page(no_console_errors, browser) == []
+
+
 async def wait_until_gone(client: relay.Client, job_id: str) -> None:
     with trio.fail_after(BOUND_S):
         while True:

@@ -566,6 +566,72 @@ async def test_fail_error_is_truncated_to_max_error_bytes(tmp_path):
         assert len(info["errors"][0]["error"].encode()) <= 100
 
 
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "jobs.py", line 7, in parse_row\n'
+    "    raise ValueError(row)\n"
+    "ValueError: row 7"
+)
+
+
+async def test_fail_keeps_a_traceback_that_inspect_and_dead_list_show(client):
+    job_id = await submit(client, "q", 1, retries=1, backoff={"kind": "fixed", "delay_ms": 10})
+    job = await lease_one(client)
+    ref = {"job_id": job_id, "worker_id": W}
+    reply = await client.ok("fail", **ref, token=job["token"], error="first", traceback=TRACEBACK)
+    assert reply["state"] == "retrying"
+    [entry] = (await inspect(client, job_id))["errors"]
+    assert entry == {"attempt": 1, "error": "first", "at": entry["at"], "traceback": TRACEBACK}
+
+    # A fail without one (or with null) leaves it out of its entry.
+    second = (await client.ok("lease", queues=["q"], worker_id=W, wait_ms=5_000))["jobs"][0]
+    reply = await client.ok("fail", **ref, token=second["token"], error="second", traceback=None)
+    assert reply["state"] == "dead"
+    info = await inspect(client, job_id)
+    assert [set(e) for e in info["errors"]] == [
+        {"attempt", "error", "at", "traceback"},
+        {"attempt", "error", "at"},
+    ]
+    assert info["errors"][0]["traceback"] == TRACEBACK
+    [dead] = (await client.ok("dead_list", queue="q"))["jobs"]
+    assert dead["errors"] == info["errors"]
+
+
+async def test_fail_traceback_is_truncated_keeping_its_end(tmp_path):
+    async with (
+        custom_server(tmp_path, limits=wire.Limits(max_traceback_bytes=100)) as srv,
+        connected(srv) as c,
+    ):
+        job_id = await submit(c)
+        job = await lease_one(c)
+        # The cut falls inside a 3-byte character: it is left out, not split.
+        end = "\nValueError: the end"  # 20 bytes: 80 are left, 26 characters and 2 bytes
+        traceback = "Traceback (most recent call last):\n" + "€" * 1000 + end
+        await c.ok("fail", job_id=job_id, worker_id=W, token=job["token"], error="e",
+                   traceback=traceback)  # fmt: skip
+        [entry] = (await inspect(c, job_id))["errors"]
+        assert entry["traceback"] == "€" * 26 + end
+        assert entry["error"] == "e"
+
+
+async def test_a_stale_fail_with_a_traceback_changes_nothing(client):
+    job_id = await submit(client, "q", 1, retries=3, backoff={"kind": "fixed", "delay_ms": 60_000})
+    job = await lease_one(client)
+    ref = {"job_id": job_id, "worker_id": W}
+    error = await client.error("fail", **ref, token="0" * 32, error="x", traceback=TRACEBACK)
+    assert error["code"] == "stale_token"
+    info = await inspect(client, job_id)
+    assert info["state"] == "leased" and info["errors"] == [] and "last_error" not in info
+
+    # Failed once; the same token again, with another traceback, is stale and keeps nothing.
+    await client.ok("fail", **ref, token=job["token"], error="once", traceback="first")
+    before = await inspect(client, job_id)
+    error = await client.error("fail", **ref, token=job["token"], error="twice", traceback="2nd")
+    assert error["code"] == "stale_token"
+    assert await inspect(client, job_id) == before
+    assert [e["traceback"] for e in before["errors"]] == ["first"]
+
+
 async def test_release_gives_back_without_consuming_attempt(client):
     job_id = await submit(client, "q", 1)
     first = await lease_one(client)
@@ -881,6 +947,28 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
             "retryable": "no",
         },
         ("retryable",),
+    ),
+    (
+        "fail",
+        {
+            "job_id": "job_0000000000000001",
+            "worker_id": W,
+            "token": "t",
+            "error": "e",
+            "traceback": 3,
+        },
+        ("traceback",),
+    ),
+    (
+        "fail",
+        {
+            "job_id": "job_0000000000000001",
+            "worker_id": W,
+            "token": "t",
+            "error": "e",
+            "traceback": ["Traceback (most recent call last):"],
+        },
+        ("traceback",),
     ),
     ("release", {"job_id": None, "worker_id": W, "token": "t"}, ("job_id",)),
     ("inspect", {}, ("job_id",)),

@@ -14,8 +14,9 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
-from relay.model import SubmitSpec
+from relay.model import ErrorEntry, SubmitSpec
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import schema as schema_module
 from relay.store.postgres.schema import SCHEMA_VERSION, migrate
 from tests.conftest import T0
 
@@ -143,6 +144,44 @@ def test_three_stores_opening_together_all_open(url):
     finally:
         for store in opened:
             store.close()
+
+
+def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url, monkeypatch):
+    # The schema as the code of version 1 made it (its migration is never edited), with
+    # rows of every kind, among them an error history (a lease expired on its last attempt).
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 1)
+        store = PostgresStore.open(url)
+        specs = [SubmitSpec("q", '{"n": 1}', max_attempts=1), SubmitSpec("q", '{"n": 2}')]
+        dead, ready = (r.job_id for r in store.jobs_submit(specs, T0))
+        claimed = store.jobs_claim(["q"], "w1", 1, 1_000, T0)
+        assert [lease.job_id for lease in claimed] == [dead]
+        store.leases_reap_expired(T0 + 1_000, 10)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT value FROM relay_meta WHERE key = 'schema_version'"
+        ).fetchone() == ("1",)
+        columns = conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'job_errors' "
+            "AND table_schema = current_schema() ORDER BY ordinal_position"
+        ).fetchall()
+        assert [name for (name,) in columns] == ["job_id", "attempt", "error", "at", "seq"]
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "2"
+        info = store.job_inspect(dead)
+        assert (info.state, info.last_error) == ("dead", "lease expired")
+        assert info.errors == (ErrorEntry(1, "lease expired", T0 + 1_000, None),)
+        assert store.job_inspect(ready).state == "ready"
+        assert store.queue_stats()["q"]["dead"] == 1
+        [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
+        store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
+        assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+    finally:
+        store.close()
 
 
 def _one_line(exc: BaseException) -> str:

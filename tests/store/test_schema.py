@@ -21,7 +21,8 @@ from relay.errors import (
     SchemaTooNew,
     StoreError,
 )
-from relay.model import Backoff, JobState, Priority, SubmitSpec
+from relay.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec
+from relay.store import schema
 from relay.store.base import StoreConfig
 from relay.store.schema import (
     APPLICATION_ID,
@@ -384,6 +385,43 @@ def test_sqlite_header_followed_by_garbage_is_refused_unchanged(tmp_path: Path) 
 def test_there_is_a_migration_for_every_version() -> None:
     assert set(MIGRATIONS) == set(range(1, SCHEMA_VERSION + 1))
     assert all(callable(m) for m in MIGRATIONS.values())
+
+
+def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    # The file as the code of version 1 made it: its migration (never edited) and rows of
+    # every kind, among them an error history (a lease that expired on its last attempt).
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 1)
+        store = SqliteStore.open(path)
+        dead, ready = (r.job_id for r in store.jobs_submit([spec(max_attempts=1), spec()], T0))
+        claimed = store.jobs_claim(["q"], "w1", 1, 1_000, T0)
+        assert [lease.job_id for lease in claimed] == [dead]
+        store.leases_reap_expired(T0 + 1_000, 10)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 1
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(job_errors)")]
+    assert columns == ["job_id", "attempt", "error", "at"]
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION == 2
+        info = store.job_inspect(dead)
+        assert (info.state, info.last_error) == (JobState.DEAD, "lease expired")
+        assert info.errors == (ErrorEntry(1, "lease expired", T0 + 1_000, None),)
+        assert store.job_inspect(ready).state == JobState.READY
+        assert store.queue_stats()["q"]["dead"] == 1
+        # The new column takes the traceback of a failure from now on.
+        [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
+        store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
+        assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION
 
 
 def test_empty_sqlite_file_at_version_zero_is_initialised(tmp_path: Path) -> None:

@@ -124,7 +124,10 @@ def recount(store: Store) -> dict[str, dict[str, int]]:
 OPS: dict[str, Callable[..., object]] = {
     "renew": lambda s, job, worker, token, now: s.lease_renew(job, worker, token, LEASE_MS, now),
     "ack": lambda s, job, worker, token, now: s.jobs_ack(job, worker, token, '"done"', now),
-    "fail": lambda s, job, worker, token, now: s.jobs_fail(job, worker, token, "x", True, now),
+    # With a traceback: a refused fail keeps none of it either.
+    "fail": lambda s, job, worker, token, now: s.jobs_fail(
+        job, worker, token, "x", True, now, "Traceback (most recent call last):\nValueError: x"
+    ),
     "release": lambda s, job, worker, token, now: s.jobs_release(job, worker, token, now),
 }
 STATE_AFTER = {"renew": LEASED, "ack": SUCCEEDED, "fail": RETRYING, "release": READY}
@@ -612,11 +615,12 @@ def test_fail_on_the_last_attempt_is_dead(store):
 def test_repeated_fail_with_the_same_token_raises_stale_token(store, retryable):
     job = submit(store, T0)
     lease = claim_one(store, T0)
-    store.jobs_fail(job, "w1", lease.token, "once", retryable, T0 + 1)
+    store.jobs_fail(job, "w1", lease.token, "once", retryable, T0 + 1, "first traceback")
     before = snapshot(store, job)
     with pytest.raises(StaleToken):
-        store.jobs_fail(job, "w1", lease.token, "twice", retryable, T0 + 2)
+        store.jobs_fail(job, "w1", lease.token, "twice", retryable, T0 + 2, "second traceback")
     assert snapshot(store, job) == before
+    assert [e.traceback for e in store.job_inspect(job).errors] == ["first traceback"]
 
 
 def _longest_prefix_within(text: str, max_bytes: int) -> str:
@@ -652,6 +656,77 @@ def test_fail_truncates_the_error_to_max_error_bytes_without_splitting_character
     assert len(expected.encode()) <= max_bytes
     assert info.last_error == expected
     assert info.errors[0].error == expected
+
+
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "jobs.py", line 7, in parse_row\n'
+    "    raise ValueError(row)\n"
+    "ValueError: row 7"
+)
+
+
+def test_fail_keeps_the_traceback_beside_the_error_of_its_attempt(store):
+    job = submit(store, T0, max_attempts=4, backoff=Backoff.fixed(10))
+    for n, traceback in enumerate((TRACEBACK, None, "")):
+        now = T0 + 10 * n
+        store.jobs_promote_due(now, 10)
+        lease = claim_one(store, now)
+        store.jobs_fail(job, "w1", lease.token, f"failure {n + 1}", True, now, traceback)
+    expected = (
+        ErrorEntry(1, "failure 1", T0, TRACEBACK),
+        ErrorEntry(2, "failure 2", T0 + 10),  # none given
+        ErrorEntry(3, "failure 3", T0 + 20),  # an empty one is none
+    )
+    assert store.job_inspect(job).errors == expected
+    assert store.job_inspect(job).last_error == "failure 3"
+    store.jobs_promote_due(T0 + 30, 10)
+    lease = claim_one(store, T0 + 30)
+    store.jobs_fail(job, "w1", lease.token, "failure 4", True, T0 + 30, TRACEBACK)
+    [info], _ = store.dead_list("q", 10, None)
+    assert info.errors == (*expected, ErrorEntry(4, "failure 4", T0 + 30, TRACEBACK))
+
+
+def _longest_suffix_within(text: str, max_bytes: int) -> str:
+    suffix = ""
+    for ch in reversed(text):
+        if len((ch + suffix).encode()) > max_bytes:
+            break
+        suffix = ch + suffix
+    return suffix
+
+
+@pytest.mark.parametrize(
+    "make_traceback",
+    [
+        lambda m: "a" * m,
+        lambda m: "head\n" + "a" * m + "\nValueError: the end",
+        lambda m: "é" * m + "a",  # a 2-byte character straddles the limit
+        lambda m: "€" * m + "ab",  # a 3-byte character straddles the limit
+    ],
+    ids=["exact", "ascii", "2-byte", "3-byte"],
+)
+def test_fail_truncates_the_traceback_keeping_its_end_without_splitting_characters(
+    store, make_traceback
+):
+    max_bytes = store.config.max_traceback_bytes
+    traceback = make_traceback(max_bytes)
+    job = submit(store, T0)
+    lease = claim_one(store, T0)
+    store.jobs_fail(job, "w1", lease.token, "e", True, T0, traceback)
+    [entry] = store.job_inspect(job).errors
+    expected = _longest_suffix_within(traceback, max_bytes)
+    assert max_bytes - 3 <= len(expected.encode()) <= max_bytes
+    assert entry.traceback == expected and traceback.endswith(entry.traceback)
+
+
+def test_tracebacks_count_in_the_dead_lists_page_bytes(store):
+    for _ in range(4):
+        job = submit(store, T0, max_attempts=1)
+        lease = claim_one(store, T0)
+        store.jobs_fail(job, "w1", lease.token, "e", False, T0, "t" * 8_000)
+    page, _ = store.dead_list(None, 100, None, max_bytes=20_000)
+    assert len(page) == 3  # ~8.3 KB a job: without its traceback all 4 would fit
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from relay.model import (
     Lease,
     parse_job_id,
     truncate_utf8,
+    truncate_utf8_end,
 )
 from relay.store import claims as claims_
 from relay.store.base import (
@@ -75,8 +76,8 @@ _ACK_MANY = (
 )
 # A failed attempt: its error in the history and on the job, in one statement.
 _FAILED = (
-    "WITH e AS (INSERT INTO job_errors (job_id, attempt, error, at) "
-    "VALUES (%(id)s, %(attempt)s, %(error)s, %(now)s) RETURNING job_id, error) "
+    "WITH e AS (INSERT INTO job_errors (job_id, attempt, error, at, traceback) "
+    "VALUES (%(id)s, %(attempt)s, %(error)s, %(now)s, %(traceback)s) RETURNING job_id, error) "
     "UPDATE jobs SET {changes}, last_error = e.error, lease_expires_at = NULL "
     "FROM e WHERE jobs.id = e.job_id"
 )
@@ -252,16 +253,21 @@ class Leases:
         error: str,
         retryable: bool,
         now: int,
+        traceback: str | None = None,
     ) -> FailOutcome:
-        """Record a failed attempt: retrying after its backoff, or dead when spent."""
+        """Record a failed attempt: retrying after its backoff, or dead when spent (the
+        texts truncated as ``SqliteStore.jobs_fail`` says)."""
         row = self._held_lease(job_id, worker_id, token, now, "fail")
         assert row is not None
         key, queue, _state, attempt, max_attempts = row[:5]
+        if traceback:
+            traceback = encode_text(truncate_utf8_end(traceback, self.config.max_traceback_bytes))
         params = {
             "id": key,
             "attempt": attempt,
             "error": encode_text(truncate_utf8(error, self.config.max_error_bytes)),
             "now": now,
+            "traceback": traceback or None,
         }
         self._count(queue, "failed")
         if retryable and attempt < max_attempts:

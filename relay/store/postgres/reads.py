@@ -25,8 +25,8 @@ _JOB = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s"
 # The most recent ERRORS_SHOWN entries of each job, oldest first: the history of a job
 # with a thousand retries would not fit a reply.
 _ERRORS = (
-    "SELECT job_id, attempt, error, at FROM (SELECT job_id, attempt, error, at, seq, "
-    "row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
+    "SELECT job_id, attempt, error, at, traceback FROM (SELECT job_id, attempt, error, at, "
+    "traceback, seq, row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
     "FROM job_errors WHERE job_id = ANY(%s)) AS e WHERE back <= %s ORDER BY seq"
 )
 # Per queue, the least of each priority's first ready_at in jobs_ready.
@@ -73,8 +73,11 @@ class Reads:
     def _job_infos(self: PostgresStore, rows: list[tuple]) -> list[JobInfo]:
         errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
         if rows:
-            for key, attempt, error, at in self._read(_ERRORS, (list(errors), ERRORS_SHOWN)):
-                errors[key].append(ErrorEntry(attempt, decode_text(error), at))
+            for key, attempt, error, at, traceback in self._read(
+                _ERRORS, (list(errors), ERRORS_SHOWN)
+            ):
+                entry = ErrorEntry(attempt, decode_text(error), at, decode_text(traceback))
+                errors[key].append(entry)
         return [job_info(row, errors[row[0]], decode_text) for row in rows]
 
     def queue_stats(self: PostgresStore) -> dict[str, dict[str, int]]:

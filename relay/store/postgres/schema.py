@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -132,8 +132,17 @@ def _create_v1(conn: psycopg.Connection) -> None:
         conn.execute(statement)
 
 
+def _v2_error_tracebacks(conn: psycopg.Connection) -> None:
+    # A failed attempt's traceback, beside its error (NULL: none was given, as for every
+    # row written before). A nullable column without a default rewrites no row.
+    conn.execute("ALTER TABLE job_errors ADD COLUMN traceback text")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
-MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {1: _create_v1}
+MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
+    1: _create_v1,
+    2: _v2_error_tracebacks,
+}
 
 
 def display_url(url: str) -> str:

@@ -19,6 +19,7 @@ from relay.model import (
     format_job_id,
     parse_job_id,
     truncate_utf8,
+    truncate_utf8_end,
 )
 from relay.store import claims as claims_
 from relay.store.base import (
@@ -303,15 +304,26 @@ class SqliteLeases(SqliteBase):
         return acked
 
     def jobs_fail(
-        self, job_id: str, worker_id: str, token: str, error: str, retryable: bool, now: int
+        self,
+        job_id: str,
+        worker_id: str,
+        token: str,
+        error: str,
+        retryable: bool,
+        now: int,
+        traceback: str | None = None,
     ) -> FailOutcome:
-        """Record a failed attempt: retrying after its backoff, or dead when spent."""
+        """Record a failed attempt: retrying after its backoff, or dead when spent. The
+        error keeps its first ``max_error_bytes``, the traceback its last
+        ``max_traceback_bytes`` (an empty one is none)."""
         row = self._held_lease(job_id, worker_id, token, now, "fail")
         assert row is not None
         key, queue, _state, attempt, max_attempts = row[:5]
         self._held.pop(format_job_id(key), None)
         error = truncate_utf8(error, self.config.max_error_bytes)
-        self._record_error(key, attempt, error, now)
+        if traceback:
+            traceback = truncate_utf8_end(traceback, self.config.max_traceback_bytes)
+        self._record_error(key, attempt, error, now, traceback or None)
         self._count(queue, "failed")
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))

@@ -95,13 +95,13 @@ class SqliteReads(SqliteBase):
             marks = ", ".join("?" * len(rows))
             # The most recent ERRORS_SHOWN entries of each job, oldest first: the history
             # of a job with a thousand retries would not fit a reply.
-            for key, attempt, error, at in self._db.execute(
-                "SELECT job_id, attempt, error, at FROM (SELECT rowid AS seq, *, "
+            for key, attempt, error, at, traceback in self._db.execute(
+                "SELECT job_id, attempt, error, at, traceback FROM (SELECT rowid AS seq, *, "
                 "row_number() OVER (PARTITION BY job_id ORDER BY rowid DESC) AS back "
                 f"FROM job_errors WHERE job_id IN ({marks})) WHERE back <= ? ORDER BY seq",
                 [*errors, ERRORS_SHOWN],
             ):
-                errors[key].append(ErrorEntry(attempt, error, at))
+                errors[key].append(ErrorEntry(attempt, error, at, traceback))
         return [job_info(row, errors[row[0]]) for row in rows]
 
     def dead_list(

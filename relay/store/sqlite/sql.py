@@ -23,6 +23,10 @@ _PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
 # "id IN" this, bound to a JSON array of ids: any number of ids with one parameter.
 _JSON_IDS = "(SELECT value FROM json_each(?))"
 _INSERT_ERRORS = "INSERT INTO job_errors (job_id, attempt, error, at) VALUES {values}"
+# A failed attempt's entry: one statement, with or without its traceback.
+_INSERT_ERROR = (
+    "INSERT INTO job_errors (job_id, attempt, error, at, traceback) VALUES (?, ?, ?, ?, ?)"
+)
 
 
 # Few steps, not one per row. Python's sqlite3 releases the GIL around every sqlite3_step,
@@ -154,9 +158,11 @@ class SqliteBase(CountsBook):
         if dst is not None:
             self._bump(self._counts, (queue, dst), n)
 
-    def _record_error(self, key: int, attempt: int, error: str, now: int) -> None:
-        """One entry of a job's error history."""
-        _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", [(key, attempt, error, now)])
+    def _record_error(
+        self, key: int, attempt: int, error: str, now: int, traceback: str | None = None
+    ) -> None:
+        """One entry of a job's error history (with its traceback, or NULL: none given)."""
+        self._db.execute(_INSERT_ERROR, (key, attempt, error, now, traceback))
 
     def _save_last_id(self) -> None:
         # The high-water mark of issued ids, written only where jobs are deleted: with it,
