@@ -452,17 +452,21 @@ def test_the_demos_progress_and_tables_read_at_80_and_120_columns(width):
 
 def test_the_demo_reads_at_80_columns_through_the_command():
     """``COLUMNS=80 relay-trio demo | cat``: a line per dead job, with the first words of
-    its error, and no line of the tables ends in spaces."""
+    its error; no line ends in spaces, and the tables' lines fit 80 columns (the
+    paragraphs are one line each: whatever reads a pipe wraps them)."""
     env = cli_env()
     env["COLUMNS"] = "80"
     done = subprocess.run([str(RELAY), "demo", "--seed", "1"], env=env, capture_output=True,
                           text=True, stdin=subprocess.DEVNULL, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done
     lines = done.stdout.splitlines()
+    for line in lines:
+        assert line == line.rstrip(), f"spaces at the end of {line!r}"
+    assert lines[0].startswith("relay-trio demo: 60 jobs") and lines[0].endswith("slots.")
     tables = lines[next(n for n, line in enumerate(lines) if line.strip() == "Queues") :]
     tables = tables[: next(n for n, line in enumerate(tables) if line.startswith("Done in"))]
     for line in tables:
-        assert len(line) <= 80 and line == line.rstrip(), line
+        assert len(line) <= 80, line
     rows = [line for line in tables if line.startswith("job_")]
     assert len(rows) == 8  # 4 doomed and 4 rejected of the 60 jobs
     for line in rows:
