@@ -60,7 +60,13 @@ def print_json(value: Any) -> None:
 
 
 def console() -> Console:
-    return Console()
+    """The console of a command's output. On a terminal, text is wrapped to its width; to
+    a pipe or a file, a paragraph is one line (soft wrap), as ``git`` writes: rich would
+    end each wrapped line in the space it broke at, and whatever reads the output wraps
+    as it likes. Tables are laid out for the width either way (``views.Fitted``)."""
+    out = Console()
+    out.soft_wrap = not out.is_terminal
+    return out
 
 
 def plural(count: int, noun: str) -> str:

@@ -1,6 +1,6 @@
 """``relay-trio dead``: the dead jobs: ``list`` them a page at a time (newest first, or
-``--oldest``), ``retry`` them with fresh attempts, ``purge`` them for good; one job, or
-every dead job of a queue.
+``--oldest``), ``retry`` them with fresh attempts, ``purge`` them for good; one job (by its
+id, or its start as ``list`` shows it), or every dead job of a queue.
 """
 
 from __future__ import annotations
@@ -11,9 +11,17 @@ from typing import Any
 
 import click
 
+from relay.client import Client
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
-from relay_cli.options import DEFAULT_TIMEOUT_S, address_option, json_option
+from relay_cli.options import (
+    DEFAULT_TIMEOUT_S,
+    JOB_HELP,
+    abbreviated,
+    address_option,
+    check_job,
+    json_option,
+)
 
 
 @click.group()
@@ -107,30 +115,57 @@ def _dead_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         help="Every dead job of --queue (--timeout then defaults to 600 s).",
     )(fn)
     fn = click.option("--queue", help="With --all: the queue whose dead jobs to take.")(fn)
-    return click.argument("job_id", metavar="[JOB]", required=False)(fn)
+    return click.argument("job_id", metavar="[JOB]", required=False, callback=check_job)(fn)
 
 
-@dead.command("retry", short_help="Make dead jobs ready again, with fresh attempts.")
+async def _whole(client: Client, target: dict[str, Any]) -> dict[str, Any]:
+    """``target`` with its JOB, if abbreviated, as the whole id of the one job whose id
+    begins so (``inspect`` with ``prefix``: none is not_found, several bad_request)."""
+    job_id = target.get("job_id")
+    if job_id is None or not abbreviated(job_id):
+        return target
+    return {"job_id": (await client.inspect(job_id, prefix=True)).job_id}
+
+
+def _done(verb: str, count: int, given: str | None, whole: str | None) -> str:
+    """What was done ("retried 1 dead job"), and the whole id if the JOB was abbreviated."""
+    done = f"{verb} {plural(count, 'dead job')}"
+    return done if given is None or whole == given else f"{done}: {whole}"
+
+
+@dead.command(
+    "retry",
+    short_help="Make dead jobs ready again, with fresh attempts.",
+    help="Make a dead job (or every dead job of a queue) ready again, with fresh attempts. "
+    + JOB_HELP,
+)
 @_dead_options
 def dead_retry(
     job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool
 ) -> None:
-    """Make a dead job (or every dead job of a queue) ready again, with fresh attempts."""
     target = _dead_target(job_id, queue, every)
-    count = call(address, lambda client: client.dead_retry(**target), timeout=_timeout(every))
+
+    async def retry(client: Client) -> int:
+        target.update(await _whole(client, target))
+        return await client.dead_retry(**target)
+
+    count = call(address, retry, timeout=_timeout(every))
     if as_json:
         print_json({"count": count})
     else:
-        click.echo(f"retried {plural(count, 'dead job')}")
+        click.echo(_done("retried", count, job_id, target.get("job_id")))
 
 
-@dead.command("purge", short_help="Delete dead jobs for good.")
+@dead.command(
+    "purge",
+    short_help="Delete dead jobs for good.",
+    help="Delete a dead job (or every dead job of a queue) for good. " + JOB_HELP,
+)
 @_dead_options
 @click.option("--yes", is_flag=True, help="Do not ask before purging a whole queue.")
 def dead_purge(
     job_id: str | None, queue: str | None, every: bool, address: str, as_json: bool, yes: bool
 ) -> None:
-    """Delete a dead job (or every dead job of a queue) for good."""
     target = _dead_target(job_id, queue, every)
     if every and not yes:
         if not sys.stdin.isatty():
@@ -141,8 +176,13 @@ def dead_purge(
         click.confirm(
             f"Delete every dead job of queue {queue}? This cannot be undone", abort=True, err=True
         )
-    count = call(address, lambda client: client.dead_purge(**target), timeout=_timeout(every))
+
+    async def purge(client: Client) -> int:
+        target.update(await _whole(client, target))
+        return await client.dead_purge(**target)
+
+    count = call(address, purge, timeout=_timeout(every))
     if as_json:
         print_json({"count": count})
     else:
-        click.echo(f"purged {plural(count, 'dead job')}")
+        click.echo(_done("purged", count, job_id, target.get("job_id")))

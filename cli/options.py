@@ -1,7 +1,8 @@
 """The options the client commands share, and what they read: ``--address`` (env
 ``RELAY_ADDRESS``) with ``--tls``, ``--tls-ca`` (env ``RELAY_TLS_CA``), ``--token-file`` and
 ``--timeout`` (``address_option``; ``client_target``, ``client_token`` and
-``client_timeout`` read them), ``--json``, and the check of a ``--queue`` name.
+``client_timeout`` read them), ``--json``, and the checks of a ``--queue`` name and of a
+JOB argument (a whole job id, or its start as the tables show it).
 
 Imports no more than click and the light parts of relay (its model's names): every
 command's module imports this one.
@@ -15,7 +16,7 @@ from typing import Any
 
 import click
 
-from relay.model import QUEUE_NAME_RE
+from relay.model import ID_ABBREV_MIN, QUEUE_NAME_RE, job_id_keys, parse_job_id
 from relay.tls import TLS_SCHEME
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
@@ -139,3 +140,26 @@ def check_queues(ctx: click.Context, param: click.Parameter, value: tuple[str, .
             raise click.BadParameter(f"{name!r}: a queue name is 1-128 characters of "
                                      "[A-Za-z0-9._:-]")  # fmt: skip
     return value
+
+
+# What a JOB argument's help says it may be.
+JOB_HELP = (
+    f"JOB is a job id, or its start as `dead list` and `top` show it (job_ and at least "
+    f"{ID_ABBREV_MIN} of its hex digits) if only one job's id begins so."
+)
+
+
+def check_job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A JOB argument: a whole job id, or an abbreviated one (``abbreviated``)."""
+    if value is None or parse_job_id(value) is not None or job_id_keys(value) is not None:
+        return value
+    raise click.BadParameter(
+        f"{value!r} is not a job id: job_ and 16 hex digits, or the first {ID_ABBREV_MIN} "
+        "or more of them"
+    )
+
+
+def abbreviated(job_id: str) -> bool:
+    """Whether a JOB argument (``check_job``) is shorter than a whole id: then the command
+    asks for the one job whose id begins with it (``inspect`` with ``prefix``)."""
+    return parse_job_id(job_id) is None

@@ -13,7 +13,10 @@ from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
 from relay_cli.errors import run
 from relay_cli.options import (
+    JOB_HELP,
+    abbreviated,
     address_option,
+    check_job,
     check_queues,
     client_target,
     client_timeout,
@@ -24,13 +27,16 @@ from relay_cli.options import (
 STATE_NAMES = [str(state) for state in JobState]
 
 
-@click.command("inspect")
-@click.argument("job_id", metavar="JOB")
+@click.command(
+    "inspect",
+    help="Show one job: state, attempts, timings, errors, payload and result. " + JOB_HELP,
+)
+@click.argument("job_id", metavar="JOB", callback=check_job)
 @address_option
 @json_option
 def inspect_command(job_id: str, address: str, as_json: bool) -> None:
-    """Show one job: state, attempts, timings, errors, payload and result."""
-    job = call(address, lambda client: client.inspect(job_id))
+    prefix = abbreviated(job_id)
+    job = call(address, lambda client: client.inspect(job_id, prefix=prefix))
     if as_json:
         print_json(job)
     else:

@@ -10,9 +10,10 @@ Every table is laid out for the width it is drawn at (``Fitted``): one line per 
 numbers, ids, times and headers whole, and the room that is left given to the queue names
 and the errors, which are cut only when that room runs out: a queue name in the middle
 (``cut_middle``), an error at its end, after its first ``ERROR_MIN`` characters at least.
-A job id is shown as the shortest abbreviation unique among the rows (``short_ids``),
-whole with ``full_ids=True`` (``--json`` always has whole ids). No line ends in spaces:
-rich pads every cell to its column's width, which a terminal hides but a pipe keeps.
+A job id is shown as the shortest abbreviation unique among the rows (``short_ids``), which
+the commands take back; whole with ``full_ids=True`` (``--json`` always has whole ids). No
+line ends in spaces: rich pads every cell to its column's width, which a terminal hides but
+a pipe keeps.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relay.client import DeadPage, JobView, Stats
-from relay.model import JobState, parse_job_id
+from relay.model import ID_ABBREV_MIN, ID_PREFIX, JobState, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -169,25 +170,18 @@ def unfinished(stats: Stats) -> int:
 
 # -- job ids ------------------------------------------------------------------------------
 
-ID_PREFIX = "job_"
-# Hex digits an abbreviated id keeps at least: git's default. An id's leading digits are
-# its creation millisecond (relay/model.py), so the first 7 change every 2**15 ms (~33 s).
-ID_HEX_MIN = 7
-# Ids that share their first 11 hex digits (44 bits: all of the millisecond) were made in
-# the same millisecond, by one batch, and differ only in their last digits (the sequence
-# number): for them a longer prefix would be the whole id, so the middle is left out.
-ID_HEX_PREFIX_MAX = 11
-ID_TAIL_MIN = 2
-
 
 def short_ids(ids: Iterable[str]) -> dict[str, str]:
     """Each job id in ``ids`` shortened as ``git log --oneline`` shortens a commit's hash:
-    ``job_`` and the fewest hex digits (at least ID_HEX_MIN) that no other of ``ids``
-    begins with, so a view's rows are told apart by their ids' starts ("job_34472c7",
-    "job_34472d0a"). Ids made in the same millisecond (a batch) share their first 11
-    digits: each of those keeps its first ID_HEX_MIN digits and, after "…", the fewest
-    last digits that tell it from the others ("job_34472c7…02"). A string that is not a
-    job id, or an id no shorter so, stays whole."""
+    "job_" and the fewest of its hex digits, ID_ABBREV_MIN (7) at least, that no other of
+    ``ids`` begins with ("job_34472c7", "job_34472d0a"). An id's first digits are its
+    creation time (relay/model.py): ids made seconds apart differ within their first 7 to
+    9 digits, ids of different milliseconds within 11, and ids made in one millisecond (a
+    batch) only in their sequence number's digits: those keep 12 to 16 digits (15 or 16
+    in a batch of a few hundred), up to the whole id. Each can be typed back as it is
+    shown: ``relay-trio inspect`` and ``dead retry``/``purge`` take any start of an id
+    that only one job's id has (``inspect`` with ``prefix``). A string that is not a job
+    id stays whole."""
     ids = list(ids)
     hexes = sorted({
         job_id[len(ID_PREFIX) :] for job_id in ids if parse_job_id(job_id) is not None
@@ -198,22 +192,10 @@ def short_ids(ids: Iterable[str]) -> dict[str, str]:
     for a, b in itertools.pairwise(hexes):
         common = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
-    shown: dict[str, str] = {}
-    same_ms: dict[str, list[str]] = {}  # by their first ID_HEX_MIN digits
-    for hex_id in hexes:
-        digits = max(ID_HEX_MIN, shared[hex_id] + 1)
-        if digits <= ID_HEX_PREFIX_MAX:
-            shown[ID_PREFIX + hex_id] = ID_PREFIX + hex_id[:digits]
-        else:
-            same_ms.setdefault(hex_id[:ID_HEX_MIN], []).append(hex_id)
-    for head, group in same_ms.items():
-        tail = ID_TAIL_MIN
-        while len({hex_id[-tail:] for hex_id in group}) < len(group):
-            tail += 1
-        for hex_id in group:
-            short = f"{ID_PREFIX}{head}{ELLIPSIS}{hex_id[-tail:]}"
-            whole = ID_PREFIX + hex_id
-            shown[whole] = short if len(short) < len(whole) else whole
+    shown = {
+        ID_PREFIX + hex_id: ID_PREFIX + hex_id[: max(ID_ABBREV_MIN, shared[hex_id] + 1)]
+        for hex_id in hexes
+    }
     return {job_id: shown.get(job_id, job_id) for job_id in ids}
 
 
@@ -284,7 +266,8 @@ def share_room(room: int, queues: Iterable[str], errors: Sequence[str]) -> tuple
     up to QUEUE_WHOLE; the errors as far as their first lines go; the longer names."""
     names = list(queues)
     longest_error = max((cell_len(error) for error in errors), default=0)
-    # Less than ERROR_MIN where the other columns leave less (whole ids at 80 columns).
+    # Less than ERROR_MIN where the other columns leave less (ids of one millisecond, or
+    # whole ids, at 80 columns).
     error = max(0, min(longest_error, ERROR_MIN, room - queue_width(names, QUEUE_MIN)))
     queue = queue_width([name[:QUEUE_WHOLE] for name in names], room - error)
     error = max(error, min(longest_error, room - queue))
@@ -394,11 +377,15 @@ def dead_table(page: DeadPage, *, full_ids: bool = False, caption: str | None = 
     it, ``caption`` (the order and how to get the next page: ``relay-trio dead list``
     says), or else the next page's cursor, if there is one.
 
-    At 80 columns, with abbreviated ids (11 to 15 characters), a queue name of up to 12 to
-    15 characters is whole and the error gets the other 25 or more; at 120, a queue name
-    of 40 and 37 to 40 of the error. A longer name is cut in the middle (``cut_middle``),
-    to QUEUE_MIN characters at the least, then the error at its end; ``relay-trio
-    inspect`` shows both whole.
+    The queue and the error share what the other columns leave: at 80 columns, 51 less
+    the id column's width (with tries of up to 5 characters, "10/10"); at 120, 91 less
+    it. With ids of 7 digits (11 characters: jobs made seconds apart), a queue name of up
+    to 15 characters is whole at 80 columns and the error gets 25. Ids made in one
+    millisecond (a batch's) keep 12 to 16 digits, most often 15 or 16: 16 to 20
+    characters, the width of whole ids at most, which leaves a queue name 12 and the
+    error 19 to 23. At 120, a queue name of 40 is whole and the error gets 31 to 40. A
+    longer name is cut in the middle (``cut_middle``), to QUEUE_MIN characters at the
+    least, then the error at its end; ``relay-trio inspect`` shows both whole.
     """
     return Fitted(functools.partial(_dead_layout, page, full_ids, caption))
 

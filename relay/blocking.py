@@ -306,8 +306,10 @@ class BlockingClient:
         reply = send("submit_batch", jobs=list(jobs))
         return [submit_result(r) for r in reply["results"]]
 
-    def inspect(self, job_id: str) -> JobView:
-        return structure_reply(self.request("inspect", job_id=job_id)["job"], JobView)
+    def inspect(self, job_id: str, *, prefix: bool = False) -> JobView:
+        """One job; with ``prefix``, ``job_id`` may be abbreviated (as ``Client.inspect``)."""
+        fields = {"prefix": True} if prefix else {}
+        return structure_reply(self.request("inspect", job_id=job_id, **fields)["job"], JobView)
 
     def stats(self, *, oldest_ready: bool = False) -> Stats:
         fields = {"oldest_ready": True} if oldest_ready else {}

@@ -250,8 +250,12 @@ class Client:
     async def release(self, job_id: str, worker_id: str, token: str) -> None:
         await self._retrying(self._call, "release", job_id=job_id, worker_id=worker_id, token=token)
 
-    async def inspect(self, job_id: str) -> JobView:
-        reply = await self._call("inspect", job_id=job_id)
+    async def inspect(self, job_id: str, *, prefix: bool = False) -> JobView:
+        """One job. With ``prefix`` (an extension), ``job_id`` may be abbreviated, "job_"
+        and 7 to 16 of its hex digits, as ``relay-trio dead list`` shows it: the one job
+        whose id begins so (``JobView.job_id`` is the whole id). No such job raises
+        ``JobNotFound``; several, or a malformed abbreviation, ``BadRequest``."""
+        reply = await self._call("inspect", job_id=job_id, prefix=prefix or None)
         return structure_reply(reply["job"], JobView)
 
     async def stats(self, *, oldest_ready: bool = False) -> Stats:

@@ -26,6 +26,13 @@ AGING_STEP_MS = 60_000
 ID_SEQ_BITS = 21
 _ID_MAX = (1 << 63) - 1
 _ID_RE = re.compile(r"job_[0-9a-f]{16}")  # always fullmatch: "$" would allow a "\n"
+ID_PREFIX = "job_"
+ID_HEX_DIGITS = 16
+# An abbreviated job id ("job_34472d0"; inspect with prefix: true, the command line) keeps
+# at least this many hex digits: git's default abbreviation of a commit's hash. The first
+# 7 digits of an id change every 2**15 ms (~33 s), so 7 to 11 tell most jobs apart.
+ID_ABBREV_MIN = 7
+_ID_ABBREV_RE = re.compile(rf"job_[0-9a-f]{{{ID_ABBREV_MIN},{ID_HEX_DIGITS}}}")  # fullmatch
 
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # always fullmatch
 
@@ -216,6 +223,20 @@ def parse_job_id(job_id: str) -> int | None:
         return None
     key = int(job_id[4:], 16)
     return key if key <= _ID_MAX else None
+
+
+def job_id_keys(abbreviated: str) -> range | None:
+    """The keys of every job id that begins with ``abbreviated`` ("job_" and 7 to 16 of an
+    id's hex digits), or None if it is not such an abbreviation. The digits given are the
+    key's top ones, so the keys are one range, [p << 4(16 - k), (p + 1) << 4(16 - k)) for
+    k digits of value p: one range read of the store's key. Empty where no id can begin
+    so (a first digit of 8 or more: a key has 63 bits)."""
+    if not _ID_ABBREV_RE.fullmatch(abbreviated):
+        return None
+    digits = abbreviated[len(ID_PREFIX) :]
+    shift = 4 * (ID_HEX_DIGITS - len(digits))
+    low = int(digits, 16) << shift
+    return range(low, min(low + (1 << shift), _ID_MAX + 1))
 
 
 def job_id_time(job_id: str) -> int | None:

@@ -14,11 +14,14 @@ import attrs
 
 from relay.model import (
     DEFAULT_BACKOFF,
+    ID_ABBREV_MIN,
+    ID_HEX_DIGITS,
     PRIORITY_INT_BY_WIRE,
     WIRE_PRIORITIES,
     Backoff,
     JobState,
     SubmitSpec,
+    job_id_keys,
     parse_job_id,
 )
 from relay.wire import (
@@ -225,9 +228,17 @@ class Release(LeaseRef):
 @attrs.frozen
 class Inspect:
     job_id: str
+    # An extension: job_id may be abbreviated, "job_" and 7 to 16 of its hex digits.
+    prefix: bool = False
 
     def check(self, limits: Limits) -> None:
         check_text("job_id", self.job_id, limits.max_id_bytes)
+        if self.prefix and job_id_keys(self.job_id) is None:
+            raise _bad(
+                "job_id",
+                f"with prefix, job_ and {ID_ABBREV_MIN} to {ID_HEX_DIGITS} lowercase hex "
+                "digits: the start of a job id",
+            )
 
 
 @attrs.frozen

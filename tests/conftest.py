@@ -19,6 +19,11 @@ pytest_plugins = ["tests.worker_helpers"]
 T0 = 1_767_225_600_000
 
 
+def common_start(a: str, b: str) -> str:
+    """The longest start that two different job ids share: an abbreviation of both."""
+    return a[: next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)]
+
+
 @pytest.fixture
 def store() -> Iterator[SqliteStore]:
     """A fresh in-memory store whose jitter comes from a seeded generator."""

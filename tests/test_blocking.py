@@ -77,6 +77,14 @@ async def test_submit_inspect_stats(bclient):
     assert stats.server.connections == 1
 
 
+async def test_inspect_with_prefix_takes_an_abbreviated_id(bclient):
+    (result,) = await call(bclient.submit_batch, [job_fields("pq", 1)])
+    view = await call(bclient.inspect, result.job_id[:11], prefix=True)
+    assert view.job_id == result.job_id and view.payload == 1
+    with pytest.raises(JobNotFound):
+        await call(bclient.inspect, result.job_id[:11])  # a whole id without prefix
+
+
 async def test_submit_options(bclient):
     delayed = await call(
         bclient.submit, "opts", [1, 2], priority="critical", delay_ms=60_000, retries=0,

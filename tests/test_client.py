@@ -50,7 +50,7 @@ from relay.errors import (
 )
 from relay.model import ErrorEntry, FailOutcome
 from relay.wire import Limits
-from tests.conftest import answer_hello
+from tests.conftest import answer_hello, common_start
 
 from .worker_helpers import (
     BOUND_S,
@@ -306,6 +306,23 @@ async def test_release_gives_the_job_back(client):
     assert view.attempt == 0
     again = await lease_one(client, "rel", worker="w2")
     assert again.job_id == job.job_id and again.attempt == 1 and again.token != job.token
+
+
+async def test_inspect_with_prefix_takes_an_abbreviated_id(client):
+    """``inspect(..., prefix=True)``: the one job whose id begins so; several are
+    ``BadRequest`` (give more digits), none ``JobNotFound``; without it, a whole id."""
+    a, b = await client.submit_batch([job_fields("pq", n) for n in range(2)])
+    common = common_start(a.job_id, b.job_id)
+    view = await client.inspect(a.job_id[: len(common) + 1], prefix=True)
+    assert view == await client.inspect(a.job_id) and view.job_id == a.job_id
+    with pytest.raises(BadRequest, match=r"job_id: .* more than one job"):
+        await client.inspect(common, prefix=True)
+    with pytest.raises(JobNotFound):
+        await client.inspect("job_0000000", prefix=True)
+    with pytest.raises(BadRequest, match="job_id"):
+        await client.inspect("job_12", prefix=True)
+    with pytest.raises(JobNotFound):
+        await client.inspect(a.job_id[:11])
 
 
 async def test_inspect_job_view_fields(client):

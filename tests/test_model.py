@@ -15,6 +15,7 @@ from relay.model import (
     Priority,
     effective_priority,
     format_job_id,
+    job_id_keys,
     job_id_time,
     parse_job_id,
     truncate_utf8,
@@ -54,6 +55,26 @@ def test_strings_that_are_not_job_ids_do_not_parse(text):
 
 def test_parse_refuses_ids_beyond_63_bits():
     assert parse_job_id("job_" + "f" * 16) is None
+
+
+@given(st.integers(0, (1 << 63) - 1), st.integers(7, 16))
+def test_an_abbreviated_id_names_the_range_of_the_keys_whose_ids_begin_so(key, digits):
+    job_id = format_job_id(key)
+    keys = job_id_keys(job_id[: 4 + digits])
+    assert keys is not None and key in keys
+    for edge in (keys.start, keys[-1]):  # the first and last ids that begin so
+        assert format_job_id(edge).startswith(job_id[: 4 + digits])
+    for outside in (keys.start - 1, keys.stop):  # the ids either side do not
+        if 0 <= outside < 1 << 63:
+            assert not format_job_id(outside).startswith(job_id[: 4 + digits])
+    assert len(keys) == 16 ** (16 - digits) or keys.stop == 1 << 63
+
+
+def test_abbreviations_past_63_bits_name_no_key_and_others_are_not_abbreviations():
+    assert job_id_keys("job_7ffffff") == range(0x7FFFFFF << 36, 1 << 63)
+    assert len(job_id_keys("job_8000000")) == len(job_id_keys("job_ffffffffffffffff")) == 0
+    for text in ("job_123456", "job_" + "0" * 17, "job_ABCDEF0", "job_abcdef0\n", "abcdef01"):
+        assert job_id_keys(text) is None
 
 
 def test_fixed_backoff_waits_the_same_every_time():

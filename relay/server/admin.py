@@ -46,7 +46,7 @@ class AdminHandlers:
 
     def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "inspect")
-        args = ops.Reserving(r.job_id, self._job_bytes)
+        args = ops.Reserving((r.job_id, r.prefix), self._job_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.INSPECT, connection, rid, started, args))
 

@@ -269,10 +269,13 @@ class _Release(RequestOp):
 
 
 class _Inspect(RequestOp):
+    """``inspect``: args.args is the job id and whether it may be abbreviated (prefix)."""
+
     reserves = True
 
     def run(self, store: Store, now: int, args: Reserving) -> Any:
-        return store.job_inspect(args.args)
+        job_id, prefix = args.args
+        return store.job_inspect_prefix(job_id) if prefix else store.job_inspect(job_id)
 
     def fields(self, outcome: JobInfo, args: Any) -> dict[str, Any]:
         return {"job": wire.job_fields(outcome)}

@@ -307,6 +307,12 @@ class Store(Protocol):
     def job_inspect(self, job_id: str) -> JobInfo:
         """One job with its latest ``ERRORS_SHOWN`` errors; raises ``JobNotFound``."""
 
+    def job_inspect_prefix(self, prefix: str) -> JobInfo:
+        """As ``job_inspect``, of the one job whose id begins with ``prefix``, an abbreviated
+        id ("job_" and 7 to 16 hex digits, ``model.job_id_keys``): one range read of the
+        key. Raises ``JobNotFound`` if no id begins so (or ``prefix`` is not one),
+        ``BadRequest`` naming job_id if several do."""
+
     def queue_stats(self) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included)."""
 

@@ -231,8 +231,11 @@ class NextDeadlines:
 @attrs.frozen
 class Inspect:
     job_id: str
+    prefix: bool = False  # job_id may be abbreviated: the one job whose id begins so
 
     def apply(self, store: Store, now: int) -> Any:
+        if self.prefix:
+            return store.job_inspect_prefix(self.job_id)
         return store.job_inspect(self.job_id)
 
 

@@ -1,10 +1,11 @@
-"""A job as both dialects read it: the columns, the ``JobInfo`` a row of them makes, and
-the pages of the dead list."""
+"""A job as both dialects read it: the columns, the ``JobInfo`` a row of them makes, the
+one job of an abbreviated id, and the pages of the dead list."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from relay.errors import BadRequest, JobNotFound
 from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
 from relay.store.base import info_size
 
@@ -17,6 +18,26 @@ JOB_COLUMNS = (
 # The largest key a job id can have (63 bits, relay/model.py): the bound of the first page
 # newest first. Both SQLite's and PostgreSQL's integers hold it.
 MAX_JOB_KEY = (1 << 63) - 1
+
+
+# An abbreviated id's range of keys (model.job_id_keys) is read for at most this many:
+# one names the job, a second says that the abbreviation is ambiguous.
+PREFIX_KEYS_READ = 2
+
+
+def only_key(prefix: str, keys: Sequence[tuple]) -> int:
+    """The key of the one job whose id begins with ``prefix``, from the rows of the first
+    PREFIX_KEYS_READ keys of its range (``job_inspect_prefix``); raises ``JobNotFound``
+    for none, ``BadRequest`` naming job_id for several, as git refuses an ambiguous
+    abbreviation of a hash."""
+    if not keys:
+        raise JobNotFound(prefix)
+    if len(keys) > 1:
+        raise BadRequest(
+            f"job_id: {prefix} matches more than one job: give more of its hex digits",
+            field="job_id",
+        )
+    return keys[0][0]
 
 
 def _same(text: str | None) -> str | None:

@@ -14,8 +14,10 @@ from pathlib import Path
 import orjson
 import trio
 
+import relay
 from relay import JobState
 from relay.client import Client
+from tests.conftest import common_start
 
 from .conftest import (
     BOUND_S,
@@ -186,6 +188,73 @@ async def test_dead_list_retry_and_purge(address, client):
     assert "no dead jobs" in empty.stdout
 
 
+async def shown_ids(address: str) -> dict[str, str]:
+    """What ``dead list`` (not --full) prints for each dead job: its whole id -> the id as
+    the table shows it."""
+    listed = await relay_trio("dead", "list", "--json", address=address)
+    whole = [job["job_id"] for job in listed.json()["jobs"]]
+    table = await relay_trio("dead", "list", address=address)
+    shown = [line.split()[0] for line in table.stdout.splitlines() if line.startswith("job_")]
+    assert len(shown) == len(whole), table.stdout
+    return dict(zip(whole, shown, strict=True))
+
+
+async def test_an_id_as_dead_list_shows_it_can_be_typed_back(address, client):
+    """``inspect``, ``dead retry`` and ``dead purge`` take an id as ``dead list`` prints it,
+    abbreviated: the one job whose id begins so. One that several jobs' ids begin with,
+    or none, or that is not an id's start at all, is one line."""
+    lone = await make_dead(client, "alpha", "card declined")
+    shown = (await shown_ids(address))[lone]
+    assert shown == lone[:11]  # the only dead job: 7 hex digits
+    panel = await relay_trio("inspect", shown, address=address)
+    assert panel.code == 0 and lone in panel.stdout and "card declined" in panel.stdout, panel
+    as_json = (await relay_trio("inspect", shown, "--json", address=address)).json()
+    assert as_json["job_id"] == lone and as_json["state"] == "dead"
+    retried = await relay_trio("dead", "retry", shown, address=address)
+    assert retried.stdout.strip() == f"retried 1 dead job: {lone}", retried
+    assert (await client.inspect(lone)).state == JobState.READY
+
+    # Two jobs of one batch, made in one millisecond: their ids differ only at their end.
+    await client.submit_batch([relay.job_fields("beta", n, retries=0) for n in range(2)])
+    for job in await client.lease(["beta"], WORKER, count=2):
+        await client.fail(job.job_id, WORKER, job.token, "410 Gone", retryable=False)
+    shown_of = await shown_ids(address)
+    a, b = sorted(shown_of)
+    common = common_start(a, b)
+    assert len(common) >= len("job_") + 10  # the millisecond's digits at least
+    assert (shown_of[a], shown_of[b]) == (a[: len(common) + 1], b[: len(common) + 1])
+    results = {}
+
+    async def run(name: str, *args: str) -> None:
+        results[name] = await relay_trio(*args, address=address)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "ambiguous", "inspect", common)
+        nursery.start_soon(run, "ambiguous retry", "dead", "retry", a[:11])
+        nursery.start_soon(run, "unknown", "inspect", "job_0000000")
+        nursery.start_soon(run, "unknown purge", "dead", "purge", "job_0000000")
+        nursery.start_soon(run, "too short", "inspect", a[:10])
+        nursery.start_soon(run, "not an id", "dead", "retry", "34472d0")
+        nursery.start_soon(run, "a", "inspect", shown_of[a], "--json")
+    for name in ("ambiguous", "ambiguous retry"):
+        assert_one_line_error(results[name], "job_id", "more than one job", code=2)
+    for name in ("unknown", "unknown purge"):
+        assert_one_line_error(results[name], "not_found", "job_0000000")
+    assert_one_line_error(results["too short"], a[:10], "not a job id", code=2)
+    assert_one_line_error(results["not an id"], "34472d0", "not a job id", code=2)
+    assert results["a"].json()["job_id"] == a
+
+    # The first job dead again, beside the batch's (made seconds later): it is shown by
+    # the digits that tell it from theirs, and purged by them.
+    (job,) = await client.lease(["alpha"], WORKER)
+    await client.fail(job.job_id, WORKER, job.token, "card declined again", retryable=False)
+    shown = (await shown_ids(address))[lone]
+    assert len("job_") + 7 <= len(shown) < len(lone) and lone.startswith(shown)
+    purged = await relay_trio("dead", "purge", shown, address=address)
+    assert purged.stdout.strip() == f"purged 1 dead job: {lone}", purged
+    assert sorted(job.job_id for job in (await client.dead_list()).jobs) == [a, b]
+
+
 JOB_ID = re.compile(r"job_[0-9a-f]{16}")
 NEXT_PAGE = re.compile(r"--cursor (job_[0-9a-f]{16})")
 
@@ -247,7 +316,9 @@ async def test_dead_retry_and_purge_need_a_job_or_a_whole_queue(address):
 
         nursery.start_soon(run, "nothing", "dead", "retry")
         nursery.start_soon(run, "queue without all", "dead", "purge", "--queue", "q")
-        nursery.start_soon(run, "both", "dead", "retry", "job_x", "--queue", "q", "--all")
+        nursery.start_soon(
+            run, "both", "dead", "retry", "job_0000000000000001", "--queue", "q", "--all"
+        )
     assert_one_line_error(results["nothing"], "give a JOB id", code=2)
     assert_one_line_error(results["queue without all"], "--all", code=2)
     assert_one_line_error(results["both"], "not both", code=2)

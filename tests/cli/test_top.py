@@ -187,9 +187,12 @@ def test_top_reads_as_a_line_per_queue_and_per_failure(width):
     assert failures[1].split() == ["job", "queue", "attempt", "error"]
     assert len(failures) == 3 + 4  # title, headers, rule, four failures
     shown = views.short_ids(failure[0] for failure in view.failures)
+    # The batch's three ids differ only in their last digit: whole; the other, made 3 s
+    # later, is told apart by its first 8 digits.
+    assert sorted(len(short) - len("job_") for short in shown.values()) == [8, 16, 16, 16]
     for job, queue, attempt, error in view.failures:
-        line = row(failures, shown[job])
-        assert line.startswith(shown[job] + " ") and job not in line
+        line = row(failures, shown[job] + " ")
+        assert line.startswith(shown[job] + " ")
         assert f" {attempt}  " in line
         assert error[: 24 if width == 80 else 40] in line
         assert queue in line or (width == 80 and queue == QUEUE_40)

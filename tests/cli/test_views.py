@@ -9,6 +9,7 @@ import subprocess
 
 import attrs
 import pytest
+from hypothesis import given, strategies
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
@@ -131,16 +132,38 @@ def test_short_ids_are_the_shortest_prefixes_unique_among_the_ids_given():
     assert views.short_ids([a]) == {a: a[:11]}
 
 
-def test_short_ids_of_one_millisecond_keep_their_start_and_the_last_digits_that_differ():
+def test_short_ids_of_one_millisecond_are_longer_prefixes_up_to_the_whole_id():
     batch = [job_id(T0, seq) for seq in (1, 2, 0x11, 0x2A)]  # one submit_batch
     other = job_id(T0 + 3_000)
     shown = views.short_ids([*batch, other])
-    assert [shown[i] for i in batch] == [f"{batch[0][:11]}…{i[-2:]}" for i in batch]
-    assert shown[other] == other[: len(shown[other])] and len(shown[other]) < 20
-    assert len(set(shown.values())) == 5
-    # The tail grows until it tells them apart: ...001 and ...101 differ in the third digit.
-    pair = [job_id(T0, 0x001), job_id(T0, 0x101)]
-    assert [views.short_ids(pair)[i] for i in pair] == [f"{i[:11]}…{i[-3:]}" for i in pair]
+    # ...01 and ...02 differ only in their last digit: both whole; ...11 and ...2a differ
+    # from every other in their 15th digit; the id made 3 s later, within its first 8.
+    assert [shown[i] for i in batch] == [batch[0], batch[1], batch[2][:19], batch[3][:19]]
+    assert shown[other] == other[:12]
+    assert not any(i.startswith(shown[other]) for i in batch)
+
+
+# Job ids as a busy server makes them: milliseconds within ~100 s of each other, many in
+# the same few, and up to 300 ids (a batch's sequence numbers) in one millisecond.
+_KEYS = strategies.builds(
+    lambda ms, seq: (ms << ID_SEQ_BITS) | seq,
+    strategies.integers(T0, T0 + 100_000) | strategies.integers(T0, T0 + 3),
+    strategies.integers(0, 300),
+)
+
+
+@given(strategies.sets(_KEYS, min_size=1, max_size=40))
+def test_short_ids_follow_git_s_rule_so_each_can_be_typed_back(keys):
+    """Each id is shown as the shortest start of it, of 7 hex digits at least, that no
+    other id shown has: what ``inspect`` with ``prefix`` (and so ``relay-trio inspect``)
+    resolves to that one job among them."""
+    ids = [format_job_id(key) for key in keys]
+    shown = views.short_ids(ids)
+    for whole, short in shown.items():
+        assert len(short) >= len("job_") + 7
+        assert [i for i in ids if i.startswith(short)] == [whole]
+        if len(short) > len("job_") + 7:  # one digit fewer would match another id too
+            assert len([i for i in ids if i.startswith(short[:-1])]) > 1
 
 
 def test_short_ids_leave_other_strings_whole():
@@ -254,9 +277,12 @@ def dead_page() -> DeadPage:
     return DeadPage(jobs, next_cursor=jobs[-1].job_id)
 
 
-# At each width, how much of the first line of an error a row shows at least (the queue
-# of 40 characters is whole from 120 columns).
-ERROR_SHOWN = {80: 25, 120: 37, 200: 200}
+# At each width, how much of the first line of an error a row shows at least, beside
+# ids of up to 20 characters (the batch's are whole, see short_ids) and the queue of 40
+# characters, whole from 120 columns. Queue names of up to QUEUE_WHOLE_AT_80 are whole at
+# 80 columns.
+ERROR_SHOWN = {80: 19, 120: 31, 200: 200}
+QUEUE_WHOLE_AT_80 = 12
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -269,15 +295,17 @@ def test_dead_table_rows_are_one_line_with_short_ids_whole_queues_and_errors(wid
     assert len(lines) == 3 + len(page.jobs) + 1
     assert lines[-1] == f"more dead jobs: --cursor {page.next_cursor}"
     shown = views.short_ids(job.job_id for job in page.jobs)
-    assert len(set(shown.values())) == len(page.jobs)
+    # A day before: 7 digits; 3 s later: 8; the batch's: 15 or 16, whole where two differ
+    # only in their last digit (...11 and ...17).
+    assert [len(shown[job.job_id]) - len("job_") for job in page.jobs] == [7, 15, 16, 16, 16, 8]
     for job in page.jobs:
         line = row(lines[:-1], shown[job.job_id] + " ")
-        assert line.startswith(shown[job.job_id]) and job.job_id not in line
+        assert line.startswith(shown[job.job_id] + " ")
         first = job.last_error.splitlines()[0]
         assert first[: ERROR_SHOWN[width] - 1] in line, (first, line)
         assert f" {job.attempt}/{job.max_attempts} " in line
         assert views.format_minute(views.failed_at(job)) in line
-        if len(job.queue) <= 15 or (width >= 120 and len(job.queue) <= 40):
+        if len(job.queue) <= QUEUE_WHOLE_AT_80 or (width >= 120 and len(job.queue) <= 40):
             assert f" {job.queue} " in line
         else:  # cut in the middle, its start and end kept
             assert f" {job.queue[:5]}" in line and f"{job.queue[-4:]} " in line
@@ -410,10 +438,13 @@ def test_the_demos_progress_and_tables_read_at_80_and_120_columns(width):
         *lines_of(views.dead_table(dead), width),
     ]
     assert row(lines, "succeeded ━").endswith("15395/16145")
-    shown = views.short_ids(job.job_id for job in dead.jobs)
+    # Ids of one batch made in a row differ only in their last digit: each is shown whole,
+    # which leaves the errors 23 characters at 80 columns, and whole at 120.
+    assert views.short_ids(job.job_id for job in dead.jobs) == {
+        j.job_id: j.job_id for j in dead.jobs
+    }
     for job in dead.jobs:
-        assert len(shown[job.job_id]) == len("job_3445487…01")
-        assert job.last_error[: 28 if width == 80 else 39] in row(lines, shown[job.job_id])
+        assert job.last_error[: 22 if width == 80 else 39] in row(lines, job.job_id)
 
 
 # -- through the commands -----------------------------------------------------------------
@@ -421,21 +452,27 @@ def test_the_demos_progress_and_tables_read_at_80_and_120_columns(width):
 
 def test_the_demo_reads_at_80_columns_through_the_command():
     """``COLUMNS=80 relay-trio demo | cat``: a line per dead job, with the first words of
-    its error, and no line of the tables ends in spaces."""
+    its error; no line ends in spaces, and the tables' lines fit 80 columns (the
+    paragraphs are one line each: whatever reads a pipe wraps them)."""
     env = cli_env()
     env["COLUMNS"] = "80"
     done = subprocess.run([str(RELAY), "demo", "--seed", "1"], env=env, capture_output=True,
                           text=True, stdin=subprocess.DEVNULL, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done
     lines = done.stdout.splitlines()
+    for line in lines:
+        assert line == line.rstrip(), f"spaces at the end of {line!r}"
+    assert lines[0].startswith("relay-trio demo: 60 jobs") and lines[0].endswith("slots.")
     tables = lines[next(n for n, line in enumerate(lines) if line.strip() == "Queues") :]
     tables = tables[: next(n for n, line in enumerate(tables) if line.startswith("Done in"))]
     for line in tables:
-        assert len(line) <= 80 and line == line.rstrip(), line
+        assert len(line) <= 80, line
     rows = [line for line in tables if line.startswith("job_")]
     assert len(rows) == 8  # 4 doomed and 4 rejected of the 60 jobs
     for line in rows:
-        assert "DemoFailure: " in line and len(line.split("DemoFailure: ")[1]) >= 12, line
+        # The ids of one batch are 19 or 20 characters (short_ids): the error keeps 23,
+        # "DemoFailure: " and its first word ("endpoint", "upstream", "insuffic...").
+        assert "DemoFailure: " in line and len(line.split("DemoFailure: ")[1]) >= 9, line
 
 
 async def test_stats_and_dead_list_read_at_80_columns_through_the_commands(address, client):

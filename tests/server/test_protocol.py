@@ -25,6 +25,7 @@ from relay import wire
 from relay.log import SUMMARY_INTERVAL_S
 from relay.server.longpoll import PARKED_PER_CONNECTION
 from tests import pg
+from tests.conftest import common_start
 from tests.server.conftest import LineClient, RunningServer, logged, start_server
 from tests.worker_helpers import serving
 
@@ -687,6 +688,54 @@ async def test_inspect_fields_through_the_life_of_a_job(client):
     assert failed["errors"][0]["attempt"] == 1 and failed["errors"][0]["error"] == "oops"
 
 
+async def test_inspect_with_prefix_answers_the_one_job_whose_id_begins_so(client):
+    """``inspect {job_id, prefix: true}`` (an extension): an abbreviated id, as git takes
+    the start of a hash. Every start of 7 to 16 digits of the only job answers it, as
+    its whole id does."""
+    job_id = await submit(client, "iq", {"p": 1})
+    whole = await inspect(client, job_id)
+    for digits in (7, 8, 11, 15, 16):
+        reply = await client.ok("inspect", job_id=job_id[: 4 + digits], prefix=True)
+        assert reply["job"] == whole, digits
+    assert (await client.ok("inspect", job_id=job_id, prefix=False))["job"] == whole
+
+
+async def test_inspect_with_prefix_of_several_jobs_is_bad_request_until_it_has_more_digits(
+    client,
+):
+    # Two jobs made in one millisecond: their ids share all but their last digit or two.
+    reply = await client.ok("submit_batch", jobs=[{"queue": "q", "payload": n} for n in (1, 2)])
+    a, b = (result["job_id"] for result in reply["results"])
+    common = common_start(a, b)
+    assert len(common) >= len("job_") + 14
+    for ambiguous in (common, a[:11]):
+        error = await client.error("inspect", job_id=ambiguous, prefix=True)
+        assert error["code"] == "bad_request", error
+        assert error["message"].startswith("job_id: "), error
+        assert "more than one job" in error["message"] and "give more" in error["message"]
+    for one, payload in ((a, 1), (b, 2)):
+        found = (await client.ok("inspect", job_id=one[: len(common) + 1], prefix=True))["job"]
+        assert (found["job_id"], found["payload"]) == (one, payload)
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["job_0000000", "job_00000000000000", "job_7fffffffffffffff", "job_8000000", "job_fffffff"],
+)
+async def test_inspect_with_prefix_of_no_job_is_not_found(client, prefix):
+    """Also where no id can begin so: a key has 63 bits, so a first digit of 8 or more."""
+    await submit(client)
+    error = await client.error("inspect", job_id=prefix, prefix=True)
+    assert error["code"] == "not_found", error
+
+
+async def test_inspect_without_prefix_takes_only_a_whole_id(client):
+    job_id = await submit(client)
+    for fields in ({}, {"prefix": False}):
+        error = await client.error("inspect", job_id=job_id[:11], **fields)
+        assert error["code"] == "not_found", error
+
+
 async def test_inspect_pending_job_has_run_at(client):
     job_id = await submit(client, "q", 1, delay_ms=30_000)
     info = await inspect(client, job_id)
@@ -973,6 +1022,16 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("release", {"job_id": None, "worker_id": W, "token": "t"}, ("job_id",)),
     ("inspect", {}, ("job_id",)),
     ("inspect", {"job_id": 123}, ("job_id",)),
+    # With prefix: "job_" and 7 to 16 lowercase hex digits, nothing else.
+    ("inspect", {"job_id": "job_34472d", "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "job_" + "0" * 17, "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "job_34472D0", "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "job_34472g0", "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "34472d0a", "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "job_34472d0\n", "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "", "prefix": True}, ("job_id",)),
+    ("inspect", {"job_id": "job_34472d0", "prefix": "yes"}, ("prefix",)),
+    ("inspect", {"job_id": "job_34472d0", "prefix": 1}, ("prefix",)),
     ("dead_list", {"limit": 0}, ("limit",)),
     ("dead_list", {"limit": "10"}, ("limit",)),
     ("dead_list", {"queue": BAD}, ("queue",)),

@@ -545,6 +545,8 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
             (reads_sql._DEAD_NEWEST, (MAX_JOB_KEY, 10), "jobs_dead"),
             (reads_sql._DEAD_OF_QUEUE_NEWEST, ("q0", MAX_JOB_KEY, 10), "jobs_dead_queue"),
             (dead_sql._PURGE_QUEUE, ("q0", 10), "jobs_dead_queue"),
+            # An abbreviated id (inspect with prefix): a range of the key, whatever the jobs.
+            (reads_sql._PREFIX_KEYS, (T0 << 21, (T0 + 60_000) << 21), "jobs_pkey"),
         ]:
             plan = _plan(conn, statement, params, prepared)
             assert f"using {index} on jobs" in plan, plan

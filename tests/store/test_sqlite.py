@@ -18,7 +18,14 @@ from collections.abc import Callable
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies
 
-from relay.errors import InvalidState, JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.errors import (
+    BadRequest,
+    InvalidState,
+    JobNotFound,
+    LeaseExpired,
+    RelayError,
+    StaleToken,
+)
 from relay.model import (
     Backoff,
     ErrorEntry,
@@ -32,6 +39,7 @@ from relay.model import (
 from relay.store import commands as cmd
 from relay.store.base import ERRORS_SHOWN, Changes, StoreConfig
 from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.reads import _PREFIX_KEYS_SQL
 from relay.store.sqlite.sql import _claim_candidates_sql
 from tests.conftest import T0
 from tests.store.conformance import (
@@ -1204,6 +1212,63 @@ def test_prune_deletes_expired_idempotency_keys_only(store):
     store.jobs_prune(T0 + window + 1, 100)
     assert keys() == ["new"]
     assert state(store, old) == READY  # the job itself stays
+
+
+# -- inspect by an abbreviated id --------------------------------------------------------
+
+
+def test_inspect_prefix_answers_the_one_job_whose_id_begins_so(store):
+    job = submit(store)
+    lease = claim_one(store)
+    store.jobs_fail(job, "w1", lease.token, "boom", True, T0 + 1)
+    for digits in range(7, 17):
+        assert store.job_inspect_prefix(job[: 4 + digits]) == store.job_inspect(job)
+
+
+def test_inspect_prefix_tells_apart_jobs_by_the_digits_that_differ(store):
+    # Made 3 s apart: the same first 7 digits (they change every 2**15 ms), not 8; a day
+    # later, not 7. (The ids' layout: relay/model.py; PostgreSQL's sequence keeps it.)
+    early, late, next_day = (submit(store, now) for now in (T0, T0 + 3_000, T0 + DAY))
+    assert early[:11] == late[:11] != next_day[:11] and early[:12] != late[:12]
+    with pytest.raises(BadRequest, match="more than one job") as refused:
+        store.job_inspect_prefix(early[:11])
+    assert refused.value.field == "job_id"
+    assert store.job_inspect_prefix(early[:12]).job_id == early
+    assert store.job_inspect_prefix(late[:12]).job_id == late
+    assert store.job_inspect_prefix(next_day[:11]).job_id == next_day
+
+
+def test_inspect_prefix_of_one_millisecond_needs_the_digits_that_differ(store):
+    a, b = (r.job_id for r in store.jobs_submit([spec(), spec()], T0))
+    assert a[:19] == b[:19]  # sequence numbers 0 and 1
+    with pytest.raises(BadRequest, match="job_id"):
+        store.job_inspect_prefix(a[:19])
+    assert [store.job_inspect_prefix(i).job_id for i in (a, b)] == [a, b]
+
+
+def test_inspect_prefix_at_the_top_of_the_key_range(store):
+    # The last millisecond a key holds (in 2109): the range of a prefix that covers it
+    # ends at the largest key, not past it.
+    top = submit(store, (1 << 42) - 1)
+    assert top.startswith("job_7fffffffffe")
+    assert store.job_inspect_prefix("job_7ffffff").job_id == top
+    assert store.job_inspect_prefix("job_7fffffffffe").job_id == top
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["job_0000000", "job_8000000", "job_fffffff", "job_ffffffffffffffff", "job_123", "", "x" * 11],
+)
+def test_inspect_prefix_of_no_job_or_of_no_id_raises_not_found(store, prefix):
+    submit(store)
+    with pytest.raises(JobNotFound):
+        store.job_inspect_prefix(prefix)
+
+
+@sqlite_only  # one range seek of the rowid, never a scan (PostgreSQL: test_postgres.py)
+def test_inspect_prefix_reads_a_range_of_the_key(store):
+    details = _plan(store, _PREFIX_KEYS_SQL, (0, 1 << 36))
+    assert details == ["SEARCH jobs USING INTEGER PRIMARY KEY (rowid>? AND rowid<?)"]
 
 
 # -- stats, totals, next times -----------------------------------------------------------

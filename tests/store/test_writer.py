@@ -346,6 +346,17 @@ async def test_stale_token_error_is_raised_by_execute(db_path):
     assert info.state == JobState.SUCCEEDED
 
 
+async def test_inspect_takes_an_abbreviated_id_only_with_prefix(db_path):
+    store = SqliteStore.open(db_path)
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock(T0)) as writer:
+            (result,) = await writer.execute(cmd.Submit((spec(),)))
+            whole = await writer.execute(cmd.Inspect(result.job_id))
+            assert await writer.execute(cmd.Inspect(result.job_id[:11], prefix=True)) == whole
+            with pytest.raises(JobNotFound):
+                await writer.execute(cmd.Inspect(result.job_id[:11]))
+
+
 async def test_the_store_sees_the_injected_clock(db_path):
     store = SqliteStore.open(db_path)
     clock = FakeClock(T0)

@@ -11,10 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relay.errors import JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
+from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, job_id_keys, parse_job_id
 from relay.store.base import ERRORS_SHOWN
 from relay.store.postgres.sql import decode_text
-from relay.store.rows import JOB_COLUMNS, cursor_bound, job_info, page
+from relay.store.rows import (
+    JOB_COLUMNS,
+    PREFIX_KEYS_READ,
+    cursor_bound,
+    job_info,
+    only_key,
+    page,
+)
 
 if TYPE_CHECKING:
     from relay.store.postgres.store import PostgresStore
@@ -22,6 +29,10 @@ if TYPE_CHECKING:
 LEASED = JobState.LEASED
 
 _JOB = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s"
+# The first keys of an abbreviated id's range: a range scan of jobs_pkey.
+_PREFIX_KEYS = (
+    f"SELECT id FROM jobs WHERE id BETWEEN %s AND %s ORDER BY id LIMIT {PREFIX_KEYS_READ}"
+)
 # The most recent ERRORS_SHOWN entries of each job, oldest first: the history of a job
 # with a thousand retries would not fit a reply.
 _ERRORS = (
@@ -69,6 +80,13 @@ class Reads:
         if row is None:
             raise JobNotFound(job_id)
         return self._job_infos([row])[0]
+
+    def job_inspect_prefix(self: PostgresStore, prefix: str) -> JobInfo:
+        keys = job_id_keys(prefix)
+        found = []
+        if keys:
+            found = self._read(_PREFIX_KEYS, (keys.start, keys[-1])).fetchall()
+        return self.job_inspect(format_job_id(only_key(prefix, found)))
 
     def _job_infos(self: PostgresStore, rows: list[tuple]) -> list[JobInfo]:
         errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}

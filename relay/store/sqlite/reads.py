@@ -1,4 +1,5 @@
-"""The reads, as SQLite: one job (``job_inspect``) and the dead letters a page at a time
+"""The reads, as SQLite: one job (``job_inspect``; by an abbreviated id,
+``job_inspect_prefix``) and the dead letters a page at a time
 (``dead_list``), with their error histories; how long each queue's oldest ready job has
 waited (``oldest_ready_ms``).
 
@@ -9,9 +10,16 @@ sql.py); nor does ``event_totals`` (``CountsBook``, relay/store/counts.py).
 from __future__ import annotations
 
 from relay.errors import JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, parse_job_id
+from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, job_id_keys, parse_job_id
 from relay.store.base import ERRORS_SHOWN, READY
-from relay.store.rows import JOB_COLUMNS, cursor_bound, job_info, page
+from relay.store.rows import (
+    JOB_COLUMNS,
+    PREFIX_KEYS_READ,
+    cursor_bound,
+    job_info,
+    only_key,
+    page,
+)
 from relay.store.sqlite.sql import _PRIORITIES_HIGH_FIRST, SqliteBase
 
 # The oldest ready_at of a queue: the least of each priority's first entry in jobs_ready.
@@ -23,6 +31,12 @@ _OLDEST_READY_SQL = (
         for p in _PRIORITIES_HIGH_FIRST
     )
     + ")"
+)
+
+# The first keys of an abbreviated id's range: a range seek of the rowid, whatever the
+# number of jobs.
+_PREFIX_KEYS_SQL = (
+    f"SELECT id FROM jobs WHERE id BETWEEN ? AND ? ORDER BY id LIMIT {PREFIX_KEYS_READ}"
 )
 
 # A page of the dead list, by (of one queue, newest first): one seek of a partial index
@@ -62,6 +76,14 @@ class SqliteReads(SqliteBase):
         if row is None:
             raise JobNotFound(job_id)
         return self._job_infos([row])[0]
+
+    def job_inspect_prefix(self, prefix: str) -> JobInfo:
+        """The one job whose id begins with ``prefix`` ("job_" and 7 to 16 hex digits)."""
+        keys = job_id_keys(prefix)
+        found = []
+        if keys:
+            found = self._db.execute(_PREFIX_KEYS_SQL, (keys.start, keys[-1])).fetchall()
+        return self.job_inspect(format_job_id(only_key(prefix, found)))
 
     def queue_stats(self) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included).
