@@ -451,7 +451,8 @@ def _json(value: Any) -> RenderableType:
 
 def job_panel(job: JobView) -> Fitted:
     """Everything ``inspect`` knows of a job: state, queue, priority, attempts, timings (UTC
-    and raw ms), worker, last error, the error history, the payload and the result.
+    and raw ms), worker, last error, the error history, the traceback of the latest failed
+    attempt that has one, the payload and the result.
 
     The job's own values are shown whole, a long one on as many lines as it needs: the
     whole id in the title, a queue name of up to 128 characters, the last error with its
@@ -494,6 +495,16 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
             errors.add_row(str(entry.attempt), format_time(entry.at).removesuffix(" UTC"),
                            truncate(entry.error))  # fmt: skip
         parts += [Text(), errors]
+        # The latest traceback the worker sent (the others: --json), folded, not cut: the
+        # failing frame and the exception are at its end.
+        traced = next((entry for entry in reversed(job.errors) if entry.traceback), None)
+        if traced is not None:
+            assert traced.traceback is not None
+            parts += [
+                Text(),
+                Text(f"traceback of attempt {traced.attempt}", style="bold"),
+                Text(traced.traceback, style="dim", overflow="fold"),
+            ]
     parts += [Text(), Text("payload", style="bold"), _json(job.payload)]
     if job.result is not None:
         parts += [Text(), Text("result", style="bold"), _json(job.result)]

@@ -385,6 +385,25 @@ def test_job_panel_history_is_a_line_per_attempt_and_the_values_are_whole(width)
     assert len(history) == 3 + 1  # three attempts, and the first line of the last error
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_job_panel_shows_the_latest_traceback_whole_and_folded(width):
+    frames = "".join(
+        f'  File "/srv/app/jobs/billing.py", line {n}, in step_{n}\n' for n in range(9)
+    )
+    traceback = f"Traceback (most recent call last):\n{frames}TimeoutError: warehouse timed out"
+    job = dead_job(attempt=2, max_attempts=2, errors=[
+        ErrorEntry(1, "TimeoutError: first", T0 + 1_000, "Traceback: the first attempt's"),
+        ErrorEntry(2, "TimeoutError: warehouse timed out", T0 + 2_000, traceback),
+    ])  # fmt: skip
+    lines = lines_of(views.job_panel(job), width)
+    assert all(len(line) <= width for line in lines)
+    text = "".join(line.strip("│ ") for line in lines)
+    assert "traceback of attempt 2" in text and "the first attempt's" not in text
+    assert "".join(traceback.split()) in "".join(text.split())  # whole, if folded
+    without = dead_job(errors=[ErrorEntry(1, "lease expired", T0 + 1_000)])
+    assert "traceback of" not in render(views.job_panel(without))
+
+
 def test_job_panel_of_a_fresh_job_leaves_out_what_it_does_not_have():
     job = JobView(job_id=JOB, queue="email", state=JobState.READY, priority="normal",
                   payload=[1, "two"], attempt=0, max_attempts=4, created_at=T0)  # fmt: skip
