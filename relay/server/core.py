@@ -140,7 +140,11 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     then stops the writer (commit, checkpoint, close). Raises StoreError if the database
     is refused. Exceptions of the body come out as they are, not in a group.
     """
-    store = open_store(config)
+    # In a thread, not cancellable (it may be migrating the schema): the trio thread waits
+    # in its event loop meanwhile, where a signal's handler runs at once, rather than in a
+    # long synchronous call (a quick_check of a large file), where it would run only after.
+    # A cancellation comes at the next checkpoint, inside open_writer, which owns the store.
+    store = await trio.to_thread.run_sync(open_store, config)
     async with open_writer(
         store, clock=config.clock, shutdown_timeout=config.shutdown_timeout_ms / 1000
     ) as writer:

@@ -9,6 +9,7 @@ with plain sockets on 127.0.0.1 port 0; every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -368,6 +369,43 @@ async def test_a_second_signal_exits_130_while_start_up_is_stuck(tmp_path):
     events = json_events(text)
     assert [e["event"] for e in events] == ["shutdown.signal", "shutdown.forced"], text
     assert events[0]["starting"] is True and events[1]["signal"] == "SIGTERM", events
+
+
+async def has_open(pid: int, path: Path) -> None:
+    """Wait until process ``pid`` has ``path`` open (Linux's /proc)."""
+    fds = trio.Path(f"/proc/{pid}/fd")
+    with trio.fail_after(BOUND_S):
+        while True:
+            links = []
+            for fd in await fds.iterdir():
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    links.append(os.readlink(fd))
+            if str(path) in links:
+                return
+            await trio.sleep(0.01)
+
+
+async def test_a_second_ctrl_c_exits_130_while_the_database_opens(tmp_path):
+    """Opening the database waits here for a lock another connection holds (SQLite's
+    busy timeout: 5 s), as a quick_check of a large file or a slow migration would keep
+    it busy: the signals are still handled at once, and the second one exits."""
+    db = tmp_path / "relay.db"
+    db.touch()
+    lock = sqlite3.connect(db, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        async with on_terminal(server_args(db), env()) as (process, terminal):
+            await has_open(process.pid, db)
+            process.send_signal(signal.SIGINT)
+            await terminal.wait_for("before serving")
+            started = trio.current_time()
+            process.send_signal(signal.SIGINT)
+            code = await exit_code(process, terminal)
+            assert trio.current_time() - started < 2.0  # not at the busy timeout's end
+    finally:
+        lock.close()
+    assert code == 130, terminal.text
+    assert "Traceback" not in terminal.text, terminal.text
 
 
 async def test_a_second_ctrl_c_exits_130_while_the_shutdown_is_held_up(tmp_path):
