@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import resource
+import select
 import signal
 from collections.abc import Callable, Mapping
 from types import FrameType
@@ -285,31 +286,49 @@ class Signals:
         serving = self._stop()
         self._say(name, starting=not serving)
 
-    def _say(self, name: str, *, starting: bool) -> None:
+    def _say(self, name: str, *, starting: bool, in_handler: bool = False) -> None:
         if not self._said:
             self._said = True
-            relay_log.event(
-                log, logging.INFO, "shutdown.signal", signal=name, starting=starting,
-                shutdown_timeout_ms=self.shutdown_timeout_ms,
-            )  # fmt: skip
+            fields = {"signal": name, "starting": starting,
+                      "shutdown_timeout_ms": self.shutdown_timeout_ms}  # fmt: skip
+            if in_handler:
+                _write_now(logging.INFO, "shutdown.signal", fields)
+            else:
+                relay_log.event(log, logging.INFO, "shutdown.signal", **fields)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         name = signal.Signals(signum).name
         if self.count > 1:
             # SQLite's journal keeps the file consistent; nothing to flush here.
-            relay_log.event(log, logging.WARNING, "shutdown.forced", signal=name)
-            os._exit(EXIT_SECOND_SIGNAL)
+            try:
+                _write_now(logging.WARNING, "shutdown.forced", {"signal": name})
+            finally:
+                os._exit(EXIT_SECOND_SIGNAL)
         self._first = name
         token = self._token
         if token is None:
             # Before the run, said now: start-up may be stuck where it is (a token file
             # that is a pipe), and the person should know that a second Ctrl-C ends it.
             if not self._over:
-                self._say(name, starting=True)
+                self._say(name, starting=True, in_handler=True)
             return
         with contextlib.suppress(trio.RunFinishedError):  # it has just ended
             token.run_sync_soon(self._pass_on, name)
+
+
+def _write_now(level: int, name: str, fields: dict[str, Any]) -> None:
+    """Log ``name`` from a signal handler: formatted as the relay logger's lines are, and
+    written to stderr directly, only if it can take the line now. Not through logging: the
+    handler may have interrupted a write to stderr (a second write would fail as reentrant)
+    or stderr may be a pipe nobody reads (the write would block, and the exit with it)."""
+    handlers = logging.getLogger("relay").handlers
+    record = logging.LogRecord(log.name, level, __file__, 0, name, None, None)
+    record.fields = fields
+    text = handlers[0].format(record) if handlers else name
+    with contextlib.suppress(OSError, ValueError):
+        if select.select([], [2], [], 0)[1]:
+            os.write(2, text.encode() + b"\n")
 
 
 @attrs.define

@@ -408,6 +408,39 @@ async def test_a_second_ctrl_c_exits_130_while_the_database_opens(tmp_path):
     assert "Traceback" not in terminal.text, terminal.text
 
 
+async def test_a_second_ctrl_c_exits_130_while_stderr_is_a_full_pipe(tmp_path):
+    """Nobody reads the server's stderr (a stuck log collector): its log writes block.
+    Signals still stop it, and the second one exits at once, saying nothing it could
+    not write."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 65536)
+    os.set_blocking(write_end, True)
+    try:
+        process = await trio.lowlevel.open_process(
+            [str(RELAY), *server_args(tmp_path / "relay.db")], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=write_end, env=env(RELAY_LOG_FORMAT="json"),
+        )  # fmt: skip
+        try:
+            wchan = trio.Path(f"/proc/{process.pid}/wchan")
+            with trio.fail_after(BOUND_S):
+                while "pipe_write" not in await wchan.read_text():  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            process.send_signal(signal.SIGINT)
+            await trio.sleep(0.2)
+            process.send_signal(signal.SIGINT)
+            assert await exit_code(process) == 130
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 async def test_a_second_ctrl_c_exits_130_while_the_shutdown_is_held_up(tmp_path):
     """A submit waits for the database's write lock (held here, as a backup tool may),
     so the graceful shutdown waits for it; a second Ctrl-C does not."""
