@@ -176,7 +176,10 @@ class Worker(WorkerJobs, WorkerAcks):
         self._threads = trio.CapacityLimiter(concurrency)
         self._leasing = trio.CancelScope()
         self._jobs_scope = trio.CancelScope()
-        self._connect_wait = trio.CancelScope()  # between attempts to reach the server
+        # Around the attempts to reach the server and the waits between them: stop() ends
+        # them wherever they are (a connection, its hello, a wait).
+        self._connecting = trio.CancelScope()
+        self._connected = False  # the server answered: stop() is graceful from then on
         self._stopping = False
         # Keyed by entry, not job id: a job whose lease expired under a slow run may be
         # leased to this worker again while that run is still finishing.
@@ -223,7 +226,8 @@ class Worker(WorkerJobs, WorkerAcks):
             return
         self._stopping = True
         self._leasing.cancel()
-        self._connect_wait.cancel()  # a worker still waiting for its server stops waiting
+        if not self._connected:  # still trying to reach its server: it stops trying
+            self._connecting.cancel()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Work until ``stop()``. Owns its connection (unless given a client), one task per
@@ -232,46 +236,56 @@ class Worker(WorkerJobs, WorkerAcks):
         Raises what no retry can fix (see the module docstring): ``Unauthorized``,
         ``BadRequest`` (a setting over the server's limits, with ``field`` naming it),
         ``WrongServer``, an ``ssl.SSLError``."""
-        async with contextlib.AsyncExitStack() as stack:
-            client = await self._connect(stack)
-            if client is None:  # stopped before the server answered
-                task_status.started()
-                return
-            helpers = await stack.enter_async_context(trio.open_nursery())
-            event(
-                log, logging.INFO, "worker.started", worker_id=self.worker_id,
-                queues=self.queues, concurrency=self.concurrency,
-            )  # fmt: skip
-            await self._fit_to_server(client)
-            helpers.start_soon(self._renew_loop, client)
-            helpers.start_soon(self._ack_loop, client)
-            with self._jobs_scope:
-                async with trio.open_nursery() as jobs:
-                    task_status.started()
-                    with self._leasing:
-                        await self._lease_loop(client, jobs)
-                    # Leasing stopped: running jobs get the shutdown timeout, then are
-                    # cancelled (and release their leases).
-                    self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
-                    self._settle_by = self._jobs_scope.deadline + SETTLE_TIMEOUT_S
-            # No job runs any more; the acks of the last ones may still be on their way.
-            if self._settle_by is not None:
-                with trio.move_on_at(self._settle_by):
-                    while self._acking and (self._acks or self._acks_sending):
-                        await self._acks_answered.park()
-            helpers.cancel_scope.cancel()
+        # A stop() that comes before the server answers cancels this scope; one after it
+        # stops the worker gracefully (see stop).
+        with self._connecting:
+            async with contextlib.AsyncExitStack() as stack:
+                client = await self._connect(stack)
+                self._connected = True
+                helpers = await stack.enter_async_context(trio.open_nursery())
+                event(
+                    log, logging.INFO, "worker.started", worker_id=self.worker_id,
+                    queues=self.queues, concurrency=self.concurrency,
+                )  # fmt: skip
+                await self._fit_to_server(client)
+                helpers.start_soon(self._renew_loop, client)
+                helpers.start_soon(self._ack_loop, client)
+                with self._jobs_scope:
+                    async with trio.open_nursery() as jobs:
+                        task_status.started()
+                        with self._leasing:
+                            await self._lease_loop(client, jobs)
+                        # Leasing stopped: running jobs get the shutdown timeout, then are
+                        # cancelled (and release their leases).
+                        self._jobs_scope.deadline = trio.current_time() + self.shutdown_timeout
+                        self._settle_by = self._jobs_scope.deadline + SETTLE_TIMEOUT_S
+                # No job runs any more; the acks of the last ones may still be on their way.
+                if self._settle_by is not None:
+                    with trio.move_on_at(self._settle_by):
+                        while self._acking and (self._acks or self._acks_sending):
+                            await self._acks_answered.park()
+                helpers.cancel_scope.cancel()
+        if not self._connected:  # stopped before the server answered
+            task_status.started()
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
-    async def _connect(self, stack: contextlib.AsyncExitStack) -> Client | None:
+    async def _connect(self, stack: contextlib.AsyncExitStack) -> Client:
         """The client to work with: the one given, or a connection to the address, tried
-        until the server answers (None if ``stop()`` came first). Its hello is checked:
+        until the server answers (or until cancelled: ``stop()``). Its hello is checked:
         a producer's token, or settings over the server's limits, raise."""
         if isinstance(self._server, Client):
             with trio.fail_after(SETTLE_TIMEOUT_S):
                 self._check_hello(await self._server.hello())
             return self._server
+        client, hello = await self._reach_server(stack)
+        self._check_hello(hello)
+        return client
+
+    async def _reach_server(self, stack: contextlib.AsyncExitStack) -> tuple[Client, Hello]:
+        """Try to connect and say hello until the server answers; the connection is left
+        on ``stack``. Until cancelled (``stop()``), or what no retry fixes raises."""
         delay = CONNECT_RETRY_FIRST_S
-        while not self._stopping:
+        while True:
             try:
                 async with contextlib.AsyncExitStack() as attempt:
                     client = await attempt.enter_async_context(
@@ -280,6 +294,7 @@ class Worker(WorkerJobs, WorkerAcks):
                     with trio.fail_after(SETTLE_TIMEOUT_S):
                         hello = await client.hello()
                     stack.push_async_exit(attempt.pop_all())
+                    return client, hello
             except (OSError, trio.TooSlowError, ConnectionLost, Overloaded, ShuttingDown) as exc:
                 if incurable(exc):
                     raise
@@ -288,13 +303,8 @@ class Worker(WorkerJobs, WorkerAcks):
                     log, logging.WARNING, "worker.connect_failed", address=str(self._server),
                     error=describe(exc), retry_in_s=round(wait, 2),
                 )  # fmt: skip
-                with trio.move_on_after(wait) as self._connect_wait:
-                    await trio.sleep_forever()
+                await trio.sleep(wait)
                 delay = min(delay * 2, CONNECT_RETRY_CAP_S)
-                continue
-            self._check_hello(hello)
-            return client
-        return None
 
     def _check_hello(self, hello: Hello) -> None:
         """Refuse at start what the server would refuse on every lease: a token of the

@@ -1434,3 +1434,27 @@ async def test_sigterm_to_the_worker_command_releases_its_job_at_once(tcp):
         assert proc.returncode == 0
     view = await tcp.client.inspect(submitted.job_id)
     assert view.state == JobState.READY and view.attempt == 0 and view.errors == []
+
+
+# -- stopping a worker that has not reached its server ---------------------------------------
+
+
+@pytest.mark.parametrize("server", ["silent", "down"])
+async def test_stop_ends_a_worker_still_trying_to_reach_its_server(server):
+    """A server that accepts and never answers (the worker is in its connection's hello)
+    or none at all (it waits between attempts): stop() ends run() at once, wherever the
+    attempt is, and nothing is left running."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    if server == "down":
+        await listeners[0].aclose()
+    worker = Worker(f"127.0.0.1:{port}", queues=["q"], handler=lambda job: None)
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run)
+            await trio.sleep(0.3)  # (real time: a connection is being tried, or waited for)
+            stopped = trio.current_time()
+            worker.stop()
+        assert trio.current_time() - stopped < 1.0
+    if server == "silent":
+        await listeners[0].aclose()
