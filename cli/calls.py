@@ -32,13 +32,20 @@ def call(
     timeout = client_timeout(timeout)
 
     async def session() -> T:
+        asked = False
         try:
             with trio.fail_after(timeout):  # the connection, its hello and the reply
                 async with open_client(
                     address, reconnect=False, token=token, tls_ca=tls_ca, connect_timeout=timeout
                 ) as client:
+                    asked = True
                     return await action(client)
         except trio.TooSlowError:
+            if asked:  # a change may have been made: say so, as the wire contract does
+                raise click.ClickException(
+                    f"no reply from {address} within {timeout:g} s: the request may or may "
+                    "not have taken effect (--timeout SECONDS waits longer)"
+                ) from None
             raise click.ClickException(
                 f"no answer from {address} within {timeout:g} s (is a relay-trio server "
                 "running there? --timeout SECONDS waits longer)"

@@ -118,9 +118,7 @@ async def _work(worker: Worker) -> list[signal.Signals]:
     field) turned into a usage error naming the option."""
     try:
         return await run_worker(worker)
-    except* BadRequest as refused:
-        exc = refused.exceptions[0]
-        assert isinstance(exc, BadRequest)
+    except BadRequest as exc:
         if exc.field not in _OPTIONS:
             raise
         raise click.BadParameter(exc.message, param_hint=_OPTIONS[exc.field]) from None

@@ -34,7 +34,7 @@ from relay.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S
 from relay.errors import ConnectionLost, RelayError, Unavailable, WrongServer, reply_fields
 from relay.model import SubmitResult
 from relay.replies import JobView, Stats, structure_reply, submit_result
-from relay.tcp import CONNECT_TIMEOUT_S
+from relay.tcp import CONNECT_TIMEOUT_S, MAX_HELLO_REPLY_BYTES
 from relay.tls import TLS_HINT, client_context, parse_address, uses_tls
 
 READ_BYTES = 64 * 1024
@@ -121,6 +121,8 @@ class BlockingClient:
         sock.sendall(orjson.dumps(hello) + b"\n")
         data = b""
         while b"\n" not in data:
+            if len(data) > MAX_HELLO_REPLY_BYTES:
+                raise WrongServer("the server's answer to hello is no line of a relay-trio server")
             more = sock.recv(READ_BYTES)
             if not more:
                 if self._ssl_context is None and not data:  # a TLS server, to a plain client

@@ -49,6 +49,9 @@ RECONNECT_TIMEOUT_S = 30.0
 RECONNECT_FIRST_S = 0.05
 RECONNECT_CAP_S = 2.0
 READ_BYTES = 64 * 1024
+# A hello's reply is a few hundred bytes; a peer that sends this much without a line end
+# is not a relay-trio server (and is not read further).
+MAX_HELLO_REPLY_BYTES = 64 * 1024
 # Job events a watch may have unread before the client drops (and counts) more.
 MAX_EVENTS = 10_000
 
@@ -334,6 +337,8 @@ async def _say_hello(stream: trio.abc.Stream, token: str | None, plain: bool = F
     await stream.send_all(orjson.dumps(hello) + b"\n")
     data = b""
     while b"\n" not in data:
+        if len(data) > MAX_HELLO_REPLY_BYTES:
+            raise WrongServer("the server's answer to hello is no line of a relay-trio server")
         more = await stream.receive_some(READ_BYTES)
         if not more:
             if plain and not data:  # what a server with TLS does to a plain client

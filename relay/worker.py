@@ -28,12 +28,16 @@ Graceful stop: stop leasing, let running jobs finish within ``shutdown_timeout``
 cancel them and ``release`` their leases so others can take them at once. A second stop
 (second signal) cancels at once.
 
-The server going away is one rule, at start as later: a worker given an address retries
-until the server answers (with backoff: 50 ms doubling to 5 s, with jitter), logging each
-attempt; after the first connection its client reconnects the same way (relay/tcp.py).
-What no retry can fix ends ``run`` with its error: a token refused or of the producer
-role, a certificate not trusted or TLS on one side only, a peer that is not a relay-trio
-server, a lease length or a number of queues over the server's limits.
+The server going away is one rule, at start as later: it is retried, with backoff, and
+logged. A worker given an address tries until the server answers (50 ms doubling to 5 s,
+with jitter), logging each attempt; after the first connection, its client reconnects
+(50 ms doubling to 2 s, for up to its reconnect timeout, relay/tcp.py), and a lease that
+fails meanwhile is logged and asked again, so that the worker goes on trying as long as
+it runs. At start, what no retry can fix ends ``run`` with its error: a token refused or
+of the producer role, a certificate not trusted or TLS on one side only, a peer that is
+not a relay-trio server, a lease length or a number of queues over the server's limits.
+Later (a token revoked, a server restarted with smaller limits) the lease requests are
+refused, logged and asked again: a running worker is not stopped by its server.
 
 Here: the configuration, ``run`` (which owns every task: one per running job, the renewal
 task and the ack task), ``stop``, the lease loop and the renewal task. ``Worker`` inherits
@@ -70,6 +74,7 @@ from relay.errors import (
 )
 from relay.histogram import Histogram
 from relay.log import event
+from relay.nursery import open_service_nursery
 from relay.replies import Hello
 from relay.worker_acks import WorkerAcks
 from relay.worker_jobs import (
@@ -92,7 +97,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 LEASE_ERROR_BACKOFF_S = 0.5
 # A worker that starts before its server (or while it restarts) tries again after 50 ms,
 # doubling to 5 s: quick to catch a server that is starting, and a line in the log every
-# few seconds, not a flood, while one is down. The client's reconnections do the same.
+# few seconds, not a flood, while one is down.
 CONNECT_RETRY_FIRST_S = 0.05
 CONNECT_RETRY_CAP_S = 5.0
 # Most acks, and most bytes of results, sent in one ack_batch: well inside the server's
@@ -443,7 +448,8 @@ async def run_worker(worker: Worker) -> list[signal.Signals]:
     command line exits 130 after a Ctrl-C. For command lines and simple programs."""
     received: list[signal.Signals] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
+        # A service nursery: what worker.run() raises comes out as itself, not in a group.
+        async with open_service_nursery() as nursery:
 
             async def watch() -> None:
                 async for signum in signals:
@@ -463,7 +469,6 @@ async def run_worker(worker: Worker) -> list[signal.Signals]:
 
             nursery.start_soon(watch)
             await worker.run()
-            nursery.cancel_scope.cancel()
     return received
 
 

@@ -28,6 +28,7 @@ import trio
 import trio.testing
 
 from relay import (
+    BadRequest,
     Client,
     JobState,
     LeasedJob,
@@ -35,6 +36,7 @@ from relay import (
     Worker,
     open_client,
     open_local,
+    run_worker,
     worker_acks,
     worker_jobs,
 )
@@ -1458,3 +1460,12 @@ async def test_stop_ends_a_worker_still_trying_to_reach_its_server(server):
         assert trio.current_time() - stopped < 1.0
     if server == "silent":
         await listeners[0].aclose()
+
+
+async def test_a_refusal_at_start_comes_out_of_run_worker_as_itself(server):
+    """run_worker (and run) raise what no retry fixes as the error itself, never in an
+    exception group: here a lease longer than the server allows."""
+    worker = Worker(server.address, queues=["q"], handler=lambda job: None, lease_ms=10**12)
+    with trio.fail_after(BOUND_S), pytest.raises(BadRequest) as refused:
+        await run_worker(worker)
+    assert refused.value.field == "lease_ms"

@@ -102,7 +102,8 @@ class OwnerLock:
         check_path(db)  # first: the lock file of a directory would be created beside it
         path = lock_path(db)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, LOCK_MODE)
+            # Not through a symlink planted where the lock file goes: it is truncated.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, LOCK_MODE)
         except OSError as exc:
             raise BadDatabasePath(db, _open_problem(path, exc)) from exc
         try:
@@ -111,6 +112,13 @@ class OwnerLock:
             holder = _read_pid(fd)
             os.close(fd)
             raise DatabaseInUse(db, holder) from exc
+        except OSError as exc:  # e.g. ENOLCK: a file system without locks (some NFS, FUSE)
+            os.close(fd)
+            raise BadDatabasePath(
+                db,
+                f"cannot lock {path}: {exc.strerror or exc} (put the database on a local "
+                "file system, which SQLite's WAL needs too)",
+            ) from exc
         except BaseException:
             os.close(fd)
             raise
@@ -144,6 +152,8 @@ def _read_pid(fd: int) -> int | None:
 
 
 def _open_problem(path: str, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"its lock file {path} is a symbolic link: remove it"
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"permission denied: cannot open its lock file {path}"
     return f"cannot open its lock file {path}: {exc.strerror or exc}"

@@ -6,6 +6,7 @@ Ctrl-C is tests/cli/test_server_startup.py's.)"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import trio
 
 from relay.client import Client
 from relay.server.auth import load_tokens
+from tests.conftest import answer_hello
 from tests.server.conftest import start_server
 from tests.server.test_process import server_process
 from tests.tls_helpers import TlsFiles
@@ -341,3 +343,41 @@ async def test_purging_a_whole_queue_without_a_terminal_asks_for_yes(address, cl
     result = await relay_trio("dead", "purge", "--queue", "doomed", "--all", "--yes",
                               address=address)  # fmt: skip
     assert result.code == 0 and result.stdout.startswith("purged"), result
+
+
+@asynccontextmanager
+async def fake_server(after_accept) -> AsyncIterator[str]:
+    """A server that runs ``after_accept(stream)`` on each connection."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def accept() -> None:
+        async with trio.open_nursery() as each:
+            while True:
+                each.start_soon(after_accept, await listeners[0].accept())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        yield f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_timeout_after_the_request_was_sent_says_it_may_have_taken_effect():
+    async def hello_then_silence(stream: trio.SocketStream) -> None:
+        await answer_hello(stream)
+        await trio.sleep_forever()
+
+    async with fake_server(hello_then_silence) as address:
+        result = await relay_trio("stats", "--timeout", "0.5", address=address)
+    assert_one_line_error(result, f"no reply from {address} within 0.5 s", "may or may not")
+
+
+async def test_a_peer_that_answers_hello_with_no_end_of_line_is_not_read_forever():
+    async def endless(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        with contextlib.suppress(trio.BrokenResourceError):
+            while True:
+                await stream.send_all(b"x" * 65536)
+
+    async with fake_server(endless) as address:
+        result = await relay_trio("stats", address=address)
+    assert_one_line_error(result, f"cannot talk to {address}", "no line of a relay-trio server")

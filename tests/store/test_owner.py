@@ -215,3 +215,12 @@ def test_no_permission_is_refused_before_anything_is_created(tmp_path: Path) -> 
         SqliteStore.open(str(db))
     assert refused.value.problem.startswith("permission denied")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locked", "relay.db"]
+
+
+def test_a_symlink_where_the_lock_file_goes_is_refused_and_not_followed(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (tmp_path / "relay.db.lock").symlink_to(target)
+    with pytest.raises(BadDatabasePath, match="symbolic link"):
+        OwnerLock.acquire(str(tmp_path / "relay.db"))
+    assert target.read_text() == "keep me"
