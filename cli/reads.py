@@ -8,6 +8,7 @@ import click
 import orjson
 
 from relay.client import open_client
+from relay.errors import ConnectionLost
 from relay.model import JobState
 from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
@@ -64,10 +65,16 @@ def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> Non
             address, reconnect=False, token=token, tls_ca=tls_ca, connect_timeout=timeout
         ) as client:
             events = client.watch(queues or None, states or None)
-            async with events:
-                async for event in events:
-                    out.write(orjson.dumps(event).decode() + "\n")
-                    out.flush()
+            try:
+                async with events:
+                    async for event in events:
+                        out.write(orjson.dumps(event).decode() + "\n")
+                        out.flush()
+            except ConnectionLost:
+                raise click.ClickException(
+                    f"the connection to {address} was lost, and the watch with it (the events "
+                    "after it are not shown: watch again to go on)"
+                ) from None
 
     run(session, address=address)
 

@@ -51,15 +51,24 @@ class EventStream:
         await self._start()
         transport = self._transport
         while not transport.events:
-            gone = transport.connections != self._connection or transport.events is None
-            if gone or transport._failure is not None:
+            if transport.events is None or self._gone():
                 raise ConnectionLost("the connection dropped: the watch ended")
             await transport.events_lot.park()
         return transport.events.popleft()
 
+    def _gone(self) -> bool:
+        """Whether the connection the watch is on has gone (another one since, or none
+        now: a reconnection under way, or given up): the server's watch went with it."""
+        transport = self._transport
+        return (
+            transport.connections != self._connection
+            or not transport._connected.is_set()
+            or transport._failure is not None
+        )
+
     async def aclose(self) -> None:
         """End the watch (on the server too, if the connection still stands)."""
         self._transport.events = None
-        if self._connection is not None and self._transport.connections == self._connection:
+        if self._connection is not None and not self._gone():
             with contextlib.suppress(RelayError):
                 await self._client._call("unwatch")

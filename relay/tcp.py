@@ -149,6 +149,7 @@ class TcpTransport(TcpCalls):
 
     def _give_up(self, error: RelayError) -> None:
         self._failure = error
+        self.events_lot.unpark_all()  # a watch ends with it
         for request_id, call in list(self._pending.items()):
             call.settle(error=error)
             if call.orphaned:  # nobody waits for it, and no reply will come

@@ -19,7 +19,7 @@ import orjson
 import pytest
 import trio
 
-from relay.client import Client
+from relay.client import Client, open_client
 from relay.server.auth import load_tokens
 from tests.conftest import answer_hello
 from tests.server.conftest import start_server
@@ -381,3 +381,18 @@ async def test_a_peer_that_answers_hello_with_no_end_of_line_is_not_read_forever
     async with fake_server(endless) as address:
         result = await relay_trio("stats", address=address)
     assert_one_line_error(result, f"cannot talk to {address}", "no line of a relay-trio server")
+
+
+async def test_watch_ends_with_one_line_when_its_server_goes(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, str(tmp_path / "relay.db"))
+        address = address_of(server)
+        async with command("watch", env=cli_env(address)) as watching:
+            async with open_client(address) as client:
+                await wait_for_connections(client, 2)
+            server.handle.shutdown()
+            with trio.fail_after(BOUND_S):
+                code = await watching.process.wait()
+        lines = watching.stderr.decode().splitlines()
+        assert code == 1 and len(lines) == 1, (code, lines)
+        assert lines[0].startswith("relay-trio: the connection to") and "watch again" in lines[0]

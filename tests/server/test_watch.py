@@ -217,3 +217,26 @@ async def test_shutdown_with_open_watchers_ends_within_the_grace_period(tmp_path
         assert await watcher.at_eof()  # the server closed it
         # Serving ends (the nursery exits) within the grace period and the closing.
     assert trio.current_time() - started < grace_s + 1.5
+
+
+@pytest.mark.parametrize("reconnect", [True, False])
+@pytest.mark.parametrize("how", ["stop", "kill"])
+async def test_the_async_clients_watch_ends_with_connection_lost_when_the_server_goes(
+    tmp_path, reconnect, how
+):
+    """The watch ends with its connection: its iterator raises ConnectionLost at once,
+    whether the client reconnects (the server's watch did not survive) or not. It used to
+    wait forever."""
+    from tests.worker_helpers import start_server
+
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, str(tmp_path / "relay.db"))
+        async with relay.open_client(server.address, reconnect=reconnect) as client:
+            events = client.watch()
+            async with events:
+                await client.submit("w", 1)
+                with trio.fail_after(BOUND_S):
+                    assert (await anext(events))["state"] == "ready"
+                    await (server.stop() if how == "stop" else server.kill())
+                    with pytest.raises(relay.ConnectionLost):
+                        await anext(events)
