@@ -132,6 +132,8 @@ def _reason(exc: BaseException) -> str:
         if name in PLAIN_SERVER_REASONS:
             return "the server does not speak TLS there (connect without --tls or tls://)"
         return f"TLS handshake failed: {name}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "Connection refused (is the server running there? or give --address)"
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         return os.strerror(exc.errno)
     return str(exc) or type(exc).__name__
@@ -146,7 +148,7 @@ PLAIN_SERVER_REASONS = frozenset(
 )
 
 # What to do after an error reply of these codes, where the message alone does not say.
-REPLY_HINTS = {
+REPLY_HINTS: dict[str, dict[str, str]] = {
     "unauthorized": {
         "a hello with a valid token must come first": "the server needs a token: give one "
         "with --token-file PATH or the RELAY_AUTH_TOKEN environment variable",
@@ -157,6 +159,8 @@ REPLY_HINTS = {
 
 def _reply_message(code: str, message: str) -> str:
     hint = REPLY_HINTS.get(code, {}).get(message)
+    if hint is None and code == "unauthorized" and " role; this token is " in message:
+        hint = "give a token of that role with --token-file PATH or RELAY_AUTH_TOKEN"
     return f"{code}: {message}" + (f" ({hint})" if hint else "")
 
 

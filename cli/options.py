@@ -83,6 +83,22 @@ def _keep_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+def _keep_tls_ca(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--tls-ca, checked here: a file that holds no CA certificate is the user's to fix
+    (exit 2), not a failed connection."""
+    if value is not None:
+        import ssl
+
+        try:
+            ssl.create_default_context(cafile=value)
+        except (ssl.SSLError, OSError) as exc:
+            reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
+            raise click.BadParameter(
+                f"{value}: no CA certificate in PEM form ({str(reason).lower().replace('_', ' ')})"
+            ) from None
+    _keep_option(ctx, param, value)
+
+
 def client_timeout(default: float = DEFAULT_TIMEOUT_S) -> float:
     """The running command's ``--timeout`` in seconds (``default`` if not given)."""
     value = click.get_current_context().meta.get("relay.timeout")
@@ -106,7 +122,7 @@ def address_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)  # fmt: skip
     fn = click.option(
         "--tls-ca", envvar="RELAY_TLS_CA", type=click.Path(exists=True, dir_okay=False),
-        metavar="PATH", expose_value=False, callback=_keep_option,
+        metavar="PATH", expose_value=False, callback=_keep_tls_ca,
         help="Use TLS, and trust the CA certificate(s) in this PEM file (env RELAY_TLS_CA).",
     )(fn)  # fmt: skip
     fn = click.option(

@@ -58,7 +58,8 @@ _LIMITS = wire.Limits()
 
 @click.command()
 @click.option(
-    "--db", default="relay.db", show_default=True,
+    "--db", default="relay.db", show_default=True, callback=lambda ctx, param, value:
+    check_db(value),
     help="SQLite database file, or a PostgreSQL URL (postgresql://USER@HOST:PORT/DBNAME) "
     "that several servers may share.",
 )  # fmt: skip
@@ -225,6 +226,20 @@ def raise_open_files_limit(max_connections: int) -> None:
             limit=new, max_connections=max_connections,
             hint="raise the hard limit (ulimit -Hn) or lower --max-connections",
         )  # fmt: skip
+
+
+def check_db(value: str) -> str:
+    """A --db that names a file or a PostgreSQL database: not empty (SQLite would take it
+    for a temporary database, gone at exit), not a URL of another kind (a path it is not)."""
+    if not value.strip():
+        raise click.BadParameter("is empty: give a SQLite file path or a postgresql:// URL")
+    if "://" in value and not is_postgres_url(value):
+        scheme = value.split("://", 1)[0]
+        raise click.BadParameter(
+            f"{value!r}: {scheme}:// is no store of relay-trio's: give a SQLite file path or "
+            "a postgresql:// URL"
+        )
+    return value
 
 
 def _parse_depths(values: tuple[str, ...]) -> dict[str, int]:

@@ -260,7 +260,8 @@ async def follow(
             for exc in _leaves(lost):
                 if incurable(exc, connected):
                     raise exc from None
-            view.status = f"reconnecting to {address} ({type(lost.exceptions[0]).__name__})"
+            verb = "reconnecting to" if connected else "connecting to"
+            view.status = f"{verb} {address} ({_why(_leaves(lost)[0])})"
         await trio.sleep(RECONNECT_S)
 
 
@@ -274,6 +275,15 @@ def incurable(exc: BaseException, connected: bool) -> bool:
     if isinstance(exc, ssl.SSLError):  # not an EOF: the peer does not speak TLS
         return not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
     return isinstance(exc, WrongServer) and not connected
+
+
+def _why(exc: BaseException) -> str:
+    """Why a connection failed or was lost, in a few words for the status line."""
+    if isinstance(exc, RelayError):
+        return exc.message
+    from relay_cli.errors import _reason
+
+    return _reason(exc)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -25,7 +25,13 @@ from relay_cli import views
 from relay_cli.calls import console, plural
 from relay_cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo
 from relay_cli.errors import EXIT_INTERRUPTED, fail, run
-from relay_cli.options import address_option, check_queues, client_target, client_token
+from relay_cli.options import (
+    address_option,
+    check_queues,
+    client_target,
+    client_timeout,
+    client_token,
+)
 
 # -- worker ---------------------------------------------------------------------------------
 
@@ -91,18 +97,21 @@ def worker(
 ) -> None:
     """Lease jobs from QUEUEs and run them until Ctrl-C or SIGTERM.
 
-    The first signal drains: no more leases, running jobs get --shutdown-timeout-ms to
-    finish, then are released; a second one stops at once. Exits 130 after a Ctrl-C, 0
-    after a SIGTERM that drained. A server that is down, at start or later, is retried
-    with backoff (logged); a token, TLS setting or option the server refuses ends the
-    worker with one line. Logs on stderr: one line per failed job, per reconnection.
+    The first signal drains: no more leases; running jobs may finish within the shutdown
+    timeout, then are released. A second signal stops at once. Exit code 130 after
+    Ctrl-C, 0 after a SIGTERM that drained.
+
+    A server that is down, at start or later, is tried again with backoff, and logged
+    (--timeout bounds each attempt). At start, a token, TLS setting or option the server
+    refuses ends the worker with one line; later, refused leases are logged and asked
+    again. Logs on stderr: a line per failed job, per lost connection, per retry.
     """
     relay_log.configure()
     address, tls_ca = client_target(address)
     worker = Worker(
         address, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
         lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000, token=client_token(),
-        tls_ca=tls_ca,
+        tls_ca=tls_ca, connect_timeout=client_timeout(),
     )  # fmt: skip
     received = run(_work, worker, address=address)
     if signal.SIGINT in received or len(received) > 1:
@@ -175,10 +184,14 @@ def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
     if not outcome.finished:
         fail(f"demo timed out after {outcome.seconds:.0f} s with "
              f"{plural(views.unfinished(outcome.stats), 'unfinished job')}")  # fmt: skip
+    history = ""
+    if totals["dead"]:
+        history = "; each dead job keeps its error history" + (
+            " (see below)" if db is not None else " (--db PATH keeps the queue to look at)"
+        )
     out.print(
         f"Done in {outcome.seconds:.1f} s: {totals['succeeded']} succeeded, "
-        f"{totals['dead']} dead; each dead job keeps its error history"
-        + (" (see below)." if db is not None else " (--db PATH keeps the queue to look at)."),
+        f"{totals['dead']} dead{history}.",
         highlight=False,
     )
     if db is not None:

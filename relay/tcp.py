@@ -186,7 +186,8 @@ class TcpTransport(TcpCalls):
                 return
             lost_at = trio.current_time()
             event(log, logging.WARNING, "client.connection_lost", address=self._address,
-                  reconnecting=True)  # fmt: skip
+                  reconnecting=True, message=f"the connection to {self._address} was lost: "
+                  "reconnecting")  # fmt: skip
             while True:
                 try:
                     self._stream = await self._reconnect()
@@ -196,7 +197,9 @@ class TcpTransport(TcpCalls):
                     # outliving a long outage (or a token's rotation) reconnects once
                     # the server is back (or takes the token again).
                     event(log, logging.WARNING, "client.reconnect_failed",
-                          address=self._address, error=str(exc))  # fmt: skip
+                          address=self._address, error=str(exc),
+                          message=f"could not reconnect to {self._address}: {exc}; trying "
+                          "again at the next call")  # fmt: skip
                     self._give_up(exc)
                     self._demand = trio.Event()
                     await self._demand.wait()

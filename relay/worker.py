@@ -76,6 +76,7 @@ from relay.histogram import Histogram
 from relay.log import event
 from relay.nursery import open_service_nursery
 from relay.replies import Hello
+from relay.tcp import CONNECT_TIMEOUT_S
 from relay.worker_acks import WorkerAcks
 from relay.worker_jobs import (
     _LEASE_GONE,
@@ -93,8 +94,10 @@ DEFAULT_LEASE_MS = 30_000
 # How long one lease request may wait on the server for work (a long-poll).
 LEASE_WAIT_MS = 5_000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-# After a failed lease request (server restarting...), wait this long before the next.
+# After a failed lease request (server restarting...), wait this long before the next,
+# doubling while they keep failing (a token revoked: a line every 10 s, not a flood).
 LEASE_ERROR_BACKOFF_S = 0.5
+LEASE_ERROR_BACKOFF_CAP_S = 10.0
 # A worker that starts before its server (or while it restarts) tries again after 50 ms,
 # doubling to 5 s: quick to catch a server that is starting, and a line in the log every
 # few seconds, not a flood, while one is down.
@@ -144,6 +147,7 @@ class Worker(WorkerJobs, WorkerAcks):
         worker_id: str | None = None,
         token: str | None = None,
         tls_ca: str | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
     ) -> None:
         """Args:
         server: an address "HOST:PORT" (or "tls://HOST:PORT"), or a ``Client`` (e.g. from
@@ -155,6 +159,8 @@ class Worker(WorkerJobs, WorkerAcks):
         concurrency: slots, the most jobs held at once.
         tls_ca: with an address, a private CA's PEM file to verify the server with (implies
             TLS; see ``open_client``).
+        connect_timeout: with an address, how long one attempt to connect and say hello
+            may take (then it is tried again, see the module docstring).
         """
         if (handler is None) == (handlers is None):
             raise ValueError("give handler or handlers (one per queue), not both or neither")
@@ -170,6 +176,7 @@ class Worker(WorkerJobs, WorkerAcks):
         self._server = server
         self._token = token
         self._tls_ca = tls_ca
+        self._connect_timeout = connect_timeout
         self.concurrency = concurrency
         self.lease_ms = lease_ms
         self.wait_ms = wait_ms
@@ -293,9 +300,11 @@ class Worker(WorkerJobs, WorkerAcks):
         while True:
             try:
                 async with contextlib.AsyncExitStack() as attempt:
-                    client = await attempt.enter_async_context(
-                        open_client(self._server, token=self._token, tls_ca=self._tls_ca)
-                    )
+                    connection = open_client(
+                        self._server, token=self._token, tls_ca=self._tls_ca,
+                        connect_timeout=self._connect_timeout,
+                    )  # fmt: skip
+                    client = await attempt.enter_async_context(connection)
                     with trio.fail_after(SETTLE_TIMEOUT_S):
                         hello = await client.hello()
                     stack.push_async_exit(attempt.pop_all())
@@ -307,6 +316,8 @@ class Worker(WorkerJobs, WorkerAcks):
                 event(
                     log, logging.WARNING, "worker.connect_failed", address=str(self._server),
                     error=describe(exc), retry_in_s=round(wait, 2),
+                    message=f"worker {self.worker_id}: cannot reach {self._server} "
+                    f"({describe(exc)}); trying again in {wait:.2g} s",
                 )  # fmt: skip
                 await trio.sleep(wait)
                 delay = min(delay * 2, CONNECT_RETRY_CAP_S)
@@ -332,6 +343,7 @@ class Worker(WorkerJobs, WorkerAcks):
                 )
 
     async def _lease_loop(self, client: Client, jobs: trio.Nursery) -> None:
+        backoff = LEASE_ERROR_BACKOFF_S
         while True:
             while self._slots.available_tokens == 0:
                 await self._slot_freed.park()
@@ -344,13 +356,20 @@ class Worker(WorkerJobs, WorkerAcks):
                     wait_ms=self.wait_ms,
                 )  # fmt: skip
             except RelayError as exc:
-                event(log, logging.WARNING, "worker.lease_failed", error=repr(exc))
+                event(
+                    log, logging.WARNING, "worker.lease_failed", error=repr(exc),
+                    retry_in_s=backoff,
+                    message=f"worker {self.worker_id}: a lease failed ({exc.code}: "
+                    f"{exc.message}); asking again in {backoff:g} s",
+                )  # fmt: skip
                 if isinstance(exc, BadRequest):
                     # A lease this worker made within the limits it read is refused: the
                     # server may have restarted with smaller ones. Read them again.
                     await self._fit_to_server(client)
-                await trio.sleep(LEASE_ERROR_BACKOFF_S)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, LEASE_ERROR_BACKOFF_CAP_S)
                 continue
+            backoff = LEASE_ERROR_BACKOFF_S
             renew_at = trio.current_time() + self._renew_interval
             for job in leased:
                 owner = object()
@@ -438,6 +457,8 @@ def describe(exc: BaseException) -> str:
         exc = exc.__cause__.exceptions[0]
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         return os.strerror(exc.errno)
+    if isinstance(exc, trio.TooSlowError):
+        return "no answer in time"
     return str(exc) or type(exc).__name__
 
 
@@ -456,15 +477,21 @@ async def run_worker(worker: Worker) -> list[signal.Signals]:
                     received.append(signal.Signals(signum))
                     name = received[-1].name
                     if len(received) == 1:
+                        running = len(worker._running)
                         event(
                             log, logging.WARNING, "worker.draining", signal=name,
-                            running=len(worker._running), timeout_s=worker.shutdown_timeout,
-                            hint="running jobs may finish within timeout_s; signal again to "
-                            "stop at once (their leases are released)",
+                            running=running, timeout_s=worker.shutdown_timeout,
+                            message=f"{name}: draining: no more leases; {running} running "
+                            f"job(s) may finish within {worker.shutdown_timeout:g} s, then are "
+                            "released (signal again: stop at once)",
                         )  # fmt: skip
                     else:
-                        event(log, logging.WARNING, "worker.stopping_now", signal=name,
-                              running=len(worker._running))  # fmt: skip
+                        event(
+                            log, logging.WARNING, "worker.stopping_now", signal=name,
+                            running=len(worker._running),
+                            message=f"{name} again: stopping at once; the running jobs' "
+                            "leases are released",
+                        )  # fmt: skip
                     worker.stop()
 
             nursery.start_soon(watch)

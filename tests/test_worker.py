@@ -33,6 +33,7 @@ from relay import (
     JobState,
     LeasedJob,
     PermanentError,
+    Unauthorized,
     Worker,
     open_client,
     open_local,
@@ -1469,3 +1470,37 @@ async def test_a_refusal_at_start_comes_out_of_run_worker_as_itself(server):
     with trio.fail_after(BOUND_S), pytest.raises(BadRequest) as refused:
         await run_worker(worker)
     assert refused.value.field == "lease_ms"
+
+
+class _RefusingTransport:
+    """A server that says hello and refuses every lease (a token revoked after start)."""
+
+    def __init__(self) -> None:
+        self.leases = 0
+
+    async def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        if op == "hello":
+            return {"server": "relay-trio", "version": "t", "protocol": 1, "limits": {},
+                    "role": "worker"}  # fmt: skip
+        if op == "lease":
+            self.leases += 1
+            raise Unauthorized("invalid token")
+        return {}
+
+
+async def test_refused_leases_are_asked_again_less_and_less_often(autojump_clock, caplog):
+    """A running worker is not stopped by its server; a lease refused again and again is
+    asked again after 0.5 s, doubling to 10 s: about 10 requests (and log lines) in the
+    first minute, not 120."""
+    transport = _RefusingTransport()
+    worker = Worker(Client(transport), queues=["q"], handler=lambda job: None)
+    with caplog.at_level(logging.WARNING, logger="relay.worker"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await trio.sleep(60)
+            worker.stop()
+    assert 8 <= transport.leases <= 12, transport.leases
+    waits = [r.fields["retry_in_s"] for r in caplog.records if r.getMessage() and
+             getattr(r, "event", "") == "worker.lease_failed"]  # fmt: skip
+    assert waits[:6] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]

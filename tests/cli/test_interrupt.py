@@ -396,3 +396,22 @@ async def test_watch_ends_with_one_line_when_its_server_goes(tmp_path):
         lines = watching.stderr.decode().splitlines()
         assert code == 1 and len(lines) == 1, (code, lines)
         assert lines[0].startswith("relay-trio: the connection to") and "watch again" in lines[0]
+
+
+async def test_what_the_user_must_fix_locally_is_a_usage_error_naming_it(tmp_path):
+    not_pem = tmp_path / "notes.txt"
+    not_pem.write_text("not a certificate\n")
+    cases = {
+        ("server", "--db", ""): ("--db", "is empty"),
+        ("server", "--db", "mysql://x@h/db"): ("--db", "mysql://", "postgresql://"),
+        ("stats", "--tls-ca", str(not_pem)): ("--tls-ca", "no CA certificate"),
+    }
+    for args, fragments in cases.items():
+        assert_one_line_error(await relay_trio(*args), *fragments, code=2)
+
+
+async def test_a_token_of_the_wrong_role_is_told_which_to_give(authed, tmp_path):
+    result = await relay_trio("top", "--token-file", token_file(tmp_path, PRODUCER),
+                              address=authed)  # fmt: skip
+    last = result.stderr.splitlines()[-1]
+    assert "needs the worker role" in last and "give a token of that role" in last, last

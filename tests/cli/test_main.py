@@ -54,7 +54,8 @@ def refused() -> OSError:
 def test_explain_unwraps_exception_groups_into_one_line():
     grouped = BaseExceptionGroup("nursery", [BaseExceptionGroup("inner", [refused()])])
     assert _explain(grouped, "127.0.0.1:9").message == (
-        "cannot connect to 127.0.0.1:9: Connection refused"
+        "cannot connect to 127.0.0.1:9: Connection refused (is the server running there? or "
+        "give --address)"
     )
     assert _explain(trio.TooSlowError(), "h:1").message == "cannot connect to h:1: timed out"
     assert _explain(ExceptionGroup("g", [JobNotFound("job_1")]), None).message == (
