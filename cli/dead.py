@@ -1,6 +1,7 @@
 """``relay-trio dead``: the dead jobs: ``list`` them a page at a time (newest first, or
 ``--oldest``), ``retry`` them with fresh attempts, ``purge`` them for good; one job (by its
-id, or its start as ``list`` shows it), or every dead job of a queue.
+id, or its start as ``list`` shows it: unique among all jobs when it is shown, cli/ids.py),
+or every dead job of a queue.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 import click
 
-from relay.client import Client
+from relay.client import Client, DeadPage
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
+from relay_cli.ids import server_short_ids
 from relay_cli.options import (
     DEFAULT_TIMEOUT_S,
     JOB_HELP,
@@ -51,17 +53,23 @@ def dead_list(
 ) -> None:
     """List dead jobs, newest first (by job id: the most recently submitted first), a
     page at a time. The next page: the same command with the --cursor that the table's
-    caption gives (next_cursor with --json)."""
+    caption gives (next_cursor with --json). Job ids are shortened as git shortens a
+    hash, unique among all jobs at the time they are shown: inspect, dead retry and
+    dead purge take them as shown."""
     order = "oldest" if oldest else "newest"
-    page = call(
-        address, lambda client: client.dead_list(queue, limit=limit, cursor=cursor, order=order)
-    )
+
+    async def listing(client: Client) -> tuple[DeadPage, dict[str, str] | None]:
+        page = await client.dead_list(queue, limit=limit, cursor=cursor, order=order)
+        if as_json or full:
+            return page, None
+        return page, await server_short_ids(client, [job.job_id for job in page.jobs])
+
+    page, short = call(address, listing)
     if as_json:
         print_json(page)
         return
-    console().print(
-        views.dead_table(page, full_ids=full, caption=_caption(oldest, page.next_cursor))
-    )
+    caption = _caption(oldest, page.next_cursor)
+    console().print(views.dead_table(page, full_ids=full, caption=caption, short=short))
 
 
 def _caption(oldest: bool, next_cursor: str | None) -> str:

@@ -26,6 +26,7 @@ from rich.console import Console
 
 from relay import Client, DeadPage, LeasedJob, PermanentError, Stats, Worker, job_fields, open_local
 from relay_cli import views
+from relay_cli.ids import server_short_ids
 
 DEMO_WORKER_ID = "relay-trio-demo"
 # Enough slots that the slow jobs (100-800 ms each) do not hold up the rest.
@@ -132,6 +133,7 @@ def _chunks(items: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, A
 class DemoOutcome:
     stats: Stats
     dead: DeadPage
+    short: dict[str, str]  # the dead jobs' ids as the queue abbreviates them (views.short_ids)
     finished: bool  # False: the timeout passed with jobs unfinished
     seconds: float
 
@@ -172,7 +174,8 @@ async def run_demo(
                     worker.stop()  # the second stop cancels running jobs at once
         stats = await client.stats()
         dead = await client.dead_list(limit=DEMO_DEAD_ROWS)
-    return DemoOutcome(stats, dead, finished, time.monotonic() - started)
+        short = await server_short_ids(client, [job.job_id for job in dead.jobs]) or {}
+    return DemoOutcome(stats, dead, short, finished, time.monotonic() - started)
 
 
 async def _watch(console: Console, client: Client, timeout_s: float) -> bool:

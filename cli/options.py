@@ -160,8 +160,9 @@ def check_queues(ctx: click.Context, param: click.Parameter, value: tuple[str, .
 
 # What a JOB argument's help says it may be.
 JOB_HELP = (
-    f"JOB is a job id, or its start as `dead list` and `top` show it (job_ and at least "
-    f"{ID_ABBREV_MIN} of its hex digits) if only one job's id begins so."
+    f"JOB is a job id, or its start (job_ and at least {ID_ABBREV_MIN} of its hex digits) "
+    "if only one job's id begins so: as `dead list` and `top` show it, shortened to the "
+    "start that no other job's id had when shown."
 )
 
 

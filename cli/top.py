@@ -17,7 +17,7 @@ import contextlib
 import functools
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import trio
@@ -30,6 +30,7 @@ from relay.client import Client, open_client
 from relay.errors import BadRequest, RelayError, Unauthorized, WrongServer
 from relay.model import JobState
 from relay_cli import views
+from relay_cli.ids import server_short_ids
 
 RATE_WINDOW_S = 10.0  # rates are per second over this many seconds
 STATS_EVERY_S = 1.0
@@ -61,7 +62,9 @@ class TopView:
       six figures or one); at 100, longer than 23 to 29. The other columns then leave a
       name 21 to 27 characters at 80; a longer one is cut in the middle
       (``views.cut_middle``): "billing.in…nightly-run".
-    - the latest failures: the job's id (the shortest abbreviation unique among the
+    - the latest failures: the job's id (as the server abbreviates it, unique among all
+      its jobs: ``short``, asked for as each failure comes and again with each stats;
+      from a server without ``short_ids``, the shortest abbreviation unique among the
       failures shown, ``views.short_ids``; whole with ``full_ids``), its queue, the
       attempt and the first line of its error, which gets the rest of the width.
     """
@@ -79,6 +82,7 @@ class TopView:
         self.failures: collections.deque[tuple[str, str, int, str]] = collections.deque(
             maxlen=FAILURES_SHOWN
         )
+        self.short: dict[str, str] = {}  # the failures' ids as the server abbreviates them
         self.lagged = 0
         self.status = "connecting"
 
@@ -108,6 +112,14 @@ class TopView:
     def failure(self, job_id: str, queue: str, attempt: int, error: str) -> None:
         self.failures.appendleft((job_id, queue, attempt, error))
 
+    def failure_ids(self) -> list[str]:
+        return [job_id for job_id, *_ in self.failures]
+
+    def shorten(self, short: Mapping[str, str]) -> None:
+        """The server's abbreviations of failures' ids (cli/ids.py), kept for those shown."""
+        shown = set(self.failure_ids())
+        self.short = {k: v for k, v in {**self.short, **short}.items() if k in shown}
+
     def rates(self) -> dict[str, dict[str, float]]:
         """Per queue: submitted, succeeded and failed per second over the window."""
         horizon = self.clock() - RATE_WINDOW_S
@@ -135,7 +147,8 @@ class TopView:
             status.append(f" · {connections} connection" + ("" if connections == 1 else "s"))
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
-        layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids)
+        layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids,
+                                   dict(self.short))  # fmt: skip
         return views.Fitted(layout)
 
 
@@ -151,9 +164,11 @@ def _layout(
     rows: Sequence[_QueueRow],
     failures: Sequence[tuple[str, str, int, str]],
     full_ids: bool,
+    short: Mapping[str, str],
     width: int,
 ) -> Group:
-    return Group(status, _queues_table(rows, width), _failures_table(failures, full_ids, width))
+    failures_table = _failures_table(failures, full_ids, short, width)
+    return Group(status, _queues_table(rows, width), failures_table)
 
 
 def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
@@ -186,10 +201,13 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
 
 
 def _failures_table(
-    failures: Sequence[tuple[str, str, int, str]], full_ids: bool, width: int
+    failures: Sequence[tuple[str, str, int, str]],
+    full_ids: bool,
+    short: Mapping[str, str],
+    width: int,
 ) -> Table:
     job_ids = [job_id for job_id, *_ in failures]
-    ids = {job_id: job_id for job_id in job_ids} if full_ids else views.short_ids(job_ids)
+    ids = {job_id: job_id for job_id in job_ids} if full_ids else views.short_ids(job_ids, short)
     attempts = [str(attempt) for _, _, attempt, _ in failures]
     errors = [views.truncate(error) for *_, error in failures]
     fixed = [views.column_width("job", [*ids.values(), NO_FAILURES]),
@@ -303,17 +321,34 @@ async def _follow(client: Client, view: TopView) -> None:
     failed: trio.MemorySendChannel[str]
     failed, failed_out = trio.open_memory_channel[str](FAILURES_SHOWN)
 
+    # The server's abbreviations of the failures' ids, unique among all its jobs when
+    # shown: asked for as each failure comes (before it is shown) and with each stats, as
+    # jobs made since may share more digits. None once the server says it has no
+    # short_ids: the view then shortens them among the failures shown.
+    asking = True
+
+    async def short_ids(job_ids: list[str]) -> dict[str, str]:
+        nonlocal asking
+        if not (asking and job_ids):
+            return {}
+        short = await server_short_ids(client, job_ids)
+        asking = short is not None
+        return short or {}
+
     async def poll_stats() -> None:
         while True:
             stats = await client.stats(oldest_ready=True)
             view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {})
+            view.shorten(await short_ids(view.failure_ids()))
             await trio.sleep(STATS_EVERY_S)
 
     async def fetch_errors() -> None:
         async for job_id in failed_out:
             job = await client.inspect(job_id)
+            short = await short_ids([job.job_id, *view.failure_ids()[: FAILURES_SHOWN - 1]])
             error = (job.last_error or "").splitlines()[0] if job.last_error else ""
             view.failure(job.job_id, job.queue, job.attempt, error)
+            view.shorten(short)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(poll_stats)

@@ -10,17 +10,18 @@ Every table is laid out for the width it is drawn at (``Fitted``): one line per 
 numbers, ids, times and headers whole, and the room that is left given to the queue names
 and the errors, which are cut only when that room runs out: a queue name in the middle
 (``cut_middle``), an error at its end, after its first ``ERROR_MIN`` characters at least.
-A job id is shown as the shortest abbreviation unique among the rows (``short_ids``), which
-the commands take back; whole with ``full_ids=True`` (``--json`` always has whole ids). No
-line ends in spaces: rich pads every cell to its column's width, which a terminal hides but
-a pipe keeps.
+A job id is shown abbreviated as git abbreviates a hash: as the server abbreviates it,
+unique among all its jobs at the time it is shown (``short``: whole id -> shown id, which
+the commands ask for, cli/ids.py), else as the shortest abbreviation unique among the rows
+(``short_ids``, for a server without ``short_ids``). The commands take it back. Whole with
+``full_ids=True`` (``--json`` always has whole ids). No line ends in spaces: rich pads
+every cell to its column's width, which a terminal hides but a pipe keeps.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relay.client import DeadPage, JobView, Stats
-from relay.model import ID_ABBREV_MIN, ID_PREFIX, JobState, parse_job_id
+from relay.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -171,31 +172,29 @@ def unfinished(stats: Stats) -> int:
 # -- job ids ------------------------------------------------------------------------------
 
 
-def short_ids(ids: Iterable[str]) -> dict[str, str]:
-    """Each job id in ``ids`` shortened as ``git log --oneline`` shortens a commit's hash:
-    "job_" and the fewest of its hex digits, ID_ABBREV_MIN (7) at least, that no other of
-    ``ids`` begins with ("job_34472c7", "job_34472d0a"). An id's first digits are its
-    creation time (relay/model.py): ids made seconds apart differ within their first 7 to
-    9 digits, ids of different milliseconds within 11, and ids made in one millisecond (a
-    batch) only in their sequence number's digits: those keep 12 to 16 digits (15 or 16
-    in a batch of a few hundred), up to the whole id. Each can be typed back as it is
-    shown: ``relay-trio inspect`` and ``dead retry``/``purge`` take any start of an id
-    that only one job's id has (``inspect`` with ``prefix``). A string that is not a job
-    id stays whole."""
+def short_ids(ids: Iterable[str], short: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each job id in ``ids`` -> the id shown for it: as ``short`` gives it (the server's
+    abbreviations, unique among all its jobs: ``relay-trio inspect`` and ``dead
+    retry``/``purge`` take them back), else shortened among ``ids`` alone, the fallback
+    for a server without ``short_ids``: "job_" and the fewest of its hex digits,
+    ID_ABBREV_MIN (7) at least, that no other of ``ids`` begins with ("job_34472c7",
+    "job_34472d0a"), by the rule the server applies to all its jobs
+    (``model.job_id_abbreviation``). An id's first digits are its creation time
+    (relay/model.py): ids made seconds apart differ within their first 7 to 9 digits, ids
+    of different milliseconds within 11, and ids made in one millisecond (a batch) only
+    in their sequence number's digits: those keep 12 to 16 digits (15 or 16 in a batch of
+    a few hundred), up to the whole id. Shortened among the rows only, an id may be the
+    start of other jobs' ids too (those made within ~33 s of it): typed back, it is then
+    refused as ambiguous. A string that is not a job id stays whole."""
     ids = list(ids)
-    hexes = sorted({
-        job_id[len(ID_PREFIX) :] for job_id in ids if parse_job_id(job_id) is not None
-    })  # fmt: skip
-    # Sorted strings of one length: the longest prefix one shares with any other is the
-    # longest it shares with a neighbour.
-    shared = dict.fromkeys(hexes, 0)
-    for a, b in itertools.pairwise(hexes):
-        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    keys = sorted({key for key in map(parse_job_id, ids) if key is not None})
+    # Sorted, an id shares the most digits with its neighbours.
     shown = {
-        ID_PREFIX + hex_id: ID_PREFIX + hex_id[: max(ID_ABBREV_MIN, shared[hex_id] + 1)]
-        for hex_id in hexes
+        format_job_id(key): job_id_abbreviation(key, keys[max(0, i - 1) : i] + keys[i + 1 : i + 2])
+        for i, key in enumerate(keys)
     }
+    if short is not None:
+        shown.update((job_id, short[job_id]) for job_id in ids if job_id in short)
     return {job_id: shown.get(job_id, job_id) for job_id in ids}
 
 
@@ -370,29 +369,43 @@ def failed_at(job: JobView) -> int | None:
     return job.errors[-1].at if job.errors else None
 
 
-def dead_table(page: DeadPage, *, full_ids: bool = False, caption: str | None = None) -> Fitted:
-    """One row per dead job: its id (the shortest abbreviation unique among the rows, see
-    ``short_ids``; whole with ``full_ids``), queue, attempts, when it failed (UTC, to the
+def dead_table(
+    page: DeadPage,
+    *,
+    full_ids: bool = False,
+    caption: str | None = None,
+    short: Mapping[str, str] | None = None,
+) -> Fitted:
+    """One row per dead job: its id (as ``short`` maps it, the server's abbreviations, else
+    the shortest abbreviation unique among the rows, see ``short_ids``; whole with
+    ``full_ids``), queue, attempts, when it failed (UTC, to the
     minute) and the first line of its last error, which gets the rest of the width. Below
     it, ``caption`` (the order and how to get the next page: ``relay-trio dead list``
     says), or else the next page's cursor, if there is one.
 
     The queue and the error share what the other columns leave: at 80 columns, 51 less
     the id column's width (with tries of up to 5 characters, "10/10"); at 120, 91 less
-    it. With ids of 7 digits (11 characters: jobs made seconds apart), a queue name of up
-    to 15 characters is whole at 80 columns and the error gets 25. Ids made in one
-    millisecond (a batch's) keep 12 to 16 digits, most often 15 or 16: 16 to 20
+    it. With ids of 7 digits (11 characters: no other job made within ~33 s of it), a
+    queue name of up to 15 characters is whole at 80 columns and the error gets 25. Ids
+    of jobs made among others of other milliseconds keep 8 to 12 digits; ids made in one
+    millisecond (a batch's) 12 to 16, most often 15 or 16: 16 to 20
     characters, the width of whole ids at most, which leaves a queue name 12 and the
     error 19 to 23. At 120, a queue name of 40 is whole and the error gets 31 to 40. A
     longer name is cut in the middle (``cut_middle``), to QUEUE_MIN characters at the
     least, then the error at its end; ``relay-trio inspect`` shows both whole.
     """
-    return Fitted(functools.partial(_dead_layout, page, full_ids, caption))
+    return Fitted(functools.partial(_dead_layout, page, full_ids, caption, short))
 
 
-def _dead_layout(page: DeadPage, full_ids: bool, caption: str | None, width: int) -> RenderableType:
+def _dead_layout(
+    page: DeadPage,
+    full_ids: bool,
+    caption: str | None,
+    short: Mapping[str, str] | None,
+    width: int,
+) -> RenderableType:
     jobs = page.jobs
-    ids = short_ids(job.job_id for job in jobs)
+    ids = short_ids((job.job_id for job in jobs), short)
     if full_ids:
         ids = {job_id: job_id for job_id in ids}
     tries = [f"{job.attempt}/{job.max_attempts}" for job in jobs]

@@ -179,7 +179,7 @@ def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
         outcome = run(functools.partial(run_demo, out, path, jobs, concurrency=concurrency,
                                         seed=seed))  # fmt: skip
     out.print(views.stats_table(outcome.stats))
-    out.print(views.dead_table(outcome.dead))
+    out.print(views.dead_table(outcome.dead, short=outcome.short))
     totals = views.totals_by_state(outcome.stats)
     if not outcome.finished:
         fail(f"demo timed out after {outcome.seconds:.0f} s with "

@@ -258,6 +258,17 @@ class Client:
         reply = await self._call("inspect", job_id=job_id, prefix=prefix or None)
         return structure_reply(reply["job"], JobView)
 
+    async def short_ids(self, job_ids: Sequence[str]) -> list[str]:
+        """Each of ``job_ids`` (whole ids, at most the server's ``max_batch``), in order, as
+        its shortest start, "job_" and 7 hex digits at least, that no other job's id
+        begins with now, as git abbreviates a hash: what ``inspect(..., prefix=True)``
+        takes back while no job that shares it is made. An id of no job comes back whole.
+        An extension (``short_ids``): an older server raises ``UnknownOp``."""
+        if not job_ids:
+            return []
+        reply = await self._call("short_ids", job_ids=list(job_ids))
+        return reply["short_ids"]
+
     async def stats(self, *, oldest_ready: bool = False) -> Stats:
         reply = await self._call("stats", oldest_ready=oldest_ready or None)
         return structure_reply(reply, Stats)

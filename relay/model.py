@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import random
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import attrs
@@ -237,6 +238,20 @@ def job_id_keys(abbreviated: str) -> range | None:
     shift = 4 * (ID_HEX_DIGITS - len(digits))
     low = int(digits, 16) << shift
     return range(low, min(low + (1 << shift), _ID_MAX + 1))
+
+
+def job_id_abbreviation(key: int, others: Iterable[int]) -> str:
+    """The shortest start of ``key``'s job id, "job_" and ID_ABBREV_MIN hex digits at
+    least, that no id of ``others`` (other keys) begins with: one digit more than the most
+    it shares with any of them, as git abbreviates a hash. Ids sort as their keys do, so
+    an id shares the most digits with its nearest neighbours: given the nearest key below
+    and the nearest above, the abbreviation is unique among every key there is."""
+    digits = ID_ABBREV_MIN
+    for other in others:
+        # The digits two ids share: those above the highest bit in which their keys differ.
+        shared = (4 * ID_HEX_DIGITS - (key ^ other).bit_length()) // 4
+        digits = max(digits, shared + 1)
+    return format_job_id(key)[: len(ID_PREFIX) + digits]
 
 
 def job_id_time(job_id: str) -> int | None:

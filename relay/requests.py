@@ -242,6 +242,22 @@ class Inspect:
 
 
 @attrs.frozen
+class ShortIds:
+    """``short_ids`` (an extension): whole job ids, 1 to max_batch of them, each to be
+    answered as its shortest start that no other job's id has."""
+
+    job_ids: list[str]
+
+    def check(self, limits: Limits) -> None:
+        n = len(self.job_ids)
+        if not 1 <= n <= limits.max_batch:
+            raise _bad("job_ids", f"must hold 1 to {limits.max_batch} job ids, got {n}")
+        for i, job_id in enumerate(self.job_ids):
+            if type(job_id) is not str or parse_job_id(job_id) is None:
+                raise _bad(f"job_ids[{i}]", "not a job id: job_ and 16 lowercase hex digits")
+
+
+@attrs.frozen
 class Stats:
     # Also how long the oldest ready job of each queue has waited (an extension).
     oldest_ready: bool = False
@@ -346,6 +362,7 @@ REQUEST_TYPES: dict[str, type] = {
     "fail": Fail,
     "release": Release,
     "inspect": Inspect,
+    "short_ids": ShortIds,
     "stats": Stats,
     "dead_list": DeadList,
     "dead_retry": DeadRetry,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterator
 
@@ -22,6 +23,26 @@ T0 = 1_767_225_600_000
 def common_start(a: str, b: str) -> str:
     """The longest start that two different job ids share: an abbreviation of both."""
     return a[: next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)]
+
+
+def assert_abbreviated_as_git_does(every: list[str], asked: list[str], shown: list[str]):
+    """Each of ``shown`` is the start of its id of ``asked`` that only that id of ``every``
+    (all the store's ids) begins with, "job_" and 7 digits at least, and one digit fewer
+    would not be (git's abbreviation); an id of no job is shown whole."""
+    known, every = set(every), sorted(every)
+
+    def beginning(start: str) -> int:  # how many of every begin so
+        return bisect.bisect_left(every, start + "g") - bisect.bisect_left(every, start)
+
+    assert len(shown) == len(asked)
+    for job_id, short in zip(asked, shown, strict=True):
+        if job_id not in known:
+            assert short == job_id
+            continue
+        assert job_id.startswith(short) and len(short) >= len("job_") + 7, (job_id, short)
+        assert beginning(short) == 1, (job_id, short)
+        if len(short) > len("job_") + 7:
+            assert beginning(short[:-1]) > 1, (job_id, short)
 
 
 @pytest.fixture

@@ -325,6 +325,21 @@ async def test_inspect_with_prefix_takes_an_abbreviated_id(client):
         await client.inspect(a.job_id[:11])
 
 
+async def test_short_ids_are_what_inspect_with_prefix_takes_back(client):
+    """``short_ids`` (an extension): each id, in order, as its shortest start that no other
+    job's id has; an id of no job whole; none asked, none answered (without a request:
+    the server takes 1 to max_batch)."""
+    a, b = await client.submit_batch([job_fields("sq", n) for n in range(2)])
+    unknown = "job_0000000000000001"
+    shown = await client.short_ids([b.job_id, unknown, a.job_id])
+    assert shown == [b.job_id[: len(common_start(a.job_id, b.job_id)) + 1], unknown,
+                     a.job_id[: len(common_start(a.job_id, b.job_id)) + 1]]  # fmt: skip
+    assert (await client.inspect(shown[0], prefix=True)).job_id == b.job_id
+    assert await client.short_ids([]) == []
+    with pytest.raises(BadRequest, match=r"job_ids\[0\]"):
+        await client.short_ids(["job_34472d0"])
+
+
 async def test_inspect_job_view_fields(client):
     submitted = await client.submit(
         "iq", {"a": 1}, priority="low", retries=2, idempotency_key="ik",

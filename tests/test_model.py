@@ -15,6 +15,7 @@ from relay.model import (
     Priority,
     effective_priority,
     format_job_id,
+    job_id_abbreviation,
     job_id_keys,
     job_id_time,
     parse_job_id,
@@ -75,6 +76,22 @@ def test_abbreviations_past_63_bits_name_no_key_and_others_are_not_abbreviations
     assert len(job_id_keys("job_8000000")) == len(job_id_keys("job_ffffffffffffffff")) == 0
     for text in ("job_123456", "job_" + "0" * 17, "job_ABCDEF0", "job_abcdef0\n", "abcdef01"):
         assert job_id_keys(text) is None
+
+
+@given(st.integers(0, (1 << 63) - 1), st.lists(st.integers(0, (1 << 63) - 1), max_size=3))
+def test_an_ids_abbreviation_is_its_shortest_start_no_other_id_has(key, others):
+    others = [other for other in others if other != key]
+    short = job_id_abbreviation(key, others)
+    assert format_job_id(key).startswith(short) and len(short) >= len("job_") + 7
+    assert not any(format_job_id(other).startswith(short) for other in others)
+    if len(short) > len("job_") + 7:  # one digit fewer: the start of another id too
+        assert any(format_job_id(other).startswith(short[:-1]) for other in others)
+
+
+def test_abbreviations_of_ids_differing_in_their_last_digit_are_whole():
+    assert job_id_abbreviation(0x10, [0x11]) == "job_0000000000000010"
+    assert job_id_abbreviation(0x10, [0x0F]) == "job_000000000000001"
+    assert job_id_abbreviation(T0 << 21, []) == format_job_id(T0 << 21)[:11]
 
 
 def test_fixed_backoff_waits_the_same_every_time():

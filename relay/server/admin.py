@@ -1,5 +1,5 @@
-"""The handlers of the requests beside the job flow: inspect, the dead letters (list, retry,
-purge: of one job, or of a whole queue in chunks), watch and unwatch.
+"""The handlers of the requests beside the job flow: inspect, short ids, the dead letters
+(list, retry, purge: of one job, or of a whole queue in chunks), watch and unwatch.
 
 Rare requests, never on the hot path; ``AdminHandlers`` is a part of the ``Dispatcher``
 (relay/server/dispatch.py), which inherits it as ``SqliteStore`` inherits the store's
@@ -49,6 +49,12 @@ class AdminHandlers:
         args = ops.Reserving((r.job_id, r.prefix), self._job_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.INSPECT, connection, rid, started, args))
+
+    def _short_ids(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: the reply is shorter than the request (each id answered by at
+        # most itself), as a stats reply is small.
+        job_ids = tuple(self._typed(fields, "short_ids").job_ids)
+        self._queue(connection, (ops.SHORT_IDS, connection, rid, started, job_ids))
 
     def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "dead_list")

@@ -62,6 +62,7 @@ OP_ROLES: dict[str, Role] = {
     "submit": Role.PRODUCER,
     "submit_batch": Role.PRODUCER,
     "inspect": Role.PRODUCER,
+    "short_ids": Role.PRODUCER,  # (an extension: the abbreviations inspect takes back)
     "stats": Role.PRODUCER,
     "lease": Role.WORKER,
     "renew": Role.WORKER,

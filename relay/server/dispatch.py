@@ -127,6 +127,7 @@ class Dispatcher(AdminHandlers):
             "fail": self._fail,
             "release": self._release,
             "inspect": self._inspect,
+            "short_ids": self._short_ids,
             "stats": self._stats,
             "dead_list": self._dead_list,
             "dead_retry": self._dead_retry,

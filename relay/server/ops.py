@@ -281,6 +281,16 @@ class _Inspect(RequestOp):
         return {"job": wire.job_fields(outcome)}
 
 
+class _ShortIds(RequestOp):
+    """``short_ids``: args is the tuple of whole job ids, checked."""
+
+    def run(self, store: Store, now: int, job_ids: tuple[str, ...]) -> Any:
+        return store.job_ids_abbreviate(job_ids)
+
+    def fields(self, outcome: list[str], args: Any) -> dict[str, Any]:
+        return {"short_ids": outcome}
+
+
 class _DeadList(RequestOp):
     reserves = True
 
@@ -337,6 +347,7 @@ RENEW = _Renew("renew")
 FAIL = _Fail("fail")
 RELEASE = _Release("release")
 INSPECT = _Inspect("inspect")
+SHORT_IDS = _ShortIds("short_ids")
 DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
 DEAD_RETRY = _DeadOne("dead_retry")

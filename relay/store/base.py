@@ -313,6 +313,12 @@ class Store(Protocol):
         key. Raises ``JobNotFound`` if no id begins so (or ``prefix`` is not one),
         ``BadRequest`` naming job_id if several do."""
 
+    def job_ids_abbreviate(self, job_ids: Sequence[str]) -> list[str]:
+        """Each of ``job_ids``, in order, as its shortest start ("job_" and 7 hex digits at
+        least) that no other job's id begins with now (``model.job_id_abbreviation``); the
+        whole id if it is no job's. Two seeks of the key per id, at any number of jobs:
+        the nearest ids below and above it share the most digits with it."""
+
     def queue_stats(self) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included)."""
 

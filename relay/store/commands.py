@@ -240,6 +240,14 @@ class Inspect:
 
 
 @attrs.frozen
+class ShortIds:
+    job_ids: tuple[str, ...]
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.job_ids_abbreviate(self.job_ids)
+
+
+@attrs.frozen
 class Stats:
     def apply(self, store: Store, now: int) -> Any:
         return store.queue_stats()

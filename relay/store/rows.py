@@ -1,12 +1,20 @@
 """A job as both dialects read it: the columns, the ``JobInfo`` a row of them makes, the
-one job of an abbreviated id, and the pages of the dead list."""
+one job of an abbreviated id, an id's shortest abbreviation, and the pages of the dead
+list."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from relay.errors import BadRequest, JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, parse_job_id
+from relay.model import (
+    ErrorEntry,
+    JobInfo,
+    JobState,
+    format_job_id,
+    job_id_abbreviation,
+    parse_job_id,
+)
 from relay.store.base import info_size
 
 # The columns of a job's row, in the order ``job_info`` reads them.
@@ -38,6 +46,16 @@ def only_key(prefix: str, keys: Sequence[tuple]) -> int:
             field="job_id",
         )
     return keys[0][0]
+
+
+def short_id(job_id: str, keys: Sequence[int]) -> str:
+    """``job_id`` as ``job_ids_abbreviate`` answers it, from ``keys``: the nearest key
+    below its own and the keys from its own up, read by one seek each way of the jobs'
+    key (at most one below, two from it up). Its whole id if it is no job's."""
+    key = parse_job_id(job_id)
+    if key is None or key not in keys:
+        return job_id
+    return job_id_abbreviation(key, [other for other in keys if other != key])
 
 
 def _same(text: str | None) -> str | None:

@@ -255,6 +255,73 @@ async def test_an_id_as_dead_list_shows_it_can_be_typed_back(address, client):
     assert sorted(job.job_id for job in (await client.dead_list()).jobs) == [a, b]
 
 
+async def test_an_id_as_dead_list_shows_it_among_many_jobs_is_typed_back(address, client):
+    """The shown id is unique among all jobs, not only among the rows shown: one dead job
+    among 20 made at once (one millisecond: their ids differ in their last digits) is
+    shown with every digit that tells it from the others, and typed back as shown. (Shown
+    as the shortest start unique among the rows, "job_" and 7 digits, it matched all 20.)
+    Then one of 20 submitted one by one, made dead and typed back the same way."""
+    batch = await client.submit_batch([relay.job_fields("a", n, retries=0) for n in range(20)])
+    (job,) = await client.lease(["a"], WORKER)
+    await client.fail(job.job_id, WORKER, job.token, "card declined", retryable=False)
+    shown = (await shown_ids(address))[job.job_id]
+    as_json = await relay_trio("inspect", shown, "--json", address=address)
+    assert as_json.code == 0 and as_json.json()["job_id"] == job.job_id, as_json
+    retried = await relay_trio("dead", "retry", shown, address=address)
+    assert retried.code == 0 and "retried 1 dead job" in retried.stdout, retried
+    assert (await client.inspect(job.job_id)).state == JobState.READY
+    assert job.job_id in {result.job_id for result in batch}
+    assert job.job_id.startswith(shown) and len(shown) > len("job_") + 7
+    assert shown == (await client.short_ids([job.job_id]))[0]
+
+    ones = [(await client.submit("b", n, retries=0)).job_id for n in range(20)]
+    (job,) = await client.lease(["b"], WORKER)
+    await client.fail(job.job_id, WORKER, job.token, "410 Gone", retryable=False)
+    shown = (await shown_ids(address))[job.job_id]
+    assert job.job_id.startswith(shown) and job.job_id == ones[0]
+    panel = await relay_trio("inspect", shown, address=address)
+    assert panel.code == 0 and job.job_id in panel.stdout and "410 Gone" in panel.stdout, panel
+    purged = await relay_trio("dead", "purge", shown, address=address)
+    assert purged.code == 0 and "purged 1 dead job" in purged.stdout, purged
+
+
+async def answer_as_an_older_server(page: dict, stream: trio.SocketStream) -> None:
+    """A relay-trio server from before ``short_ids``: it answers hello and dead_list (with
+    ``page``), and any other op unknown_op."""
+    data = b""
+    async with stream:
+        while more := await stream.receive_some(65536):
+            data += more
+            *lines, data = data.split(b"\n")
+            for line in lines:
+                request = orjson.loads(line)
+                reply: dict = {"id": request["id"], "ok": True}
+                if request["op"] == "hello":
+                    reply |= {"server": "relay-trio", "version": "0.0.1", "protocol": 1,
+                              "limits": {}, "role": "admin"}  # fmt: skip
+                elif request["op"] == "dead_list":
+                    reply |= page
+                else:
+                    unknown = {"code": "unknown_op", "message": f"unknown op {request['op']!r}"}
+                    reply |= {"ok": False, "error": unknown}
+                await stream.send_all(orjson.dumps(reply) + b"\n")
+
+
+async def test_dead_list_from_a_server_without_short_ids_shortens_among_the_rows(nursery):
+    a, b, lone = "job_3447348000000000", "job_3447348000000001", "job_2000000000000000"
+    job = {"queue": "q", "state": "dead", "priority": "normal", "payload": 1, "attempt": 1,
+           "max_attempts": 1, "created_at": 0, "errors": [], "last_error": "boom"}  # fmt: skip
+    page = {"jobs": [{**job, "job_id": i} for i in (a, b, lone)], "next_cursor": None}
+    handler = functools.partial(answer_as_an_older_server, page)
+    (listener,) = await nursery.start(functools.partial(trio.serve_tcp, handler, 0,
+                                                        host="127.0.0.1"))  # fmt: skip
+    older = f"127.0.0.1:{listener.socket.getsockname()[1]}"
+    listed = await relay_trio("dead", "list", address=older)
+    assert listed.code == 0 and listed.stderr == "", listed
+    rows = [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("job_")]
+    assert rows == [a, b, lone[:11]]
+
+
 JOB_ID = re.compile(r"job_[0-9a-f]{16}")
 NEXT_PAGE = re.compile(r"--cursor (job_[0-9a-f]{16})")
 

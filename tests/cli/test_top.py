@@ -43,6 +43,11 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
         with trio.fail_after(BOUND_S):
             while view.queues.get("mail") != stats.queues["mail"] or not view.failures:  # noqa: ASYNC110
                 await trio.sleep(0.01)
+        # The failure's id as the server abbreviates it, unique among all its jobs: its
+        # neighbours were made within milliseconds, so 8 digits at least.
+        (short,) = await client.short_ids([leased[1].job_id])
+        assert len(short) > len("job_") + 7
+        assert (await client.inspect(short, prefix=True)).job_id == leased[1].job_id
         nursery.cancel_scope.cancel()
     text = draw(view)
     cells = mail_row(text)
@@ -54,7 +59,7 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
     # 5 submitted, 1 succeeded, 1 failed within the 10 s window: per second.
     assert cells[8:11] == ["0.5", "0.1", "0.1"]
     failure = next(line for line in text.splitlines() if "smtp said no" in line)
-    assert failure.startswith(leased[1].job_id[:11] + " ") and "trace" not in text
+    assert failure.startswith(short + " ") and "trace" not in text
     now[0] += 11  # the window moves on: the rates fall to zero, the counts stay
     assert mail_row(draw(view))[8:11] == ["0.0", "0.0", "0.0"]
 
@@ -196,6 +201,23 @@ def test_top_reads_as_a_line_per_queue_and_per_failure(width):
         assert f" {attempt}  " in line
         assert error[: 24 if width == 80 else 40] in line
         assert queue in line or (width == 80 and queue == QUEUE_40)
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_top_shows_the_failures_ids_as_the_server_abbreviates_them(width):
+    view = busy_view()
+    ids = view.failure_ids()
+    gone = job_id(T0 - 86_400_000)  # a failure no longer shown: not kept
+    view.shorten({ids[0]: ids[0], ids[3]: ids[3][:13], gone: gone[:11]})
+    assert view.short == {ids[0]: ids[0], ids[3]: ids[3][:13]}
+    view.shorten({ids[3]: ids[3][:14]})  # asked again: jobs made since share more digits
+    assert view.short == {ids[0]: ids[0], ids[3]: ids[3][:14]}
+    lines = lines_of(view.render(), width)
+    failures = lines[lines.index(next(line for line in lines if "Latest failures" in line)) :]
+    shown = views.short_ids(ids, view.short)
+    assert shown[ids[3]] == ids[3][:14]
+    for job in ids:
+        assert row(failures, shown[job] + " ").startswith(shown[job] + " ")
 
 
 @pytest.mark.parametrize("width", [80, 120])

@@ -166,6 +166,15 @@ def test_short_ids_follow_git_s_rule_so_each_can_be_typed_back(keys):
             assert len([i for i in ids if i.startswith(short[:-1])]) > 1
 
 
+def test_short_ids_are_the_servers_where_it_gave_them():
+    """``short``: the server's abbreviations (unique among all its jobs, so often longer
+    than among the rows); an id it does not name falls back to the rule among the rows."""
+    a, b, c = job_id(T0), job_id(T0 + 3_000), job_id(T0 + 86_400_000)
+    short = {a: a[:14], c: c[:13], "job_ffff": "unused"}
+    assert views.short_ids([a, b, c], short) == {a: a[:14], b: b[:12], c: c[:13]}
+    assert views.short_ids([a, b, c], {}) == views.short_ids([a, b, c])
+
+
 def test_short_ids_leave_other_strings_whole():
     assert views.short_ids(["job_1", "not-an-id", JOB]) == {
         "job_1": "job_1", "not-an-id": "not-an-id", JOB: JOB[:11],
@@ -329,6 +338,24 @@ def test_dead_table_shows_whole_ids_when_asked(width):
         assert f" {job.attempt}/{job.max_attempts} " in line
         # At 80 columns the whole ids leave the error 19 characters (the queue, 12).
         assert job.last_error.splitlines()[0][: 18 if width == 80 else 30] in line
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_dead_table_shows_the_ids_as_the_server_abbreviates_them(width):
+    # Among all the server's jobs, each id needs more digits than among these rows.
+    page = dead_page()
+    among_rows = views.short_ids(job.job_id for job in page.jobs)
+    short = {job.job_id: job.job_id[: max(len(among_rows[job.job_id]) + 2, 16)]
+             for job in page.jobs}  # fmt: skip
+    short[page.jobs[1].job_id] = page.jobs[1].job_id  # (a whole id: the widest column)
+    lines = lines_of(views.dead_table(page, short=short), width)[:-1]  # not the cursor
+    assert len(lines) == 3 + len(page.jobs)
+    for job in page.jobs:
+        line = row(lines, short[job.job_id] + " ")
+        assert line.startswith(short[job.job_id] + " ") and len(line) <= width
+        assert f" {job.attempt}/{job.max_attempts} " in line
+    whole = lines_of(views.dead_table(page, short=short, full_ids=True), width)
+    assert [line.split()[0] for line in whole[3:-1]] == [job.job_id for job in page.jobs]
 
 
 def test_dead_table_falls_back_to_the_last_error_time_and_says_when_empty():
@@ -514,4 +541,6 @@ async def test_stats_and_dead_list_read_at_80_columns_through_the_commands(addre
         for start in ("billin", "email"):
             assert len([line for line in lines if start in line]) == 1, (start, lines)
     for line in lines[3:5]:  # the dead jobs' rows, under the title and the headers
-        assert "TimeoutError: warehouse" in line, lines
+        # Ids made in one millisecond with another job's are whole (unique among all the
+        # jobs): the error keeps 19 characters at least.
+        assert "TimeoutError: ware" in line, lines

@@ -135,6 +135,7 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "submit": lambda token: {"queue": "q", "payload": 1},
     "submit_batch": lambda token: {"jobs": [{"queue": "q", "payload": 1}]},
     "inspect": lambda token: {"job_id": JOB},
+    "short_ids": lambda token: {"job_ids": ["job_0000000000000001"]},
     "stats": lambda token: {},
     "lease": lambda token: {"queues": ["q"], "worker_id": "w", "wait_ms": 0},
     "renew": lambda token: {"job_id": JOB, "worker_id": "w", "token": "t"},
@@ -148,7 +149,7 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "watch": lambda token: {"queues": ["q"]},
     "unwatch": lambda token: {},
 }
-PRODUCER_OPS = {"hello", "ping", "submit", "submit_batch", "inspect", "stats"}
+PRODUCER_OPS = {"hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats"}
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
 }  # fmt: skip
@@ -158,7 +159,7 @@ ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 17
+    assert len(REQUESTS) == 18
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))

@@ -176,7 +176,9 @@ def test_roles_and_the_op_they_need():
     ]  # fmt: skip
     expected = {
         "hello": Role.NONE,
-        **dict.fromkeys(("ping", "submit", "submit_batch", "inspect", "stats"), Role.PRODUCER),
+        **dict.fromkeys(
+            ("ping", "submit", "submit_batch", "inspect", "short_ids", "stats"), Role.PRODUCER
+        ),
         **dict.fromkeys(
             ("lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch"),
             Role.WORKER,

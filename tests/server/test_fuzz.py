@@ -419,6 +419,11 @@ OPS: list[tuple[str, dict[str, Field]]] = [
     ("release", LEASE_REF),
     ("inspect", {"job_id": LEASE_REF["job_id"]}),
     (
+        "short_ids",
+        {"job_ids": list_field(cursors, bad_cursors | wrong_value("str", False), LIMITS.max_batch,
+                               required=True)},
+    ),
+    (
         "dead_list",
         {
             "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),

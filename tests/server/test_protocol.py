@@ -25,7 +25,7 @@ from relay import wire
 from relay.log import SUMMARY_INTERVAL_S
 from relay.server.longpoll import PARKED_PER_CONNECTION
 from tests import pg
-from tests.conftest import common_start
+from tests.conftest import assert_abbreviated_as_git_does, common_start
 from tests.server.conftest import LineClient, RunningServer, logged, start_server
 from tests.worker_helpers import serving
 
@@ -736,6 +736,53 @@ async def test_inspect_without_prefix_takes_only_a_whole_id(client):
         assert error["code"] == "not_found", error
 
 
+async def test_short_ids_are_the_shortest_starts_no_other_job_has(client):
+    """``short_ids {job_ids}`` (an extension): each id as git abbreviates a hash, unique
+    among all the jobs (this server's database is the test's own: these are all), each
+    typed back by ``inspect`` with ``prefix``. A batch's ids (one millisecond) run on in
+    their last digit: each is shown whole."""
+    lone = await submit(client, "sq")
+    jobs = [{"queue": "sq", "payload": n} for n in range(996)]
+    reply = await client.ok("submit_batch", jobs=jobs)
+    batch = [result["job_id"] for result in reply["results"]]
+    every = [lone, *batch]
+    unknown = ["job_0000000000000001", "job_7fffffffffffffff"]  # below and above every id
+    asked = [batch[-1], *every, unknown[0], unknown[1]]  # 1000: max_batch
+    shown = (await client.ok("short_ids", job_ids=asked))["short_ids"]
+    assert shown[-2:] == unknown and shown[0] == shown[-3]
+    assert_abbreviated_as_git_does(every, asked, shown)
+    assert shown[2:-2] == batch
+    short_of = dict(zip(asked, shown, strict=True))
+    for job_id in (lone, batch[0], batch[500], batch[-1]):
+        short = short_of[job_id]
+        found = (await client.ok("inspect", job_id=short, prefix=True))["job"]
+        assert found["job_id"] == job_id
+        if len(short) > len("job_") + 7:
+            error = await client.error("inspect", job_id=short[:-1], prefix=True)
+            assert error["code"] == "bad_request" and "more than one job" in error["message"]
+
+
+async def test_short_ids_are_of_the_jobs_there_are_at_the_time(client):
+    # The only job: 7 digits. Once a job whose id shares more is made, more.
+    first = await submit(client, "sq")
+    assert (await client.ok("short_ids", job_ids=[first]))["short_ids"] == [first[:11]]
+    reply = await client.ok("submit_batch", jobs=[{"queue": "sq", "payload": 1}] * 2)
+    a, b = (result["job_id"] for result in reply["results"])
+    shown = (await client.ok("short_ids", job_ids=[first, a, b]))["short_ids"]
+    assert_abbreviated_as_git_does([first, a, b], [first, a, b], shown)
+    assert shown[1:] == [a[: len(common_start(a, b)) + 1], b[: len(common_start(a, b)) + 1]]
+
+
+async def test_short_ids_takes_at_most_max_batch_ids(tmp_path):
+    limits = wire.Limits(max_batch=3)
+    async with custom_server(tmp_path, limits=limits) as srv, connected(srv) as c:
+        job_id = await submit(c)
+        assert (await c.ok("short_ids", job_ids=[job_id] * 3))["short_ids"] == [job_id[:11]] * 3
+        error = await c.error("short_ids", job_ids=[job_id] * 4)
+        assert error["code"] == "bad_request" and error["message"].startswith("job_ids: "), error
+        assert "1 to 3" in error["message"]
+
+
 async def test_inspect_pending_job_has_run_at(client):
     job_id = await submit(client, "q", 1, delay_ms=30_000)
     info = await inspect(client, job_id)
@@ -1032,6 +1079,17 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("inspect", {"job_id": "", "prefix": True}, ("job_id",)),
     ("inspect", {"job_id": "job_34472d0", "prefix": "yes"}, ("prefix",)),
     ("inspect", {"job_id": "job_34472d0", "prefix": 1}, ("prefix",)),
+    # short_ids: 1 to max_batch whole ids.
+    ("short_ids", {}, ("job_ids",)),
+    ("short_ids", {"job_ids": []}, ("job_ids",)),
+    ("short_ids", {"job_ids": ["job_0000000000000001"] * 1001}, ("job_ids",)),
+    ("short_ids", {"job_ids": "job_0000000000000001"}, ("job_ids",)),
+    ("short_ids", {"job_ids": ["job_0000000000000001", "job_34472d0"]}, ("job_ids[1]",)),
+    ("short_ids", {"job_ids": ["job_000000000000000A"]}, ("job_ids[0]",)),
+    ("short_ids", {"job_ids": ["job_8000000000000000"]}, ("job_ids[0]",)),
+    ("short_ids", {"job_ids": ["job_0000000000000001\n"]}, ("job_ids[0]",)),
+    ("short_ids", {"job_ids": [None]}, ("job_ids[0]",)),
+    ("short_ids", {"job_ids": [1]}, ("job_ids[0]",)),
     ("dead_list", {"limit": 0}, ("limit",)),
     ("dead_list", {"limit": "10"}, ("limit",)),
     ("dead_list", {"queue": BAD}, ("queue",)),

@@ -547,6 +547,8 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
             (dead_sql._PURGE_QUEUE, ("q0", 10), "jobs_dead_queue"),
             # An abbreviated id (inspect with prefix): a range of the key, whatever the jobs.
             (reads_sql._PREFIX_KEYS, (T0 << 21, (T0 + 60_000) << 21), "jobs_pkey"),
+            # short_ids: each id's nearest keys below and above, whatever the jobs.
+            (reads_sql._NEIGHBOURS, ([T0 << 21, (T0 + 60_000) << 21],), "jobs_pkey"),
         ]:
             plan = _plan(conn, statement, params, prepared)
             assert f"using {index} on jobs" in plan, plan

@@ -39,9 +39,9 @@ from relay.model import (
 from relay.store import commands as cmd
 from relay.store.base import ERRORS_SHOWN, Changes, StoreConfig
 from relay.store.sqlite import SqliteStore
-from relay.store.sqlite.reads import _PREFIX_KEYS_SQL
+from relay.store.sqlite.reads import _NEIGHBOURS_SQL, _PREFIX_KEYS_SQL
 from relay.store.sqlite.sql import _claim_candidates_sql
-from tests.conftest import T0
+from tests.conftest import T0, assert_abbreviated_as_git_does, common_start
 from tests.store.conformance import (
     Store,
     Stores,
@@ -1269,6 +1269,70 @@ def test_inspect_prefix_of_no_job_or_of_no_id_raises_not_found(store, prefix):
 def test_inspect_prefix_reads_a_range_of_the_key(store):
     details = _plan(store, _PREFIX_KEYS_SQL, (0, 1 << 36))
     assert details == ["SEARCH jobs USING INTEGER PRIMARY KEY (rowid>? AND rowid<?)"]
+
+
+# -- the shortest abbreviations of ids ---------------------------------------------------
+
+
+def test_short_ids_of_the_only_job_have_7_digits_and_of_no_job_are_whole(store):
+    job = submit(store)
+    key = parse_job_id(job)
+    near = [f"job_{k:016x}" for k in (key - 1, key + 1, 0, (1 << 63) - 1)]
+    assert store.job_ids_abbreviate([job, *near, job]) == [job[:11], *near, job[:11]]
+
+
+def test_short_ids_tell_each_job_from_its_nearest_neighbours(store):
+    # Made 3 s apart, two ids share their first 7 digits (they change every 2**15 ms): 8
+    # tell them apart. Two of one batch (one millisecond) share 15: whole ids. A day
+    # later, a lone job: 7 digits. (The ids' layout: relay/model.py.)
+    early, late = submit(store, T0), submit(store, T0 + 3_000)
+    a, b = (r.job_id for r in store.jobs_submit([spec(), spec()], T0 + 10_000))
+    lone = submit(store, T0 + DAY)
+    every = [early, late, a, b, lone]
+    shown = store.job_ids_abbreviate(every)
+    assert shown == [early[:12], late[:12], a, b, lone[:11]]
+    assert_abbreviated_as_git_does(every, every, shown)
+    # Asked again after a job that shares more digits is made: longer, at that time.
+    nearer = submit(store, T0 + DAY + 1)
+    assert store.job_ids_abbreviate([lone])[0] == lone[: len(common_start(lone, nearer)) + 1]
+    assert len(store.job_ids_abbreviate([lone])[0]) > 11
+
+
+def test_short_ids_of_ids_sharing_12_digits_keep_13(store):
+    # Ids of one millisecond run on in their sequence's digits: ...0fff and ...1000 share 12
+    # of 16. The batch is sized so that its last id is ...1000 (a key's last 21 bits count
+    # within the millisecond; PostgreSQL's first is ...0001, SQLite's ...0000).
+    first = store.jobs_submit([spec()], T0)[0].job_id
+    seq = parse_job_id(first) & 0x1FFFFF
+    rest = [r.job_id for r in store.jobs_submit([spec()] * (0x1000 - seq), T0)]
+    below, last = rest[-2:]
+    assert (below[-4:], last[-4:]) == ("0fff", "1000") and len(common_start(below, last)) == 16
+    every = [first, *rest]
+    asked = [first, rest[0], below, last, *random.Random(7).sample(rest, 50)]
+    shown = store.job_ids_abbreviate(asked)
+    assert shown[3] == last[:17] and shown[2] == below  # 13 digits; 16 (0ffe is below it)
+    assert_abbreviated_as_git_does(every, asked, shown)
+
+
+def test_short_ids_of_the_smallest_and_largest_ids_have_one_neighbour_each(store):
+    # The first millisecond there is, and the last a key holds (in 2109): ids with no
+    # neighbour below, and none above. Each of a pair of one millisecond needs 16 digits.
+    low = [r.job_id for r in store.jobs_submit([spec(), spec()], 0)]
+    middle = submit(store, T0)
+    high = [r.job_id for r in store.jobs_submit([spec(), spec()], (1 << 42) - 1)]
+    assert low[0] <= "job_0000000000000001" and high[1] > "job_7fffffffffe00000"
+    every = [*low, middle, *high]
+    assert store.job_ids_abbreviate(every) == [*low, middle[:11], *high]
+    assert_abbreviated_as_git_does(every, every, store.job_ids_abbreviate(every))
+
+
+@sqlite_only  # two seeks of the rowid, never a scan (PostgreSQL: test_postgres.py)
+def test_short_ids_seek_the_nearest_keys(store):
+    details = _plan(store, _NEIGHBOURS_SQL, (1 << 50,))
+    assert [d for d in details if "jobs" in d] == [
+        "SEARCH jobs USING INTEGER PRIMARY KEY (rowid<?)",
+        "SEARCH jobs USING INTEGER PRIMARY KEY (rowid>?)",
+    ], details
 
 
 # -- stats, totals, next times -----------------------------------------------------------

@@ -355,6 +355,7 @@ async def test_inspect_takes_an_abbreviated_id_only_with_prefix(db_path):
             assert await writer.execute(cmd.Inspect(result.job_id[:11], prefix=True)) == whole
             with pytest.raises(JobNotFound):
                 await writer.execute(cmd.Inspect(result.job_id[:11]))
+            assert await writer.execute(cmd.ShortIds((result.job_id,))) == [result.job_id[:11]]
 
 
 async def test_the_store_sees_the_injected_clock(db_path):

@@ -1,4 +1,5 @@
-"""Reads on PostgreSQL: a job, the dead letters and the counts.
+"""Reads on PostgreSQL: a job, the dead letters, the counts, and the shortest
+abbreviations of job ids.
 
 None of these locks or writes anything. ``queue_stats`` sums every server's counts (see
 ``PostgresStore._flush_counts_and_commit``), so it answers for the whole database, not for
@@ -8,6 +9,7 @@ SQLite (``CountsBook``, relay/store/counts.py; Prometheus sums counters over the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from relay.errors import JobNotFound
@@ -21,6 +23,7 @@ from relay.store.rows import (
     job_info,
     only_key,
     page,
+    short_id,
 )
 
 if TYPE_CHECKING:
@@ -32,6 +35,14 @@ _JOB = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s"
 # The first keys of an abbreviated id's range: a range scan of jobs_pkey.
 _PREFIX_KEYS = (
     f"SELECT id FROM jobs WHERE id BETWEEN %s AND %s ORDER BY id LIMIT {PREFIX_KEYS_READ}"
+)
+# Each id's nearest key below and its keys from its own up (its own, if it is a job's, and
+# the nearest above), in the order given: two seeks of jobs_pkey per id, all the ids in
+# one round trip (rows.short_id).
+_NEIGHBOURS = (
+    "SELECT ARRAY(SELECT id FROM jobs WHERE id < k ORDER BY id DESC LIMIT 1) "
+    "|| ARRAY(SELECT id FROM jobs WHERE id >= k ORDER BY id LIMIT 2) "
+    "FROM unnest(%s::bigint[]) WITH ORDINALITY AS given(k, n) ORDER BY n"
 )
 # The most recent ERRORS_SHOWN entries of each job, oldest first: the history of a job
 # with a thousand retries would not fit a reply.
@@ -87,6 +98,15 @@ class Reads:
         if keys:
             found = self._read(_PREFIX_KEYS, (keys.start, keys[-1])).fetchall()
         return self.job_inspect(format_job_id(only_key(prefix, found)))
+
+    def job_ids_abbreviate(self: PostgresStore, job_ids: Sequence[str]) -> list[str]:
+        keys = [parse_job_id(job_id) for job_id in job_ids]
+        given = [key for key in keys if key is not None]
+        found = iter(self._read(_NEIGHBOURS, (given,)).fetchall() if given else ())
+        return [
+            short_id(job_id, [] if key is None else next(found)[0])
+            for job_id, key in zip(job_ids, keys, strict=True)
+        ]
 
     def _job_infos(self: PostgresStore, rows: list[tuple]) -> list[JobInfo]:
         errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}

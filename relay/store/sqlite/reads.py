@@ -1,13 +1,16 @@
 """The reads, as SQLite: one job (``job_inspect``; by an abbreviated id,
 ``job_inspect_prefix``) and the dead letters a page at a time
 (``dead_list``), with their error histories; how long each queue's oldest ready job has
-waited (``oldest_ready_ms``).
+waited (``oldest_ready_ms``); the shortest abbreviations of job ids
+(``job_ids_abbreviate``).
 
 ``queue_stats`` reads no table: it comes from the counts kept in memory (``_counts``,
 sql.py); nor does ``event_totals`` (``CountsBook``, relay/store/counts.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from relay.errors import JobNotFound
 from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, job_id_keys, parse_job_id
@@ -19,6 +22,7 @@ from relay.store.rows import (
     job_info,
     only_key,
     page,
+    short_id,
 )
 from relay.store.sqlite.sql import _PRIORITIES_HIGH_FIRST, SqliteBase
 
@@ -37,6 +41,13 @@ _OLDEST_READY_SQL = (
 # number of jobs.
 _PREFIX_KEYS_SQL = (
     f"SELECT id FROM jobs WHERE id BETWEEN ? AND ? ORDER BY id LIMIT {PREFIX_KEYS_READ}"
+)
+
+# An id's nearest key below and its keys from its own up (its own, if it is a job's, and
+# the nearest above): two seeks of the rowid, whatever the number of jobs (rows.short_id).
+_NEIGHBOURS_SQL = (
+    "SELECT id FROM (SELECT id FROM jobs WHERE id < ?1 ORDER BY id DESC LIMIT 1) "
+    "UNION ALL SELECT id FROM (SELECT id FROM jobs WHERE id >= ?1 ORDER BY id LIMIT 2)"
 )
 
 # A page of the dead list, by (of one queue, newest first): one seek of a partial index
@@ -84,6 +95,17 @@ class SqliteReads(SqliteBase):
         if keys:
             found = self._db.execute(_PREFIX_KEYS_SQL, (keys.start, keys[-1])).fetchall()
         return self.job_inspect(format_job_id(only_key(prefix, found)))
+
+    def job_ids_abbreviate(self, job_ids: Sequence[str]) -> list[str]:
+        """Each id's shortest start that no other job's id has (``rows.short_id``)."""
+        shown = []
+        for job_id in job_ids:
+            key = parse_job_id(job_id)
+            keys = []
+            if key is not None:
+                keys = [k for (k,) in self._db.execute(_NEIGHBOURS_SQL, (key,))]
+            shown.append(short_id(job_id, keys))
+        return shown
 
     def queue_stats(self) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included).
