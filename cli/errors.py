@@ -10,7 +10,6 @@ not pay for trio or the client.
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -104,39 +103,25 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _reason(exc: BaseException) -> str:
-    """Why a connection could not be made, without trio's "all attempts failed" wrapper,
-    and with what to do where the reason says it."""
-    import socket
+    """Why a connection could not be made (relay/tcp.py's words), with what to do where
+    the reason says it."""
     import ssl
 
-    import trio
+    from relay.tcp import connect_failure, connect_failure_text, tls_reason
 
-    if isinstance(exc, trio.TooSlowError):
-        return "timed out"
-    if isinstance(exc.__cause__, BaseExceptionGroup):
-        first = next(_leaves(exc.__cause__), None)
-        if isinstance(first, OSError):
-            exc = first
-    if isinstance(exc, socket.gaierror) and exc.strerror:
-        return exc.strerror
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        reason = f"TLS certificate verification failed: {exc.verify_message}"
-        if getattr(exc, "verify_code", None) in UNTRUSTED_ISSUER_CODES:
-            reason += (
+    failure = connect_failure(exc)
+    text = connect_failure_text(failure)
+    if isinstance(failure, ssl.SSLCertVerificationError):
+        if getattr(failure, "verify_code", None) in UNTRUSTED_ISSUER_CODES:
+            text += (
                 " (if the server's certificate comes from a private CA, give that CA's"
                 " certificate with --tls-ca PATH)"
             )
-        return reason
-    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not the system's
-        name = (exc.reason or str(exc)).lower().replace("_", " ")
-        if name in PLAIN_SERVER_REASONS:
-            return "the server does not speak TLS there (connect without --tls or tls://)"
-        return f"TLS handshake failed: {name}"
-    if isinstance(exc, ConnectionRefusedError):
-        return "Connection refused (is the server running there? or give --address)"
-    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
-        return os.strerror(exc.errno)
-    return str(exc) or type(exc).__name__
+    elif isinstance(failure, ssl.SSLError) and tls_reason(failure) in PLAIN_SERVER_REASONS:
+        text = "the server does not speak TLS there (connect without --tls or tls://)"
+    elif isinstance(failure, ConnectionRefusedError):
+        text += " (is the server running there? or give --address)"
+    return text
 
 
 # OpenSSL's verify codes for a chain that ends at an issuer the client does not trust:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -29,7 +28,9 @@ from rich.text import Text
 from relay.client import Client, open_client
 from relay.errors import BadRequest, RelayError, Unauthorized, WrongServer
 from relay.model import JobState
+from relay.tcp import tls_refused
 from relay_cli import views
+from relay_cli.errors import _leaves, _reason
 from relay_cli.ids import server_short_ids
 
 RATE_WINDOW_S = 10.0  # rates are per second over this many seconds
@@ -275,11 +276,12 @@ async def follow(
                 view.status = f"connected to {address}"
                 await _follow(client, view)
         except* (RelayError, OSError, trio.TooSlowError) as lost:  # from any of _follow's tasks
-            for exc in _leaves(lost):
+            leaves = list(_leaves(lost))
+            for exc in leaves:
                 if incurable(exc, connected):
                     raise exc from None
             verb = "reconnecting to" if connected else "connecting to"
-            view.status = f"{verb} {address} ({_why(_leaves(lost)[0])})"
+            view.status = f"{verb} {address} ({_why(leaves[0])})"
         await trio.sleep(RECONNECT_S)
 
 
@@ -288,26 +290,14 @@ def incurable(exc: BaseException, connected: bool) -> bool:
     a request refused as malformed, a certificate not trusted or TLS on one side only, a
     peer that is not a relay-trio server. A server that answered before (``connected``) and
     now closes at hello is taken to be restarting, not to have become another kind."""
-    if isinstance(exc, Unauthorized | BadRequest | ssl.SSLCertVerificationError):
+    if isinstance(exc, Unauthorized | BadRequest) or tls_refused(exc):
         return True
-    if isinstance(exc, ssl.SSLError):  # not an EOF: the peer does not speak TLS
-        return not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
     return isinstance(exc, WrongServer) and not connected
 
 
 def _why(exc: BaseException) -> str:
     """Why a connection failed or was lost, in a few words for the status line."""
-    if isinstance(exc, RelayError):
-        return exc.message
-    from relay_cli.errors import _reason
-
-    return _reason(exc)
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
+    return exc.message if isinstance(exc, RelayError) else _reason(exc)
 
 
 async def _redraw(live: Live, view: TopView) -> None:

@@ -31,11 +31,11 @@ from typing import Any
 import orjson
 
 from relay.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
-from relay.errors import ConnectionLost, RelayError, Unavailable, WrongServer, reply_fields
+from relay.errors import ConnectionLost, RelayError, Unavailable, reply_fields
 from relay.model import SubmitResult
 from relay.replies import JobView, Stats, structure_reply, submit_result
-from relay.tcp import CONNECT_TIMEOUT_S, MAX_HELLO_REPLY_BYTES
-from relay.tls import TLS_HINT, client_context, parse_address, uses_tls
+from relay.tcp import CONNECT_TIMEOUT_S, check_hello_reply, hello_line, hello_read
+from relay.tls import client_context, parse_address, uses_tls
 
 READ_BYTES = 64 * 1024
 
@@ -112,31 +112,14 @@ class BlockingClient:
         return sock
 
     def _say_hello(self, sock: socket.socket) -> None:
-        """Say hello (with the token, if any) before anything else. Raises Unauthorized if
-        the server refuses the token, the error of an error reply (overloaded), and
-        WrongServer if the peer is not a relay-trio server."""
-        hello: dict[str, Any] = {"op": "hello", "id": 0}
-        if self.token is not None:
-            hello["token"] = self.token
-        sock.sendall(orjson.dumps(hello) + b"\n")
+        """Say hello (with the token, if any) before anything else, and read its answer
+        (relay/tcp.py's ``check_hello_reply``, as the async client does)."""
+        sock.sendall(hello_line(self.token))
         data = b""
         while b"\n" not in data:
-            if len(data) > MAX_HELLO_REPLY_BYTES:
-                raise WrongServer("the server's answer to hello is no line of a relay-trio server")
-            more = sock.recv(READ_BYTES)
-            if not more:
-                if self._ssl_context is None and not data:  # a TLS server, to a plain client
-                    raise WrongServer(f"the server closed the connection at hello ({TLS_HINT})")
-                raise ConnectionLost("the server closed the connection during hello")
-            data += more
+            data = hello_read(data, sock.recv(READ_BYTES), plain=self._ssl_context is None)
         line, self._buffer = data.split(b"\n", 1)
-        try:
-            reply = orjson.loads(line)
-            reply_fields(reply)
-        except (orjson.JSONDecodeError, AttributeError):
-            raise WrongServer("the server does not answer as a relay-trio server") from None
-        if reply.get("server") != "relay-trio":
-            raise WrongServer("the server does not answer hello as a relay-trio server")
+        check_hello_reply(line)
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply's fields, or raise its error.

@@ -25,7 +25,7 @@ AGING_STEP_MS = 60_000
 # the integers do. 42 bits of milliseconds last until the year 2109; 21 bits of sequence
 # allow 2 million ids within one millisecond before the generator borrows the next one.
 ID_SEQ_BITS = 21
-_ID_MAX = (1 << 63) - 1
+ID_MAX = (1 << 63) - 1
 _ID_RE = re.compile(r"job_[0-9a-f]{16}")  # always fullmatch: "$" would allow a "\n"
 ID_PREFIX = "job_"
 ID_HEX_DIGITS = 16
@@ -223,7 +223,7 @@ def parse_job_id(job_id: str) -> int | None:
     if not _ID_RE.fullmatch(job_id):
         return None
     key = int(job_id[4:], 16)
-    return key if key <= _ID_MAX else None
+    return key if key <= ID_MAX else None
 
 
 def job_id_keys(abbreviated: str) -> range | None:
@@ -237,7 +237,7 @@ def job_id_keys(abbreviated: str) -> range | None:
     digits = abbreviated[len(ID_PREFIX) :]
     shift = 4 * (ID_HEX_DIGITS - len(digits))
     low = int(digits, 16) << shift
-    return range(low, min(low + (1 << shift), _ID_MAX + 1))
+    return range(low, min(low + (1 << shift), ID_MAX + 1))
 
 
 def job_id_abbreviation(key: int, others: Iterable[int]) -> str:

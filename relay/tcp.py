@@ -18,9 +18,12 @@ outbox and the flusher task) is ``TcpCalls`` in relay/tcp_calls.py, a part that
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
+import os
 import random
+import socket
 import ssl
 from collections import deque
 from contextlib import suppress
@@ -332,27 +335,86 @@ class TcpTransport(TcpCalls):
 
 async def _say_hello(stream: trio.abc.Stream, token: str | None, plain: bool = False) -> None:
     """Say hello (with ``token``, if any) on a new connection, before anything else is
-    sent, and read its answer. Raises Unauthorized if the server refuses the token, the
-    error of an error reply (overloaded), and WrongServer if the peer is not a relay-trio
-    server."""
+    sent, and read its answer (see ``check_hello_reply``)."""
+    await stream.send_all(hello_line(token))
+    data = b""
+    while b"\n" not in data:
+        data = hello_read(data, await stream.receive_some(READ_BYTES), plain)
+    check_hello_reply(data.split(b"\n", 1)[0])
+
+
+# -- what both clients share: the hello that begins a connection, why a connection failed --
+
+
+def hello_line(token: str | None) -> bytes:
+    """The hello a connection begins with (id 0: the calls' ids start at 1)."""
     hello: dict[str, Any] = {"op": "hello", "id": 0}
     if token is not None:
         hello["token"] = token
-    await stream.send_all(orjson.dumps(hello) + b"\n")
-    data = b""
-    while b"\n" not in data:
-        if len(data) > MAX_HELLO_REPLY_BYTES:
-            raise WrongServer("the server's answer to hello is no line of a relay-trio server")
-        more = await stream.receive_some(READ_BYTES)
-        if not more:
-            if plain and not data:  # what a server with TLS does to a plain client
-                raise WrongServer(f"the server closed the connection at hello ({TLS_HINT})")
-            raise ConnectionLost("the server closed the connection during hello")
-        data += more
+    return orjson.dumps(hello) + b"\n"
+
+
+def hello_read(data: bytes, more: bytes, plain: bool) -> bytes:
+    """The hello's reply so far, ``data``, with the bytes just read, ``more``; or the
+    error that ends it: the connection closed (before a byte, on a plain connection: what
+    a server with TLS does, WrongServer), or too much without a line end (WrongServer)."""
+    if not more:
+        if plain and not data:
+            raise WrongServer(f"the server closed the connection at hello ({TLS_HINT})")
+        raise ConnectionLost("the server closed the connection during hello")
+    data += more
+    if b"\n" not in data and len(data) > MAX_HELLO_REPLY_BYTES:
+        raise WrongServer("the server's answer to hello is no line of a relay-trio server")
+    return data
+
+
+def check_hello_reply(line: bytes) -> None:
+    """Raise what the hello's reply says: the error of an error reply (Unauthorized for a
+    token refused, Overloaded), WrongServer if it is not a relay-trio server's."""
     try:
-        reply = orjson.loads(data.split(b"\n", 1)[0])
+        reply = orjson.loads(line)
         reply_fields(reply)
     except (orjson.JSONDecodeError, AttributeError):
         raise WrongServer("the server does not answer as a relay-trio server") from None
     if reply.get("server") != "relay-trio":
         raise WrongServer("the server does not answer hello as a relay-trio server")
+
+
+def connect_failure(exc: BaseException) -> BaseException:
+    """The error of a failed connection, out of trio's wrapper: when every address of a
+    host failed, the first attempt's own error."""
+    if isinstance(exc, OSError) and isinstance(exc.__cause__, BaseExceptionGroup):
+        first = exc.__cause__.exceptions[0]
+        if isinstance(first, OSError):
+            return first
+    return exc
+
+
+def connect_failure_text(exc: BaseException) -> str:
+    """Why a connection failed (or was lost), in a few words, as the system or OpenSSL
+    says it: "Connection refused", "timed out", "TLS handshake failed: ..."."""
+    exc = connect_failure(exc)
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not the system's
+        return f"TLS handshake failed: {tls_reason(exc)}"
+    if isinstance(exc, socket.gaierror) and exc.strerror:  # a name that does not resolve
+        return exc.strerror
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        return os.strerror(exc.errno)
+    return str(exc) or type(exc).__name__
+
+
+def tls_reason(exc: ssl.SSLError) -> str:
+    """OpenSSL's reason, in words: "wrong version number", "certificate verify failed"."""
+    return (exc.reason or str(exc)).lower().replace("_", " ")
+
+
+def tls_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is TLS that no retry fixes: a certificate not trusted, or a peer
+    that does not speak TLS (an EOF during the handshake may be a server restarting)."""
+    return isinstance(exc, ssl.SSLError) and not isinstance(
+        exc, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError
+    )

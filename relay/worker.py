@@ -49,7 +49,6 @@ the ack task.
 from __future__ import annotations
 
 import contextlib
-import errno
 import inspect
 import logging
 import os
@@ -57,7 +56,6 @@ import random
 import secrets
 import signal
 import socket
-import ssl
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -76,7 +74,7 @@ from relay.histogram import Histogram
 from relay.log import event
 from relay.nursery import open_service_nursery
 from relay.replies import Hello
-from relay.tcp import CONNECT_TIMEOUT_S
+from relay.tcp import CONNECT_TIMEOUT_S, connect_failure_text, tls_refused
 from relay.worker_acks import WorkerAcks
 from relay.worker_jobs import (
     _LEASE_GONE,
@@ -252,14 +250,14 @@ class Worker(WorkerJobs, WorkerAcks):
         # stops the worker gracefully (see stop).
         with self._connecting:
             async with contextlib.AsyncExitStack() as stack:
-                client = await self._connect(stack)
+                client, hello = await self._connect(stack)
                 self._connected = True
                 helpers = await stack.enter_async_context(trio.open_nursery())
                 event(
                     log, logging.INFO, "worker.started", worker_id=self.worker_id,
                     queues=self.queues, concurrency=self.concurrency,
                 )  # fmt: skip
-                await self._fit_to_server(client)
+                self._fit(hello.limits)
                 helpers.start_soon(self._renew_loop, client)
                 helpers.start_soon(self._ack_loop, client)
                 with self._jobs_scope:
@@ -281,17 +279,19 @@ class Worker(WorkerJobs, WorkerAcks):
             task_status.started()
         event(log, logging.INFO, "worker.stopped", worker_id=self.worker_id, **self._counts)
 
-    async def _connect(self, stack: contextlib.AsyncExitStack) -> Client:
-        """The client to work with: the one given, or a connection to the address, tried
-        until the server answers (or until cancelled: ``stop()``). Its hello is checked:
-        a producer's token, or settings over the server's limits, raise."""
+    async def _connect(self, stack: contextlib.AsyncExitStack) -> tuple[Client, Hello]:
+        """The client to work with and its server's hello: the client given, or a
+        connection to the address, tried until the server answers (or until cancelled:
+        ``stop()``). The hello is checked: a producer's token, or settings over the
+        server's limits, raise."""
         if isinstance(self._server, Client):
+            client = self._server
             with trio.fail_after(SETTLE_TIMEOUT_S):
-                self._check_hello(await self._server.hello())
-            return self._server
-        client, hello = await self._reach_server(stack)
+                hello = await client.hello()
+        else:
+            client, hello = await self._reach_server(stack)
         self._check_hello(hello)
-        return client
+        return client, hello
 
     async def _reach_server(self, stack: contextlib.AsyncExitStack) -> tuple[Client, Hello]:
         """Try to connect and say hello until the server answers; the connection is left
@@ -310,14 +310,15 @@ class Worker(WorkerJobs, WorkerAcks):
                     stack.push_async_exit(attempt.pop_all())
                     return client, hello
             except (OSError, trio.TooSlowError, ConnectionLost, Overloaded, ShuttingDown) as exc:
-                if incurable(exc):
+                if tls_refused(exc):
                     raise
                 wait = delay * random.uniform(0.5, 1.0)
+                why = connect_failure_text(exc)
                 event(
                     log, logging.WARNING, "worker.connect_failed", address=str(self._server),
-                    error=describe(exc), retry_in_s=round(wait, 2),
-                    message=f"worker {self.worker_id}: cannot reach {self._server} "
-                    f"({describe(exc)}); trying again in {wait:.2g} s",
+                    error=why, retry_in_s=round(wait, 2),
+                    message=f"worker {self.worker_id}: cannot reach {self._server} ({why}); "
+                    f"trying again in {wait:.2g} s",
                 )  # fmt: skip
                 await trio.sleep(wait)
                 delay = min(delay * 2, CONNECT_RETRY_CAP_S)
@@ -424,42 +425,23 @@ class Worker(WorkerJobs, WorkerAcks):
             event(log, logging.WARNING, "job.renew_failed", job_id=job.job_id, error=repr(exc))
 
     async def _fit_to_server(self, client: Client) -> None:
-        """Keep leases and ack batches within the limits the server advertises (``hello``):
-        a lease of more than its max_batch would be refused. Without an answer, the
-        defaults hold, and a batch the server refuses is acked one by one."""
+        """Read the server's limits again (``hello``) and keep within them (``_fit``).
+        Without an answer, the limits read before hold."""
         try:
             with trio.move_on_after(SETTLE_TIMEOUT_S):
-                limits = (await client.hello()).limits
-                most = max(1, limits.get("max_batch", MAX_ACK_BATCH))
-                self._lease_max = min(self.concurrency, most)
-                self._ack_batch_max = min(MAX_ACK_BATCH, most)
-                frame = limits.get("max_frame_bytes", 4 * MAX_ACK_BATCH_BYTES)
-                self._ack_batch_bytes = max(1, min(MAX_ACK_BATCH_BYTES, frame // 4))
+                self._fit((await client.hello()).limits)
         except RelayError as exc:
             event(log, logging.INFO, "worker.hello_failed", error=repr(exc))
 
-
-def incurable(exc: BaseException) -> bool:
-    """Whether no retry can make a connection that failed with ``exc``: a certificate not
-    trusted, or TLS refused by a peer that does not speak it (an EOF during the handshake
-    may be a server restarting: that one is retried)."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return True
-    return isinstance(exc, ssl.SSLError) and not isinstance(
-        exc, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError
-    )
-
-
-def describe(exc: BaseException) -> str:
-    """An error as a log field: its text, or its type where it has none."""
-    if isinstance(exc, OSError) and isinstance(exc.__cause__, BaseExceptionGroup):
-        # trio's "all attempts to connect failed": the first attempt's reason says it
-        exc = exc.__cause__.exceptions[0]
-    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
-        return os.strerror(exc.errno)
-    if isinstance(exc, trio.TooSlowError):
-        return "no answer in time"
-    return str(exc) or type(exc).__name__
+    def _fit(self, limits: Mapping[str, int]) -> None:
+        """Keep leases and ack batches within the limits the server advertises: a lease of
+        more than its max_batch would be refused. A limit it does not advertise leaves the
+        default, and a batch the server refuses anyway is acked one by one."""
+        most = max(1, limits.get("max_batch", MAX_ACK_BATCH))
+        self._lease_max = min(self.concurrency, most)
+        self._ack_batch_max = min(MAX_ACK_BATCH, most)
+        frame = limits.get("max_frame_bytes", 4 * MAX_ACK_BATCH_BYTES)
+        self._ack_batch_bytes = max(1, min(MAX_ACK_BATCH_BYTES, frame // 4))
 
 
 async def run_worker(worker: Worker) -> list[signal.Signals]:

@@ -564,10 +564,10 @@ async def test_one_unacceptable_result_does_not_fail_the_others_acks(tmp_path, m
     # same batch as the others.
     monkeypatch.setattr("relay.worker.MAX_ACK_BATCH_BYTES", 10 * 1024 * 1024)
 
-    async def keep_defaults(self: Worker, client: Client) -> None:
+    def keep_defaults(self: Worker, limits: Any) -> None:
         pass
 
-    monkeypatch.setattr(Worker, "_fit_to_server", keep_defaults)
+    monkeypatch.setattr(Worker, "_fit", keep_defaults)
     too_large = "x" * (256 * 1024 + 1)  # over the server's max_result_bytes
     together = Together({0: too_large, 1: "one", 2: "two"})
     async with open_local(str(tmp_path / "local.db")) as client:
@@ -1442,6 +1442,18 @@ async def test_sigterm_to_the_worker_command_releases_its_job_at_once(tcp):
 # -- stopping a worker that has not reached its server ---------------------------------------
 
 
+class _OnEvent(logging.Handler):
+    """Sets ``seen`` when a record of event ``name`` is emitted."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.name, self.seen = name, trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", record.getMessage()) == self.name:
+            self.seen.set()
+
+
 @pytest.mark.parametrize("server", ["silent", "down"])
 async def test_stop_ends_a_worker_still_trying_to_reach_its_server(server):
     """A server that accepts and never answers (the worker is in its connection's hello)
@@ -1449,17 +1461,33 @@ async def test_stop_ends_a_worker_still_trying_to_reach_its_server(server):
     attempt is, and nothing is left running."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
-    if server == "down":
-        await listeners[0].aclose()
-    worker = Worker(f"127.0.0.1:{port}", queues=["q"], handler=lambda job: None)
-    with trio.fail_after(BOUND_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(worker.run)
-            await trio.sleep(0.3)  # (real time: a connection is being tried, or waited for)
-            stopped = trio.current_time()
-            worker.stop()
-        assert trio.current_time() - stopped < 1.0
-    if server == "silent":
+    failed = _OnEvent("worker.connect_failed")
+    logging.getLogger("relay.worker").addHandler(failed)
+    try:
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as server_side:
+                accepted = trio.Event()
+                if server == "silent":
+
+                    async def accept() -> None:
+                        async with await listeners[0].accept():
+                            accepted.set()
+                            await trio.sleep_forever()
+
+                    server_side.start_soon(accept)
+                else:
+                    await listeners[0].aclose()
+                worker = Worker(f"127.0.0.1:{port}", queues=["q"], handler=lambda job: None)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(worker.run)
+                    # In an attempt (its hello unanswered), or between two.
+                    await (accepted if server == "silent" else failed.seen).wait()
+                    stopped = trio.current_time()
+                    worker.stop()
+                assert trio.current_time() - stopped < 1.0
+                server_side.cancel_scope.cancel()
+    finally:
+        logging.getLogger("relay.worker").removeHandler(failed)
         await listeners[0].aclose()
 
 

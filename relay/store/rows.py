@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from relay.errors import BadRequest, JobNotFound
 from relay.model import (
+    ID_MAX,
     ErrorEntry,
     JobInfo,
     JobState,
@@ -22,10 +23,6 @@ JOB_COLUMNS = (
     "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
     "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
 )
-
-# The largest key a job id can have (63 bits, relay/model.py): the bound of the first page
-# newest first. Both SQLite's and PostgreSQL's integers hold it.
-MAX_JOB_KEY = (1 << 63) - 1
 
 
 # An abbreviated id's range of keys (model.job_id_keys) is read for at most this many:
@@ -99,7 +96,7 @@ def cursor_bound(cursor: str | None, newest: bool) -> int:
     no job: the first page."""
     key = parse_job_id(cursor) if cursor is not None else None
     if newest:
-        return MAX_JOB_KEY if key is None else key - 1
+        return ID_MAX if key is None else key - 1  # (the largest key a job id can have)
     return -1 if key is None else key
 
 

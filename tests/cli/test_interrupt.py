@@ -53,11 +53,9 @@ class Command:
                 assert self.process.returncode is None, (self.stdout, self.stderr)
                 await self.changed.wait()
 
-    async def interrupt(self, times: int = 1) -> int:
-        """SIGINT (as Ctrl-C sends it) ``times`` times; the exit code."""
-        for _ in range(times):
-            self.process.send_signal(signal.SIGINT)
-            await trio.sleep(0.2)
+    async def interrupt(self) -> int:
+        """SIGINT, as Ctrl-C sends it; the exit code."""
+        self.process.send_signal(signal.SIGINT)
         with trio.fail_after(BOUND_S):
             return await self.process.wait()
 
@@ -183,7 +181,9 @@ async def test_a_second_ctrl_c_stops_the_worker_at_once_and_releases_its_job(add
         await worker.wait_for(lambda c: b'"worker.started"' in c.stderr)
         job = await client.submit("stuck", {"sleep_ms": 60_000})
         await wait_for_state(client, "stuck", "leased")
-        assert_interrupted(await worker.interrupt(times=2), worker)
+        worker.process.send_signal(signal.SIGINT)
+        await worker.wait_for(lambda c: b'"worker.draining"' in c.stderr)
+        assert_interrupted(await worker.interrupt(), worker)
     assert "worker.stopping_now" in worker.log_events()
     assert (await client.inspect(job.job_id)).state == "ready"  # released, not left leased
 

@@ -428,9 +428,10 @@ async def test_a_second_ctrl_c_exits_130_while_stderr_is_a_full_pipe(tmp_path):
             with trio.fail_after(BOUND_S):
                 while "pipe_write" not in await wchan.read_text():  # noqa: ASYNC110
                     await trio.sleep(0.01)
+            # Two signals of two kinds, so that both are pending together (a second of the
+            # same kind could merge with the first before its handler ran).
             process.send_signal(signal.SIGINT)
-            await trio.sleep(0.2)
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signal.SIGTERM)
             assert await exit_code(process) == 130
         finally:
             if process.returncode is None:

@@ -26,6 +26,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from relay.errors import LeaseExpired, QueueFull, StaleToken
+from relay.model import ID_MAX as MAX_JOB_KEY
 from relay.model import Backoff, JobState, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
@@ -34,7 +35,6 @@ from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import maintenance as maintenance_sql
 from relay.store.postgres import reads as reads_sql
 from relay.store.postgres.sql import decode_text, encode_text
-from relay.store.rows import MAX_JOB_KEY
 from tests.conftest import T0
 
 LEASE_MS = 30_000
