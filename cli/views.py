@@ -456,10 +456,14 @@ def _time_cell(ms: int) -> Text:
 
 
 def _json(value: Any) -> RenderableType:
+    """A payload or result as indented JSON, a long line folded, never cut: it is the job's
+    own data (rich's JSON does not wrap)."""
     try:
-        return JSON.from_data(value, indent=2)
+        text = JSON.from_data(value, indent=2).text
     except (TypeError, ValueError):
-        return Text(repr(value))
+        text = Text(repr(value))
+    text.no_wrap, text.overflow = False, "fold"
+    return text
 
 
 def job_panel(job: JobView) -> Fitted:

@@ -413,6 +413,16 @@ def test_job_panel_history_is_a_line_per_attempt_and_the_values_are_whole(width)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_job_panel_folds_a_long_payload_and_result_rather_than_cutting_them(width):
+    long = "warehouse query took over 30 s while closing the month of " + "x" * 150
+    job = dead_job(payload={"error": long, "n": 1}, result={"note": long[::-1]})
+    lines = lines_of(views.job_panel(job), width)
+    assert all(len(line) <= width for line in lines)
+    text = "".join("".join(line.strip("│ ").split()) for line in lines)
+    assert "".join(long.split()) in text and "".join(long[::-1].split()) in text
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_job_panel_shows_the_latest_traceback_whole_and_folded(width):
     frames = "".join(
         f'  File "/srv/app/jobs/billing.py", line {n}, in step_{n}\n' for n in range(9)
