@@ -33,7 +33,7 @@ def parse_address(text: str, option: str = "--address") -> tuple[str, int]:
     if sep:
         known = f"{scheme}://" in (TCP_SCHEME, TLS_SCHEME)
         problem = "give HOST:PORT here" if known else (
-            f"the scheme {scheme}:// is not one of {TCP_SCHEME} or {TLS_SCHEME}"
+            f"{scheme}:// is neither {TCP_SCHEME} nor {TLS_SCHEME}"
         )  # fmt: skip
         raise click.BadParameter(f"{text!r}: {problem}", param_hint=option)
     host, sep, port = text.rpartition(":")
