@@ -442,7 +442,7 @@ def stopping_line(fields: Mapping[str, Any]) -> str:
     if fields.get("starting"):
         return f"stopping ({name}) before serving: closing what is open"
     seconds = _seconds(fields.get("shutdown_timeout_ms"))
-    return f"stopping ({name}): up to {seconds} for requests in flight (again: at once)"
+    return f"stopping ({name}): requests in flight get up to {seconds} (again: now)"
 
 
 def _seconds(ms: Any) -> str:

@@ -212,7 +212,7 @@ async def test_on_a_terminal_a_summary_then_short_lines_and_ctrl_c_says_how_long
     # The dashboard is served where the metrics are.
     metrics_port = summary.split("metrics     http://127.0.0.1:")[1].split("/")[0]
     assert f"dashboard   http://127.0.0.1:{metrics_port}/" in summary, text
-    assert "stopping (SIGINT): up to 2.5 s for requests in flight" in text, text
+    assert "stopping (SIGINT): requests in flight get up to 2.5 s" in text, text
     lines = text.splitlines()
     stopped = next(line for line in lines if "server.stopped" in line)
     assert stopped.split()[1:3] == ["info", "server.stopped"], stopped
@@ -459,7 +459,7 @@ async def test_a_second_ctrl_c_exits_130_while_the_shutdown_is_held_up(tmp_path)
             async with stream:
                 await stream.send_all(b'{"op": "submit", "id": 1, "queue": "q", "payload": 1}\n')
                 process.send_signal(signal.SIGINT)
-                await terminal.wait_for("stopping (SIGINT): up to 30 s for requests")
+                await terminal.wait_for("stopping (SIGINT): requests in flight get up to 30 s")
                 process.send_signal(signal.SIGINT)
                 code = await exit_code(process, terminal)
         finally:
