@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from relay import log as relay_log
 from relay.log import LogConfigError
 
 T = TypeVar("T")
@@ -28,7 +29,9 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a SIGINT death
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    """Print "relay-trio: message" (on one line) to stderr and exit with ``code``."""
+    """Print "relay-trio: message" (on one line) to stderr, after the log lines still
+    waiting to be written, and exit with ``code``."""
+    relay_log.flush()
     click.echo(f"{PROG}: {' '.join(message.split())}", err=True)
     sys.exit(code)
 

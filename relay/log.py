@@ -13,6 +13,10 @@ text line then is that message (and the event's ``traceback`` field, if any, bel
 and it is what a program's own logging prints when it has not installed these formatters,
 where the event name alone would say nothing. The JSON line keeps the event name and adds
 the message.
+
+Lines are written by a thread of their own (``LineWriter``), never by the code that logs:
+stderr may be a pipe that nobody reads (a stuck log collector), and a blocked write there
+must not stop the event loop, nor the signal handlers that run on its thread.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import os
 import re
 import sys
 import textwrap
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -140,12 +146,107 @@ def configure(
     logger = logging.getLogger("relay")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(out)
+    handler = LineWriter(out)
     handler.setFormatter(JsonFormatter() if chosen == "json" else TextFormatter(renderers))
     logger.addHandler(handler)
     logger.setLevel(LEVELS[name])
     logger.propagate = False
     return chosen
+
+
+# Lines waiting for the writer thread at most; past this, lines are dropped and counted.
+MAX_WAITING_LINES = 10_000
+# At exit, waiting lines are written unless the stream takes none for this long.
+EXIT_PATIENCE_S = 1.0
+
+
+class LineWriter(logging.Handler):
+    """Formats each record where it is logged, and leaves the line for a thread that writes
+    it to ``stream``: a write that blocks (a full pipe) blocks that thread alone. At most
+    ``MAX_WAITING_LINES`` wait; past that a line is dropped, and the next one that finds
+    room is preceded by a ``log.dropped`` line saying how many were. ``flush`` waits until
+    every line is written or the stream took none for ``patience`` seconds; at exit,
+    ``logging.shutdown`` calls it."""
+
+    def __init__(self, stream: Any, capacity: int = MAX_WAITING_LINES) -> None:
+        super().__init__()
+        self.stream = stream
+        self.capacity = capacity
+        self.dropped = 0
+        self._lines: deque[str] = deque()
+        self._changed = threading.Condition()  # reentrant: a signal handler may log
+        self._writing = False  # the thread holds a line it has not finished writing
+        self._written = 0  # lines written so far, so that flush can see progress
+        try:
+            self._fd: int | None = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # io.StringIO and the like
+            self._fd = None
+        threading.Thread(target=self._run, name="relay-log", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        with self._changed:
+            if len(self._lines) >= self.capacity:
+                self.dropped += 1
+                return
+            if self.dropped:
+                self._lines.append(self._dropped_line(record))
+                self.dropped = 0
+            self._lines.append(line)
+            self._changed.notify_all()
+
+    def _dropped_line(self, record: logging.LogRecord) -> str:
+        said = logging.LogRecord(record.name, logging.WARNING, __file__, 0, "log.dropped",
+                                 None, None)  # fmt: skip
+        said.fields = {"count": self.dropped, "reason": "stderr is not being read"}
+        return self.format(said)
+
+    def flush(self, patience: float = EXIT_PATIENCE_S) -> None:
+        with self._changed:
+            while self._lines or self._writing:
+                before = self._written
+                self._changed.wait(patience)
+                if self._written == before:
+                    return  # the stream takes nothing: give up rather than hang
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._lines:
+                    self._changed.wait()
+                line = self._lines.popleft()
+                self._writing = True
+            try:
+                self._write(line + "\n")
+            except (OSError, ValueError):
+                pass  # stderr closed or broken: nowhere left to say it
+            finally:
+                with self._changed:
+                    self._writing = False
+                    self._written += 1
+                    self._changed.notify_all()
+
+    def _write(self, text: str) -> None:
+        if self._fd is None:
+            self.stream.write(text)
+            self.stream.flush()
+            return
+        # Straight to the descriptor: a blocked write then holds no lock of sys.stderr's,
+        # which the interpreter's exit and the signal handlers' own lines must take.
+        data = text.encode("utf-8", "replace")
+        while data:
+            data = data[os.write(self._fd, data) :]
+
+
+def flush() -> None:
+    """Write the relay logger's waiting lines (for as long as stderr takes them), so that a
+    line printed next, such as a command's error, comes after them."""
+    for handler in logging.getLogger("relay").handlers:
+        handler.flush()
 
 
 def is_terminal(stream: Any) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,11 +15,13 @@ import pytest
 
 from relay.log import (
     JsonFormatter,
+    LineWriter,
     LogConfigError,
     Summary,
     TextFormatter,
     configure,
     event,
+    flush,
     text_value,
 )
 
@@ -72,6 +75,7 @@ def test_text_on_a_terminal_json_elsewhere_unless_relay_log_format_says(
     stream = FakeStream(terminal)
     assert configure("info", stream) == chosen
     event(logging.getLogger("relay.test"), logging.INFO, "thing.happened", count=1)
+    flush()
     line = stream.getvalue()
     if chosen == "json":
         assert orjson.loads(line)["event"] == "thing.happened"
@@ -90,6 +94,61 @@ def test_an_unknown_level_or_format_changes_nothing(monkeypatch, variable, value
         configure(stream=FakeStream(True))
     assert "\n" not in str(raised.value)
     assert logging.getLogger("relay").handlers == before
+
+
+# -- the line writer: a stuck stderr never blocks the code that logs -------------------------
+
+
+class StuckStream(io.StringIO):
+    """A stream whose writes block until ``release`` is set, as a full pipe's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()  # a write has begun (and blocks)
+
+    def write(self, text: str) -> int:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the stream"
+        return super().write(text)
+
+
+def writer_on(stream: io.StringIO, capacity: int) -> LineWriter:
+    handler = LineWriter(stream, capacity=capacity)
+    handler.setFormatter(JsonFormatter())
+    return handler
+
+
+def test_a_stuck_stream_blocks_the_writer_thread_not_the_code_that_logs():
+    stream = StuckStream()
+    handler = writer_on(stream, capacity=3)
+    handler.emit(record("first"))
+    assert stream.entered.wait(10)  # the thread is stuck writing "first"
+    for i in range(6):  # returns at once: three wait, three are dropped
+        handler.emit(record(f"waiting.{i}"))
+    assert handler.dropped == 3
+    stream.release.set()
+    handler.flush()
+    handler.emit(record("after"))
+    handler.flush()
+    events = [orjson.loads(line) for line in stream.getvalue().splitlines()]
+    assert [e["event"] for e in events] == ["first", "waiting.0", "waiting.1", "waiting.2",
+                                            "log.dropped", "after"]  # fmt: skip
+    assert events[4]["count"] == 3
+    assert handler.dropped == 0
+
+
+def test_flush_gives_up_when_the_stream_takes_nothing():
+    stream = StuckStream()
+    handler = writer_on(stream, capacity=10)
+    handler.emit(record("first"))
+    handler.emit(record("second"))
+    assert stream.entered.wait(10)
+    handler.flush(patience=0.05)  # returns, though nothing was written
+    assert stream.getvalue() == ""
+    stream.release.set()
+    handler.flush()
+    assert len(stream.getvalue().splitlines()) == 2
 
 
 # -- the text format ----------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import orjson
 import pytest
 import trio
 
+import relay
+
 from .conftest import BOUND_S, RELAY, assert_one_line_error, cli_env, relay_trio
 
 LOOPBACK_ANY = "127.0.0.1:0"
@@ -39,6 +41,12 @@ def server_args(db: Path, **addresses: str) -> list[str]:
     for name, value in chosen.items():
         args += [f"--{name.replace('_', '-')}", value]
     return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -408,10 +416,19 @@ async def test_a_second_ctrl_c_exits_130_while_the_database_opens(tmp_path):
     assert "Traceback" not in terminal.text, terminal.text
 
 
-async def test_a_second_ctrl_c_exits_130_while_stderr_is_a_full_pipe(tmp_path):
-    """Nobody reads the server's stderr (a stuck log collector): its log writes block.
-    Signals still stop it, and the second one exits at once, saying nothing it could
-    not write."""
+def blocked_on_a_pipe(pid: int) -> bool:
+    """Whether a thread of process ``pid`` waits in a write to a full pipe."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # the thread has just ended
+            if "pipe_write" in (task / "wchan").read_text():
+                return True
+    return False
+
+
+@asynccontextmanager
+async def stderr_a_full_pipe(args: list[str]) -> AsyncIterator[trio.Process]:
+    """The server, its stderr a pipe that is full and that nobody reads (a stuck log
+    collector), once a write of its logs is blocked there."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     with contextlib.suppress(BlockingIOError):
@@ -420,19 +437,14 @@ async def test_a_second_ctrl_c_exits_130_while_stderr_is_a_full_pipe(tmp_path):
     os.set_blocking(write_end, True)
     try:
         process = await trio.lowlevel.open_process(
-            [str(RELAY), *server_args(tmp_path / "relay.db")], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=write_end, env=env(RELAY_LOG_FORMAT="json"),
+            [str(RELAY), *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=write_end, env=env(RELAY_LOG_FORMAT="json"),
         )  # fmt: skip
         try:
-            wchan = trio.Path(f"/proc/{process.pid}/wchan")
             with trio.fail_after(BOUND_S):
-                while "pipe_write" not in await wchan.read_text():  # noqa: ASYNC110
+                while not blocked_on_a_pipe(process.pid):  # noqa: ASYNC110
                     await trio.sleep(0.01)
-            # Two signals of two kinds, so that both are pending together (a second of the
-            # same kind could merge with the first before its handler ran).
-            process.send_signal(signal.SIGINT)
-            process.send_signal(signal.SIGTERM)
-            assert await exit_code(process) == 130
+            yield process
         finally:
             if process.returncode is None:
                 process.kill()
@@ -440,6 +452,29 @@ async def test_a_second_ctrl_c_exits_130_while_stderr_is_a_full_pipe(tmp_path):
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+async def test_a_stderr_nobody_reads_stops_neither_the_service_nor_the_shutdown(tmp_path):
+    """The log writes block, in a thread of their own: the server still answers, and a
+    signal still stops it gracefully, the lines it could not write given up on."""
+    port = free_port()
+    args = server_args(tmp_path / "relay.db", address=f"127.0.0.1:{port}")
+    async with stderr_a_full_pipe(args) as process:
+        with trio.fail_after(BOUND_S):
+            async with relay.open_client(f"127.0.0.1:{port}") as client:
+                await client.ping()
+                await client.submit("email", {"to": "a@example.com"})
+        process.send_signal(signal.SIGTERM)
+        assert await exit_code(process) == 0
+
+
+async def test_a_second_ctrl_c_exits_130_while_stderr_is_a_full_pipe(tmp_path):
+    async with stderr_a_full_pipe(server_args(tmp_path / "relay.db")) as process:
+        # Two signals of two kinds, so that both are pending together (a second of the
+        # same kind could merge with the first before its handler ran).
+        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
+        assert await exit_code(process) == 130
 
 
 async def test_a_second_ctrl_c_exits_130_while_the_shutdown_is_held_up(tmp_path):
