@@ -43,6 +43,7 @@ from relay.server.longpoll import LongPolls
 from relay.server.watch import Watchers
 from relay.store.base import REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
+from relay.store.view import STATES, Entry, QueueView
 from relay.store.writer import Writer
 
 log = logging.getLogger("relay.dispatch")
@@ -98,8 +99,12 @@ class Dispatcher(AdminHandlers):
         longpolls: LongPolls,
         tokens: Tokens | None = None,
         watchers: Watchers | None = None,
+        view: QueueView | None = None,
     ) -> None:
         self.writer = writer
+        # The store's counts per queue as of the last commit: stats reads a page of them
+        # here, in the trio thread, with no query and no turn in the writer.
+        self.view = view if view is not None else QueueView()
         self.limits = limits
         self.longpolls = longpolls
         self.watchers = watchers  # None: no watch (embedded mode)
@@ -327,13 +332,29 @@ class Dispatcher(AdminHandlers):
         self._queue(connection, (ops.RELEASE, connection, rid, started, args))
 
     def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        """A page of the view (relay/store/view.py), answered here; with oldest_ready, the
+        page's queues that have ready jobs go to the writer for their oldest (a few index
+        seeks each, at most a page's worth)."""
         r = self._typed(fields, "stats")
         server = {
             "version": VERSION,
             "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
             "connections": self.connections(),
         }
-        self._queue(connection, (ops.STATS, connection, rid, started, (server, r.oldest_ready)))
+        rows, next_cursor = self.view.page(r.cursor, r.limit, r.queues)
+        page = {
+            "queues": {queue: stats_counts(entry) for queue, entry in rows},
+            "server": server,
+            "next_cursor": next_cursor,
+            "total_queues": len(self.view),
+        }
+        ready = tuple(queue for queue, entry in rows if entry is not None and entry[READY_AT])
+        if not r.oldest_ready or not ready:
+            if r.oldest_ready:
+                page["oldest_ready_ms"] = {}
+            self._answer_now(connection, "stats", started, wire.encode_ok(rid, page))
+            return
+        self._queue(connection, (ops.STATS, connection, rid, started, (page, ready)))
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -366,6 +387,16 @@ class Dispatcher(AdminHandlers):
             reply = wire.encode_ok(item[2], {"jobs": []})
         self.answered(connection, item, now)
         return reply
+
+
+# Where an entry of the view holds the ready jobs.
+READY_AT = STATES.index("ready")
+_ZEROS = (0,) * len(STATES)
+
+
+def stats_counts(entry: Entry | None) -> dict[str, int]:
+    """A queue's jobs per state, as a stats reply gives them (None: it holds none)."""
+    return dict(zip(STATES, entry or _ZEROS, strict=False))
 
 
 def _give_back(connection: Connection, args: Any) -> None:

@@ -303,19 +303,15 @@ class _DeadList(RequestOp):
 
 
 class _Stats(RequestOp):
-    """``stats``: args is the server's own fields, taken when the request arrived, and
-    whether the ages of the oldest ready jobs were asked for."""
+    """``stats`` with ``oldest_ready``: args is the page of the reply, made from the view
+    when the request arrived (relay/server/dispatch.py), and the page's queues that had
+    ready jobs, whose oldest ready job is read here (a few index seeks each)."""
 
-    def run(self, store: Store, now: int, args: tuple[dict[str, Any], bool]) -> Any:
-        if not args[1]:
-            return store.queue_stats(), None
-        return store.queue_stats(), store.oldest_ready_ms(now)
+    def run(self, store: Store, now: int, args: tuple[dict[str, Any], tuple[str, ...]]) -> Any:
+        return store.oldest_ready_ms(now, args[1])
 
-    def fields(self, outcome: tuple, args: tuple[dict[str, Any], bool]) -> dict[str, Any]:
-        queues, oldest = outcome
-        if oldest is None:
-            return {"queues": queues, "server": args[0]}
-        return {"queues": queues, "server": args[0], "oldest_ready_ms": oldest}
+    def fields(self, outcome: dict[str, int], args: tuple) -> dict[str, Any]:
+        return {**args[0], "oldest_ready_ms": outcome}
 
 
 class _DeadOne(RequestOp):

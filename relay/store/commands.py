@@ -254,6 +254,27 @@ class Stats:
 
 
 @attrs.frozen
+class RefreshCounts:
+    """PostgreSQL: read a page of every server's counts into the view (the next cursor)."""
+
+    after: str | None
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.counts_refresh(self.after, self.limit)  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class OldestReady:
+    """How long the oldest ready job of each of these queues has waited (ms)."""
+
+    queues: tuple[str, ...]
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.oldest_ready_ms(now, self.queues)
+
+
+@attrs.frozen
 class EventTotals:
     def apply(self, store: Store, now: int) -> Any:
         return store.event_totals()

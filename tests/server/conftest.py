@@ -146,6 +146,9 @@ class RunningServer:
 async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> RunningServer:
     limits = overrides.pop("limits", wire.Limits())
     defaults = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "ws_port": 0}
+    # Scrapes see every change at once (tests scrape, act, and scrape again); the cache's
+    # own tests set it.
+    defaults["metrics_cache_ms"] = 1
     config = ServerConfig(db=db, limits=limits, **(defaults | overrides))
     handle = await nursery.start(serve, config)
     return RunningServer(handle, config, nursery)
