@@ -189,7 +189,9 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         writer.commit_listeners += [wakes, commit_listener(promoter, reaper)]
         watchers = Watchers(writer, limits.max_watchers, limits.max_watch_buffer)
         writer.commit_listeners.append(CommitListener(watchers.on_commit, _has_events))
-        dispatcher = Dispatcher(writer, limits, longpolls, config.tokens, watchers, store.view)
+        dispatcher = Dispatcher(
+            writer, limits, longpolls, config.tokens, watchers, store.view, config.clock
+        )
         async with open_service_nursery() as services:
             await services.start(longpolls.run)
             await services.start(run_promoter, writer, promoter, config.clock)

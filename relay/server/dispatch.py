@@ -40,11 +40,12 @@ from relay.server.auth import Role, Tokens
 from relay.server.direct import AnsweredNow
 from relay.server.durations import Durations
 from relay.server.longpoll import LongPolls
+from relay.server.oldest import OldestReady
 from relay.server.watch import Watchers
 from relay.store.base import REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
-from relay.store.view import STATES, Entry, QueueView
-from relay.store.writer import Writer
+from relay.store.view import QueueView
+from relay.store.writer import Writer, wall_clock_ms
 
 log = logging.getLogger("relay.dispatch")
 
@@ -100,11 +101,13 @@ class Dispatcher(AdminHandlers):
         tokens: Tokens | None = None,
         watchers: Watchers | None = None,
         view: QueueView | None = None,
+        clock: Callable[[], int] = wall_clock_ms,
     ) -> None:
         self.writer = writer
         # The store's counts per queue as of the last commit: stats reads a page of them
         # here, in the trio thread, with no query and no turn in the writer.
         self.view = view if view is not None else QueueView()
+        self.oldest = OldestReady(writer, clock)  # (stats with oldest_ready)
         self.limits = limits
         self.longpolls = longpolls
         self.watchers = watchers  # None: no watch (embedded mode)
@@ -333,28 +336,43 @@ class Dispatcher(AdminHandlers):
 
     def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         """A page of the view (relay/store/view.py), answered here; with oldest_ready, the
-        page's queues that have ready jobs go to the writer for their oldest (a few index
-        seeks each, at most a page's worth)."""
+        ages of the page's queues that have ready jobs come from ``OldestReady``
+        (relay/server/oldest.py), in a task: read through the writer, at most once a
+        second per queue whoever asks."""
         r = self._typed(fields, "stats")
         server = {
             "version": VERSION,
             "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
             "connections": self.connections(),
         }
-        rows, next_cursor = self.view.page(r.cursor, r.limit, r.queues)
-        page = {
-            "queues": {queue: stats_counts(entry) for queue, entry in rows},
-            "server": server,
-            "next_cursor": next_cursor,
-            "total_queues": len(self.view),
-        }
-        ready = tuple(queue for queue, entry in rows if entry is not None and entry[READY_AT])
+        queues, ready, next_cursor = self.view.page_json(r.cursor, r.limit, r.queues)
+        # Written out around the page's JSON, made as the counts were published.
+        head = _STATS_HEAD % (orjson.dumps(rid), queues, orjson.dumps(server))
+        tail = _STATS_TAIL % (orjson.dumps(next_cursor), len(self.view))
         if not r.oldest_ready or not ready:
             if r.oldest_ready:
-                page["oldest_ready_ms"] = {}
-            self._answer_now(connection, "stats", started, wire.encode_ok(rid, page))
+                tail = b',"oldest_ready_ms":{}' + tail
+            self._answer_now(connection, "stats", started, head + tail)
             return
-        self._queue(connection, (ops.STATS, connection, rid, started, (page, ready)))
+        # A task in the connection's nursery, as a whole queue's dead op has (admin.py):
+        # the connection keeps reading while the ages are read.
+        self._count_in(connection)
+        item = (ops.STATS, connection, rid, started, None)
+        connection.nursery.start_soon(self._stats_oldest, connection, item, head, tail, ready)
+
+    async def _stats_oldest(
+        self, connection: Connection, item: Item, head: bytes, tail: bytes, ready: list[str]
+    ) -> None:
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
+        try:
+            ages = orjson.dumps(await self.oldest.ages(ready))
+            data = head + b',"oldest_ready_ms":' + ages + tail
+        except RelayError as exc:
+            data = wire.encode_error(item[2], exc)
+        finally:
+            # Also when cancelled (the connection closed): counted as answered.
+            self.answered(connection, item, trio.current_time())
+            connection.reply(data)
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -389,14 +407,11 @@ class Dispatcher(AdminHandlers):
         return reply
 
 
-# Where an entry of the view holds the ready jobs.
-READY_AT = STATES.index("ready")
-_ZEROS = (0,) * len(STATES)
-
-
-def stats_counts(entry: Entry | None) -> dict[str, int]:
-    """A queue's jobs per state, as a stats reply gives them (None: it holds none)."""
-    return dict(zip(STATES, entry or _ZEROS, strict=False))
+# A stats reply, around its page of counts (relay/store/view.py, ``page_json``) and its
+# ages of the oldest ready jobs: the request id, the queues, the server's fields; then the
+# next cursor and the number of queues.
+_STATS_HEAD = b'{"id":%s,"ok":true,"queues":%s,"server":%s'
+_STATS_TAIL = b',"next_cursor":%s,"total_queues":%d}\n'
 
 
 def _give_back(connection: Connection, args: Any) -> None:

@@ -92,23 +92,23 @@ def snapshot_queues(
     queues by name (stable from scrape to scrape), and the sums of all the others as
     queue ``OTHER_QUEUES``: ``MetricsSnapshot``'s ``queues`` and ``events``. Costs
     O(max_queues), whatever the number of queues."""
-    rows, rest = view.top(max_queues)
-    others = len(view) > len(rows)
-    rest_sums = list(rest)
+    rows, sums = view.top(max_queues + 1)  # (one more, in case one is named _other)
+    shown = [(queue, entry) for queue, entry in rows if queue != OTHER_QUEUES][:max_queues]
+    rest = list(sums)
+    for _queue, entry in shown:
+        for i, n in enumerate(entry):
+            rest[i] -= n
+    rest = [max(0, n) for n in rest]  # (a sum read as the writer published: see QueueView)
     queues: dict[str, dict[str, int]] = {}
     events: dict[tuple[str, str], int] = {}
     n_states = len(VIEW_STATES)
-    for queue, entry in rows:
-        if queue == OTHER_QUEUES:
-            rest_sums = [a + b for a, b in zip(rest_sums, entry, strict=True)]
-            others = True
-            continue
+    for queue, entry in shown:
         queues[queue] = dict(zip(VIEW_STATES, entry[:n_states], strict=False))
         for name, n in zip(EVENTS, entry[n_states:], strict=True):
             events[(queue, name)] = n
-    if others:
-        queues[OTHER_QUEUES] = dict(zip(VIEW_STATES, rest_sums[:n_states], strict=False))
-        for name, n in zip(EVENTS, rest_sums[n_states:], strict=True):
+    if len(view) > len(shown):
+        queues[OTHER_QUEUES] = dict(zip(VIEW_STATES, rest[:n_states], strict=False))
+        for name, n in zip(EVENTS, rest[n_states:], strict=True):
             events[(OTHER_QUEUES, name)] = n
     return queues, events
 

@@ -303,15 +303,11 @@ class _DeadList(RequestOp):
 
 
 class _Stats(RequestOp):
-    """``stats`` with ``oldest_ready``: args is the page of the reply, made from the view
-    when the request arrived (relay/server/dispatch.py), and the page's queues that had
-    ready jobs, whose oldest ready job is read here (a few index seeks each)."""
+    """``stats``: never run by the writer. Answered from the counts in memory, its ages
+    read by relay/server/oldest.py (relay/server/dispatch.py); this names its item."""
 
-    def run(self, store: Store, now: int, args: tuple[dict[str, Any], tuple[str, ...]]) -> Any:
-        return store.oldest_ready_ms(now, args[1])
-
-    def fields(self, outcome: dict[str, int], args: tuple) -> dict[str, Any]:
-        return {**args[0], "oldest_ready_ms": outcome}
+    def run(self, store: Store, now: int, args: Any) -> Any:
+        raise NotImplementedError("stats is answered by the dispatcher")
 
 
 class _DeadOne(RequestOp):

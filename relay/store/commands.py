@@ -265,13 +265,13 @@ class RefreshCounts:
 
 
 @attrs.frozen
-class OldestReady:
-    """How long the oldest ready job of each of these queues has waited (ms)."""
+class OldestReadyAt:
+    """When the oldest ready job of each of these queues became ready (those with one)."""
 
     queues: tuple[str, ...]
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.oldest_ready_ms(now, self.queues)
+        return {queue: now - age for queue, age in store.oldest_ready_ms(now, self.queues).items()}
 
 
 @attrs.frozen

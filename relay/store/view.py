@@ -33,6 +33,18 @@ READ_ATTEMPTS = 4
 
 Entry = tuple[int, ...]  # STATES counts, then EVENTS totals
 
+# A queue's counts as a stats reply gives them, ``"name":{"pending":0,...}``, made as it is
+# published (queue names need no JSON escaping: [A-Za-z0-9._:-]): a page of 1,000 queues is
+# then one join, ~0.1 ms, where building and encoding their dicts took ~5 ms of the event
+# loop per stats request.
+_FRAGMENT = ('"%s":{' + ",".join(f'"{state}":%d' for state in STATES) + "}").encode()
+_READY = STATES.index("ready")
+
+
+def counts_json(queue: str, entry: Entry | None) -> bytes:
+    """``"queue":{"pending":..}`` of a stats reply (``entry`` None: all zeros)."""
+    return _FRAGMENT % (queue.encode(), *(entry or (0,) * len(STATES))[: len(STATES)])
+
 
 class QueueView:
     """Queue name -> its ``Entry``, for the queues that hold jobs, in name order.
@@ -42,6 +54,7 @@ class QueueView:
 
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
+        self._json: dict[str, bytes] = {}  # queue -> counts_json(queue, its entry)
         self._names: list[str] = []  # sorted: pages by name, bisect for the cursor
         self._sums: Entry = (0,) * ENTRY_FIELDS  # over every queue
         self.version = 0  # odd while the writer publishes
@@ -61,10 +74,12 @@ class QueueView:
                 if entry is None:
                     if old is not None:
                         del self._entries[queue]
+                        del self._json[queue]
                         del self._names[bisect.bisect_left(self._names, queue)]
                     continue
                 for i, n in enumerate(entry):
                     sums[i] += n
+                self._json[queue] = counts_json(queue, entry)
                 self._entries[queue] = entry
                 if old is None:
                     bisect.insort(self._names, queue)
@@ -122,17 +137,29 @@ class QueueView:
         rows = [(queue, entries.get(queue)) for queue in chosen]
         return rows, chosen[-1] if more else None
 
+    def page_json(
+        self, after: str | None, limit: int, only: Iterable[str] | None = None
+    ) -> tuple[bytes, list[str], str | None]:
+        """``page``, as a stats reply's ``queues`` object (JSON), the page's queues that
+        have ready jobs, and the next ``after``."""
+        for _ in range(READ_ATTEMPTS):
+            version = self.version
+            rows, next_after = self._page(after, limit, only)
+            texts = self._json
+            parts = [texts.get(queue) or counts_json(queue, None) for queue, _ in rows]
+            if version == self.version and not version & 1:
+                break
+        ready = [queue for queue, entry in rows if entry is not None and entry[_READY]]
+        return b"{" + b",".join(parts) + b"}", ready, next_after
+
     def top(self, limit: int) -> tuple[list[tuple[str, Entry]], Entry]:
         """The first ``limit`` queues by name with their entries, and the sums of the
-        entries of all the others (each field at least zero)."""
+        entries of every queue, read at one moment (unless the writer kept publishing
+        through READ_ATTEMPTS reads)."""
         for _ in range(READ_ATTEMPTS):
             version = self.version
             rows = [(q, e) for q, e in self._page(None, limit, None)[0] if e is not None]
             sums = self._sums
             if version == self.version and not version & 1:
                 break
-        rest = list(sums)
-        for _queue, entry in rows:
-            for i, n in enumerate(entry):
-                rest[i] -= n
-        return rows, tuple(max(0, n) for n in rest)
+        return rows, sums
