@@ -388,6 +388,17 @@ async def test_stats_counts_and_server_info(client):
     assert stats.server.version == (await client.hello()).version
 
 
+async def test_stats_pages_by_queue_name_and_answers_the_queues_asked_for(client):
+    await client.submit_batch([job_fields(q, {}) for q in ("p1", "p2", "p3")])
+    first = await client.stats(limit=2)
+    assert list(first.queues) == ["p1", "p2"]
+    assert first.next_cursor == "p2" and first.total_queues == 3
+    rest = await client.stats(limit=2, cursor=first.next_cursor)
+    assert list(rest.queues) == ["p3"] and rest.next_cursor is None
+    only = await client.stats(queues=["p3", "none"], oldest_ready=True)
+    assert only.queues["none"]["ready"] == 0 and set(only.oldest_ready_ms or {}) == {"p3"}
+
+
 async def test_dead_list_pages(client):
     ids = await make_dead(client, "dl", 5)
     other = await make_dead(client, "dl-other", 1)

@@ -17,6 +17,7 @@ from relay.errors import QueueFull, TooManyQueues
 from relay.model import SubmitSpec
 from relay.store.base import Store, StoreConfig
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import store as postgres_store
 from relay.store.sqlite import SqliteStore
 from relay.store.view import STATES, QueueView
 from tests.conftest import T0
@@ -129,7 +130,9 @@ def test_pages_go_by_name_and_only_names_what_is_asked():
     assert text.startswith(b'{"q2":{"pending":1,') and ready == [] and after == "q4"
 
 
-def test_postgres_follows_the_counts_of_another_server_a_page_at_a_time(pg_url):
+def test_postgres_follows_the_counts_of_another_server_a_page_at_a_time(pg_url, monkeypatch):
+    # (pages of a few rows, so that three queues take two pages)
+    monkeypatch.setattr(postgres_store, "_MIN_PAGE_ROWS", 1)
     schema = f"f_{secrets.token_hex(4)}"
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
@@ -141,7 +144,7 @@ def test_postgres_follows_the_counts_of_another_server_a_page_at_a_time(pg_url):
         assert a.view.get("p2")[READY] == 1  # type: ignore[index]  # b's job not seen yet
         # One page of two queues, then the last page, read in a's writer transactions.
         a.begin()
-        after = a.counts_refresh(None, 2)
+        after = a.counts_refresh(None, 1)  # 4 rows: p1, p2 twice (two slots), p3
         a.commit()
         assert after == "p2" and a.view.get("p2")[READY] == 2  # type: ignore[index]
         b.begin()
@@ -150,7 +153,7 @@ def test_postgres_follows_the_counts_of_another_server_a_page_at_a_time(pg_url):
         b.dead_purge(lease.job_id)
         b.commit()
         a.begin()
-        assert a.counts_refresh(after, 2) is None
+        assert a.counts_refresh(after, 1) is None
         a.commit()
         assert "p3" not in a.view and len(a.view) == 2
     finally:
