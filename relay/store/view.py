@@ -17,6 +17,7 @@ that needs several entries of one moment (the ``_other`` sums of /metrics) check
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Iterable
 
 from relay.model import JobState
@@ -39,6 +40,7 @@ Entry = tuple[int, ...]  # STATES counts, then EVENTS totals
 # loop per stats request.
 _FRAGMENT = ('"%s":{' + ",".join(f'"{state}":%d' for state in STATES) + "}").encode()
 _READY = STATES.index("ready")
+_N_STATES = len(STATES)
 
 
 def counts_json(queue: str, entry: Entry | None) -> bytes:
@@ -63,27 +65,27 @@ class QueueView:
 
     def publish(self, entries: Iterable[tuple[str, Entry | None]]) -> None:
         """Set each queue's entry (None: it holds no jobs now, and leaves the view)."""
+        # (This runs in the writer thread after every commit, per queue it touched: the
+        # sums are updated with map, not a loop per field.)
         self.version += 1
         try:
-            sums = list(self._sums)
+            sums, all_entries, texts = self._sums, self._entries, self._json
             for queue, entry in entries:
-                old = self._entries.get(queue)
+                old = all_entries.get(queue)
                 if old is not None:
-                    for i, n in enumerate(old):
-                        sums[i] -= n
+                    sums = tuple(map(operator.sub, sums, old))
                 if entry is None:
                     if old is not None:
-                        del self._entries[queue]
-                        del self._json[queue]
+                        del all_entries[queue]
+                        del texts[queue]
                         del self._names[bisect.bisect_left(self._names, queue)]
                     continue
-                for i, n in enumerate(entry):
-                    sums[i] += n
-                self._json[queue] = counts_json(queue, entry)
-                self._entries[queue] = entry
+                sums = tuple(map(operator.add, sums, entry))
+                texts[queue] = _FRAGMENT % (queue.encode(), *entry[:_N_STATES])
+                all_entries[queue] = entry
                 if old is None:
                     bisect.insort(self._names, queue)
-            self._sums = tuple(sums)
+            self._sums = sums
         finally:
             self.version += 1
 

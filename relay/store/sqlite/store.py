@@ -15,7 +15,7 @@ import sqlite3
 from collections import Counter
 
 from relay.model import JobIdGenerator, JobState
-from relay.store.base import Changes, StoreConfig
+from relay.store.base import EVENTS, Changes, StoreConfig
 from relay.store.counts import JournalEntry
 from relay.store.schema import open_database
 from relay.store.sqlite.dead import SqliteDead
@@ -137,11 +137,12 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         self._publish_all({queue for queue, _ in self._counts})
 
     def _entry(self, queue: str) -> Entry | None:
-        counts = self._counts
-        states = [counts.get((queue, state), 0) for state in STATES]
+        get = self._counts.get
+        states = [get((queue, state), 0) for state in STATES]
         if not any(states):
             return None
-        return (*states, *self._totals_of(queue))
+        totals = self._totals.get
+        return (*states, *[totals((queue, event), 0) for event in EVENTS])
 
     def _forget_empty(self, journal: list[JournalEntry]) -> None:
         """Drop the counts that this transaction brought to zero, and the event totals of
