@@ -20,7 +20,7 @@ import trio
 from relay.server.maintenance import REFRESH_INTERVAL_S
 from tests import pg
 
-from .conftest import BOUND_S, LineClient
+from .conftest import BOUND_S, LineClient, writer_barrier
 from .test_process import RELAY, ServerProcess
 
 SERVERS = 3
@@ -266,7 +266,7 @@ async def test_long_poll_on_one_server_wakes_for_a_submit_on_another(db_url):
     async with servers(db_url, 2) as group:
         a, b = [await s.connect() for s in group]
         lease_id = await b.send("lease", queues=[queue], worker_id="w", wait_ms=2_000)
-        await b.ok("stats")  # answered after the lease was parked
+        await writer_barrier(b)  # answered after the lease was parked
         await trio.sleep(0.2)
         job_id = (await a.ok("submit", queue=queue, payload={}))["job_id"]
         submitted_at = trio.current_time()
