@@ -915,7 +915,8 @@ async def test_lease_in_flight_when_the_server_dies_raises_connection_lost(tmp_p
             async with trio.open_nursery() as inner:
                 inner.start_soon(poll)
                 await trio.testing.wait_all_tasks_blocked()
-                await client.stats()  # sent after the lease: the lease is parked now
+                # Sent after the lease, answered by the writer: the lease is parked now.
+                await client.short_ids(["job_0000000000000000"])
                 await server.kill()  # no grace: the connection is closed, no reply
                 with trio.fail_after(BOUND_S):
                     await done.wait()
@@ -1116,7 +1117,8 @@ async def test_cancelled_long_poll_releases_what_it_is_granted_later(tmp_path):
             async with trio.open_nursery() as inner:
                 inner.start_soon(poll)
                 await trio.testing.wait_all_tasks_blocked()
-                await client.stats()  # sent after the lease on this connection: it is parked
+                # Sent after the lease on this connection, answered by the writer: it is parked.
+                await client.short_ids(["job_0000000000000000"])
                 scope.cancel()
                 with trio.fail_after(BOUND_S):
                     await finished.wait()

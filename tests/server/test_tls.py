@@ -224,6 +224,7 @@ async def test_no_job_is_leased_to_a_tls_client_gone_while_its_long_polls_fill_m
             await wait_all_tasks_blocked()
         await submit(c, queue="lp")
         await wait_all_tasks_blocked()  # woken: claimed again for it, or not
+        await writer_barrier(c)  # (that claim, queued before this, committed)
         counts = await queue_stats(c, "lp")
         assert (counts["ready"], counts["leased"]) == (1, 0), counts
         with trio.fail_after(BOUND_S):
