@@ -98,9 +98,15 @@ def top(full: bool, address: str) -> None:
 @click.command()
 @address_option
 @json_option
-def stats(address: str, as_json: bool) -> None:
+@click.option(
+    "--queue", "queues", multiple=True, metavar="QUEUE",
+    help="Only this queue (repeatable). Without it: the first 1,000 queues by name, and how "
+    "many more there are.",
+)  # fmt: skip
+def stats(address: str, as_json: bool, queues: tuple[str, ...]) -> None:
     """Jobs per queue and state, and the server's version, uptime and connections."""
-    result = call(address, lambda client: client.stats(oldest_ready=True))
+    only = list(queues) or None
+    result = call(address, lambda client: client.stats(oldest_ready=True, queues=only))
     if as_json:
         data = converter.unstructure(result)
         data["queues"] = dict(sorted(data["queues"].items()))

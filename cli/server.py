@@ -25,7 +25,13 @@ from relay import wire
 from relay.errors import StoreError
 from relay.model import QUEUE_NAME_RE
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
-from relay.server.core import ServerConfig, is_postgres_url
+from relay.server.core import (
+    DEFAULT_MAX_QUEUES,
+    DEFAULT_METRICS_CACHE_MS,
+    DEFAULT_METRICS_MAX_QUEUES,
+    ServerConfig,
+    is_postgres_url,
+)
 from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
 from relay.server.tls import TlsConfigError
 from relay_cli.errors import fail
@@ -93,6 +99,19 @@ _LIMITS = wire.Limits()
 @_limit("retention_ms", 7 * 24 * 3_600_000, "How long succeeded jobs are kept.")
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
+@_limit(
+    "max_queues", DEFAULT_MAX_QUEUES,
+    "Queues that may hold jobs (in any state, retained ones included); a submit that would "
+    "create one more answers too_many_queues.",
+)  # fmt: skip
+@_limit(
+    "metrics_max_queues", DEFAULT_METRICS_MAX_QUEUES,
+    "Queues (the first by name) with their own series on /metrics; the others are summed "
+    'into queue="_other".',
+)  # fmt: skip
+@_limit(
+    "metrics_cache_ms", DEFAULT_METRICS_CACHE_MS, "One /metrics rendering serves scrapes this long."
+)
 @click.option(
     "--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
     help="SQLite synchronous mode: full fsyncs every commit; normal may lose the last "

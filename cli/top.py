@@ -86,11 +86,19 @@ class TopView:
         self.short: dict[str, str] = {}  # the failures' ids as the server abbreviates them
         self.lagged = 0
         self.status = "connecting"
+        self.total_queues: int | None = None  # more queues than the stats page listed
 
     def stats(
-        self, queues: dict[str, dict[str, int]], server: Any, oldest_ready_ms: dict[str, int]
+        self,
+        queues: dict[str, dict[str, int]],
+        server: Any,
+        oldest_ready_ms: dict[str, int],
+        total_queues: int | None = None,
     ) -> None:
+        """The counts of a stats reply: of its first page of queues, of ``total_queues``
+        (None: all of them)."""
         self.queues, self.server, self.oldest_ready_ms = queues, server, oldest_ready_ms
+        self.total_queues = total_queues
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
@@ -146,6 +154,8 @@ class TopView:
         if self.server is not None:
             connections = self.server.connections
             status.append(f" · {connections} connection" + ("" if connections == 1 else "s"))
+        if self.total_queues is not None:
+            status.append(f" · first {len(self.queues)} of {self.total_queues} queues")
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
         layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids,
@@ -328,7 +338,8 @@ async def _follow(client: Client, view: TopView) -> None:
     async def poll_stats() -> None:
         while True:
             stats = await client.stats(oldest_ready=True)
-            view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {})
+            more = stats.total_queues if stats.next_cursor is not None else None
+            view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {}, more)
             view.shorten(await short_ids(view.failure_ids()))
             await trio.sleep(STATS_EVERY_S)
 

@@ -356,7 +356,14 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
         table.add_row(Text("no jobs yet", style="dim"), *("" for _ in headers))
     table.add_section()
     table.add_row(Text("total", style="bold"), *total_row, style="bold")
-    return Group(table, Text(caption, style="table.caption"))
+    notes = [Text(caption, style="table.caption")]
+    if stats.next_cursor is not None and stats.total_queues is not None:
+        # (the server answers a page of queues by name: the total is of those shown)
+        notes.append(Text(
+            f"the first {len(names)} of {stats.total_queues} queues; --queue NAME for others",
+            style="table.caption",
+        ))  # fmt: skip
+    return Group(table, *notes)
 
 
 # -- dead jobs ----------------------------------------------------------------------------

@@ -296,8 +296,22 @@ class BlockingClient:
         fields = {"prefix": True} if prefix else {}
         return structure_reply(self.request("inspect", job_id=job_id, **fields)["job"], JobView)
 
-    def stats(self, *, oldest_ready: bool = False) -> Stats:
-        fields = {"oldest_ready": True} if oldest_ready else {}
+    def stats(
+        self,
+        *,
+        oldest_ready: bool = False,
+        queues: Sequence[str] | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Stats:
+        """As ``Client.stats``: a page of queues (``limit``, ``cursor``), or ``queues``."""
+        fields: dict[str, Any] = {"oldest_ready": True} if oldest_ready else {}
+        if queues is not None:
+            fields["queues"] = list(queues)
+        if limit is not None:
+            fields["limit"] = limit
+        if cursor is not None:
+            fields["cursor"] = cursor
         return structure_reply(self.request("stats", **fields), Stats)
 
 

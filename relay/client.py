@@ -269,8 +269,25 @@ class Client:
         reply = await self._call("short_ids", job_ids=list(job_ids))
         return reply["short_ids"]
 
-    async def stats(self, *, oldest_ready: bool = False) -> Stats:
-        reply = await self._call("stats", oldest_ready=oldest_ready or None)
+    async def stats(
+        self,
+        *,
+        oldest_ready: bool = False,
+        queues: Sequence[str] | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Stats:
+        """Jobs per queue and state: a page of at most ``limit`` queues by name (the
+        server's default and most: 1,000) after ``cursor`` (the ``next_cursor`` of the page
+        before), or only ``queues``; with ``oldest_ready``, how long each one's oldest ready
+        job has waited."""
+        reply = await self._call(
+            "stats",
+            oldest_ready=oldest_ready or None,
+            queues=None if queues is None else list(queues),
+            limit=limit,
+            cursor=cursor,
+        )
         return structure_reply(reply, Stats)
 
     async def dead_list(

@@ -15,6 +15,8 @@ The tree:
       Unauthorized                  unauthorized
       InternalError                 internal
       QueueFull                     queue_full   (extension: a queue at its max depth)
+        TooManyQueues               too_many_queues  (extension: a submit would create
+                                                 a queue past the server's max_queues)
       Unavailable                   unavailable  (extension: not committed, the store
                                                  cannot write now: disk full, I/O error)
       ConnectionLost                (client side: the connection dropped mid-request)
@@ -149,6 +151,14 @@ class QueueFull(RelayError):
     code = "queue_full"
 
 
+class TooManyQueues(QueueFull):
+    """A submit would create a queue (its first job) while the server already holds
+    ``max_queues`` queues with jobs. A ``QueueFull`` in Python: submit again later, to a
+    queue that exists, or once queues have drained."""
+
+    code = "too_many_queues"
+
+
 class Unavailable(RelayError):
     """The store could not commit (disk full, an I/O error): nothing of the request was
     kept, and the server stays up. Safe to retry later."""
@@ -226,7 +236,7 @@ ERRORS_BY_CODE: dict[str, type[RelayError]] = {
     for cls in (
         BadRequest, FrameTooLarge, UnknownOp, JobNotFound, StaleToken, LeaseExpired,
         InvalidState, Overloaded, ShuttingDown, Unauthorized, InternalError, QueueFull,
-        Unavailable,
+        TooManyQueues, Unavailable,
     )
 }  # fmt: skip
 

@@ -67,6 +67,11 @@ class Stats:
     # With ``stats(oldest_ready=True)``: per queue with ready jobs, how long (ms) its
     # oldest ready job has waited.
     oldest_ready_ms: dict[str, int] | None = None
+    # The page's end (stats answers at most a page of queues by name): the cursor of the
+    # next page, None if this is the last; and how many queues hold jobs in all (None from
+    # a server that does not page stats).
+    next_cursor: str | None = None
+    total_queues: int | None = None
 
 
 @attrs.frozen

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from relay.errors import BadRequest
 from relay.model import (
     DEFAULT_BACKOFF,
     ID_ABBREV_MIN,
@@ -28,6 +29,7 @@ from relay.wire import (
     DEFAULT_DEAD_LIST,
     DEFAULT_LEASE_MS,
     DEFAULT_RETRIES,
+    STATS_PAGE,
     Limits,
     _bad,
     check_queue,
@@ -261,9 +263,24 @@ class ShortIds:
 class Stats:
     # Also how long the oldest ready job of each queue has waited (an extension).
     oldest_ready: bool = False
+    # Extensions: only these queues; a page of at most ``limit`` queues by name, after
+    # the queue named ``cursor`` (the ``next_cursor`` of the page before).
+    queues: list[str] | None = None
+    limit: int = STATS_PAGE
+    cursor: str | None = None
 
     def check(self, limits: Limits) -> None:
-        pass
+        if self.queues is not None:
+            if not 1 <= len(self.queues) <= STATS_PAGE:
+                raise _bad("queues", f"must name 1 to {STATS_PAGE} queues (omit it: all)")
+            for i, queue in enumerate(self.queues):
+                check_queue(f"queues[{i}]", queue)
+        check_range("limit", self.limit, 1, STATS_PAGE)
+        if self.cursor is not None:
+            try:
+                check_queue("cursor", self.cursor)
+            except BadRequest:
+                raise _bad("cursor", "not a cursor returned by stats") from None
 
 
 # The orders of a dead list (an extension): by job id, so by creation time.

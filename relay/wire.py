@@ -84,6 +84,10 @@ class Limits:
 DEFAULT_LEASE_MS = 30_000
 DEFAULT_RETRIES = 3
 DEFAULT_DEAD_LIST = 100
+# Queues per stats reply (an extension: stats pages by queue name), by default and at
+# most: 1,000 queues with the longest names are about 400 KB of reply, within
+# max_reply_bytes, and the page costs the event loop about a millisecond to make.
+STATS_PAGE = 1000
 
 # -- field checks ---------------------------------------------------------------------------
 

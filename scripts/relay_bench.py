@@ -233,6 +233,8 @@ def _one_server(db: str, sync: str, tls: Tls | None) -> Iterator[ServerProcess]:
         _relay_trio(), "server", "--db", db, "--address", "127.0.0.1:0",
         "--metrics-address", "127.0.0.1:0", "--ws-address", "off", "--synchronous", sync,
         "--max-in-flight", "1024", "--max-batch", "1000",
+        # Its batch sizes are read from /metrics before and after each run: uncached.
+        "--metrics-cache-ms", "1",
     ]  # fmt: skip
     if tls is not None:
         args += ["--tls-cert", tls.cert, "--tls-key", tls.key]

@@ -61,6 +61,18 @@ async def test_connect_returns_a_blocking_client_without_connecting(server):
         assert stats.server.connections == 1
 
 
+async def test_stats_pages_by_queue_name(bclient):
+    for queue in ("b1", "b2"):
+        await call(bclient.submit, queue, {})
+    first = await call(bclient.stats, limit=1)
+    assert list(first.queues) == ["b1"] and first.next_cursor == "b1"
+    rest = await call(bclient.stats, limit=1, cursor="b1", oldest_ready=True)
+    assert list(rest.queues) == ["b2"] and rest.next_cursor is None
+    assert set(rest.oldest_ready_ms or {}) == {"b2"}
+    only = await call(bclient.stats, queues=["b2"])
+    assert list(only.queues) == ["b2"] and only.total_queues == 2
+
+
 async def test_submit_inspect_stats(bclient):
     result = await call(bclient.submit, "email", {"to": "ada@example.com"})
     assert isinstance(result, SubmitResult)

@@ -388,6 +388,17 @@ async def test_stats_counts_and_server_info(client):
     assert stats.server.version == (await client.hello()).version
 
 
+async def test_stats_pages_by_queue_name_and_answers_the_queues_asked_for(client):
+    await client.submit_batch([job_fields(q, {}) for q in ("p1", "p2", "p3")])
+    first = await client.stats(limit=2)
+    assert list(first.queues) == ["p1", "p2"]
+    assert first.next_cursor == "p2" and first.total_queues == 3
+    rest = await client.stats(limit=2, cursor=first.next_cursor)
+    assert list(rest.queues) == ["p3"] and rest.next_cursor is None
+    only = await client.stats(queues=["p3", "none"], oldest_ready=True)
+    assert only.queues["none"]["ready"] == 0 and set(only.oldest_ready_ms or {}) == {"p3"}
+
+
 async def test_dead_list_pages(client):
     ids = await make_dead(client, "dl", 5)
     other = await make_dead(client, "dl-other", 1)
@@ -582,7 +593,7 @@ def test_every_wire_code_has_a_class():
     codes = {
         "bad_request", "frame_too_large", "unknown_op", "not_found", "stale_token",
         "lease_expired", "invalid_state", "overloaded", "shutting_down", "unauthorized",
-        "internal", "queue_full", "unavailable",
+        "internal", "queue_full", "unavailable", "too_many_queues",
     }  # fmt: skip
     assert set(ERRORS_BY_CODE) == codes
     assert ERRORS_BY_CODE["shutting_down"] is ShuttingDown
@@ -904,7 +915,8 @@ async def test_lease_in_flight_when_the_server_dies_raises_connection_lost(tmp_p
             async with trio.open_nursery() as inner:
                 inner.start_soon(poll)
                 await trio.testing.wait_all_tasks_blocked()
-                await client.stats()  # sent after the lease: the lease is parked now
+                # Sent after the lease, answered by the writer: the lease is parked now.
+                await client.short_ids(["job_0000000000000000"])
                 await server.kill()  # no grace: the connection is closed, no reply
                 with trio.fail_after(BOUND_S):
                     await done.wait()
@@ -1105,7 +1117,8 @@ async def test_cancelled_long_poll_releases_what_it_is_granted_later(tmp_path):
             async with trio.open_nursery() as inner:
                 inner.start_soon(poll)
                 await trio.testing.wait_all_tasks_blocked()
-                await client.stats()  # sent after the lease on this connection: it is parked
+                # Sent after the lease on this connection, answered by the writer: it is parked.
+                await client.short_ids(["job_0000000000000000"])
                 scope.cancel()
                 with trio.fail_after(BOUND_S):
                     await finished.wait()

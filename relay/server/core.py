@@ -22,14 +22,32 @@ from relay.nursery import open_service_nursery
 from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import PARKED_PER_CONNECTION, LongPolls
-from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
+from relay.server.maintenance import (
+    Alarm,
+    commit_listener,
+    run_counts_refresher,
+    run_promoter,
+    run_pruner,
+    run_reaper,
+)
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store import commands as cmd
 from relay.store.base import Changes, Store, StoreConfig
+from relay.store.view import QueueView
 from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
 
 log = logging.getLogger("relay.server")
+
+# Queues holding jobs at once (--max-queues). Every queue costs memory in the counts (a
+# few hundred bytes) and a line per state in a full stats listing; 10,000 is far beyond
+# what one deployment's job kinds need, and cheap to hold.
+DEFAULT_MAX_QUEUES = 10_000
+# Per-queue series on /metrics (--metrics-max-queues): 1,000 queues are 13,000 samples,
+# about 1 MB of text and a few ms to render; the rest are one queue="_other" series.
+DEFAULT_METRICS_MAX_QUEUES = 1_000
+# One rendering of /metrics serves every scrape for this long (--metrics-cache-ms).
+DEFAULT_METRICS_CACHE_MS = 1_000
 
 
 @attrs.frozen
@@ -55,6 +73,13 @@ class ServerConfig:
     # answers queue_full: per queue, and a default for the others (None: unbounded).
     max_queue_depth: int | None = None
     queue_depths: dict[str, int] = attrs.Factory(dict)
+    # Queues that may hold jobs at once: a submit that would create one more answers
+    # too_many_queues (relay/store/counts.py). None: unbounded.
+    max_queues: int | None = DEFAULT_MAX_QUEUES
+    # /metrics: per-queue series for this many queues (by name), the others summed into
+    # queue="_other"; one rendering serves every scrape for this long (relay/server/metrics.py).
+    metrics_max_queues: int = DEFAULT_METRICS_MAX_QUEUES
+    metrics_cache_ms: int = DEFAULT_METRICS_CACHE_MS
     # PEM files of the job listener's certificate (chain) and key: both, or neither (plain
     # TCP). A client's handshake must finish within the timeout (relay/server/tls.py).
     tls_cert: str | None = None
@@ -74,6 +99,7 @@ class ServerConfig:
             max_traceback_bytes=self.limits.max_traceback_bytes,
             max_depth=self.max_queue_depth,
             queue_depths=dict(self.queue_depths),
+            max_queues=self.max_queues,
         )
 
 
@@ -84,6 +110,7 @@ class Core:
     longpolls: LongPolls
     watchers: Watchers
     nursery: trio.Nursery  # the services nursery: for tasks that live as long as the core
+    view: QueueView  # the store's counts per queue, as of the last commit (any thread reads)
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop leasing, answer parked long-polls, and wait (at most ``timeout_s``) for the
@@ -162,7 +189,9 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         writer.commit_listeners += [wakes, commit_listener(promoter, reaper)]
         watchers = Watchers(writer, limits.max_watchers, limits.max_watch_buffer)
         writer.commit_listeners.append(CommitListener(watchers.on_commit, _has_events))
-        dispatcher = Dispatcher(writer, limits, longpolls, config.tokens, watchers)
+        dispatcher = Dispatcher(
+            writer, limits, longpolls, config.tokens, watchers, store.view, config.clock
+        )
         async with open_service_nursery() as services:
             await services.start(longpolls.run)
             await services.start(run_promoter, writer, promoter, config.clock)
@@ -184,4 +213,5 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
 
                 feed = ChangeFeed(store.url, store.origin, deliver, recheck)
                 await services.start(feed.run)
-            yield Core(writer, dispatcher, longpolls, watchers, services)
+                await services.start(run_counts_refresher, writer)
+            yield Core(writer, dispatcher, longpolls, watchers, services, store.view)

@@ -40,10 +40,12 @@ from relay.server.auth import Role, Tokens
 from relay.server.direct import AnsweredNow
 from relay.server.durations import Durations
 from relay.server.longpoll import LongPolls
+from relay.server.oldest import OldestReady
 from relay.server.watch import Watchers
 from relay.store.base import REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
-from relay.store.writer import Writer
+from relay.store.view import QueueView
+from relay.store.writer import Writer, wall_clock_ms
 
 log = logging.getLogger("relay.dispatch")
 
@@ -98,8 +100,14 @@ class Dispatcher(AdminHandlers):
         longpolls: LongPolls,
         tokens: Tokens | None = None,
         watchers: Watchers | None = None,
+        view: QueueView | None = None,
+        clock: Callable[[], int] = wall_clock_ms,
     ) -> None:
         self.writer = writer
+        # The store's counts per queue as of the last commit: stats reads a page of them
+        # here, in the trio thread, with no query and no turn in the writer.
+        self.view = view if view is not None else QueueView()
+        self.oldest = OldestReady(writer, clock)  # (stats with oldest_ready)
         self.limits = limits
         self.longpolls = longpolls
         self.watchers = watchers  # None: no watch (embedded mode)
@@ -327,13 +335,44 @@ class Dispatcher(AdminHandlers):
         self._queue(connection, (ops.RELEASE, connection, rid, started, args))
 
     def _stats(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        """A page of the view (relay/store/view.py), answered here; with oldest_ready, the
+        ages of the page's queues that have ready jobs come from ``OldestReady``
+        (relay/server/oldest.py), in a task: read through the writer, at most once a
+        second per queue whoever asks."""
         r = self._typed(fields, "stats")
         server = {
             "version": VERSION,
             "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
             "connections": self.connections(),
         }
-        self._queue(connection, (ops.STATS, connection, rid, started, (server, r.oldest_ready)))
+        queues, ready, next_cursor = self.view.page_json(r.cursor, r.limit, r.queues)
+        # Written out around the page's JSON, made as the counts were published.
+        head = _STATS_HEAD % (orjson.dumps(rid), queues, orjson.dumps(server))
+        tail = _STATS_TAIL % (orjson.dumps(next_cursor), len(self.view))
+        if not r.oldest_ready or not ready:
+            if r.oldest_ready:
+                tail = b',"oldest_ready_ms":{}' + tail
+            self._answer_now(connection, "stats", started, head + tail)
+            return
+        # A task in the connection's nursery, as a whole queue's dead op has (admin.py):
+        # the connection keeps reading while the ages are read.
+        self._count_in(connection)
+        item = (ops.STATS, connection, rid, started, None)
+        connection.nursery.start_soon(self._stats_oldest, connection, item, head, tail, ready)
+
+    async def _stats_oldest(
+        self, connection: Connection, item: Item, head: bytes, tail: bytes, ready: list[str]
+    ) -> None:
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
+        try:
+            ages = orjson.dumps(await self.oldest.ages(ready))
+            data = head + b',"oldest_ready_ms":' + ages + tail
+        except RelayError as exc:
+            data = wire.encode_error(item[2], exc)
+        finally:
+            # Also when cancelled (the connection closed): counted as answered.
+            self.answered(connection, item, trio.current_time())
+            connection.reply(data)
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -366,6 +405,13 @@ class Dispatcher(AdminHandlers):
             reply = wire.encode_ok(item[2], {"jobs": []})
         self.answered(connection, item, now)
         return reply
+
+
+# A stats reply, around its page of counts (relay/store/view.py, ``page_json``) and its
+# ages of the oldest ready jobs: the request id, the queues, the server's fields; then the
+# next cursor and the number of queues.
+_STATS_HEAD = b'{"id":%s,"ok":true,"queues":%s,"server":%s'
+_STATS_TAIL = b',"next_cursor":%s,"total_queues":%d}\n'
 
 
 def _give_back(connection: Connection, args: Any) -> None:

@@ -2,13 +2,18 @@
 (``GET /``, relay/server/dashboard.py) over a small h11 handler.
 
 This is the only module that imports prometheus_client. Core components expose frozen
-``statistics()`` snapshots and the store answers counts; a scrape gathers them into a
-``MetricsSnapshot`` and a one-shot collector renders it.
+``statistics()`` snapshots and the store publishes its counts per queue (``QueueView``,
+relay/store/view.py); a scrape gathers them into a ``MetricsSnapshot`` (``snapshot_queues``
+takes the first ``max_queues`` queues and sums the others into ``queue="_other"``) and a
+one-shot collector renders it. One rendering serves every scrape for a while
+(``RenderCache``): however many scrapes come, the text is made at most once per interval,
+and never twice at once.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -31,6 +36,9 @@ from relay.model import JobState
 from relay.server.dashboard import CONTENT_TYPE as PAGE_TYPE
 from relay.server.dashboard import Dashboard
 from relay.server.listener import peer_name
+from relay.store.base import EVENTS
+from relay.store.view import STATES as VIEW_STATES
+from relay.store.view import QueueView
 
 log = logging.getLogger("relay.metrics")
 
@@ -43,6 +51,12 @@ MAX_REQUEST_BYTES = 16 * 1024
 # that connect and stall would hold file descriptors (each for up to HTTP_TIMEOUT_S) that
 # the job listener needs. One over the cap is closed at once.
 MAX_HTTP_CONNECTIONS = 32
+# One rendering of /metrics serves the scrapes of this long (ServerConfig.metrics_cache_ms).
+DEFAULT_CACHE_S = 1.0
+
+# The series that sums every queue not shown on its own (beyond --metrics-max-queues). A
+# queue really named so is summed into it too, so the label means one thing.
+OTHER_QUEUES = "_other"
 
 # store event name -> (metric name without _total, help)
 EVENT_METRICS = {
@@ -69,6 +83,65 @@ class MetricsSnapshot:
     watch_buffered: int = 0  # events waiting in their buffers
     # Transactions the disk refused, by kind ("full", "ioerr"): WriterStatistics.store_errors
     store_errors: dict[str, int] = attrs.Factory(dict)
+
+
+def snapshot_queues(
+    view: QueueView, max_queues: int
+) -> tuple[dict[str, dict[str, int]], dict[tuple[str, str], int]]:
+    """The jobs per queue and state, and the events per queue, of the first ``max_queues``
+    queues by name (stable from scrape to scrape), and the sums of all the others as
+    queue ``OTHER_QUEUES``: ``MetricsSnapshot``'s ``queues`` and ``events``. Costs
+    O(max_queues), whatever the number of queues."""
+    rows, sums = view.top(max_queues + 1)  # (one more, in case one is named _other)
+    shown = [(queue, entry) for queue, entry in rows if queue != OTHER_QUEUES][:max_queues]
+    rest = list(sums)
+    for _queue, entry in shown:
+        for i, n in enumerate(entry):
+            rest[i] -= n
+    rest = [max(0, n) for n in rest]  # (a sum read as the writer published: see QueueView)
+    queues: dict[str, dict[str, int]] = {}
+    events: dict[tuple[str, str], int] = {}
+    n_states = len(VIEW_STATES)
+    for queue, entry in shown:
+        queues[queue] = dict(zip(VIEW_STATES, entry[:n_states], strict=False))
+        for name, n in zip(EVENTS, entry[n_states:], strict=True):
+            events[(queue, name)] = n
+    if len(view) > len(shown):
+        queues[OTHER_QUEUES] = dict(zip(VIEW_STATES, rest[:n_states], strict=False))
+        for name, n in zip(EVENTS, rest[n_states:], strict=True):
+            events[(OTHER_QUEUES, name)] = n
+    return queues, events
+
+
+class RenderCache:
+    """One rendering of /metrics for every scrape within ``ttl_s`` of it: a scrape that
+    finds it older makes it anew, and scrapes that come meanwhile wait for that one rather
+    than make their own. Trio thread only."""
+
+    def __init__(self, make: Callable[[], Awaitable[bytes]], ttl_s: float) -> None:
+        self._make = make
+        self._ttl_s = ttl_s
+        self._body: bytes | None = None
+        self._made_at = -math.inf
+        self._making: trio.Event | None = None
+
+    async def get(self) -> bytes:
+        """The text, made at most ``ttl_s`` ago. Raises what making it raised (to the scrape
+        that made it; the ones waiting on it then make it themselves, one at a time)."""
+        while True:
+            if self._body is not None and trio.current_time() - self._made_at < self._ttl_s:
+                return self._body
+            if self._making is not None:
+                await self._making.wait()
+                continue
+            self._making = done = trio.Event()
+            try:
+                body = await self._make()
+                self._body, self._made_at = body, trio.current_time()
+                return body
+            finally:
+                self._making = None
+                done.set()
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
@@ -159,12 +232,19 @@ async def serve_metrics(
     authorize: Authorize | None = None,
     dashboard: Dashboard | None = None,
     *,
+    cache_s: float = DEFAULT_CACHE_S,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve /metrics and /healthz, and with ``dashboard`` the page at /, until cancelled
     (one request per connection, at most ``MAX_HTTP_CONNECTIONS`` at once). With
     ``authorize``, a request it refuses gets 401 and nothing else; the page needs no
-    authorization (it holds no data: see relay/server/dashboard.py)."""
+    authorization (it holds no data: see relay/server/dashboard.py). One rendering of
+    /metrics serves the scrapes of ``cache_s`` seconds (``RenderCache``)."""
+
+    async def make() -> bytes:
+        return render(await gather())
+
+    metrics = RenderCache(make, cache_s)
     limiter = trio.CapacityLimiter(MAX_HTTP_CONNECTIONS)
     refusals = Summary()  # logged in summary: they come in floods
 
@@ -179,7 +259,7 @@ async def serve_metrics(
             return
         try:
             with trio.move_on_after(HTTP_TIMEOUT_S):
-                await _exchange(stream, gather, authorize, dashboard)
+                await _exchange(stream, metrics, authorize, dashboard)
             await trio.aclose_forcefully(stream)
         finally:
             limiter.release()
@@ -189,7 +269,7 @@ async def serve_metrics(
 
 async def _exchange(
     stream: trio.SocketStream,
-    gather: Callable[[], Awaitable[MetricsSnapshot]],
+    metrics: RenderCache,
     authorize: Authorize | None,
     dashboard: Dashboard | None,
 ) -> None:
@@ -219,7 +299,7 @@ async def _exchange(
             status, body = 405, b"method not allowed\n"
         elif target == b"/metrics":
             try:
-                status, body, kind = 200, render(await gather()), CONTENT_TYPE_LATEST.encode()
+                status, body, kind = 200, await metrics.get(), CONTENT_TYPE_LATEST.encode()
             except RelayError as exc:  # the store cannot answer now (disk, shutdown)
                 event(log, logging.WARNING, "metrics.unavailable", error=repr(exc))
                 status, body = 503, b"unavailable\n"  # no error text

@@ -303,19 +303,11 @@ class _DeadList(RequestOp):
 
 
 class _Stats(RequestOp):
-    """``stats``: args is the server's own fields, taken when the request arrived, and
-    whether the ages of the oldest ready jobs were asked for."""
+    """``stats``: never run by the writer. Answered from the counts in memory, its ages
+    read by relay/server/oldest.py (relay/server/dispatch.py); this names its item."""
 
-    def run(self, store: Store, now: int, args: tuple[dict[str, Any], bool]) -> Any:
-        if not args[1]:
-            return store.queue_stats(), None
-        return store.queue_stats(), store.oldest_ready_ms(now)
-
-    def fields(self, outcome: tuple, args: tuple[dict[str, Any], bool]) -> dict[str, Any]:
-        queues, oldest = outcome
-        if oldest is None:
-            return {"queues": queues, "server": args[0]}
-        return {"queues": queues, "server": args[0], "oldest_ready_ms": oldest}
+    def run(self, store: Store, now: int, args: Any) -> Any:
+        raise NotImplementedError("stats is answered by the dispatcher")
 
 
 class _DeadOne(RequestOp):

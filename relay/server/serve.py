@@ -33,6 +33,7 @@ the transports (sessions close); leaving the core cancels its services, and leav
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 import time
@@ -56,11 +57,10 @@ from relay.server.listen import (
     open_listeners,
 )
 from relay.server.listener import Listener
-from relay.server.metrics import MetricsSnapshot, serve_metrics
+from relay.server.metrics import MetricsSnapshot, serve_metrics, snapshot_queues
 from relay.server.session import Session, Sessions
 from relay.server.tls import server_context
 from relay.server.websocket import Origins, accept_websocket, overloaded_response
-from relay.store import commands as cmd
 
 log = logging.getLogger("relay.server")
 
@@ -131,9 +131,12 @@ async def serve(
 
         async def gather() -> MetricsSnapshot:
             w = core.writer.statistics()
+            # From the store's view (no query, no turn in the writer): bounded by
+            # metrics_max_queues however many queues there are.
+            queues, events = snapshot_queues(core.view, config.metrics_max_queues)
             return MetricsSnapshot(
-                queues=await core.writer.execute(cmd.Stats()),
-                events=await core.writer.execute(cmd.EventTotals()),
+                queues=queues,
+                events=events,
                 connections=listener.connections,
                 auth_failures=dispatcher.access.throttle.failures_total,
                 watchers=len(core.watchers),
@@ -161,7 +164,10 @@ async def serve(
                     config.metrics_host, config.ws_host, None if ws_address is None else
                     ws_address[1], tls=tls_context is not None, tokens=config.tokens is not None,
                 )  # fmt: skip
-                await transports.start(serve_metrics, sockets.metrics, gather, guard, dashboard)
+                await transports.start(
+                    functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000),
+                    sockets.metrics, gather, guard, dashboard,
+                )  # fmt: skip
             address = sockets.jobs[0].socket.getsockname()[:2]
             event(
                 log,

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import orjson
 
 from relay.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
+
+if TYPE_CHECKING:
+    from relay.store.view import QueueView
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
@@ -62,6 +65,10 @@ class StoreConfig:
     # submit is refused with QueueFull: per queue, else ``max_depth`` (None: unbounded).
     max_depth: int | None = None
     queue_depths: dict[str, int] = attrs.Factory(dict)
+    # Queues that may hold jobs (a job in any state, retained succeeded and dead ones
+    # included) before a submit that would create one more is refused with TooManyQueues
+    # (None: unbounded). Checked in memory (relay/store/counts.py).
+    max_queues: int | None = None
 
     def depth_limit(self, queue: str) -> int | None:
         return self.queue_depths.get(queue, self.max_depth)
@@ -176,6 +183,9 @@ class Store(Protocol):
     # Whether ``leases_recover`` at start returns every leased job (one server owns the
     # database), or leaves them to expire (servers sharing it hold live leases).
     recovers_on_start: bool
+    # The counts per queue as of the last commit, published by the store after each commit
+    # (relay/store/view.py): what ``stats`` and /metrics read, from any thread.
+    view: QueueView
 
     # -- transactions and lifetime (the writer's) --------------------------------------------
 
@@ -325,8 +335,9 @@ class Store(Protocol):
     def event_totals(self) -> dict[tuple[str, str], int]:
         """(queue, event) -> how many times it happened since this store was opened."""
 
-    def oldest_ready_ms(self, now: int) -> dict[str, int]:
-        """Per queue with ready jobs: how long its oldest ready job has waited (ms)."""
+    def oldest_ready_ms(self, now: int, queues: Sequence[str] | None = None) -> dict[str, int]:
+        """Per queue with ready jobs (of ``queues``; None: of every queue): how long its
+        oldest ready job has waited (ms). A few index seeks per queue asked."""
 
     def dead_list(
         self,

@@ -254,6 +254,27 @@ class Stats:
 
 
 @attrs.frozen
+class RefreshCounts:
+    """PostgreSQL: read a page of every server's counts into the view (the next cursor)."""
+
+    after: str | None
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.counts_refresh(self.after, self.limit)  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class OldestReadyAt:
+    """When the oldest ready job of each of these queues became ready (those with one)."""
+
+    queues: tuple[str, ...]
+
+    def apply(self, store: Store, now: int) -> Any:
+        return {queue: now - age for queue, age in store.oldest_ready_ms(now, self.queues).items()}
+
+
+@attrs.frozen
 class EventTotals:
     def apply(self, store: Store, now: int) -> Any:
         return store.event_totals()

@@ -8,8 +8,11 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import Any
 
+from relay.errors import TooManyQueues
 from relay.store.base import EVENTS, Changes
+from relay.store.view import Entry, QueueView
 
 # (counter, key, n): one counter change, undone on rollback by subtracting n.
 JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]
@@ -28,14 +31,26 @@ class CountsBook:
     counter change is journaled, so that a rolled-back savepoint (``_undo(mark)``) or
     transaction (``_undo_transaction``) takes back its own changes, and the counters
     always equal what is committed.
+
+    After each commit (or rollback) the store publishes the queues whose counters moved
+    to its ``view`` (``_publish``, relay/store/view.py), which other threads read; and
+    before a submit creates a queue it checks the bound on queues (``_check_queues``)
+    against that view, in memory.
     """
 
     changes: Changes  # the store's: ``_record`` appends to its events
+    config: Any  # the store's StoreConfig (max_queues)
 
     def __init__(self) -> None:
         self._totals: Counter[tuple[str, str]] = Counter()  # (queue, event) -> since start
         # While a transaction runs: every counter change, to undo them on rollback.
         self._journal: list[JournalEntry] | None = None
+        # What commits have made of the counts, for other threads to read.
+        self.view = QueueView()
+        # Queues whose counters moved since they were last published.
+        self._touched: set[str] = set()
+        # Queues that submits since the last publish may create (``_check_queues``).
+        self._new_queues: set[str] = set()
 
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
@@ -74,6 +89,7 @@ class CountsBook:
 
     def _bump(self, counter: Counter[tuple[str, str]], key: tuple[str, str], n: int) -> None:
         counter[key] += n
+        self._touched.add(key[0])
         if self._journal is not None:
             self._journal.append((counter, key, n))
 
@@ -92,6 +108,50 @@ class CountsBook:
         for queue in queues:
             for event in EVENTS:
                 self._totals.pop((queue, event), None)
+
+    def _check_queues(self, queues: Iterable[str]) -> None:
+        """Refuse (``TooManyQueues``) a submit to queues that hold no jobs yet if they would
+        take the number of queues that hold jobs past ``config.max_queues``. In memory:
+        one lookup per queue named. Queues that earlier submits of the open transaction
+        may create count too (until it is published, also if a savepoint undid them)."""
+        limit = self.config.max_queues
+        if limit is None:
+            return
+        view, pending = self.view, self._new_queues
+        new = [queue for queue in queues if queue not in view and queue not in pending]
+        if not new:
+            return
+        held = len(view) + len(pending)
+        if held + len(new) > limit:
+            raise TooManyQueues(
+                f"{held} queues hold jobs (max {limit}); submit to an existing queue, or "
+                "let queues drain (succeeded jobs are pruned after retention, dead ones "
+                "purged) or raise the server's --max-queues"
+            )
+        pending.update(new)
+
+    def _entry(self, queue: str) -> Entry | None:
+        """The queue's counts as committed, then its event totals (None: it holds no
+        jobs). The store's: where it keeps its committed counts differs."""
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """After a commit or a rollback: the touched queues' committed counts to ``view``."""
+        self._new_queues.clear()
+        if not self._touched:
+            return
+        touched, self._touched = self._touched, set()
+        self.view.publish([(queue, self._entry(queue)) for queue in touched])
+
+    def _totals_of(self, queue: str) -> tuple[int, ...]:
+        totals = self._totals
+        return tuple([totals.get((queue, event), 0) for event in EVENTS])
+
+    def _publish_all(self, queues: Iterable[str]) -> None:
+        """Publish these queues and every queue the view holds (after a recount)."""
+        self._touched.update(queues)
+        self._touched.update(self.view.names_between(None, None))
+        self._publish()
 
     def event_totals(self) -> dict[tuple[str, str], int]:
         """(queue, event) -> how many times it happened since this store was opened (in

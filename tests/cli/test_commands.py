@@ -137,11 +137,16 @@ async def test_stats_shows_queues_by_state_with_totals(address, client):
     assert "relay-trio 0.1.0" in table.stdout and "connection" in table.stdout
 
     as_json = (await relay_trio("stats", "--json", address=address)).json()
-    assert list(as_json) == ["queues", "server", "oldest_ready_ms"]
+    assert list(as_json) == ["queues", "server", "oldest_ready_ms", "next_cursor", "total_queues"]
     assert list(as_json["queues"]) == ["email", "images"]
     assert set(as_json["oldest_ready_ms"]) == {"email"}  # images has no ready job
     assert as_json["queues"]["email"]["ready"] == 3 and as_json["queues"]["images"]["dead"] == 1
     assert set(as_json["server"]) == {"version", "uptime_ms", "connections"}
+    assert as_json["next_cursor"] is None and as_json["total_queues"] == 2
+
+    # Only the queues named (a page of the server's queues by name, else).
+    only = (await relay_trio("stats", "--queue", "images", "--json", address=address)).json()
+    assert list(only["queues"]) == ["images"] and only["total_queues"] == 2
 
 
 # -- dead letters -------------------------------------------------------------------------

@@ -235,3 +235,12 @@ def test_top_before_its_first_stats_shows_empty_tables():
     assert "none yet" in row(lines, "none yet")
     view.stats({}, ServerInfo("0.1.0", 1_000, 1), {})
     assert lines_of(view.render(), 80)[0] == "relay-trio top · connecting · 1 connection"
+
+
+def test_top_says_when_it_shows_the_first_page_of_queues():
+    view = TopView(clock=lambda: 0.0)
+    zeros = dict.fromkeys(views.STATES, 0)
+    view.stats({"a": zeros, "b": zeros}, ServerInfo("0.1.0", 1_000, 1), {}, 12_000)
+    assert lines_of(view.render(), 100)[0].endswith("· 1 connection · first 2 of 12000 queues")
+    view.stats({"a": zeros}, ServerInfo("0.1.0", 1_000, 1), {})
+    assert "first" not in lines_of(view.render(), 100)[0]

@@ -210,6 +210,16 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     assert len(lines) == 9
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_says_how_many_queues_the_page_leaves_out(width):
+    page = attrs.evolve(stats(a=counts(ready=1), b=counts(ready=2)), next_cursor="b",
+                        total_queues=12_000)  # fmt: skip
+    text = "\n".join(lines_of(views.stats_table(page), width))
+    assert "the first 2 of 12000 queues; --queue NAME for others" in text
+    whole = attrs.evolve(page, next_cursor=None, total_queues=2)
+    assert "of 2 queues" not in "\n".join(lines_of(views.stats_table(whole), width))
+
+
 def millions() -> Stats:
     return attrs.evolve(stats(**{
         "thumbnails.resize": counts(

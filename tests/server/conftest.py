@@ -143,9 +143,20 @@ class RunningServer:
         return await self.connect()
 
 
+async def writer_barrier(client: LineClient) -> None:
+    """One request that the writer answers (an inspect of no job): once its reply is read,
+    the writer has answered every request the connection sent before it (stats no longer
+    serves: it is answered at once, from memory)."""
+    reply = await client.request("inspect", job_id="job_0000000000000000")
+    assert reply["error"]["code"] == "not_found", reply
+
+
 async def start_server(nursery: trio.Nursery, db: str, **overrides: Any) -> RunningServer:
     limits = overrides.pop("limits", wire.Limits())
     defaults = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "ws_port": 0}
+    # Scrapes see every change at once (tests scrape, act, and scrape again); the cache's
+    # own tests set it.
+    defaults["metrics_cache_ms"] = 1
     config = ServerConfig(db=db, limits=limits, **(defaults | overrides))
     handle = await nursery.start(serve, config)
     return RunningServer(handle, config, nursery)

@@ -3,11 +3,23 @@ parser: the per-queue families are formatted by hand, so their text must parse."
 
 from __future__ import annotations
 
+import pytest
+import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from relay.errors import ShuttingDown
 from relay.histogram import Histogram
-from relay.server.metrics import EVENT_METRICS, MetricsSnapshot, render
+from relay.server.metrics import (
+    EVENT_METRICS,
+    MetricsSnapshot,
+    RenderCache,
+    render,
+    snapshot_queues,
+)
 from relay.store.base import EVENTS
+from relay.store.view import STATES as VIEW_STATES
+from relay.store.view import QueueView
 
 
 def test_rendered_metrics_parse_with_every_queue_state_and_event():
@@ -46,3 +58,68 @@ def test_rendered_metrics_parse_with_every_queue_state_and_event():
 
 def test_every_event_the_store_counts_has_a_metric():
     assert set(EVENT_METRICS) == set(EVENTS)
+
+
+async def test_scrapes_share_one_rendering_per_interval_and_never_make_two_at_once(
+    autojump_clock,
+):
+    made: list[float] = []
+    release = trio.Event()
+
+    async def make() -> bytes:
+        made.append(trio.current_time())
+        await release.wait()
+        return f"body {len(made)}".encode()
+
+    cache = RenderCache(make, ttl_s=1.0)
+    bodies: list[bytes] = []
+
+    async def scrape() -> None:
+        bodies.append(await cache.get())
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            nursery.start_soon(scrape)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(made) == 1  # ten scrapes at once: one rendering under way
+        release.set()
+    assert bodies == [b"body 1"] * 10
+    await trio.sleep(0.5)
+    assert await cache.get() == b"body 1" and len(made) == 1  # within the interval
+    await trio.sleep(0.6)
+    assert await cache.get() == b"body 2" and len(made) == 2  # made anew after it
+
+
+async def test_a_rendering_that_fails_is_made_again_by_the_next_scrape(autojump_clock):
+    calls = 0
+
+    async def make() -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ShuttingDown("stopping")
+        return b"ok"
+
+    cache = RenderCache(make, ttl_s=1.0)
+    with pytest.raises(ShuttingDown):
+        await cache.get()
+    assert await cache.get() == b"ok" and calls == 2
+
+
+def test_the_first_queues_have_series_and_the_others_are_summed_as_other():
+    view = QueueView()
+    width = len(VIEW_STATES) + len(EVENTS)
+
+    # (state counts, then event totals: ready n, submitted n)
+    def entry(n: int) -> tuple[int, ...]:
+        values = [0] * width
+        values[VIEW_STATES.index("ready")] = n
+        values[len(VIEW_STATES) + EVENTS.index("submitted")] = n
+        return tuple(values)
+
+    view.publish([(name, entry(n)) for name, n in [("a", 1), ("b", 2), ("c", 3), ("d", 4)]])
+    queues, events = snapshot_queues(view, 2)
+    assert {q: c["ready"] for q, c in queues.items()} == {"a": 1, "b": 2, "_other": 7}
+    assert events[("_other", "submitted")] == 7 and events[("a", "submitted")] == 1
+    queues, _ = snapshot_queues(view, 4)
+    assert set(queues) == {"a", "b", "c", "d"}  # all shown: no _other

@@ -796,7 +796,9 @@ async def test_stats_shape(server, client):
     await lease_one(client, "s1")
     await submit(client, "s2", 3)
     reply = await client.ok("stats")
-    assert set(reply) == {"id", "ok", "queues", "server"}
+    # (next_cursor and total_queues: extensions, see tests/hostile/test_many_queues.py)
+    assert set(reply) == {"id", "ok", "queues", "server", "next_cursor", "total_queues"}
+    assert reply["next_cursor"] is None and reply["total_queues"] == len(reply["queues"])
     assert set(reply["queues"]) >= {"s1", "s2"}
     for counts in reply["queues"].values():
         assert set(counts) == STATES

@@ -27,7 +27,13 @@ from relay.server import session as session_module
 from relay.server.dispatch import Dispatcher
 from relay.server.session import SLICE_LINES
 from relay.server.streamio import RECEIVE_BYTES
-from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
+from tests.server.conftest import (
+    BOUND_S,
+    LineClient,
+    RunningServer,
+    start_server,
+    writer_barrier,
+)
 from tests.server.test_lifecycle import scrape
 from tests.server.test_protocol import (
     W,
@@ -183,7 +189,7 @@ async def test_reading_stops_while_large_replies_owed_reach_max_owed_bytes(tmp_p
         stalled = await stall_with_big_replies(srv, good, n=100)
         try:
             await wait_all_tasks_blocked()
-            await good.ok("stats")  # the writer answered what the reader took before this
+            await writer_barrier(good)  # the writer answered what the reader took before this
             answered = await request_count(srv, "inspect")
             assert 1 <= answered < 100, answered
             await well_behaved_round(good, "good")  # others are served meanwhile
@@ -560,14 +566,15 @@ async def test_no_job_is_leased_to_a_client_gone_while_its_long_polls_fill_max_i
             await sock.connect(srv.handle.address)
             await sock.send(parked_leases(leases))
             await wait_all_tasks_blocked()  # read and sent to the writer
-            await c.ok("stats")  # the writer answered them before this: they are parked
+            await writer_barrier(c)  # the writer answered them before this: they are parked
             if after:
                 await sock.send(after)
                 await wait_all_tasks_blocked()
             reset(sock)
             await wait_all_tasks_blocked()
         await submit(c, queue="lp")
-        await wait_all_tasks_blocked()  # woken: claimed again (queued before stats) or not
+        await wait_all_tasks_blocked()  # woken: claimed again (queued before this) or not
+        await writer_barrier(c)
         counts = await queue_stats(c, "lp")
         assert (counts["ready"], counts["leased"]) == (1, 0), counts
         with trio.fail_after(BOUND_S):
@@ -581,7 +588,7 @@ async def test_parked_long_polls_do_not_count_against_the_reply_byte_budget(tmp_
         await c.send_raw(parked_leases(128))
         await wait_all_tasks_blocked()
         async with connected(srv) as other:
-            await other.ok("stats")  # all 128 parked
+            await writer_barrier(other)  # all 128 parked
         with trio.fail_after(2):  # not their 30 s wait
             assert (await c.ok("ping"))["ok"] is True
             await submit(c, queue="lp")  # wakes one of them
@@ -606,7 +613,7 @@ async def test_a_session_closed_for_any_reason_has_its_woken_long_polls_claim_no
             await sock.connect(srv.handle.address)
             await sock.send(parked_leases(2))
             await wait_all_tasks_blocked()
-            await c.ok("stats")  # both parked
+            await writer_barrier(c)  # both parked
             session = sessions[-1]
             listeners = session.dispatcher.writer.commit_listeners
             on_commit = session.dispatcher.longpolls.on_commit
@@ -620,6 +627,7 @@ async def test_a_session_closed_for_any_reason_has_its_woken_long_polls_claim_no
             listeners[at] = close_first
             await submit(c, queue="lp")
             await wait_all_tasks_blocked()
+            await writer_barrier(c)  # (a woken claim, queued before this, committed)
             counts = await queue_stats(c, "lp")
         assert (counts["ready"], counts["leased"]) == (1, 0), counts
 
@@ -645,11 +653,11 @@ async def test_long_polls_woken_together_stay_within_the_reply_budget(tmp_path, 
         with trio.fail_after(BOUND_S):
             await slow.send(pipelined(leases))
             await wait_all_tasks_blocked()
-            await c.ok("stats")  # all parked
+            await writer_barrier(c)  # all parked
             with session_events() as events:
                 await c.ok("submit_batch", jobs=[{"queue": "lp", "payload": payload}] * 100)
                 await wait_all_tasks_blocked()  # the woken leases' claims are queued
-                await c.ok("stats")  # and committed and answered before this
+                await writer_barrier(c)  # and committed and answered before this
             assert (await queue_stats(c, "lp"))["leased"] < 100  # not all sent at once
             # Now it reads: all 20 replies, and a ping after them on the same connection.
             await slow.send(pipelined([{"op": "ping", "id": "after"}]))
@@ -681,7 +689,7 @@ async def test_a_woken_long_poll_takes_no_more_than_a_lease_that_found_jobs_at_o
         direct = (await w.ok("lease", queues=["now"], worker_id=W, count=10))["jobs"]
         waiting = await w.send("lease", queues=["later"], worker_id=W, count=10, wait_ms=9000)
         await wait_all_tasks_blocked()
-        await c.ok("stats")  # parked
+        await writer_barrier(c)  # parked
         await c.ok("submit_batch", jobs=[{"queue": "later", "payload": payload}] * 10)
         reply = await w.read()
         assert reply["id"] == waiting

@@ -19,7 +19,7 @@ from trio.testing import wait_all_tasks_blocked
 from relay import wire
 from relay.server.serve import ServerConfig, serve
 from relay.server.tls import TlsConfigError, server_context
-from tests.server.conftest import BOUND_S, RunningServer, logged
+from tests.server.conftest import BOUND_S, RunningServer, logged, writer_barrier
 from tests.server.test_protocol import W, connected, custom_server, queue_stats, submit
 from tests.server.test_session import parked_leases, pipelined, reset
 from tests.tls_helpers import TlsFiles, make_tls_files, open_tls_line_client
@@ -216,7 +216,7 @@ async def test_no_job_is_leased_to_a_tls_client_gone_while_its_long_polls_fill_m
         with trio.fail_after(BOUND_S):
             await gone.send_raw(parked_leases(4))
             await wait_all_tasks_blocked()  # read and sent to the writer
-            await c.ok("stats")  # the writer answered them before this: they are parked
+            await writer_barrier(c)  # the writer answered them before this: they are parked
             if after:
                 await gone.send_raw(after)
                 await wait_all_tasks_blocked()
@@ -224,6 +224,7 @@ async def test_no_job_is_leased_to_a_tls_client_gone_while_its_long_polls_fill_m
             await wait_all_tasks_blocked()
         await submit(c, queue="lp")
         await wait_all_tasks_blocked()  # woken: claimed again for it, or not
+        await writer_barrier(c)  # (that claim, queued before this, committed)
         counts = await queue_stats(c, "lp")
         assert (counts["ready"], counts["leased"]) == (1, 0), counts
         with trio.fail_after(BOUND_S):

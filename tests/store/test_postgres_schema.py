@@ -171,7 +171,14 @@ def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url,
     store = PostgresStore.open(url)
     try:
         meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "2"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
+        # (version 3: the counts by queue, which each server reads a page at a time)
+        indexes = store._db.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'job_counts' "
+            "AND schemaname = current_schema()"
+        ).fetchall()
+        assert ("job_counts_queue",) in indexes
+        assert store.view.get("q") is not None  # (its counts, read as it opened)
         info = store.job_inspect(dead)
         assert (info.state, info.last_error) == ("dead", "lease expired")
         assert info.errors == (ErrorEntry(1, "lease expired", T0 + 1_000, None),)

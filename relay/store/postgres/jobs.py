@@ -131,6 +131,7 @@ class Jobs:
             new_keys.append(key)
             state = PENDING if spec.due_at(now) > now else READY
             per_queue[spec.queue, state] = per_queue.get((spec.queue, state), 0) + 1
+        self._check_queues({queue for queue, _ in per_queue})
         self._check_depth(per_queue)
         if not new:
             return [answer for answer in answers if isinstance(answer, SubmitResult)]

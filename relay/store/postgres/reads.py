@@ -127,12 +127,18 @@ class Reads:
                 stats.setdefault(queue, dict.fromkeys(map(str, JobState), 0))[state] = n
         return stats
 
-    def oldest_ready_ms(self: PostgresStore, now: int) -> dict[str, int]:
-        """Per queue with ready jobs: how long its oldest ready job has waited (ms); one
-        index probe (``jobs_ready``) per queue and priority, never a scan."""
-        queues = sorted(
-            {queue for (queue, state), n in self._counts().items() if n and state == "ready"}
-        )
+    def oldest_ready_ms(
+        self: PostgresStore, now: int, queues: Sequence[str] | None = None
+    ) -> dict[str, int]:
+        """Per queue with ready jobs (of ``queues``, or of all): how long its oldest ready
+        job has waited (ms); one index probe (``jobs_ready``) per queue and priority,
+        never a scan. A queue asked with no ready job costs its probes and is left out."""
+        if queues is None:
+            queues = sorted(
+                {queue for (queue, state), n in self._counts().items() if n and state == "ready"}
+            )
+        else:
+            queues = sorted(set(queues))
         if not queues:
             return {}
         rows = self._read(_OLDEST_READY, (queues,))

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -138,10 +138,18 @@ def _v2_error_tracebacks(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE job_errors ADD COLUMN traceback text")
 
 
+def _v3_job_counts_by_queue(conn: psycopg.Connection) -> None:
+    # The counts of a range of queues, over every slot, one range scan (the primary key
+    # leads with the slot): each server reads them a page at a time to follow what the
+    # others commit (PostgresStore.counts_refresh).
+    conn.execute("CREATE INDEX job_counts_queue ON job_counts (queue)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
     2: _v2_error_tracebacks,
+    3: _v3_job_counts_by_queue,
 }
 
 

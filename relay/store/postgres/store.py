@@ -47,6 +47,7 @@ from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
 from relay.store.postgres.reads import Reads
 from relay.store.postgres.schema import open_connection
+from relay.store.view import STATES, Entry
 
 # How many rows of job_counts each (queue, state) may be spread over: a store adds its
 # counts to the rows of one slot, picked at random when it opens. With a handful of
@@ -74,6 +75,16 @@ _DROP_ZEROS = (
     "WHERE c.slot = h.slot AND c.queue = h.queue AND c.state = h.state "
     "AND (h.n = 0 OR (h.queue, h.state) IN (SELECT queue, state FROM zero))"
 )
+# The first rows of job_counts by queue after a name: one range scan of job_counts_queue,
+# which the ORDER BY and LIMIT make the plan whatever the table's statistics say (a
+# DISTINCT over the range was planned as a scan of the whole table, ~110 ms at 100,000
+# queues, while the table was new). The store sums the slots' rows itself.
+_PAGE_COUNTS = "SELECT queue, state, n FROM job_counts WHERE queue > %s ORDER BY queue LIMIT %s"
+# Rows a page reads per queue asked for: a queue has a few states with jobs, in a few slots.
+# At least one queue's most rows (every state in every slot), so a page always ends after
+# at least one whole queue.
+_ROWS_PER_QUEUE = 4
+_MIN_PAGE_ROWS = 6 * COUNT_SLOTS + 1
 # Of these queues, the ones that still hold jobs.
 _HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
 
@@ -112,6 +123,10 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
         # Queues some of whose jobs the open transaction deleted: their event totals are
         # forgotten if they are left without jobs (as SqliteStore does).
         self._deleted_from: set[str] = set()
+        # (queue, state) -> jobs, over every server, as this store knows it: read when it
+        # opens and a page at a time since (``counts_refresh``), its own commits added as
+        # they commit. What ``view`` publishes; what the bound on queues is checked on.
+        self._known: Counter[tuple[str, str]] = Counter()
         # Rows written by every statement so far (for ``write_mark``).
         self._rows = 0
         # BEGIN not sent yet: it goes with the transaction's first statement (``_read``).
@@ -119,6 +134,7 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
         self.changes = Changes()
         # Whether transitions append to ``changes.events``; the writer sets it per batch.
         self.recording = False
+        self.load_counts()
 
     @classmethod
     def open(
@@ -134,6 +150,16 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
         store = cls(open_connection(url), config, rng=rng, slot=slot)
         store.url = url
         return store
+
+    def load_counts(self) -> None:
+        """Read every server's counts into ``_known``, and publish them (at open: one
+        read of job_counts, whatever its size; afterwards ``counts_refresh`` reads it a
+        page at a time)."""
+        rows = self._db.execute(
+            "SELECT queue, state, sum(n)::bigint FROM job_counts GROUP BY queue, state"
+        ).fetchall()
+        self._known = Counter({(queue, state): n for queue, state, n in rows if n})
+        self._publish_all({queue for queue, _ in self._known})
 
     @property
     def broken(self) -> bool:
@@ -154,6 +180,7 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
         self._begin_pending = False
         self._moves.clear()
         self._deleted_from.clear()
+        self._publish()
         self.changes = Changes()
 
     def close(self) -> None:
@@ -231,9 +258,20 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
                 )
             empty = self._flush_counts_and_commit()
         self._journal = None
+        known = self._known
+        for key, n in self._moves.items():
+            if n:
+                known[key] += n
+                if not known[key]:
+                    del known[key]
         self._moves.clear()
         self._deleted_from.clear()
         self._forget_totals(empty)
+        for queue in empty:  # (the database's word: none of its rows count a job)
+            self._touched.add(queue)
+            for state in STATES:
+                known.pop((queue, state), None)
+        self._publish()
 
     def rollback(self) -> None:
         self._roll_back()
@@ -248,6 +286,7 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
         self._undo_transaction()
         self._moves.clear()
         self._deleted_from.clear()
+        self._publish()
 
     def _on_its_own(
         self, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -309,6 +348,48 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
             return []
         holding = {queue for (queue,) in held}
         return [queue for queue in queues if queue not in holding]
+
+    def _entry(self, queue: str) -> Entry | None:
+        known = self._known
+        states = [known.get((queue, state), 0) for state in STATES]
+        if not any(states):
+            return None
+        return (*states, *self._totals_of(queue))
+
+    def counts_refresh(self, after: str | None, limit: int) -> str | None:
+        """Read the counts of about ``limit`` queues named after ``after`` (None: from the
+        first) from job_counts, over every server, into ``_known``: what other servers
+        committed reaches this store's view so, a page per call. Return the name to pass
+        next, or None once the last page is read. One range scan of ``job_counts_queue``
+        of ``limit * _ROWS_PER_QUEUE`` rows, whatever the number of queues; the queues it
+        reads whole (all but the last, if more follow).
+
+        In the writer's transaction: this transaction's moves are not in job_counts yet
+        (its commit adds them), so replacing what was known by what is read loses none.
+        """
+        # ("" sorts before every queue name: they are 1 to 128 characters.)
+        wanted = max(limit * _ROWS_PER_QUEUE, _MIN_PAGE_ROWS)
+        rows = self._read(_PAGE_COUNTS, (after or "", wanted)).fetchall()
+        last = None
+        if len(rows) == wanted:  # more follow: the last queue read may be partial
+            last = rows[-1][0]
+            rows = [row for row in rows if row[0] != last]
+            last = rows[-1][0]
+        sums: Counter[tuple[str, str]] = Counter()
+        for queue, state, n in rows:
+            sums[(queue, state)] += n
+        page = {queue for queue, _ in sums}
+        known = self._known
+        gone = self.view.names_between(after, last)  # (every queue known in the range)
+        for queue in gone:
+            for state in STATES:
+                known.pop((queue, state), None)
+        for key, n in sums.items():
+            if n:
+                known[key] = n
+        self._touched.update(gone)
+        self._touched.update(page)
+        return last
 
     def recount(self) -> None:
         """Nothing to do: the counts are rows, written in the same transactions as the jobs

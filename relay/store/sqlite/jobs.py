@@ -156,6 +156,7 @@ class SqliteJobs(SqliteBase):
             if idempotency_key is not None:
                 keys.append((queue, idempotency_key, key, key_expires_at))
                 fresh_keys[(queue, idempotency_key)] = result
+        self._check_queues({queue for queue, _ in per_queue})
         self._ids.last_id = last_id
         self._check_depth(per_queue)
         _execute_rows(self._db, _INSERT_PLAIN_JOBS, _INSERT_PLAIN_ROW, plain)
@@ -186,6 +187,7 @@ class SqliteJobs(SqliteBase):
         for spec in specs:
             queue = spec[0]
             per_queue[queue] = per_queue.get(queue, 0) + 1
+        self._check_queues(per_queue)
         if self.config.max_depth is not None or self.config.queue_depths:
             self._check_depth({(queue, READY): n for queue, n in per_queue.items()})
         # Consecutive ids, as JobIdGenerator.next_id would give them one by one.

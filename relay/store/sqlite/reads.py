@@ -120,14 +120,17 @@ class SqliteReads(SqliteBase):
             queue: {str(s): n for s, n in by_state.items()} for queue, by_state in stats.items()
         }
 
-    def oldest_ready_ms(self, now: int) -> dict[str, int]:
-        """Per queue with ready jobs: how long its oldest ready job has waited (ms).
+    def oldest_ready_ms(self, now: int, queues: Sequence[str] | None = None) -> dict[str, int]:
+        """Per queue with ready jobs (of ``queues``, or of all): how long its oldest ready
+        job has waited (ms).
 
         One index seek per queue and priority (the ``jobs_ready`` index is ordered by
         ready_at within each), never a scan of the ready jobs."""
+        if queues is None:
+            queues = [queue for (queue, state), n in self._counts.items() if n and state == READY]
         ages = {}
-        for (queue, state), n in self._counts.items():
-            if n and state == READY:
+        for queue in queues:
+            if self._counts.get((queue, READY)):
                 oldest = self._db.execute(_OLDEST_READY_SQL, (queue,)).fetchone()[0]
                 if oldest is not None:
                     ages[queue] = max(0, now - oldest)

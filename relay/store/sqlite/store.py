@@ -15,7 +15,7 @@ import sqlite3
 from collections import Counter
 
 from relay.model import JobIdGenerator, JobState
-from relay.store.base import Changes, StoreConfig
+from relay.store.base import EVENTS, Changes, StoreConfig
 from relay.store.counts import JournalEntry
 from relay.store.schema import open_database
 from relay.store.sqlite.dead import SqliteDead
@@ -23,6 +23,7 @@ from relay.store.sqlite.jobs import SqliteJobs
 from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
 from relay.store.sqlite.reads import SqliteReads
+from relay.store.view import STATES, Entry
 
 
 class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads):
@@ -55,6 +56,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         super().__init__()  # the counts book (relay/store/base.py): empty, no transaction
         self._counts = Counter()
         self._load_counts()
+        self._publish_all(())
         self._held = {}  # the leases granted (SqliteBase, sql.py)
         self.changes = Changes()
         # Whether transitions append to ``changes.events``. Off, they cost one check of
@@ -104,6 +106,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
     def take_changes(self) -> Changes:
         """What changed since the last call (or commit), after a statement that committed
         on its own (``jobs_submit(alone=True)``)."""
+        self._publish()
         changes, self.changes = self.changes, Changes()
         return changes
 
@@ -113,6 +116,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         journal, self._journal = self._journal, None
         if journal:
             self._forget_empty(journal)
+        self._publish()
         changes, self.changes = self.changes, Changes()
         return changes
 
@@ -123,12 +127,22 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         # generator never goes back); none was committed or answered, so none needs
         # remembering across a restart.
         self._undo_transaction()
+        self._publish()
         self.changes = Changes()
 
     def recount(self) -> None:
         """Count the jobs per queue and state again from the table (after a failure that
         may have left the counts short of what was committed outside a transaction)."""
         self._load_counts()
+        self._publish_all({queue for queue, _ in self._counts})
+
+    def _entry(self, queue: str) -> Entry | None:
+        get = self._counts.get
+        states = [get((queue, state), 0) for state in STATES]
+        if not any(states):
+            return None
+        totals = self._totals.get
+        return (*states, *[totals((queue, event), 0) for event in EVENTS])
 
     def _forget_empty(self, journal: list[JournalEntry]) -> None:
         """Drop the counts that this transaction brought to zero, and the event totals of
@@ -150,3 +164,4 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         rows = self._db.execute("SELECT queue, state, count(*) FROM jobs GROUP BY queue, state")
         for queue, state, n in rows:
             self._counts[(queue, state)] = n
+        self._touched.update(queue for queue, _ in self._counts)
