@@ -353,7 +353,8 @@ class Dispatcher(AdminHandlers):
                 and not longpolls.closing
                 and lease.deadline > now
             )
-            if may_wait and not longpolls.full:
+            # (One woken that found nothing parks again at its old place: it held a place.)
+            if may_wait and (lease.woken or not longpolls.full):
                 longpolls.park(item, connection)
                 # A parked lease holds no reply: it gives back what it reserved, or a few
                 # long-polls would fill the connection's byte budget and stop its reader

@@ -21,7 +21,7 @@ from relay.errors import RelayError
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.store import commands as cmd
-from relay.store.base import READY, Store
+from relay.store.base import READY, REPLY_OVERHEAD_BYTES, Store
 from relay.store.items import Item
 
 log = logging.getLogger("relay.dispatch")
@@ -53,6 +53,7 @@ class PendingLease:
     job_bytes: int = 0  # the most one job takes in its reply
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
+    place: int = -1  # its place among parked leases, from its first park (LongPolls)
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -90,6 +91,27 @@ def _wanted(lease: PendingLease) -> bool:
     if connection.closed:
         return False
     return not lease.woken or connection.still_wanted()
+
+
+def _pass_on(store: Store, lease: PendingLease, jobs: list[Lease], ran: bool) -> None:
+    """A parked long-poll was woken for up to ``count`` of the jobs some commit made ready
+    (relay/server/longpoll.py): if its claim did not take them all, and did not show that
+    none is left (it was not run, or its byte budget stopped it first), the jobs it leaves
+    wake other parked leases at this commit, as if made ready by it: none is left ready
+    while leases wait for it."""
+    left = lease.count - len(jobs)
+    if not left or (ran and not jobs):
+        return  # it took its share, or found none: its queues have no ready job left
+    if ran:
+        if lease.max_bytes is None:
+            return
+        # Its budget, measured as the store does (characters or bytes: never more than
+        # the bytes measured here).
+        size = sum([len(job.payload.encode()) + REPLY_OVERHEAD_BYTES for job in jobs])
+        if size < lease.max_bytes:
+            return  # it took every job there was in its queues
+    for queue in lease.queues:
+        store.changes.made_ready(queue, left)
 
 
 class _Submit(RequestOp):
@@ -220,6 +242,10 @@ class _Claim(RequestOp):
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
+        ran = set(wanted)
+        for i, lease in enumerate(leases):
+            if lease.woken:
+                _pass_on(store, lease, outcomes[i], i in ran)
         return outcomes
 
     def run(self, store: Store, now: int, lease: PendingLease) -> Any:
