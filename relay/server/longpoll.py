@@ -83,9 +83,10 @@ class _Parked:
 
 
 # Per queue, the connections with leases parked on it, in turn order (the next to serve
-# first), each with its leases as a heap of (place, entry) in the order they parked.
-# Entries no longer parked stay in the heaps until they come up (or a rebuild).
-_Turns = OrderedDict[int, list[tuple[int, _Parked]]]
+# first), each with its leases as a heap of (place, order, entry) in the order they
+# parked. Entries no longer parked stay in the heaps until they come up (or a rebuild),
+# so a lease parked again may be in a heap twice (at one place: ``order`` breaks the tie).
+_Turns = OrderedDict[int, list[tuple[int, int, _Parked]]]
 
 
 class LongPolls:
@@ -140,7 +141,7 @@ class LongPolls:
                 turns = self._by_queue.get(queue)
                 if turns is None:
                     turns = self._by_queue[queue] = OrderedDict()
-                heapq.heappush(turns.setdefault(key, []), (lease.place, entry))
+                heapq.heappush(turns.setdefault(key, []), (lease.place, next(self._order), entry))
             self._queued += len(lease.queues)
             self._links += len(lease.queues)
         self._by_sink.setdefault(id(sink), set()).add(entry)
@@ -162,7 +163,7 @@ class LongPolls:
         self._queued = 0
         for queue, turns in list(self._by_queue.items()):
             for key, heap in list(turns.items()):
-                live = [pair for pair in heap if _waits(pair[1])]
+                live = [each for each in heap if _waits(each[2])]
                 if live:
                     heapq.heapify(live)
                     turns[key] = live
@@ -192,7 +193,7 @@ class LongPolls:
             key, heap = turns.popitem(last=False)
             entry = None
             while heap:
-                _, candidate = heapq.heappop(heap)
+                candidate = heapq.heappop(heap)[2]
                 self._queued -= 1
                 if _waits(candidate):
                     entry = candidate

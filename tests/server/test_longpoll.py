@@ -187,6 +187,21 @@ async def test_a_lease_parked_on_several_queues_is_woken_once(autojump_clock, st
         assert hub.parked == 0
 
 
+async def test_a_lease_on_several_queues_parks_again_after_finding_nothing(autojump_clock, store):
+    """Woken through one queue, it is still in the other queue's heap when it parks again
+    at its old place: it is there twice, and woken once."""
+    async with running_hub(store) as (writer, hub):
+        both = Worker(hub, "both")
+        hub.park(lease_item(both, queues=("a", "b"), wait_s=30), both)
+        hub.park(lease_item(both, queues=("b", "a"), wait_s=30), both)
+        for _ in range(3):  # made ready, and taken by another lease first
+            hub.on_commit(Changes(ready_queues={"a"}, ready_counts={"a": 1}))
+            await trio.testing.wait_all_tasks_blocked()
+        assert hub.parked == 2 and both.replies == []
+        await submit(writer, "b", 2)
+        assert len(set(both.jobs())) == 2 and hub.parked == 0
+
+
 async def test_a_woken_lease_whose_client_went_passes_its_job_on(autojump_clock, store):
     async with running_hub(store) as (writer, hub):
         gone, staying = Worker(hub, "gone"), Worker(hub, "staying")
