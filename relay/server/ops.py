@@ -11,6 +11,7 @@ the outcome itself: a long-poll lease that found nothing (park it, or answer no 
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import attrs
@@ -65,6 +66,7 @@ class RequestOp:
     phase = 1
     run_many: Any = None
     run_alone: Any = None
+    weigh: Any = None  # one job (relay/store/items.py, Op.weigh)
     reserves = False  # its args are a Reserving (or a PendingLease)
 
     def __init__(self, name: str) -> None:
@@ -149,6 +151,7 @@ class _SubmitBatch(RequestOp):
     """``submit_batch``: args is a tuple of ``SubmitSpec``; the batch's are one insert."""
 
     phase = 1
+    weigh = len
 
     @staticmethod
     def run_many(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
@@ -209,9 +212,15 @@ class _AckBatch(RequestOp):
     """``ack_batch``: args is a tuple of acks, each answered on its own."""
 
     phase = 2
+    weigh = len
 
-    def run(self, store: Store, now: int, acks: tuple[cmd.AckArgs, ...]) -> Any:
-        return cmd.ack_each(store, now, acks)
+    def run(self, store: Store, now: int, acks: tuple[Any, ...]) -> Any:
+        if all([type(ack) is tuple for ack in acks]):
+            return cmd.ack_each(store, now, acks)
+        # Repeats of a job acked earlier in the batch were answered when parsed (each
+        # job once in the store's one statement).
+        outcomes = iter(cmd.ack_each(store, now, [a for a in acks if type(a) is tuple]))
+        return [next(outcomes) if type(ack) is tuple else ack for ack in acks]
 
     def fields(self, outcome: list[RelayError | None], args: Any) -> dict[str, Any]:
         return {
@@ -234,6 +243,7 @@ class _Claim(RequestOp):
     # went takes no job that its batch makes ready.
     phase = 0
     reserves = True
+    weigh = operator.attrgetter("count")
 
     @staticmethod
     def run_many(store: Store, now: int, leases: list[PendingLease]) -> list[Any]:
@@ -309,6 +319,8 @@ class _Inspect(RequestOp):
 
 class _ShortIds(RequestOp):
     """``short_ids``: args is the tuple of whole job ids, checked."""
+
+    weigh = len
 
     def run(self, store: Store, now: int, job_ids: tuple[str, ...]) -> Any:
         return store.job_ids_abbreviate(job_ids)
