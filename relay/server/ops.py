@@ -21,6 +21,7 @@ from relay import wire
 from relay.errors import RelayError
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
+from relay.server.auth import Role
 from relay.store import commands as cmd
 from relay.store.base import READY, REPLY_OVERHEAD_BYTES, Store
 from relay.store.items import Item
@@ -85,12 +86,13 @@ class RequestOp:
 
 
 def _wanted(lease: PendingLease) -> bool:
-    """No lease claims for a connection that has closed (a fault, or its client went):
-    its jobs would be held for nobody until their leases expire. A woken long-poll is
+    """No lease claims for a connection that has closed (a fault, or its client went), or
+    whose role a later hello lowered below worker: its jobs would be held for nobody (or
+    for a client that may not ack them) until their leases expire. A woken long-poll is
     claimed only while its client may still take the jobs (its connection was asked just
     before it was queued again, and is asked once more here)."""
     connection = lease.connection
-    if connection.closed:
+    if connection.closed or connection.role < Role.WORKER:
         return False
     return not lease.woken or connection.still_wanted()
 
