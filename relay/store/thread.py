@@ -46,12 +46,14 @@ log = logging.getLogger("relay.writer")
 Pending = OrderedDict[int, list[Item]]
 
 
-def add_pending(pending: Pending, item: Item) -> None:
+def add_pending(pending: Pending, item: Item) -> list[Item]:
+    """Add ``item`` to its sink's pending items; returns that sink's list."""
     mine = pending.get(id(item[1]))
     if mine is None:
-        pending[id(item[1])] = [item]
+        mine = pending[id(item[1])] = [item]
     else:
         mine.append(item)
+    return mine
 
 
 def take_batch(pending: Pending, max_batch: int, max_share: int) -> list[Item]:
@@ -76,13 +78,18 @@ def take_batch(pending: Pending, max_batch: int, max_share: int) -> list[Item]:
             used = spent.get(key, 0)
             limit = min(each, room, len(mine))
             n = 0
-            while n < limit and used < max_share:
-                item = mine[n]
+            for item in mine:
                 weigh = item[0].weigh
                 used += 1 if weigh is None else weigh(item[4])
                 n += 1
-            batch += mine[:n]
-            del mine[:n]
+                if n == limit or used >= max_share:
+                    break
+            if n == len(mine):
+                batch += mine
+                mine = []
+            else:
+                batch += mine[:n]
+                del mine[:n]
             room -= n
             spent[key] = used
             if mine:
@@ -183,7 +190,10 @@ class WriterThread:
                         break
                     add_pending(pending, item)
                 # Everything else already waiting may join this transaction (group
-                # commit), the connections taking turns (take_batch).
+                # commit), the connections taking turns (take_batch). (A connection's
+                # items mostly come in runs: its list is at hand for the next one.)
+                last: object = None
+                mine: list[Item] = []
                 while more:
                     try:
                         item = inbox.get_nowait()
@@ -192,7 +202,11 @@ class WriterThread:
                     if item is None:
                         more = False  # the stop marker: after the items before it
                         break
-                    add_pending(pending, item)
+                    if item[1] is last:
+                        mine.append(item)
+                    else:
+                        last = item[1]
+                        mine = add_pending(pending, item)
                 batch = take_batch(pending, self.max_batch, self.max_share)
                 done = self._execute(batch)
                 batch = []  # (committed or answered: never answered again, see _stopped)
