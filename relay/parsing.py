@@ -132,18 +132,22 @@ def parse_request(frame: Frame, limits: Limits) -> Any:
     return request
 
 
-# (job_id, worker_id, token, result text or None) per ack of an ack_batch.
-AckTuples = tuple[tuple[str, str, str, str | None], ...]
+# (job_id, worker_id, token, result text or None) per ack of an ack_batch; in place of
+# an ack of a job that an earlier ack of the batch names, the error that answers it.
+AckTuples = tuple[tuple[str, str, str, str | None] | BadRequest, ...]
 
 
 def _parse_ack_batch(request: AckBatch, limits: Limits) -> AckTuples:
     """(job_id, worker_id, token, result text or None) per ack, every one checked before
-    any is used: one bad item rejects the request, naming its index."""
+    any is used: one bad item rejects the request, naming its index. A job acked twice
+    in the batch: its first ack stands, each later one is answered ``bad_request`` here,
+    without reaching the store (where a repeat would cost the batch its one statement)."""
     check_text("worker_id", request.worker_id, limits.max_id_bytes)
     items = request.acks
     if not 1 <= len(items) <= limits.max_batch:
         raise _bad("acks", f"must hold 1 to {limits.max_batch} acks, got {len(items)}")
-    acks: list[tuple[str, str, str, str | None]] = []
+    acks: list[tuple[str, str, str, str | None] | BadRequest] = []
+    first: dict[str, int] = {}  # job id -> index of its first ack
     for i, item in enumerate(items):
         prefix = f"acks[{i}]."
         if not isinstance(item, dict):
@@ -154,5 +158,13 @@ def _parse_ack_batch(request: AckBatch, limits: Limits) -> AckTuples:
         result = None
         if ack.result is not None:
             result = encode_json_value(prefix + "result", ack.result, limits.max_result_bytes)
+        earlier = first.setdefault(ack.job_id, i)
+        if earlier != i:
+            acks.append(
+                BadRequest(
+                    f"{prefix}job_id: acked by acks[{earlier}] of this batch; ack each job once"
+                )
+            )
+            continue
         acks.append((ack.job_id, request.worker_id, ack.token, result))
     return tuple(acks)

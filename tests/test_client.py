@@ -1159,16 +1159,21 @@ async def test_ack_batch_returns_none_or_the_error_per_ack_in_order(client):
             (done.job_id, done.token, "twice"),  # repeated with the completing token
             ("job_0000000000000001", first.token),
             (ready.job_id, ready.token),  # released: the token no longer holds a lease
-            (second.job_id, second.token, None),
+            (second.job_id, second.token, None),  # a job named twice: refused, not run
         ],
     )
     assert isinstance(outcomes, list) and len(outcomes) == 6
-    assert [outcomes[i] for i in (0, 2, 5)] == [None, None, None]
-    assert [type(outcomes[i]) for i in (1, 3, 4)] == [StaleToken, JobNotFound, StaleToken]
-    assert [outcomes[i].code for i in (1, 3, 4)] == ["stale_token", "not_found", "stale_token"]
+    assert [outcomes[i] for i in (0, 2)] == [None, None]
+    assert [type(outcomes[i]) for i in (1, 3, 4, 5)] == [
+        StaleToken, JobNotFound, StaleToken, BadRequest,
+    ]  # fmt: skip
+    codes = ["stale_token", "not_found", "stale_token", "bad_request"]
+    assert [outcomes[i].code for i in (1, 3, 4, 5)] == codes
     assert all(isinstance(outcomes[i].message, str) and outcomes[i].message for i in (1, 3, 4))
     assert (await client.inspect(first.job_id)).result == {"r": [1, 2]}
     assert (await client.inspect(done.job_id)).result == "once"
+    assert (await client.inspect(second.job_id)).state == JobState.LEASED
+    assert await client.ack_batch("w", [(second.job_id, second.token, None)]) == [None]
     view = await client.inspect(second.job_id)
     assert view.state == JobState.SUCCEEDED and view.result is None
     assert (await client.inspect(ready.job_id)).state == JobState.READY

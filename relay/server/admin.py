@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from relay import requests, wire
-from relay.errors import RelayError, ShuttingDown, UnknownOp
+from relay.errors import RelayError, ShuttingDown, Unauthorized, UnknownOp
 from relay.server import ops
+from relay.server.auth import Role
 from relay.store import commands as cmd
 from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
@@ -98,6 +99,11 @@ class AdminHandlers:
         data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
         try:
             while True:
+                if connection.role < Role.ADMIN:  # a hello lowered it meanwhile
+                    raise Unauthorized(
+                        f"stopped after {total} jobs: this connection's role is now "
+                        f"{connection.role.label}; {item[0].name} needs admin"
+                    )
                 n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
                 total += n
                 if n < DEAD_CHUNK:

@@ -258,8 +258,11 @@ class Dispatcher(AdminHandlers):
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         token = self._typed(fields, "hello").token
+        before = connection.role
         if not self.access.admit(connection, rid, started, token):
             return
+        if connection.role < before:
+            self._lowered(connection, before)
         reply = {
             "server": "relay-trio",
             "version": VERSION,
@@ -268,6 +271,17 @@ class Dispatcher(AdminHandlers):
             "role": connection.role.label,
         }
         self._answer_now(connection, "hello", started, wire.encode_ok(rid, reply))
+
+    def _lowered(self, connection: Connection, before: Role) -> None:
+        """A hello lowered the connection's role from ``before``: what only the higher role
+        could do ends now, before the hello's reply. Its watch ends (with an ``ended``
+        event) and its parked long-polls are answered with no jobs; a lease of it still in
+        the writer claims nothing (``ops._wanted``), and a whole-queue dead letter request
+        under way stops before its next chunk (``_dead_queue``)."""
+        if connection.role < Role.WORKER <= before:
+            if self.watchers is not None and connection in self.watchers:
+                self.watchers.end(connection, "role")  # type: ignore[arg-type]
+            self.longpolls.drop(connection)
 
     def _ping(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         self._answer_now(connection, "ping", started, wire.encode_ok(rid, {}))
@@ -388,11 +402,13 @@ class Dispatcher(AdminHandlers):
             longpolls = self.longpolls
             may_wait = (
                 self.leasing
+                and connection.role >= Role.WORKER
                 and connection.can_wait
                 and not longpolls.closing
                 and lease.deadline > now
             )
-            if may_wait and not longpolls.full:
+            # (One woken that found nothing parks again at its old place: it held a place.)
+            if may_wait and (lease.woken or not longpolls.full):
                 longpolls.park(item, connection)
                 # A parked lease holds no reply: it gives back what it reserved, or a few
                 # long-polls would fill the connection's byte budget and stop its reader

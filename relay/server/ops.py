@@ -11,6 +11,7 @@ the outcome itself: a long-poll lease that found nothing (park it, or answer no 
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import attrs
@@ -20,8 +21,9 @@ from relay import wire
 from relay.errors import RelayError
 from relay.log import event
 from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
+from relay.server.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import READY, Store
+from relay.store.base import READY, REPLY_OVERHEAD_BYTES, Store
 from relay.store.items import Item
 
 log = logging.getLogger("relay.dispatch")
@@ -53,6 +55,7 @@ class PendingLease:
     job_bytes: int = 0  # the most one job takes in its reply
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
+    place: int = -1  # its place among parked leases, from its first park (LongPolls)
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -64,6 +67,7 @@ class RequestOp:
     phase = 1
     run_many: Any = None
     run_alone: Any = None
+    weigh: Any = None  # one job (relay/store/items.py, Op.weigh)
     reserves = False  # its args are a Reserving (or a PendingLease)
 
     def __init__(self, name: str) -> None:
@@ -82,14 +86,36 @@ class RequestOp:
 
 
 def _wanted(lease: PendingLease) -> bool:
-    """No lease claims for a connection that has closed (a fault, or its client went):
-    its jobs would be held for nobody until their leases expire. A woken long-poll is
+    """No lease claims for a connection that has closed (a fault, or its client went), or
+    whose role a later hello lowered below worker: its jobs would be held for nobody (or
+    for a client that may not ack them) until their leases expire. A woken long-poll is
     claimed only while its client may still take the jobs (its connection was asked just
     before it was queued again, and is asked once more here)."""
     connection = lease.connection
-    if connection.closed:
+    if connection.closed or connection.role < Role.WORKER:
         return False
     return not lease.woken or connection.still_wanted()
+
+
+def _pass_on(store: Store, lease: PendingLease, jobs: list[Lease], ran: bool) -> None:
+    """A parked long-poll was woken for up to ``count`` of the jobs some commit made ready
+    (relay/server/longpoll.py): if its claim did not take them all, and did not show that
+    none is left (it was not run, or its byte budget stopped it first), the jobs it leaves
+    wake other parked leases at this commit, as if made ready by it: none is left ready
+    while leases wait for it."""
+    left = lease.count - len(jobs)
+    if not left or (ran and not jobs):
+        return  # it took its share, or found none: its queues have no ready job left
+    if ran:
+        if lease.max_bytes is None:
+            return
+        # Its budget, measured as the store does (characters or bytes: never more than
+        # the bytes measured here).
+        size = sum([len(job.payload.encode()) + REPLY_OVERHEAD_BYTES for job in jobs])
+        if size < lease.max_bytes:
+            return  # it took every job there was in its queues
+    for queue in lease.queues:
+        store.changes.made_ready(queue, left)
 
 
 class _Submit(RequestOp):
@@ -127,6 +153,7 @@ class _SubmitBatch(RequestOp):
     """``submit_batch``: args is a tuple of ``SubmitSpec``; the batch's are one insert."""
 
     phase = 1
+    weigh = len
 
     @staticmethod
     def run_many(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
@@ -187,9 +214,15 @@ class _AckBatch(RequestOp):
     """``ack_batch``: args is a tuple of acks, each answered on its own."""
 
     phase = 2
+    weigh = len
 
-    def run(self, store: Store, now: int, acks: tuple[cmd.AckArgs, ...]) -> Any:
-        return cmd.ack_each(store, now, acks)
+    def run(self, store: Store, now: int, acks: tuple[Any, ...]) -> Any:
+        if all([type(ack) is tuple for ack in acks]):
+            return cmd.ack_each(store, now, acks)
+        # Repeats of a job acked earlier in the batch were answered when parsed (each
+        # job once in the store's one statement).
+        outcomes = iter(cmd.ack_each(store, now, [a for a in acks if type(a) is tuple]))
+        return [next(outcomes) if type(ack) is tuple else ack for ack in acks]
 
     def fields(self, outcome: list[RelayError | None], args: Any) -> dict[str, Any]:
         return {
@@ -212,6 +245,7 @@ class _Claim(RequestOp):
     # went takes no job that its batch makes ready.
     phase = 0
     reserves = True
+    weigh = operator.attrgetter("count")
 
     @staticmethod
     def run_many(store: Store, now: int, leases: list[PendingLease]) -> list[Any]:
@@ -220,6 +254,10 @@ class _Claim(RequestOp):
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
+        ran = set(wanted)
+        for i, lease in enumerate(leases):
+            if lease.woken:
+                _pass_on(store, lease, outcomes[i], i in ran)
         return outcomes
 
     def run(self, store: Store, now: int, lease: PendingLease) -> Any:
@@ -283,6 +321,8 @@ class _Inspect(RequestOp):
 
 class _ShortIds(RequestOp):
     """``short_ids``: args is the tuple of whole job ids, checked."""
+
+    weigh = len
 
     def run(self, store: Store, now: int, job_ids: tuple[str, ...]) -> Any:
         return store.job_ids_abbreviate(job_ids)

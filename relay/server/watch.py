@@ -131,6 +131,12 @@ class Watchers:
         self.writer.recording = True
         connection.nursery.start_soon(self._pump, connection, watcher, scope)
 
+    def end(self, connection: WatchingConnection, reason: str) -> None:
+        """End the connection's watch, if it has one, with an ``ended`` event saying why
+        (the events still buffered are dropped: none is sent after it)."""
+        if self.unwatch(connection):
+            connection.push(b'{"event":"ended","reason":%s}\n' % orjson.dumps(reason))
+
     def unwatch(self, connection: WatchingConnection) -> bool:
         """End the connection's watch (also when it closes). False if it had none."""
         entry = self._by_connection.pop(connection, None)

@@ -101,6 +101,10 @@ class Changes:
     """
 
     ready_queues: set[str] = attrs.Factory(set)
+    # How many jobs were made ready per queue (``made_ready``): how many parked long-polls
+    # a commit wakes (relay/server/longpoll.py). A queue in ``ready_queues`` without a
+    # count here (another server's notification of an older version) counts as one.
+    ready_counts: dict[str, int] = attrs.Factory(dict)
     # The earliest due time of a job that became pending or retrying, and the earliest new
     # lease expiry: the promoter and the reaper sleep until these if they are sooner.
     next_due_at: int | None = None
@@ -108,6 +112,10 @@ class Changes:
     # Every state change of a job, in the order made, while the store is ``recording``
     # (for ``watch``); else empty.
     events: list[JobEvent] = attrs.Factory(list)
+
+    def made_ready(self, queue: str, n: int = 1) -> None:
+        self.ready_queues.add(queue)
+        self.ready_counts[queue] = self.ready_counts.get(queue, 0) + n
 
     def due(self, at: int) -> None:
         if self.next_due_at is None or at < self.next_due_at:

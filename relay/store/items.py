@@ -42,6 +42,9 @@ class Op(Protocol):
     # nothing. If it raises after its statement committed, the writer answers every item
     # ``internal`` and never runs them again (relay/store/thread.py).
     run_alone: Callable[[Store, int, list[Any]], list[Any] | None] | None
+    # How much of a batch an item's args weigh: the jobs it touches (None: one). One
+    # connection's items weigh at most ``max_share`` in a batch (relay/store/thread.py).
+    weigh: Callable[[Any], int] | None
 
     def run(self, store: Store, now: int, args: Any) -> Any: ...
     def reply(self, item: Item, outcome: Any) -> Any: ...  # writer thread, after commit
@@ -69,6 +72,7 @@ class CommandOp:
 
     name = "command"
     run_alone = None
+    weigh = None
 
     def __init__(self, kind: type) -> None:
         self.phase = getattr(kind, "PHASE", 1)

@@ -1,12 +1,13 @@
 """The writer thread's body: batches, the passes that run them, commits, and the hand-off.
 
-The thread takes every item already queued (up to ``max_batch``) and runs them in one
-transaction, commits once, makes the replies, writes those that their connections can take
-from this thread (an idle plain TCP connection: ``items.offer``), and posts the rest back
-to trio with one ``run_sync_soon``, never waiting on trio; when every reply went out and
-nothing on the trio side waits for the batch (``Writer._wants_trio``), it posts nothing. A
-batch of plain submits alone is one statement that SQLite commits on its own
-(``Op.run_alone``). The items of one batch were all sent
+The thread takes every item already queued, forms a batch of at most ``max_batch`` of
+them with the connections taking turns and each one's share bounded (``take_batch``), and
+runs it in one transaction, commits once, makes the replies, writes those that their
+connections can take from this thread (an idle plain TCP connection: ``items.offer``), and
+posts the rest back to trio with one ``run_sync_soon``, never waiting on trio; when every
+reply went out and nothing on the trio side waits for the batch (``Writer._wants_trio``),
+it posts nothing. A batch of plain submits alone is one statement that SQLite commits on
+its own (``Op.run_alone``). The items of one batch were all sent
 before any of their replies, so any order of them is valid: the batch runs grouped by op,
 in the ops' ``phase`` order (leases first), each op's items as they came. See
 docs/architecture.md, "The writer thread". A batch whose writes the database refuses (a
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,17 +41,85 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relay.writer")
 
+# The items waiting for a batch, per sink (a connection), in turn order (the next to serve
+# first), each sink's in the order they came.
+Pending = OrderedDict[int, list[Item]]
+
+
+def add_pending(pending: Pending, item: Item) -> list[Item]:
+    """Add ``item`` to its sink's pending items; returns that sink's list."""
+    mine = pending.get(id(item[1]))
+    if mine is None:
+        mine = pending[id(item[1])] = [item]
+    else:
+        mine.append(item)
+    return mine
+
+
+def take_batch(pending: Pending, max_batch: int, max_share: int) -> list[Item]:
+    """The next batch: at most ``max_batch`` items, the sinks taking turns (each gets an
+    even part of the room left, in passes, until the room or the items run out), and
+    each sink's items, in order, weighing at most ``max_share`` in all (``Op.weigh``: the
+    jobs a request touches; at least one item). A sink that reaches its share waits for
+    the next batch, behind the others. So one connection's heavy requests (a
+    ``submit_batch`` or an ``ack_batch`` of 1,000) delay another's by at most one of them,
+    and its many light ones by at most an even part of a batch."""
+    batch: list[Item] = []
+    room = max_batch
+    spent: dict[int, int] = {}
+    done: list[tuple[int, list[Item]]] = []  # reached their share: after the others
+    while room and pending:
+        turns = len(pending)
+        each = max(1, room // turns)
+        for _ in range(turns):
+            if not room:
+                break
+            key, mine = pending.popitem(last=False)
+            used = spent.get(key, 0)
+            limit = min(each, room, len(mine))
+            n = 0
+            for item in mine:
+                weigh = item[0].weigh
+                used += 1 if weigh is None else weigh(item[4])
+                n += 1
+                if n == limit or used >= max_share:
+                    break
+            if n == len(mine):
+                batch += mine
+                mine = []
+            else:
+                batch += mine[:n]
+                del mine[:n]
+            room -= n
+            spent[key] = used
+            if mine:
+                if used < max_share:
+                    pending[key] = mine  # its turn comes again after the others'
+                else:
+                    done.append((key, mine))
+    for key, mine in done:
+        pending[key] = mine
+    return batch
+
 
 class WriterThread:
     """Owns the store from start to close: ``run`` is the thread's body."""
 
     def __init__(
-        self, store: Store, writer: Writer, clock: Callable[[], int], max_batch: int
+        self,
+        store: Store,
+        writer: Writer,
+        clock: Callable[[], int],
+        max_batch: int,
+        max_share: int,
     ) -> None:
         self.store = store
         self.writer = writer
         self.clock = clock
         self.max_batch = max_batch
+        self.max_share = max_share
+        # Items taken from the inbox that no batch has taken yet (take_batch).
+        self.pending: Pending = OrderedDict()
         self.token = trio.lowlevel.current_trio_token()
         self.finished = trio.Event()
         # The store error episode under way (disk full, I/O errors): its kind, when it
@@ -108,25 +178,36 @@ class WriterThread:
 
     def run(self) -> None:
         inbox = self.writer.inbox
+        pending = self.pending
         batch: list[Item] = []
         crashed = False
         more = True
         try:
-            while more:
-                item = inbox.get()  # blocks only when there is no work
-                if item is None:
-                    break
-                batch = [item]
-                # Everything else already waiting joins this transaction (group commit).
-                while len(batch) < self.max_batch:
+            while more or pending:
+                if not pending:
+                    item = inbox.get()  # blocks only when there is no work
+                    if item is None:
+                        break
+                    add_pending(pending, item)
+                # Everything else already waiting may join this transaction (group
+                # commit), the connections taking turns (take_batch). (A connection's
+                # items mostly come in runs: its list is at hand for the next one.)
+                last: object = None
+                mine: list[Item] = []
+                while more:
                     try:
                         item = inbox.get_nowait()
                     except queue.Empty:
                         break
                     if item is None:
-                        more = False  # the stop marker: after this batch
+                        more = False  # the stop marker: after the items before it
                         break
-                    batch.append(item)
+                    if item[1] is last:
+                        mine.append(item)
+                    else:
+                        last = item[1]
+                        mine = add_pending(pending, item)
+                batch = take_batch(pending, self.max_batch, self.max_share)
                 done = self._execute(batch)
                 batch = []  # (committed or answered: never answered again, see _stopped)
                 self._finish(*done)
@@ -136,6 +217,9 @@ class WriterThread:
             log.exception("writer thread crashed")
             crashed = True
         finally:
+            # Also what no batch took yet.
+            batch += [item for items in pending.values() for item in items]
+            pending.clear()
             try:
                 # Closing with a transaction open rolls it back: nothing of `batch` is kept.
                 self.store.close()

@@ -44,6 +44,10 @@ DEFAULT_CAPACITY = 4096
 # At most this many items share one transaction: bounds the latency an item can add to
 # the others of its batch, and the size of one hand-off.
 DEFAULT_MAX_BATCH = 512
+# At most this much of one batch is one connection's, in jobs its requests touch (a
+# submit, an ack: 1; a submit_batch, an ack_batch: its items; a lease: its count), and at
+# least one request: another connection waits for at most one heavy request of it.
+DEFAULT_MAX_SHARE = 1000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 # Histogram bounds for batch sizes (items) and commit durations (seconds).
@@ -250,6 +254,7 @@ async def open_writer(
     clock: Callable[[], int] = wall_clock_ms,
     capacity: int = DEFAULT_CAPACITY,
     max_batch: int = DEFAULT_MAX_BATCH,
+    max_share: int = DEFAULT_MAX_SHARE,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> AsyncIterator[Writer]:
     """Start the writer thread on ``store`` and yield its trio-side facade.
@@ -268,7 +273,7 @@ async def open_writer(
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         raise RuntimeError("relay-trio needs the GIL: run it with PYTHON_GIL=1")
     writer = Writer(capacity)
-    thread_side = WriterThread(store, writer, clock, max_batch)
+    thread_side = WriterThread(store, writer, clock, max_batch, max_share)
     thread = threading.Thread(target=thread_side.run, name="relay-writer", daemon=True)
     thread.start()
     try:

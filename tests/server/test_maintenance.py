@@ -17,6 +17,7 @@ import trio.testing
 
 from relay.model import JobState, SubmitSpec
 from relay.server import maintenance, ops
+from relay.server.auth import Role
 from relay.server.longpoll import LongPolls
 from relay.server.maintenance import Alarm
 from relay.store import commands as cmd
@@ -166,6 +167,7 @@ class Sink:
     def __init__(self) -> None:
         self.replies: list[tuple[Any, Any]] = []
         self.closed = False
+        self.role = Role.WORKER
         self.can_wait = True
         self._delivered = trio.Event()
 

@@ -10,6 +10,7 @@ import trio
 
 from relay.model import SubmitSpec, parse_job_id
 from relay.server import ops
+from relay.server.auth import Role
 from relay.store import commands as cmd
 from relay.store.base import StoreConfig
 from relay.store.sqlite import SqliteStore
@@ -45,6 +46,7 @@ class Live:
     """A connection whose client is there."""
 
     closed = False
+    role = Role.WORKER
 
     def still_wanted(self) -> bool:
         return True
@@ -142,6 +144,7 @@ class Gone:
     yet closed."""
 
     closed = False
+    role = Role.WORKER
 
     def still_wanted(self) -> bool:
         return False

@@ -1815,20 +1815,31 @@ async def test_ack_batch_answers_lease_expired_for_that_ack_only(client):
     assert (await queue_stats(client, "abx"))["succeeded"] == 0
 
 
-async def test_ack_batch_with_a_job_twice_answers_as_two_acks_would(client):
+async def test_ack_batch_with_a_job_twice_runs_its_first_ack_and_refuses_the_repeats(client):
     await submit(client, "ab2", 1)
     await submit(client, "ab2", 2)
+    await submit(client, "ab2", 3)
     first = await lease_one(client, "ab2")
     second = await lease_one(client, "ab2")
+    third = await lease_one(client, "ab2")
     wrong = {"job_id": second["job_id"], "token": "f" * len(second["token"])}
-    acks = [ack_of(first, result=1), ack_of(first, result=2), wrong, ack_of(second, result=3)]
+    acks = [
+        ack_of(first, result=1), ack_of(first, result=2), wrong, ack_of(second, result=3),
+        ack_of(third, result=4),
+    ]  # fmt: skip
     reply = await client.ok("ack_batch", worker_id=W, acks=acks)
-    assert ack_batch_codes(reply) == ["succeeded", "succeeded", "stale_token", "succeeded"]
-    # The first ack completed the job; its repeat changed nothing.
+    assert ack_batch_codes(reply) == [
+        "succeeded", "bad_request", "stale_token", "bad_request", "succeeded",
+    ]  # fmt: skip
+    assert reply["results"][1]["error"]["message"].startswith("acks[1].job_id: acked by acks[0]")
     assert (await inspect(client, first["job_id"]))["result"] == 1
-    assert (await inspect(client, second["job_id"]))["result"] == 3
+    assert (await inspect(client, second["job_id"]))["state"] == "leased"
+    assert (await inspect(client, third["job_id"]))["result"] == 4
     counts = await queue_stats(client, "ab2")
-    assert (counts["succeeded"], counts["leased"]) == (2, 0)
+    assert (counts["succeeded"], counts["leased"]) == (2, 1)
+    # Sent again alone, the refused repeat is an ack as any other.
+    again = await client.ok("ack_batch", worker_id=W, acks=[ack_of(second, result=3)])
+    assert ack_batch_codes(again) == ["succeeded"]
 
 
 BAD_ACK_BATCHES: list[tuple[Any, str]] = [

@@ -1553,6 +1553,14 @@ def test_changes_name_the_queue_of_a_job_that_became_ready(store, setup):
     _fresh_changes(store)
     action()
     assert store.changes.ready_queues == {"a"}
+    assert store.changes.ready_counts == {"a": 1}  # how many parked long-polls it wakes
+
+
+def test_changes_count_the_jobs_made_ready_per_queue(store):
+    _fresh_changes(store)
+    store.jobs_submit([SubmitSpec("a", "1")] * 3 + [SubmitSpec("b", "1")], T0)
+    store.jobs_submit([SubmitSpec("a", "1", delay_ms=DAY)], T0)
+    assert store.changes.ready_counts == {"a": 3, "b": 1}
 
 
 def test_changes_do_not_name_queues_where_nothing_became_ready(store):
@@ -1563,6 +1571,7 @@ def test_changes_do_not_name_queues_where_nothing_became_ready(store):
     store.jobs_ack(jobs[0], "w1", leases[0].token, None, T0)
     store.jobs_fail(jobs[1], "w1", leases[1].token, "e", True, T0)
     assert store.changes.ready_queues == set()
+    assert store.changes.ready_counts == {}
 
 
 def test_changes_track_the_earliest_new_due_time(store):

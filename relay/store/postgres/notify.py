@@ -25,7 +25,10 @@ def payload(origin: str, changes: Changes) -> str | None:
     """The notification of a commit of ``changes`` (None: nothing anyone waits for)."""
     if not changes.ready_queues and changes.next_due_at is None and changes.next_expiry_at is None:
         return None
-    note = {"o": origin, "q": sorted(changes.ready_queues)}
+    queues = sorted(changes.ready_queues)
+    note: dict = {"o": origin, "q": queues}
+    if changes.ready_counts:  # jobs made ready, per queue of "q" (how many long-polls wake)
+        note["n"] = [changes.ready_counts.get(queue, 1) for queue in queues]
     if changes.next_due_at is not None:
         note["d"] = changes.next_due_at
     if changes.next_expiry_at is not None:
@@ -34,6 +37,7 @@ def payload(origin: str, changes: Changes) -> str | None:
     if len(text.encode()) < MAX_PAYLOAD:
         return text
     note["q"], note["all"] = [], True
+    note.pop("n", None)
     return orjson.dumps(note).decode()
 
 
@@ -46,7 +50,14 @@ def parse(text: str, origin: str) -> Changes | bool | None:
             return None
         if note.get("all"):
             return True
-        changes = Changes(ready_queues={q for q in note.get("q", ()) if isinstance(q, str)})
+        queues, counts = note.get("q", ()), note.get("n")
+        if not isinstance(counts, list):
+            counts = []
+        changes = Changes()
+        for i, queue in enumerate(queues):
+            if isinstance(queue, str):
+                n = counts[i] if i < len(counts) else 1
+                changes.made_ready(queue, n if type(n) is int and n > 0 else 1)
         due, expiry = note.get("d"), note.get("e")
         if isinstance(due, int):
             changes.due(due)

@@ -38,7 +38,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from relay.store.base import Changes, StoreConfig
+from relay.store.base import READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 from relay.store.postgres import notify
 from relay.store.postgres.dead import DeadLetters
@@ -309,6 +309,8 @@ class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, CountsBook):
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
         if src is not None:
             self._bump(self._moves, (queue, src), -n)
+        if dst == READY:
+            self.changes.made_ready(queue, n)
         if dst is not None:
             self._bump(self._moves, (queue, dst), n)
         elif src is not None:

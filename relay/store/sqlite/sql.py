@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from relay.model import JobIdGenerator, Priority
-from relay.store.base import Changes, StoreConfig
+from relay.store.base import READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 
 _PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
@@ -155,6 +155,8 @@ class SqliteBase(CountsBook):
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
         if src is not None:
             self._bump(self._counts, (queue, src), -n)
+        if dst == READY:
+            self.changes.made_ready(queue, n)
         if dst is not None:
             self._bump(self._counts, (queue, dst), n)
 

@@ -1,0 +1,79 @@
+"""One connection pipelining heavy requests (issue 25, item 9): another client's submit
+waits for at most about one of them, not for all that are queued.
+
+Before the fix the writer took every queued request into one transaction, in the order
+they came: 32 pipelined ``submit_batch``es of 1,000 jobs (and ``ack_batch``es of 1,000
+acks) made one transaction of tens of thousands of rows, and another client's submit
+waited for all of it. Now one connection's requests weigh at most ``max_share`` (1,000
+jobs) in a batch, and the connections take turns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import orjson
+import trio
+
+from tests.server.conftest import BOUND_S, LineClient, start_server
+from tests.worker_helpers import serving
+
+HEAVY = 1000  # jobs per submit_batch, acks per ack_batch: max_batch
+IN_FLIGHT = 16  # heavy requests the attacker keeps in flight
+SAMPLES = 12
+# The other client's submit, its median wait: ~0.1 s on a busy test machine (the heavy
+# request in progress, the one that shares its batch, and the parse of the attacker's
+# frames on the trio thread it shares), over 1 s before the fix. Generous.
+BOUND_MEDIAN_S = 0.3
+
+
+def heavy_requests() -> list[bytes]:
+    """A submit_batch of HEAVY jobs and an ack_batch of HEAVY acks (of jobs that do not
+    exist: each is answered not_found, after a look in the store), in turn."""
+    jobs = [{"queue": "flood", "payload": {"i": i}} for i in range(HEAVY)]
+    acks = [{"job_id": f"job_{i:016x}", "token": "t" * 32} for i in range(HEAVY)]
+    return [
+        orjson.dumps({"op": "submit_batch", "id": 1, "jobs": jobs}) + b"\n",
+        orjson.dumps({"op": "ack_batch", "id": 2, "worker_id": "w", "acks": acks}) + b"\n",
+    ]
+
+
+async def flood(client: LineClient, stop: trio.Event) -> None:
+    """Keep IN_FLIGHT heavy requests in flight until ``stop``."""
+    requests = itertools.cycle(heavy_requests())
+    credit = trio.Semaphore(IN_FLIGHT)
+
+    async def read() -> None:
+        while True:
+            line = await client.read_line()
+            assert line is not None
+            assert orjson.loads(line)["ok"], line[:200]
+            credit.release()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        while not stop.is_set():
+            await credit.acquire()
+            await client.send_raw(next(requests))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_connections_heavy_requests_delay_another_by_about_one_of_them(tmp_path):
+    async with serving(start_server, str(tmp_path / "relay.db")) as server:
+        attacker, other = await server.connect(), await server.connect()
+        await attacker.ok("hello")
+        await other.ok("hello")
+        stop = trio.Event()
+        waits: list[float] = []
+        with trio.fail_after(6 * BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(flood, attacker, stop)
+                await trio.sleep(0.5)  # the attacker's requests fill the writer
+                for i in range(SAMPLES):
+                    began = trio.current_time()
+                    await other.ok("submit", queue="mine", payload=i)
+                    waits.append(trio.current_time() - began)
+                    await trio.sleep(0.05)
+                stop.set()
+    assert statistics.median(waits) < BOUND_MEDIAN_S, sorted(waits)
