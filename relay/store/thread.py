@@ -312,7 +312,12 @@ class WriterThread:
         if count or self.recovery_refused_at is not None:
             event(server_log, logging.WARNING, "server.recovered_leases", **fields)
         # Their jobs are ready now: whoever waits on those queues is told (a long-poll).
-        if self.writer._wants_trio(changes):
+        try:
+            wanted = self.writer._wants_trio(changes)
+        except Exception:
+            log.exception("asking who waits for the recovery failed; it is handed over")
+            wanted = True
+        if wanted:
             self.writer._handed += 1
             self.token.run_sync_soon(self._delivered, [], [], changes)
         return None
