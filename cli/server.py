@@ -27,6 +27,7 @@ from relay.model import QUEUE_NAME_RE
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig, is_postgres_url
 from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
+from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
 from relay.server.tls import TlsConfigError
 from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
@@ -93,6 +94,11 @@ _LIMITS = wire.Limits()
 @_limit("retention_ms", 7 * 24 * 3_600_000, "How long succeeded jobs are kept.")
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
+@_limit(
+    "max_reply_buffer_bytes", DEFAULT_REPLY_BUFFER_BYTES,
+    "Reply bytes all connections may owe at once; past it, those that owe any are not read "
+    "until their clients take their replies.",
+)  # fmt: skip
 @click.option(
     "--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
     help="SQLite synchronous mode: full fsyncs every commit; normal may lose the last "

@@ -21,6 +21,7 @@ from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
 from relay.server.longpoll import PARKED_PER_CONNECTION, LongPolls
 from relay.server.maintenance import Alarm, commit_listener, run_promoter, run_pruner, run_reaper
+from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store.base import Changes, Store, StoreConfig
@@ -48,6 +49,9 @@ class ServerConfig:
     retention_ms: int = 7 * 24 * 3_600_000
     shutdown_timeout_ms: int = 10_000
     idle_timeout_ms: int = 300_000
+    # The reply bytes all connections may owe at once before those that owe any are no
+    # longer read (relay/server/outbox.py, ReplyBudget).
+    max_reply_buffer_bytes: int = DEFAULT_REPLY_BUFFER_BYTES
     # Unfinished jobs (pending, ready, leased, retrying) a queue may hold before submit
     # answers queue_full: per queue, and a default for the others (None: unbounded).
     max_queue_depth: int | None = None
