@@ -88,12 +88,30 @@ async def test_connections_that_never_read_stay_within_the_budget(tmp_path, sess
             assert peak > BUDGET // 2, "the hogs never filled the budget: the test proves nothing"
             assert peak <= bound, f"{peak} bytes owed, over {bound}"
 
+            # (The hogs still hold about the budget: read again whenever their sockets
+            # take some of what they owe and the total falls under it.)
+            assert owed(sessions) > BUDGET // 2
+
             # A client that reads is served meanwhile, promptly.
             for _ in range(10):
                 began = time.monotonic()
                 reply = await reader.ok("inspect", job_id=job_id)
                 assert reply["job"]["payload"] == PAYLOAD
                 assert time.monotonic() - began < ANSWERED_WITHIN_S
+            assert owed(sessions) <= bound
+            # So is a worker: a lease, and a long-poll woken by a submit.
+            worker = LineClient(await trio.open_tcp_stream(*server.handle.address))
+            await reader.ok("submit", queue="work", payload=PAYLOAD)
+            began = time.monotonic()
+            [leased] = (await worker.ok("lease", queues=["work"], worker_id="w"))["jobs"]
+            assert leased["payload"] == PAYLOAD
+            parked = await worker.send("lease", queues=["later"], worker_id="w", wait_ms=10_000)
+            await worker.ok("ack", job_id=leased["job_id"], worker_id="w", token=leased["token"])
+            later_id = (await reader.ok("submit", queue="later", payload=PAYLOAD))["job_id"]
+            woken = await worker.read()
+            assert woken["id"] == parked and woken["jobs"][0]["job_id"] == later_id, woken
+            assert time.monotonic() - began < 3 * ANSWERED_WITHIN_S
+            await worker.aclose()
             assert owed(sessions) <= bound
 
             # A hog that reads gets every reply, and its later requests are read too.
