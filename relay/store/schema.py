@@ -222,8 +222,9 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
         elif not in_memory:
             # Created here, so with mode 0600 whatever the umask; SQLite gives the -wal and
             # -shm files the database's mode. (No SQLite lock of ours is on it yet, which
-            # closing a descriptor of it would drop: relay/store/owner.py.)
-            os.close(create_private(path))
+            # closing a descriptor of it would drop: relay/store/owner.py.) Where a symbolic
+            # link points, as SQLite would have created it.
+            os.close(create_private(os.path.realpath(path)))
         conn = sqlite3.connect(
             path, isolation_level=None, check_same_thread=False,
             cached_statements=CACHED_STATEMENTS, factory=OwnedConnection,
