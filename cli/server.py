@@ -33,6 +33,7 @@ from relay.server.core import (
     is_postgres_url,
 )
 from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
+from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
 from relay.server.tls import TlsConfigError
 from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
@@ -112,6 +113,11 @@ _LIMITS = wire.Limits()
 @_limit(
     "metrics_cache_ms", DEFAULT_METRICS_CACHE_MS, "One /metrics rendering serves scrapes this long."
 )
+@_limit(
+    "max_reply_buffer_bytes", DEFAULT_REPLY_BUFFER_BYTES,
+    "Reply bytes all connections may owe at once; past it, those that owe any are not read "
+    "until their clients take their replies.",
+)  # fmt: skip
 @click.option(
     "--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
     help="SQLite synchronous mode: full fsyncs every commit; normal may lose the last "

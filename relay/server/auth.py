@@ -18,7 +18,9 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import os
 import socket
+import stat
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -148,8 +150,16 @@ def load_tokens(path: str | None, env_token: str | None) -> Tokens | None:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
+                info = os.fstat(f.fileno())
         except (OSError, UnicodeDecodeError) as exc:
             raise AuthConfigError(f"cannot read the token file {path}: {exc}") from None
+        mode = stat.S_IMODE(info.st_mode)
+        if stat.S_ISREG(info.st_mode) and mode & 0o066:  # (a pipe keeps no tokens)
+            event(
+                log, logging.WARNING, "auth.token_file_exposed", path=path, mode=f"{mode:04o}",
+                message=f"the token file {path} may be read or written by other users "
+                f"(mode {mode:04o}): chmod 600 it",
+            )  # fmt: skip
         pairs += [(token, role, path) for token, role in parse_token_file(text, path)]
     if env_token:
         pairs.append((env_token, Role.ADMIN, "RELAY_AUTH_TOKEN"))

@@ -8,7 +8,6 @@ whether it arrived over a socket or from the same process.
 from __future__ import annotations
 
 import logging
-import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,7 +16,6 @@ import attrs
 import trio
 
 from relay import wire
-from relay.log import event
 from relay.nursery import open_service_nursery
 from relay.server.auth import Tokens
 from relay.server.dispatch import Dispatcher
@@ -30,9 +28,9 @@ from relay.server.maintenance import (
     run_pruner,
     run_reaper,
 )
+from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
-from relay.store import commands as cmd
 from relay.store.base import Changes, Store, StoreConfig
 from relay.store.view import QueueView
 from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
@@ -69,6 +67,9 @@ class ServerConfig:
     retention_ms: int = 7 * 24 * 3_600_000
     shutdown_timeout_ms: int = 10_000
     idle_timeout_ms: int = 300_000
+    # The reply bytes all connections may owe at once before those that owe any are no
+    # longer read (relay/server/outbox.py, ReplyBudget).
+    max_reply_buffer_bytes: int = DEFAULT_REPLY_BUFFER_BYTES
     # Unfinished jobs (pending, ready, leased, retrying) a queue may hold before submit
     # answers queue_full: per queue, and a default for the others (None: unbounded).
     max_queue_depth: int | None = None
@@ -159,7 +160,7 @@ def _has_events(changes: Changes) -> bool:
 
 @asynccontextmanager
 async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
-    """Open the store, recover leases, start the writer and the time-driven services.
+    """Open the store, start the writer (which recovers leases) and the time-driven services.
 
     Owns: the writer thread (through ``open_writer``) and a services nursery with the
     long-poll hub, promoter, reaper and pruner (and, on PostgreSQL, the feed of the other
@@ -172,16 +173,12 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     # long synchronous call (a quick_check of a large file), where it would run only after.
     # A cancellation comes at the next checkpoint, inside open_writer, which owns the store.
     store = await trio.to_thread.run_sync(open_store, config)
+    # The writer's first write gives the leases of a previous run back: at once, or, if
+    # the disk refuses it, in the background while writes are refused (thread.py).
     async with open_writer(
-        store, clock=config.clock, shutdown_timeout=config.shutdown_timeout_ms / 1000
-    ) as writer:
-        t = time.monotonic()
-        recovered = await writer.execute(cmd.Recover())
-        if recovered:
-            event(
-                log, logging.WARNING, "server.recovered_leases", count=recovered,
-                ms=round((time.monotonic() - t) * 1000),
-            )  # fmt: skip
+        store, clock=config.clock, shutdown_timeout=config.shutdown_timeout_ms / 1000,
+        recover=True,
+    ) as writer:  # fmt: skip
         limits = config.limits
         longpolls = LongPolls(writer, PARKED_PER_CONNECTION * limits.max_connections)
         promoter, reaper = Alarm(), Alarm()

@@ -109,6 +109,7 @@ class DirectReplies:
                         released += item[4].reserved
                         item[4].reserved = 0
                 self._released_now += released
+                self._outbox.budget.owed_now -= released
             self._answered_now += len(pairs)
             dispatcher = self.dispatcher
             dispatcher.answered_now.answered(pairs)

@@ -13,11 +13,16 @@ The writer thread may write a commit's replies itself (``write_now``), but only 
 outbox is idle: nothing queued, nothing being sent. ``lock`` makes that check and the
 write one step against the trio thread's own queueing and writing, so that bytes never
 interleave; every other method runs in the trio thread.
+
+Every outbox of a server counts its unsent bytes in the server's ``ReplyBudget`` too (and
+its session, the bytes it reserves): what all connections owe together, which stops the
+reading of those that owe any once it is spent.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -35,9 +40,46 @@ SEND_PIECE_BYTES = 64 * 1024
 # output buffer limit). A reader drains a burst at the speed of the network long before.
 MAX_UNSENT_BYTES = 64 * 1024 * 1024
 
+# The reply bytes all the connections of a server may owe at once (reserved for large
+# replies in flight, or not yet taken by their sockets) before those that owe any are no
+# longer read: ``--max-reply-buffer-bytes``. Each connection also has its own limits
+# (relay/server/session.py, MAX_OWED_BYTES, and MAX_UNSENT_BYTES here).
+DEFAULT_REPLY_BUFFER_BYTES = 256 * 1024 * 1024
+
 # What ``write_now`` did: nothing (the trio thread queues the replies as usual), all of
 # them, or part (the rest is queued, and the trio thread must flush it).
 NOT_WRITTEN, WRITTEN, PART_WRITTEN = 0, 1, 2
+
+
+class ReplyBudget:
+    """The reply bytes that all the connections of a server owe together, against
+    ``limit``: reserved for large replies in flight (a session's ``reserve``) or written
+    and not yet taken by a socket (each outbox's ``unsent``). Once they reach ``limit``
+    (``spent``), a connection that owes any is not read (``Session.full``), and its woken
+    long-polls wait for room, until it owes none: the connections that hold the memory
+    wait for their clients to read, and a client that reads its replies goes on. So what
+    they owe together stays under ``limit`` plus, per connection, one reply (a request
+    read while it owed nothing) and the small replies of the requests it had read before
+    (docs/protocol.md, "Values and limits").
+
+    Each counter is written by one thread only, and the two are read together (under the
+    GIL, a sum that may lag one change): ``owed`` by the trio thread, ``owed_now`` by the
+    writer thread (replies it wrote only in part, reservations it gave back).
+    """
+
+    __slots__ = ("limit", "owed", "owed_now")
+
+    def __init__(self, limit: float = math.inf) -> None:
+        self.limit = limit
+        self.owed = 0
+        self.owed_now = 0
+
+    @property
+    def total(self) -> int:
+        return self.owed + self.owed_now
+
+    def spent(self) -> bool:
+        return self.owed + self.owed_now >= self.limit
 
 
 class Outbox:
@@ -48,6 +90,7 @@ class Outbox:
         peer: str,
         on_room: Callable[[], None],
         on_broken: Callable[[BaseException], None],
+        budget: ReplyBudget | None = None,
     ) -> None:
         self._stream = stream
         self._fd = fd  # None: every reply goes through the sender task
@@ -57,6 +100,8 @@ class Outbox:
         self.parts: list[bytes] = []  # reply bytes not yet written, in order
         self.count = 0  # replies (whole or partly) in parts
         self.unsent = 0  # bytes of replies not yet written (in parts or being sent)
+        # The server's, where unsent bytes are counted too (None: a budget of its own).
+        self.budget = budget if budget is not None else ReplyBudget()
         self.sending = 0  # replies taken by the sender, not yet written
         self.closed = False  # replies are dropped
         # For the owner's watchdog (trio clock): since when a write has been waiting for
@@ -83,6 +128,7 @@ class Outbox:
             self.parts.append(data[written:])
             self.count += 1
             self.unsent += len(data) - written
+            self.budget.owed_now += len(data) - written
             return PART_WRITTEN
 
     def add(self, data: bytes) -> None:
@@ -92,14 +138,17 @@ class Outbox:
                 self.parts.append(data)
                 self.count += 1
                 self.unsent += len(data)
+                self.budget.owed += len(data)
 
     def add_all(self, data: list[bytes]) -> None:
         """Queue these replies, in order (``add`` for each)."""
         if not self.closed:
             with self.lock:
+                n = sum(map(len, data))
                 self.parts += data
                 self.count += len(data)
-                self.unsent += sum(map(len, data))
+                self.unsent += n
+                self.budget.owed += n
 
     def close(self) -> None:
         """Drop what is queued and every later reply."""
@@ -107,6 +156,7 @@ class Outbox:
             self.closed = True
             self.parts.clear()
             self.count = 0
+            self.budget.owed -= self.unsent  # (what is being sent too: never counted out)
             self.unsent = 0
 
     def flush(self) -> None:
@@ -132,6 +182,7 @@ class Outbox:
                     self._on_broken(exc)
                     return
                 self.unsent -= written
+                self.budget.owed -= written
                 if written == len(data):
                     self.parts.clear()
                     self.count = 0
@@ -165,7 +216,9 @@ class Outbox:
                     self.send_waiting_since = trio.current_time()
                     piece = data[start : start + SEND_PIECE_BYTES]
                     await self._stream.send_all(piece)
-                    self.unsent -= len(piece)
+                    if not self.closed:  # (closing counted everything out)
+                        self.unsent -= len(piece)
+                        self.budget.owed -= len(piece)
                 self.send_waiting_since = None
                 with self.lock:
                     self.sending = 0

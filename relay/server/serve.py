@@ -58,6 +58,7 @@ from relay.server.listen import (
 )
 from relay.server.listener import Listener
 from relay.server.metrics import MetricsSnapshot, serve_metrics, snapshot_queues
+from relay.server.outbox import ReplyBudget
 from relay.server.session import Session, Sessions
 from relay.server.tls import server_context
 from relay.server.websocket import Origins, accept_websocket, overloaded_response
@@ -108,10 +109,13 @@ async def serve(
         dispatcher = core.dispatcher
 
         sessions = Sessions()
+        replies = ReplyBudget(config.max_reply_buffer_bytes)  # what all sessions owe
 
         async def run_session(stream: trio.abc.Stream, peer: str) -> None:
             idle = config.idle_timeout_ms / 1000
-            await sessions.run(Session(stream, dispatcher, idle_timeout=idle, peer=peer))
+            await sessions.run(
+                Session(stream, dispatcher, idle_timeout=idle, peer=peer, reply_budget=replies)
+            )
 
         listener = Listener(
             sockets.jobs, run_session, config.limits.max_connections, tls_context=tls_context,

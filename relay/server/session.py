@@ -20,7 +20,9 @@ before it reads again, after a full one it reads at once: one read per request, 
 
 Backpressure: at most ``max_in_flight`` requests (and MAX_OWED_BYTES of their replies) may
 be unanswered or answered-but-unsent; at that point the reader stops reading, and TCP pushes
-back on the client (relay/server/room.py: where the reader waits, and who wakes it).
+back on the client (relay/server/room.py: where the reader waits, and who wakes it). So it
+does while it owes any reply bytes once all sessions together owe the server's reply budget
+(relay/server/outbox.py, ``ReplyBudget``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from relay.log import event
 from relay.server.auth import Role
 from relay.server.direct import DirectReplies
 from relay.server.dispatch import Dispatcher
-from relay.server.outbox import Outbox
+from relay.server.outbox import Outbox, ReplyBudget
 from relay.server.room import Room
 from relay.server.streamio import TCP_CLOSE, TCP_CLOSE_WAIT, StreamIO
 from relay.server.watchdog import Watchdog
@@ -69,6 +71,7 @@ class Session(DirectReplies):
         *,
         idle_timeout: float,
         peer: str = "?",
+        reply_budget: ReplyBudget | None = None,
     ) -> None:
         self.stream = stream
         self.dispatcher = dispatcher
@@ -90,7 +93,12 @@ class Session(DirectReplies):
         # Where the reader waits for room, and who is woken when room is made.
         self._room = Room(self, self._io, dispatcher.longpolls)
         # The replies owed (relay/server/outbox.py): written through, or by its sender.
-        self._outbox = Outbox(stream, self._io.fd, peer, self._room.made, self._broken)
+        self._outbox = Outbox(
+            stream, self._io.fd, peer, self._room.made, self._broken, reply_budget
+        )
+        # What all the server's connections owe: once spent, this one is read only while
+        # it owes nothing (``full``, ``reply_room``).
+        self._budget = self._outbox.budget
         self._reserved = 0  # bytes set aside for large replies in flight (less _released_now)
         self._delivering = False  # True while deliver() collects one commit's replies
         # The reader, while it dispatches a read's lines: the replies it gives itself are
@@ -141,12 +149,17 @@ class Session(DirectReplies):
 
     def reserve(self, nbytes: int) -> None:
         self._reserved += nbytes
+        self._budget.owed += nbytes
 
     def release(self, nbytes: int) -> None:
         self._reserved -= nbytes
+        self._budget.owed -= nbytes
 
     def reply_room(self) -> int:
-        return MAX_OWED_BYTES - (self._reserved - self._released_now) - self._outbox.unsent
+        owed = self._reserved - self._released_now + self._outbox.unsent
+        if owed and self._budget.spent():
+            return 0  # (the server's budget is spent: nothing more until it owes nothing)
+        return MAX_OWED_BYTES - owed
 
     def reply(self, data: bytes) -> None:
         self._in_flight -= 1
@@ -245,13 +258,17 @@ class Session(DirectReplies):
     def full(self) -> bool:
         """No more requests are read for now: ``max_in_flight`` are owed, or the bytes of
         the replies owed (reserved by large requests in flight, or not yet written) reach
-        MAX_OWED_BYTES. (Asked per request: written out rather than through owed and
-        reply_room.)"""
+        MAX_OWED_BYTES, or it owes any while the server's reply budget is spent
+        (relay/server/outbox.py, ``ReplyBudget``). (Asked per request: written out rather
+        than through owed and reply_room.)"""
         outbox = self._outbox
+        owed = self._reserved - self._released_now + outbox.unsent
+        budget = self._budget
         return (
             self._in_flight - self._answered_now + outbox.count + outbox.sending
             >= self._max_in_flight
-            or self._reserved - self._released_now + outbox.unsent >= MAX_OWED_BYTES
+            or owed >= MAX_OWED_BYTES
+            or (owed > 0 and budget.owed + budget.owed_now >= budget.limit)
         )
 
     def _busy(self) -> bool:

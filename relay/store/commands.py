@@ -207,12 +207,6 @@ class ReapExpired:
 
 
 @attrs.frozen
-class Recover:
-    def apply(self, store: Store, now: int) -> Any:
-        return store.leases_recover(now)
-
-
-@attrs.frozen
 class Prune:
     limit: int
 

@@ -36,7 +36,10 @@ from typing import Any, NoReturn
 from relay.errors import BadDatabasePath, DatabaseInUse
 
 LOCK_SUFFIX = ".lock"
-LOCK_MODE = 0o600  # the pid of the owner is nobody else's business
+# The mode of the files a store creates: the database (SQLite gives its -wal and -shm the
+# database's mode) and the lock file. Jobs' payloads, and the owner's pid, are nobody
+# else's business.
+PRIVATE_MODE = 0o600
 PID_BYTES = 32  # a pid in decimal and a newline, with room to spare
 
 
@@ -71,6 +74,21 @@ def check_path(db: str) -> None:
         )
 
 
+def create_private(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` (never through a symbolic link), creating it with mode 0600 whatever
+    the umask if it does not exist; a file that exists keeps its mode. Returns the fd."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_MODE)
+    except FileExistsError:
+        return os.open(path, flags | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, PRIVATE_MODE)  # (the umask may have taken bits away)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _may(path: str, mode: int) -> bool:
     # As the effective user (the one whose rights the opens will be checked against).
     if os.access in os.supports_effective_ids:
@@ -103,7 +121,7 @@ class OwnerLock:
         path = lock_path(db)
         try:
             # Not through a symlink planted where the lock file goes: it is truncated.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, LOCK_MODE)
+            fd = create_private(path, os.O_RDWR)
         except OSError as exc:
             raise BadDatabasePath(db, _open_problem(path, exc)) from exc
         try:

@@ -10,6 +10,7 @@ to WAL and create or migrate the schema in one transaction.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 from collections.abc import Callable
@@ -23,11 +24,14 @@ from relay.errors import (
     SchemaTooNew,
     StoreError,
 )
-from relay.store.owner import OwnedConnection, OwnerLock
+from relay.log import event
+from relay.store.owner import OwnedConnection, OwnerLock, create_private
 
 if TYPE_CHECKING:  # imported by _migrate, when a schema is created or migrated: a server
     # opening a database already at this version does without it (its imports: ~4 MB)
     import sqlite_utils
+
+log = logging.getLogger("relay.store")
 
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
@@ -214,6 +218,13 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
     try:
         if not in_memory and os.path.exists(path):
             version = inspect_file(path)
+            _warn_if_world_accessible(path)
+        elif not in_memory:
+            # Created here, so with mode 0600 whatever the umask; SQLite gives the -wal and
+            # -shm files the database's mode. (No SQLite lock of ours is on it yet, which
+            # closing a descriptor of it would drop: relay/store/owner.py.) Where a symbolic
+            # link points, as SQLite would have created it.
+            os.close(create_private(os.path.realpath(path)))
         conn = sqlite3.connect(
             path, isolation_level=None, check_same_thread=False,
             cached_statements=CACHED_STATEMENTS, factory=OwnedConnection,
@@ -221,8 +232,8 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
         conn.owner = owner  # released when the connection is closed
     except sqlite3.Error as exc:  # e.g. the directory went away since the check
         raise StoreError(path, f"cannot be opened: {exc}") from exc
-    except OSError as exc:  # inspect_file's read of the header
-        raise StoreError(path, f"cannot be read: {exc.strerror or exc}") from exc
+    except OSError as exc:  # inspect_file's read of the header, or the file's creation
+        raise StoreError(path, f"cannot be read or created: {exc.strerror or exc}") from exc
     finally:
         if conn is None and owner is not None:
             owner.release()
@@ -242,6 +253,19 @@ def open_database(path: str, *, synchronous: str = "full") -> sqlite3.Connection
         conn.close()
         raise
     return conn
+
+
+def _warn_if_world_accessible(path: str) -> None:
+    """A database file that exists keeps its mode (its owner chose it, or an older
+    relay-trio did), but one that any user of the machine may read or write is said, once,
+    at open: its jobs' payloads and results are in it."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o006:
+        event(
+            log, logging.WARNING, "store.file_world_accessible", path=path, mode=f"{mode:04o}",
+            message=f"the database {path} is open to every user of this machine (mode "
+            f"{mode:04o}): chmod o-rwx it, and its -wal and -shm files",
+        )  # fmt: skip
 
 
 def _migrate(conn: sqlite3.Connection, version: int) -> None:

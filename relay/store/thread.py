@@ -15,6 +15,13 @@ disk full or failing, a lost PostgreSQL connection: relay/store/failures.py) kee
 and is answered ``unavailable`` (``_unavailable``); a lost connection is made again before
 the next batch (``_reconnect``). See docs/failure-model.md. The passes that run a batch
 are relay/store/passes.py.
+
+Lease recovery at start (``recover``, SQLite: the leases of the process that had the file
+before are orphans) is the thread's first write, in a transaction of its own. If the disk
+refuses it, the server still starts: every batch tries it again first and, while it cannot
+commit, is answered as a batch the disk refused (reads served, writes ``unavailable``), and
+the thread tries it again every RECOVERY_RETRY_S when idle. So nothing commits before it:
+no lease is granted, renewed or acked that the recovery would then take back.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ if TYPE_CHECKING:
     from relay.store.writer import Writer
 
 log = logging.getLogger("relay.writer")
+server_log = logging.getLogger("relay.server")
+
+# While the lease recovery at start cannot commit (the disk is full), the idle thread tries
+# it again this often (each batch tries it first too).
+RECOVERY_RETRY_S = 1.0
 
 # The items waiting for a batch, per sink (a connection), in turn order (the next to serve
 # first), each sink's in the order they came.
@@ -112,6 +124,7 @@ class WriterThread:
         clock: Callable[[], int],
         max_batch: int,
         max_share: int,
+        recover: bool = False,
     ) -> None:
         self.store = store
         self.writer = writer
@@ -131,6 +144,12 @@ class WriterThread:
         # A lost database connection: when to try to connect again, and the wait after.
         self.reconnect_at = 0.0
         self.reconnect_wait = RECONNECT_S
+        # The lease recovery at start has yet to commit (``_recover``); since when it has
+        # been refused (perf_counter; None: not refused yet).
+        self.recovering = recover and store.recovers_on_start
+        self.recovery_refused_at: float | None = None
+        # Set (trio thread) once the first try of the recovery is over, either way.
+        self.first_recovery = trio.Event()
 
     # -- the trio side (called with run_sync_soon) -------------------------------------------
 
@@ -172,6 +191,7 @@ class WriterThread:
             error = ShuttingDown("the store has stopped")
         writer._answered(len(in_hand))
         deliver([(item, item[0].reply(item, error)) for item in in_hand])
+        self.first_recovery.set()  # (if the thread stopped before its first try was over)
         self.finished.set()
 
     # -- the writer thread -------------------------------------------------------------------
@@ -183,9 +203,16 @@ class WriterThread:
         crashed = False
         more = True
         try:
+            if self.recovering:
+                self._recover()
+            self.token.run_sync_soon(self.first_recovery.set)
             while more or pending:
                 if not pending:
-                    item = inbox.get()  # blocks only when there is no work
+                    try:  # blocks only when there is no work (or a recovery to try again)
+                        item = inbox.get(timeout=RECOVERY_RETRY_S if self.recovering else None)
+                    except queue.Empty:
+                        self._recover()
+                        continue
                     if item is None:
                         break
                     add_pending(pending, item)
@@ -265,6 +292,8 @@ class WriterThread:
         # that starts meanwhile sees whole batches from the next one on).
         store.recording = self.writer.recording
         runs = passes.runs_of(batch)
+        if self.recovering and (refused := self._recover()) is not None:
+            return self._unavailable(batch, runs, now, refused)
         written = store.write_mark()[0]
         # (Never inside a transaction left open: its commit would be the one that counts.)
         if len(runs) == 1 and runs[0][0].run_alone is not None and not store.in_transaction:
@@ -305,9 +334,18 @@ class WriterThread:
         Every item that writes is answered ``unavailable``; the others (reads, refusals,
         repeats) get their own answers (``passes.apply_unwritten``): a full disk stops writes,
         not reads."""
+        kind, description = self._refused(exc)
+        self.episode_failures += 1
+        error = Unavailable(f"not committed: {description}; retry later")
+        outcomes = passes.apply_unwritten(self.store, batch, runs, now, error)
+        pairs = passes.replies(batch, outcomes)
+        return pairs, None, None, kind
+
+    def _refused(self, exc: Exception) -> tuple[str, str]:
+        """The store error ``exc`` (kind, description), logged if it begins an episode."""
         found = store_error(exc)
         assert found is not None, "only for store errors"
-        kind, description = found
+        kind = found[0]
         if self.episode != kind:
             event(
                 log, logging.WARNING, "store.unavailable", kind=kind,
@@ -316,11 +354,53 @@ class WriterThread:
             if self.episode is None:
                 self.episode_began = time.perf_counter()
             self.episode = kind
-        self.episode_failures += 1
-        error = Unavailable(f"not committed: {description}; retry later")
-        outcomes = passes.apply_unwritten(self.store, batch, runs, now, error)
-        pairs = passes.replies(batch, outcomes)
-        return pairs, None, None, kind
+        return found
+
+    def _recover(self) -> Exception | None:
+        """Give the leases of the previous process back (``Store.leases_recover``), in a
+        transaction of its own, before any other write. None once it has committed; else
+        the store error that refused it (the disk is full), for the batch to be answered as
+        the disk refused it; the recovery is then tried again. Any other error is a bug: it
+        stops the thread (and the server)."""
+        store = self.store
+        started = time.perf_counter()
+        written = store.write_mark()[0]
+        try:
+            store.begin()
+            store.recording = self.writer.recording
+            count = store.leases_recover(self.clock())
+            changes = store.commit()
+        except Exception as exc:
+            store.rollback()
+            if store_error(exc) is None:
+                raise
+            self._refused(exc)
+            if self.recovery_refused_at is None:
+                self.recovery_refused_at = started
+                event(
+                    server_log, logging.WARNING, "server.recovery_pending",
+                    message="the leases of the previous run cannot be recovered yet (the "
+                    "disk refuses the write): every write is answered unavailable until "
+                    f"they are; retrying every {RECOVERY_RETRY_S:g} s",
+                )  # fmt: skip
+            return exc
+        self.recovering = False
+        self._written(written)
+        fields = {"count": count, "ms": round((time.perf_counter() - started) * 1000)}
+        if self.recovery_refused_at is not None:
+            fields["pending_s"] = round(started - self.recovery_refused_at, 3)
+        if count or self.recovery_refused_at is not None:
+            event(server_log, logging.WARNING, "server.recovered_leases", **fields)
+        # Their jobs are ready now: whoever waits on those queues is told (a long-poll).
+        try:
+            wanted = self.writer._wants_trio(changes)
+        except Exception:
+            log.exception("asking who waits for the recovery failed; it is handed over")
+            wanted = True
+        if wanted:
+            self.writer._handed += 1
+            self.token.run_sync_soon(self._delivered, [], [], changes)
+        return None
 
     def _reconnect(self, at: float) -> None:
         """Connect again (PostgreSQL), at most once per wait (doubling up to

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import trio
 
-from relay.errors import ShuttingDown
+from relay.errors import InternalError, ShuttingDown
 from relay.histogram import Histogram, HistogramSnapshot
 from relay.store.base import Changes, Store
 from relay.store.commands import Command
@@ -256,8 +256,14 @@ async def open_writer(
     max_batch: int = DEFAULT_MAX_BATCH,
     max_share: int = DEFAULT_MAX_SHARE,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    recover: bool = False,
 ) -> AsyncIterator[Writer]:
     """Start the writer thread on ``store`` and yield its trio-side facade.
+
+    ``recover``: the thread first gives back the leases of the store's previous process
+    (``Store.leases_recover``, where ``recovers_on_start``), and nothing else commits
+    before that has (relay/store/thread.py); yields once it has been tried, committed or
+    refused by the disk (then it is tried again until it commits).
 
     Ownership: the thread owns ``store`` from here on and closes it (checkpoint, close)
     when it stops. Leaving the block refuses new items and queues a stop marker behind the
@@ -273,10 +279,13 @@ async def open_writer(
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         raise RuntimeError("relay-trio needs the GIL: run it with PYTHON_GIL=1")
     writer = Writer(capacity)
-    thread_side = WriterThread(store, writer, clock, max_batch, max_share)
+    thread_side = WriterThread(store, writer, clock, max_batch, max_share, recover)
     thread = threading.Thread(target=thread_side.run, name="relay-writer", daemon=True)
     thread.start()
     try:
+        await thread_side.first_recovery.wait()
+        if thread_side.finished.is_set():
+            raise InternalError("the writer thread stopped as it started; see the log")
         yield writer
     finally:
         with trio.CancelScope(shield=True) as scope:

@@ -394,3 +394,41 @@ async def test_an_episode_logs_one_warning_and_one_info_when_commits_succeed_aga
 
 def store_events(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.getMessage().startswith("store.")]
+
+
+# -- the lease recovery at start ---------------------------------------------------------------
+
+
+async def test_a_lease_recovery_the_disk_refuses_comes_before_every_other_write(db_path):
+    """A previous process left a job leased; the recovery of it cannot commit at first.
+    Until it has, every write is answered unavailable (the old lease's ack too), reads are
+    answered; the first batch that finds room commits the recovery before its own items."""
+    with trio.fail_after(BOUND_S):
+        async with open_writer(SqliteStore.open(db_path), clock=FakeClock()) as writer:
+            orphan = await leased_job(writer)
+            await writer.execute(cmd.Submit((spec(),)))  # a ready one
+    store, conn = failing_store(db_path)
+    recovery = "UPDATE jobs SET state = 'ready', attempt = attempt - 1"
+    for _ in range(3):  # at start, and before each of one_batch's two batches
+        conn.fail_next(lambda sql: sql.startswith(recovery), disk_error(sqlite3.SQLITE_FULL, "x"))
+    with trio.fail_after(BOUND_S):
+        async with open_writer(store, clock=FakeClock(), recover=True) as writer:
+            assert len(conn.failed) == 1  # tried before the writer is handed out
+            sink = await one_batch(writer, [
+                ("claim", cmd.Claim(("q",), "v", 10, 60_000)),
+                ("renew", cmd.Renew(orphan.job_id, "w", orphan.token, 60_000)),
+                ("ack", cmd.Ack(orphan.job_id, "w", orphan.token)),
+                ("inspect", cmd.Inspect(orphan.job_id)),
+            ])  # fmt: skip
+            assert len(conn.failed) == 3
+            # Room again: the recovery commits first, then the claim takes both jobs.
+            claimed = await writer.execute(cmd.Claim(("q",), "v", 10, 60_000))
+            stale = await one_batch(writer, [("ack", cmd.Ack(orphan.job_id, "w", orphan.token))])
+    out = sink.outcomes
+    for tag in ("claim", "renew", "ack"):
+        assert isinstance(out[tag], Unavailable) and out[tag].message == FULL_MESSAGE, out[tag]
+    assert out["inspect"].state == JobState.LEASED
+    assert sorted(lease.job_id for lease in claimed)[0] == orphan.job_id
+    assert len(claimed) == 2
+    assert [lease.attempt for lease in claimed if lease.job_id == orphan.job_id] == [1]
+    assert stale.outcomes["ack"].code in ("lease_expired", "stale_token")
