@@ -27,6 +27,7 @@ from relay.model import QUEUE_NAME_RE
 from relay.server.auth import AuthConfigError, ExposureError, load_tokens
 from relay.server.core import ServerConfig, is_postgres_url
 from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
+from relay.server.prehello import HELLO_TIMEOUT_MS
 from relay.server.tls import TlsConfigError
 from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
@@ -93,6 +94,22 @@ _LIMITS = wire.Limits()
 @_limit("retention_ms", 7 * 24 * 3_600_000, "How long succeeded jobs are kept.")
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
+@_limit(
+    "hello_timeout_ms", HELLO_TIMEOUT_MS,
+    "Close a connection not authenticated this long after it connects (its TLS or "
+    "WebSocket handshake, and with tokens its hello).",
+)  # fmt: skip
+@click.option(
+    "--max-prehello", type=click.IntRange(min=1), default=None,
+    help="Connections not yet authenticated at once; past it, a newcomer takes the place "
+    "of the oldest from the address holding the most. Default: max-connections/8, at "
+    "least 16.",
+)  # fmt: skip
+@click.option(
+    "--max-prehello-per-address", type=click.IntRange(min=1), default=None,
+    help="Connections not yet authenticated from one address (an IPv6 /64) at once; past "
+    "it: overloaded. Default: max-connections/64, at least 8.",
+)  # fmt: skip
 @click.option(
     "--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
     help="SQLite synchronous mode: full fsyncs every commit; normal may lose the last "
