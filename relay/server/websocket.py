@@ -280,20 +280,20 @@ async def _read_upgrade(stream: trio.abc.Stream) -> _Upgrade:
     """Read the opening handshake's request. Raises _Closed if the connection ends first,
     or RemoteProtocolError if it is not one (having answered it, 400 or so)."""
     ws = WSConnection(ConnectionType.SERVER)
-    while True:
-        try:
+    try:
+        while True:
             for ws_event in ws.events():
                 if isinstance(ws_event, Request):
                     return _Upgrade(stream, ws, ws_event)
-        except RemoteProtocolError as exc:
-            if exc.event_hint is not None:
-                with contextlib.suppress(LocalProtocolError):
-                    await stream.send_all(ws.send(exc.event_hint))
-            raise
-        data = await stream.receive_some(RECEIVE_BYTES)
-        if not data:
-            raise _Closed
-        ws.receive_data(data)
+            data = await stream.receive_some(RECEIVE_BYTES)
+            if not data:
+                raise _Closed
+            ws.receive_data(data)
+    except RemoteProtocolError as exc:
+        if exc.event_hint is not None:
+            with contextlib.suppress(LocalProtocolError):
+                await stream.send_all(ws.send(exc.event_hint))
+        raise
 
 
 async def accept_websocket(

@@ -5,6 +5,8 @@ is bounded."""
 
 from __future__ import annotations
 
+import contextlib
+
 import orjson
 import trio
 from wsproto import ConnectionType, WSConnection
@@ -108,3 +110,20 @@ async def test_a_client_close_is_answered_with_a_close(server):
     event = await client.next_event()
     assert isinstance(event, CloseConnection) and event.code == 1000
     assert await client.next_event() is None  # then the server closes the connection
+
+
+async def test_a_request_that_is_no_upgrade_or_too_long_is_answered_400(server):
+    for request in (
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # no upgrade headers
+        b"GET / HTTP/1.1\r\nX-Pad: " + b"x" * 70_000 + b"\r\n\r\n",  # over h11's 16 KiB
+    ):
+        stream = await trio.open_tcp_stream(*server.handle.ws_address)
+        response = b""
+        with trio.fail_after(BOUND_S):
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(request)
+            with contextlib.suppress(trio.BrokenResourceError):
+                while data := await stream.receive_some(4096):
+                    response += data
+        assert response.startswith(b"HTTP/1.1 400"), response
+        await stream.aclose()
