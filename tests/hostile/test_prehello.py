@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 import trio
+import trio.testing
 from trio_websocket import ConnectionClosed, wrap_client_stream
 
 from relay import wire
 from relay.server.auth import Role, Tokens, _digest
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, logged, start_server
+from tests.server.test_process import server_process
 from tests.tls_helpers import TlsFiles, open_tls_line_client
 from tests.tls_helpers import tls_files as tls_files  # the fixture
 from tests.worker_helpers import serving
@@ -209,3 +211,19 @@ async def test_without_tokens_connections_never_count_once_ready(tmp_path, trans
             assert (await client.ok("ping"))["ok"] is True
         for client in clients:
             await client.aclose()
+
+
+async def test_the_command_line_sets_the_pools_and_the_deadline(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"worker {TOKEN}\n")
+    args = ["--auth-token-file", str(tokens), "--max-prehello-per-address", "1",
+            "--hello-timeout-ms", "500"]  # fmt: skip
+    async with server_process(tmp_path / "relay.db", *args) as server:
+        assert server.address is not None
+        held, refused = await idle_sockets("127.0.0.1", server.address, 2)
+        line = orjson.loads(await first_line(refused))
+        assert "from one address (max 1)" in line["error"]["message"]
+        started = trio.current_time()
+        assert await first_line(held) == b""  # closed at the hello deadline
+        assert trio.current_time() - started < 0.5 + BOUND_S / 2
+        await close_all([held, refused])
