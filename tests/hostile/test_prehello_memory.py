@@ -36,8 +36,8 @@ PIECE_BYTES = 64 * 1024
 # What the flood may add to the server's memory at its peak, all connections together:
 # each holds a hello-sized line, and while it is read or lingers a few copies of one read
 # (64 KiB: the bytes read, unmasked, decoded, encoded), besides its session's own state.
-# (Measured: ~3.5 MiB over WebSocket, ~2.2 MiB over TCP; before the hello-sized limit,
-# ~17-18 MiB for 1 MiB sent by each.)
+# (Measured: ~3.7 MiB over WebSocket, ~2.4 MiB over TCP; before the hello-sized limit,
+# ~17-18 MiB when each sent 1 MiB.)
 BOUND_BYTES = CONNECTIONS * 512 * 1024
 
 
