@@ -18,8 +18,9 @@ slot of ``max_connections`` and lock authenticated clients out. Two bounds keep 
   So a client from an address that is not flooding always gets its chance to say hello,
   however many addresses flood, and the flood only churns its own connections.
 
-``total`` is smaller than ``max_connections``, so unauthenticated connections never take
-the slots authenticated ones need.
+By default ``total`` is an eighth of ``max_connections``, so unauthenticated connections
+never take the slots authenticated ones need (a small server, of 16 connections or fewer,
+lets them take all).
 """
 
 from __future__ import annotations
