@@ -34,6 +34,7 @@ from relay.server.core import (
 )
 from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
 from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
+from relay.server.prehello import HELLO_TIMEOUT_MS
 from relay.server.tls import TlsConfigError
 from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
@@ -117,6 +118,22 @@ _LIMITS = wire.Limits()
     "max_reply_buffer_bytes", DEFAULT_REPLY_BUFFER_BYTES,
     "Reply bytes all connections may owe at once; past it, those that owe any are not read "
     "until their clients take their replies.",
+)  # fmt: skip
+@_limit(
+    "hello_timeout_ms", HELLO_TIMEOUT_MS,
+    "Close a connection not authenticated this long after it connects (its TLS or "
+    "WebSocket handshake, and with tokens its hello).",
+)  # fmt: skip
+@click.option(
+    "--max-prehello", type=click.IntRange(min=1), default=None,
+    help="Connections not yet authenticated at once; past it, a newcomer takes the place "
+    "of the oldest from the address holding the most. Default: max-connections/8, at "
+    "least 16.",
+)  # fmt: skip
+@click.option(
+    "--max-prehello-per-address", type=click.IntRange(min=1), default=None,
+    help="Connections not yet authenticated from one address (an IPv6 /64) at once; past "
+    "it: overloaded. Default: max-connections/64, at least 8.",
 )  # fmt: skip
 @click.option(
     "--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,

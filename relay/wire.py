@@ -81,6 +81,12 @@ class Limits:
         }
 
 
+# With tokens configured, the longest line a connection may send before its hello (on TCP
+# and WebSocket alike): a hello is at most a few hundred bytes (a 256-byte token and
+# client name), and an unauthenticated client holds no more memory than this. A longer
+# line is frame_too_large, and the connection is closed.
+MAX_HELLO_BYTES = 4 * 1024
+
 DEFAULT_LEASE_MS = 30_000
 DEFAULT_RETRIES = 3
 DEFAULT_DEAD_LIST = 100

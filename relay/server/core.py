@@ -29,6 +29,7 @@ from relay.server.maintenance import (
     run_reaper,
 )
 from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
+from relay.server.prehello import HELLO_TIMEOUT_MS, PreHello, default_per_address, default_total
 from relay.server.tls import HANDSHAKE_TIMEOUT_MS
 from relay.server.watch import Watchers
 from relay.store.base import Changes, Store, StoreConfig
@@ -86,11 +87,25 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_handshake_timeout_ms: int = HANDSHAKE_TIMEOUT_MS
+    # Connections not yet authenticated (relay/server/prehello.py): each must have a role
+    # (a valid hello, with tokens; its TLS or WebSocket handshake done) within the hello
+    # timeout of its accept; at most max_prehello of them at once, and
+    # max_prehello_per_address from one address (None: the defaults, from max_connections).
+    hello_timeout_ms: int = HELLO_TIMEOUT_MS
+    max_prehello: int | None = None
+    max_prehello_per_address: int | None = None
     clock: Callable[[], int] = wall_clock_ms
     # Access control (relay/server/auth.py): None, every connection may do everything,
     # and no listener may be reachable from other machines unless ``insecure``.
     tokens: Tokens | None = None
     insecure: bool = False
+
+    def prehello(self) -> PreHello:
+        """The pools of unauthenticated connections this configuration asks for."""
+        most = self.limits.max_connections
+        total = self.max_prehello or default_total(most)
+        per_address = self.max_prehello_per_address or default_per_address(most)
+        return PreHello(total, min(per_address, total), self.hello_timeout_ms / 1000)
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(

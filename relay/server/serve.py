@@ -56,9 +56,10 @@ from relay.server.listen import (
     host_port,
     open_listeners,
 )
-from relay.server.listener import Listener
+from relay.server.listener import Accepting, Listener, Spare
 from relay.server.metrics import MetricsSnapshot, serve_metrics, snapshot_queues
 from relay.server.outbox import ReplyBudget
+from relay.server.prehello import Ticket
 from relay.server.session import Session, Sessions
 from relay.server.tls import server_context
 from relay.server.websocket import Origins, accept_websocket, overloaded_response
@@ -111,26 +112,27 @@ async def serve(
         sessions = Sessions()
         replies = ReplyBudget(config.max_reply_buffer_bytes)  # what all sessions owe
 
-        async def run_session(stream: trio.abc.Stream, peer: str) -> None:
+        async def run_session(stream: trio.abc.Stream, peer: str, ticket: Ticket) -> None:
             idle = config.idle_timeout_ms / 1000
-            await sessions.run(
-                Session(stream, dispatcher, idle_timeout=idle, peer=peer, reply_budget=replies)
-            )
+            session = Session(stream, dispatcher, idle_timeout=idle, peer=peer,
+                              reply_budget=replies, prehello=ticket)  # fmt: skip
+            await sessions.run(session)
 
         listener = Listener(
-            sockets.jobs, run_session, config.limits.max_connections, tls_context=tls_context,
-            handshake_timeout=config.tls_handshake_timeout_ms / 1000,
+            sockets.jobs, run_session, config.limits.max_connections, config.prehello(),
+            name=JOBS, tls_context=tls_context,
+            handshake_timeout=config.tls_handshake_timeout_ms / 1000, spare=sockets.spare,
         )  # fmt: skip
         listeners = [listener]
         ws_address = None
         origins = Origins(frozenset(config.ws_origins))
         if sockets.websocket is not None:
             ws_address = sockets.websocket[0].socket.getsockname()[:2]
-            listeners.append(
-                _websocket_listener(
-                    sockets.websocket, config, run_session, listener, tls_context, origins
-                )
-            )
+            websocket = _websocket_listener(
+                sockets.websocket, config, run_session, listener, tls_context, origins,
+                sockets.spare,
+            )  # fmt: skip
+            listeners.append(websocket)
         dispatcher.connections = lambda: listener.connections
 
         async def gather() -> MetricsSnapshot:
@@ -168,9 +170,12 @@ async def serve(
                     config.metrics_host, config.ws_host, None if ws_address is None else
                     ws_address[1], tls=tls_context is not None, tokens=config.tokens is not None,
                 )  # fmt: skip
+                # Its accept never fails (out of descriptors, it backs off, logged in
+                # summary): see relay/server/listener.py.
+                http = [Accepting(each, METRICS, sockets.spare) for each in sockets.metrics]
                 await transports.start(
                     functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000),
-                    sockets.metrics, gather, guard, dashboard,
+                    http, gather, guard, dashboard,
                 )  # fmt: skip
             address = sockets.jobs[0].socket.getsockname()[:2]
             event(
@@ -207,6 +212,8 @@ class _Sockets:
     jobs: list[trio.SocketListener]
     websocket: list[trio.SocketListener] | None
     metrics: list[trio.SocketListener] | None
+    # A file descriptor held in reserve, to refuse a client when out of them.
+    spare: Spare
 
 
 @asynccontextmanager
@@ -228,7 +235,9 @@ async def _open_sockets(config: ServerConfig) -> AsyncIterator[_Sockets]:
             ws = await each(WEBSOCKET, config.ws_host, config.ws_port)
         if config.metrics_port is not None:
             http = await each(METRICS, config.metrics_host, config.metrics_port)
-        yield _Sockets(jobs, ws, http)
+        spare = Spare()
+        opened.callback(spare.close)
+        yield _Sockets(jobs, ws, http, spare)
 
 
 def _hosts(config: ServerConfig) -> list[tuple[str, str]]:
@@ -244,32 +253,30 @@ def _hosts(config: ServerConfig) -> list[tuple[str, str]]:
 def _websocket_listener(
     sockets: list[trio.SocketListener],
     config: ServerConfig,
-    run_session: Callable[[trio.abc.Stream, str], Awaitable[None]],
+    run_session: Callable[[trio.abc.Stream, str, Ticket], Awaitable[None]],
     jobs: Listener,
     tls_context: ssl.SSLContext | None,
     origins: Origins,
+    spare: Spare,
 ) -> Listener:
-    """The WebSocket endpoint: its connections share the job listener's cap and run the
-    same sessions, each over the opening handshake's ``MessageStream``."""
+    """The WebSocket endpoint: its connections share the job listener's cap and pools of
+    unauthenticated connections, and run the same sessions, each over the opening
+    handshake's ``MessageStream``."""
 
-    async def run_websocket(stream: trio.abc.Stream, peer: str) -> None:
-        async with trio.open_nursery() as websocket_tasks:  # trio-websocket's reader
-            messages = await accept_websocket(
-                stream, websocket_tasks, config.limits.max_frame_bytes, origins
-            )
-            try:
-                if messages is not None:
-                    await run_session(messages, peer)
-            finally:
-                # The TCP (or TLS) stream is this task's: closed here, after the session's
-                # closing handshake, or if the opening one failed or was cut short.
-                await trio.aclose_forcefully(stream)
-            websocket_tasks.cancel_scope.cancel()
+    async def run_websocket(stream: trio.abc.Stream, peer: str, ticket: Ticket) -> None:
+        try:
+            messages = await accept_websocket(stream, origins, ticket.deadline)
+            if messages is not None:
+                await run_session(messages, peer, ticket)
+        finally:
+            # The TCP (or TLS) stream is this task's: closed here, after the session's
+            # closing handshake, or if the opening one failed or was cut short.
+            await trio.aclose_forcefully(stream)
 
     return Listener(
-        sockets, run_websocket, config.limits.max_connections, limiter=jobs.limiter,
-        refusal=overloaded_response, tls_context=tls_context,
-        handshake_timeout=config.tls_handshake_timeout_ms / 1000,
+        sockets, run_websocket, config.limits.max_connections, jobs.prehello, name=WEBSOCKET,
+        limiter=jobs.limiter, refusal=overloaded_response, tls_context=tls_context,
+        handshake_timeout=config.tls_handshake_timeout_ms / 1000, spare=spare,
     )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from relay.server.auth import Role
 from relay.server.direct import DirectReplies
 from relay.server.dispatch import Dispatcher
 from relay.server.outbox import Outbox, ReplyBudget
+from relay.server.prehello import HELLO_TIMEOUT_MS, Ticket
 from relay.server.room import Room
 from relay.server.streamio import TCP_CLOSE, TCP_CLOSE_WAIT, StreamIO
 from relay.server.watchdog import Watchdog
@@ -59,8 +60,9 @@ SLICE_LINES = 64
 # jobs would hold ~500 MiB.
 MAX_OWED_BYTES = 32 * 1024 * 1024
 # With tokens configured, a connection that has not said hello with a valid token within
-# this is closed: an unauthenticated client holds a connection slot for no longer.
-HELLO_TIMEOUT_S = 10.0
+# this of its accept is closed (the server's hello_timeout_ms, and the deadline of its
+# ticket, relay/server/prehello.py): an unauthenticated client holds a slot for no longer.
+HELLO_TIMEOUT_S = HELLO_TIMEOUT_MS / 1000
 
 
 class Session(DirectReplies):
@@ -72,6 +74,7 @@ class Session(DirectReplies):
         idle_timeout: float,
         peer: str = "?",
         reply_budget: ReplyBudget | None = None,
+        prehello: Ticket | None = None,
     ) -> None:
         self.stream = stream
         self.dispatcher = dispatcher
@@ -81,7 +84,14 @@ class Session(DirectReplies):
         dispatcher.access.set_role(self, dispatcher.access.first_role)  # self.role, self.ops
         # A failed authentication's answer and its delay: the last thing sent (refuse).
         self._refusal: tuple[bytes, float] | None = None
-        self.splitter = LineSplitter(self.limits.max_frame_bytes)
+        # Its place among the unauthenticated connections, given back once it has a role.
+        self._prehello = prehello
+        # Before its hello, only a hello-sized line is read (wire.MAX_HELLO_BYTES): an
+        # unauthenticated client holds no more than that.
+        most = self.limits.max_frame_bytes
+        self.splitter = LineSplitter(
+            min(wire.MAX_HELLO_BYTES, most) if self.role is Role.NONE else most
+        )
         self._max_in_flight = self.limits.max_in_flight
         self._in_flight = 0  # requests taken (see in_flight, relay/server/direct.py)
         # While the client sends requests, a long-poll may wait for it. Once it has
@@ -287,6 +297,8 @@ class Session(DirectReplies):
                 nursery.start_soon(self._watchdog.run)
                 if self.role is Role.NONE:
                     nursery.start_soon(self._hello_deadline)
+                elif self._prehello is not None:
+                    self._prehello.release()  # a role from the start (no tokens)
                 with self._reading:
                     await self._read_loop()
                 self.stop_waiting()
@@ -300,6 +312,8 @@ class Session(DirectReplies):
                         await self._io.linger()
                 nursery.cancel_scope.cancel()
         finally:
+            if self._prehello is not None:
+                self._prehello.release()
             self._outbox.close()
             self.stop_waiting()
             await self._io.close()
@@ -313,9 +327,14 @@ class Session(DirectReplies):
         await self._room.wait_answered()
 
     async def _hello_deadline(self) -> None:
-        await trio.sleep(HELLO_TIMEOUT_S)
+        ticket = self._prehello
+        if ticket is None:
+            await trio.sleep(HELLO_TIMEOUT_S)
+        else:
+            await trio.sleep_until(ticket.deadline)
         if self.role is Role.NONE and self._refusal is None:
-            event(log, logging.INFO, "connection.hello_timeout", peer=self.peer)
+            if ticket is not None:
+                ticket.timed_out(self.peer)  # logged in summary
             self._broken(trio.TooSlowError("no hello in time"))
 
     async def _read_loop(self) -> None:
@@ -330,6 +349,8 @@ class Session(DirectReplies):
             if not data:
                 return
             watchdog.last_read = started = trio.current_time()
+            if self.role is Role.NONE:
+                data = await self._read_hello(data, started)
             await self._dispatch_all(self.splitter.feed(data), started)
             if self._refusal is not None:
                 return
@@ -341,11 +362,35 @@ class Session(DirectReplies):
                 with trio.move_on_after(DRAIN_GRACE_S):
                     await self._room.wait_answered()
                 self._closing("frame_too_large")
-                error = FrameTooLarge(f"frame longer than {self.limits.max_frame_bytes} bytes")
+                error = FrameTooLarge(self._too_large())
                 self.begin_request()
                 self.reply(wire.encode_error(None, error))
                 event(log, logging.INFO, "connection.frame_too_large", peer=self.peer)
                 return
+
+    async def _read_hello(self, data: bytes, started: float) -> bytes:
+        """Before a valid hello: dispatch ``data``'s lines one at a time under the
+        hello-sized limit, until one gives the connection a role; then raise the limit to
+        max_frame_bytes and return the rest, for the normal path (b"" once refused, or
+        closing for a line over the limit)."""
+        while self.role is Role.NONE:
+            end = data.find(b"\n")
+            if end < 0:
+                return data  # no line yet: the splitter holds it, under the hello-sized limit
+            await self._dispatch_all(self.splitter.feed(data[: end + 1]), started)
+            data = data[end + 1 :]
+            if self._refusal is not None or self.splitter.overflow:
+                return b""
+        if self._prehello is not None:
+            self._prehello.release()
+        self.splitter.max_frame_bytes = self.limits.max_frame_bytes
+        return data
+
+    def _too_large(self) -> str:
+        limit = self.splitter.max_frame_bytes
+        if limit < self.limits.max_frame_bytes:
+            return f"frame longer than {limit} bytes before a hello (the first must be a hello)"
+        return f"frame longer than {limit} bytes"
 
     async def _dispatch_all(self, lines: list[bytes], started: float) -> None:
         """Dispatch the complete lines of one read, which arrived at ``started``, in order.
