@@ -26,19 +26,27 @@ import contextlib
 import ipaddress
 import logging
 import urllib.parse
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    wrap_server_stream,
+)
 
 from relay import wire
 from relay.errors import BadRequest
-from relay.log import event
+from relay.log import Summaries, event
 
 log = logging.getLogger("relay.websocket")
 
 # The opening handshake (HTTP upgrade) must be done within this, or the connection closes.
 HANDSHAKE_TIMEOUT_S = 10.0
+# Characters of a refused Origin that its log line shows (the rest is the client's text).
+ORIGIN_LOGGED = 100
 
 # Close codes (RFC 6455, section 7.4.1), by the reason the session gives (``closing``).
 NORMAL, GOING_AWAY, POLICY, UNSUPPORTED, TOO_BIG = 1000, 1001, 1008, 1003, 1009
@@ -59,6 +67,9 @@ class Origins:
 
     allowed: frozenset[str] = frozenset()
     page_port: int | None = None  # set once the metrics listener is bound
+    # Refused and failed handshakes of the listener, logged in summary: they come in floods
+    # (a line per kind at most once a second, with how many).
+    refusals: Summaries = attrs.field(factory=Summaries, eq=False)
 
     def permit(self, origin: str | None, local: str) -> bool:
         """Whether a handshake from ``origin`` that arrived on address ``local`` may go on."""
@@ -175,24 +186,77 @@ async def accept_websocket(
     """The opening handshake on an accepted connection, within HANDSHAKE_TIMEOUT_S; None
     if it failed or ``origins`` refused it (the caller closes the stream). The
     connection's reader task goes into ``nursery``, which must outlive the session."""
+    reader = _Reader(nursery)
     with trio.move_on_after(HANDSHAKE_TIMEOUT_S):
         try:
             # Twice the frame limit in characters: a message up to that gets its
             # frame_too_large reply (relay counts bytes, trio-websocket characters).
-            request = await wrap_server_stream(
-                nursery, stream, message_queue_size=1, max_message_size=2 * max_frame_bytes
-            )
+            request = await _request(reader, stream, max_message_size=2 * max_frame_bytes)
+            if request is None:
+                _handshake_failed(origins, "closed or not a WebSocket handshake", None)
+                return None
             origin = _header(request.headers, b"origin")
             if not origins.permit(origin, str(request.local.address)):
-                event(log, logging.WARNING, "websocket.origin_refused", origin=origin[:200])
+                if n := origins.refusals.count("origin", trio.current_time()):
+                    event(log, logging.WARNING, "websocket.origin_refused",
+                          origin=origin[:ORIGIN_LOGGED], refused=n)  # fmt: skip
                 await request.reject(403, body=b"this page's origin may not connect\n")
                 return None
             return MessageStream(await request.accept())
         except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            event(log, logging.DEBUG, "websocket.handshake_failed", error=repr(exc))
+            _handshake_failed(origins, "closed or not a WebSocket handshake", repr(exc)[:200])
             return None
-    event(log, logging.DEBUG, "websocket.handshake_timeout")
+    _handshake_failed(origins, f"not done within {HANDSHAKE_TIMEOUT_S:g} s", None)
     return None
+
+
+class _Reader:
+    """What trio-websocket starts a connection's reader task in (it only calls
+    ``start_soon``): the task goes into ``nursery``, and ``ended`` is set when it returns.
+    A request that is not a handshake (answered 400), or a close before one, ends the
+    reader without waking the wait for the handshake (trio-websocket 0.12), which would
+    otherwise hold the connection's slot until HANDSHAKE_TIMEOUT_S."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self.ended = trio.Event()
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        async def watched() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self.ended.set()
+
+        self._nursery.start_soon(watched)
+
+
+async def _request(
+    reader: _Reader, stream: trio.abc.Stream, max_message_size: int
+) -> WebSocketRequest | None:
+    """The opening handshake's request, or None if the reader ended without one."""
+    request = None
+    async with trio.open_nursery() as racing:
+
+        async def give_up() -> None:
+            await reader.ended.wait()
+            racing.cancel_scope.cancel()
+
+        racing.start_soon(give_up)
+        request = await wrap_server_stream(
+            reader,  # type: ignore[arg-type]
+            stream,
+            message_queue_size=1,
+            max_message_size=max_message_size,
+        )
+        racing.cancel_scope.cancel()
+    return request
+
+
+def _handshake_failed(origins: Origins, reason: str, error: str | None) -> None:
+    if n := origins.refusals.count(reason, trio.current_time()):
+        event(log, logging.INFO, "websocket.handshake_failed", reason=reason, error=error,
+              failed=n)  # fmt: skip
 
 
 def overloaded_response(limit: int) -> bytes:
