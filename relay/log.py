@@ -290,3 +290,20 @@ class Summary:
             return 0
         n, self._count, self._logged_at = self._count, 0, now
         return n
+
+
+class Summaries:
+    """A ``Summary`` for each kind of one event (the reasons a connection is refused):
+    each kind logged at most once per ``interval``, with its own count. The kinds are the
+    caller's constants, so the table stays small."""
+
+    def __init__(self, interval: float = SUMMARY_INTERVAL_S) -> None:
+        self.interval = interval
+        self._kinds: dict[str, Summary] = {}
+
+    def count(self, kind: str, now: float) -> int:
+        """Count one of ``kind`` at ``now``; return how many of it to log now (0: quiet)."""
+        summary = self._kinds.get(kind)
+        if summary is None:
+            summary = self._kinds[kind] = Summary(self.interval)
+        return summary.count(now)

@@ -303,7 +303,7 @@ async def scrape(metrics: tuple[str, int] | None) -> dict[str, float]:
     if metrics is None:
         return {}
     stream = await trio.open_tcp_stream(*metrics)
-    await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     data = b""
     while chunk := await stream.receive_some(READ_BYTES):
         data += chunk

@@ -96,7 +96,7 @@ async def watchers(metrics: tuple[str, int]) -> float:
     """``relay_watchers`` from GET /metrics."""
     stream = await trio.open_tcp_stream(*metrics)
     async with stream:
-        await stream.send_all(b"GET /metrics HTTP/1.0\r\nHost: relay\r\n\r\n")
+        await stream.send_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk

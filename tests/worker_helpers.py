@@ -66,7 +66,7 @@ class Server:
         with trio.fail_after(BOUND_S):
             stream = await trio.open_tcp_stream(*self.handle.metrics_address)
             async with stream:
-                await stream.send_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+                await stream.send_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
                 data = b""
                 while chunk := await stream.receive_some(65536):
                     data += chunk

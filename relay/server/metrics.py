@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 import attrs
 import h11
@@ -31,10 +30,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from relay.errors import RelayError
 from relay.histogram import HistogramSnapshot
-from relay.log import Summary, event
+from relay.log import event
 from relay.model import JobState
 from relay.server.dashboard import CONTENT_TYPE as PAGE_TYPE
 from relay.server.dashboard import Dashboard
+from relay.server.http import HEAD_TIMEOUT_S, serve_http
 from relay.server.listener import peer_name
 from relay.store.base import EVENTS
 from relay.store.view import STATES as VIEW_STATES
@@ -44,13 +44,6 @@ log = logging.getLogger("relay.metrics")
 
 STATES = [str(state) for state in JobState]
 
-# An HTTP exchange (request in, response out) must finish within this, or is dropped.
-HTTP_TIMEOUT_S = 10.0
-MAX_REQUEST_BYTES = 16 * 1024
-# HTTP connections at once. A scraper needs one or two; without a cap, a flood of clients
-# that connect and stall would hold file descriptors (each for up to HTTP_TIMEOUT_S) that
-# the job listener needs. One over the cap is closed at once.
-MAX_HTTP_CONNECTIONS = 32
 # One rendering of /metrics serves the scrapes of this long (ServerConfig.metrics_cache_ms).
 DEFAULT_CACHE_S = 1.0
 
@@ -233,56 +226,36 @@ async def serve_metrics(
     dashboard: Dashboard | None = None,
     *,
     cache_s: float = DEFAULT_CACHE_S,
+    head_timeout: float = HEAD_TIMEOUT_S,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve /metrics and /healthz, and with ``dashboard`` the page at /, until cancelled
-    (one request per connection, at most ``MAX_HTTP_CONNECTIONS`` at once). With
-    ``authorize``, a request it refuses gets 401 and nothing else; the page needs no
-    authorization (it holds no data: see relay/server/dashboard.py). One rendering of
-    /metrics serves the scrapes of ``cache_s`` seconds (``RenderCache``)."""
+    (one request per connection; who may connect, how long its request may take and, on
+    loopback, which Host is answered: relay/server/http.py). With ``authorize``, a request
+    it refuses gets 401 and nothing else; the page needs no authorization (it holds no
+    data: see relay/server/dashboard.py). One rendering of /metrics serves the scrapes of
+    ``cache_s`` seconds (``RenderCache``)."""
 
     async def make() -> bytes:
         return render(await gather())
 
     metrics = RenderCache(make, cache_s)
-    limiter = trio.CapacityLimiter(MAX_HTTP_CONNECTIONS)
-    refusals = Summary()  # logged in summary: they come in floods
 
-    async def handle(stream: trio.SocketStream) -> None:
-        try:
-            limiter.acquire_nowait()
-        except trio.WouldBlock:
-            if n := refusals.count(trio.current_time()):
-                event(log, logging.WARNING, "metrics.refused",
-                      reason="max_http_connections", refused=n)  # fmt: skip
-            await trio.aclose_forcefully(stream)
-            return
-        try:
-            with trio.move_on_after(HTTP_TIMEOUT_S):
-                await _exchange(stream, metrics, authorize, dashboard)
-            await trio.aclose_forcefully(stream)
-        finally:
-            limiter.release()
+    async def respond(stream: trio.SocketStream, conn: h11.Connection, incoming: h11.Request):
+        await _exchange(stream, conn, incoming, metrics, authorize, dashboard)
 
-    await trio.serve_listeners(handle, listeners, task_status=task_status)
+    await serve_http(listeners, respond, head_timeout=head_timeout, task_status=task_status)
 
 
 async def _exchange(
     stream: trio.SocketStream,
+    conn: h11.Connection,
+    incoming: h11.Request,
     metrics: RenderCache,
     authorize: Authorize | None,
     dashboard: Dashboard | None,
 ) -> None:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
     try:
-        while True:
-            incoming: Any = conn.next_event()
-            if incoming is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(MAX_REQUEST_BYTES))
-                continue
-            break
-        if not isinstance(incoming, h11.Request):
-            return
         target = incoming.target.split(b"?", 1)[0]
         headers: list[tuple[bytes, bytes]] = []
         kind = b"text/plain"
@@ -317,5 +290,5 @@ async def _exchange(
             data += conn.send(h11.Data(data=body))
         data += conn.send(h11.EndOfMessage())
         await stream.send_all(data)
-    except (h11.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         event(log, logging.DEBUG, "metrics.bad_exchange", error=repr(exc))

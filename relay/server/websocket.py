@@ -56,13 +56,15 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from relay import wire
 from relay.errors import BadRequest
-from relay.log import event
+from relay.log import Summaries, event
 
 log = logging.getLogger("relay.websocket")
 
 # The opening handshake (HTTP upgrade) must be done within this, or the connection closes
 # (and by the connection's hello deadline, which is usually sooner).
 HANDSHAKE_TIMEOUT_S = 10.0
+# Characters of a refused Origin that its log line shows (the rest is the client's text).
+ORIGIN_LOGGED = 100
 # Bytes per read from the connection: a session's read gets at most about this much text.
 RECEIVE_BYTES = 64 * 1024
 # Closing, the client's closing frame is awaited for at most this many bytes (and within
@@ -88,6 +90,9 @@ class Origins:
 
     allowed: frozenset[str] = frozenset()
     page_port: int | None = None  # set once the metrics listener is bound
+    # Refused and failed handshakes of the listener, logged in summary: they come in floods
+    # (a line per kind at most once a second, with how many).
+    refusals: Summaries = attrs.field(factory=Summaries, eq=False)
 
     def permit(self, origin: str | None, local: str) -> bool:
         """Whether a handshake from ``origin`` that arrived on address ``local`` may go on."""
@@ -307,17 +312,25 @@ async def accept_websocket(
             request = await _read_upgrade(stream)
             origin = _header(request.headers, b"origin")
             if not origins.permit(origin, str(request.local.address)):
-                event(log, logging.WARNING, "websocket.origin_refused", origin=origin[:200])
+                if n := origins.refusals.count("origin", trio.current_time()):
+                    event(log, logging.WARNING, "websocket.origin_refused",
+                          origin=origin[:ORIGIN_LOGGED], refused=n)  # fmt: skip
                 await request.reject(403, body=b"this page's origin may not connect\n")
                 return None
             return await request.accept()
         except (
             _Closed, RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError
         ) as exc:  # fmt: skip
-            event(log, logging.DEBUG, "websocket.handshake_failed", error=repr(exc))
+            _handshake_failed(origins, "closed or not a WebSocket handshake", repr(exc)[:200])
             return None
-    event(log, logging.DEBUG, "websocket.handshake_timeout")
+    _handshake_failed(origins, "not done in time", None)
     return None
+
+
+def _handshake_failed(origins: Origins, reason: str, error: str | None) -> None:
+    if n := origins.refusals.count(reason, trio.current_time()):
+        event(log, logging.INFO, "websocket.handshake_failed", reason=reason, error=error,
+              failed=n)  # fmt: skip
 
 
 def overloaded_response(message: str) -> bytes:

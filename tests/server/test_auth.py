@@ -88,7 +88,7 @@ async def http_get(
     host, port = address
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    lines = [f"GET {path} HTTP/1.0", "Host: relay"]
+    lines = [f"GET {path} HTTP/1.0", "Host: localhost"]
     if authorization is not None:
         lines.append(f"Authorization: {authorization}")
     with trio.fail_after(BOUND_S):

@@ -49,7 +49,7 @@ MOVE_S = 2.0
 
 
 async def http(
-    address: tuple[str, int], method: str = "GET", path: str = "/", host: str | None = "relay"
+    address: tuple[str, int], method: str = "GET", path: str = "/", host: str | None = "localhost"
 ) -> tuple[int, dict[str, str], bytes]:
     """One request: (status, headers by lower-cased name, body)."""
     lines = [f"{method} {path} HTTP/1.1", "Connection: close"]
