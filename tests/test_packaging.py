@@ -66,7 +66,7 @@ def test_the_console_scripts_name_the_installed_packages(wheel: zipfile.ZipFile)
     (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = wheel.read(entry_points).decode()
     assert "relay-trio = relay_cli.main:main" in text
-    assert "relay-bench = relay_scripts.relay_bench:main" in text
+    assert "relay-bench = relay_scripts.bench.main:main" in text
 
 
 def test_a_users_own_cli_package_is_the_one_a_handler_names(tmp_path: Path) -> None:

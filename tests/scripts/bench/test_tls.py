@@ -9,7 +9,7 @@ import subprocess
 import orjson
 import pytest
 
-from tests.test_bench import BENCH
+from tests.scripts.bench.test_main import BENCH
 
 TLS_SCENARIOS = [
     "submit, 1 producer(s) one-at-a-time",

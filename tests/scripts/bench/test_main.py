@@ -9,7 +9,6 @@ from pathlib import Path
 
 import orjson
 
-from relay_scripts import plot_bench
 from tests import pg
 
 BENCH = str(Path(sys.executable).parent / "relay-bench")
@@ -67,49 +66,6 @@ def test_quick_bench_reports_every_scenario(tmp_path):
     assert "end-to-end latency, ms" in finished.stdout
     for name in EXPECTED:
         assert name in finished.stdout, name
-
-
-def test_plot_helpers_pick_the_scaling_curve_and_latencies():
-    results = [
-        {"scenario": "lease+ack, relay.Worker concurrency 16", "unit": "jobs/s",
-         "median": 30.0, "runs": [20.0, 30.0, 40.0], "extra": {}},
-        {"scenario": "lease+ack, relay.Worker concurrency 1", "unit": "jobs/s",
-         "median": 10.0, "runs": [10.0], "extra": {}},
-        {"scenario": "end-to-end latency at 2,000 jobs/s offered", "unit": "ms",
-         "median": 5.0, "runs": [5.0], "extra": {"ack_p99_ms": 5.0}},
-    ]  # fmt: skip
-    assert plot_bench.scaling_points(results) == [(1, 10.0, 10.0, 10.0), (16, 30.0, 20.0, 40.0)]
-    assert plot_bench.latency_rows(results) == [
-        ("end-to-end latency at 2,000 jobs/s offered", {"ack_p99_ms": 5.0})
-    ]
-
-
-def test_watchers_bench_runs_each_scenario_three_ways_and_counts_every_event(tmp_path):
-    out = tmp_path / "watchers.json"
-    finished = subprocess.run(
-        [BENCH, "--watchers", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert finished.returncode == 0, finished.stderr[-2000:]
-    results = {r["scenario"]: r for r in orjson.loads(out.read_bytes())["results"]}
-    # Quick sizes: 8 x 150 one-at-a-time, 4,000 pipelined, 20 batches of 100, a backlog
-    # of 3,000 leased and acked (two events each: leased, succeeded).
-    submits = {
-        "submit, 8 producer(s) one-at-a-time": 8 * 150,
-        "submit, 1 connection pipelining (window 64)": 4_000,
-        "submit_batch of 100, 1 client(s)": 2_000,
-    }
-    lease_ack = "lease+ack, 8 processes, count 8, pipelined acks"
-    for name in [*submits, lease_ack]:
-        for kind in ("none", "idle", "all"):
-            r = results[f"{name}, watcher: {kind}"]
-            assert len(r["runs"]) == 1 and r["median"] > 0, r
-        seen = results[f"{name}, watcher: all"]["extra"]
-        received = seen["events"] + seen["dropped"]  # delivered or reported lost: all
-        if name in submits:
-            assert received == submits[name], (name, seen)
-        else:
-            assert received % 2 == 0 and received >= 2 * 3_000, seen
 
 
 def test_bench_runs_on_postgres_with_two_servers(tmp_path, pg_url):

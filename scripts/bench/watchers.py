@@ -17,7 +17,18 @@ import attrs
 import orjson
 import trio
 
-from relay_scripts import relay_bench as bench
+from relay_scripts.bench.conn import READ_BYTES, Conn
+from relay_scripts.bench.loads import (
+    lease_ack_processes,
+    prefill,
+    submit_batches,
+    submit_one_at_a_time,
+    submit_pipelined,
+)
+from relay_scripts.bench.measure import RUN_TIMEOUT_S
+from relay_scripts.bench.results import Result
+from relay_scripts.bench.scenarios import Sizes
+from relay_scripts.bench.servers import running_server
 
 KINDS = ("none", "idle", "all")
 IDLE_QUEUE = "bench-watch-idle"  # no scenario submits to it
@@ -31,9 +42,9 @@ class Seen:
     dropped: int = 0
 
 
-async def _read_events(conn: bench.Conn, seen: Seen) -> None:
+async def _read_events(conn: Conn, seen: Seen) -> None:
     while True:
-        data = await conn.stream.receive_some(bench.READ_BYTES)
+        data = await conn.stream.receive_some(READ_BYTES)
         if not data:
             return
         conn.buffer += data
@@ -52,7 +63,7 @@ async def watching(address: tuple[str, int], kind: str) -> AsyncIterator[Seen]:
     if kind == "none":
         yield seen
         return
-    conn = await bench.Conn.open(address)
+    conn = await Conn.open(address)
     filters = {} if kind == "all" else {"queues": [IDLE_QUEUE]}
     await conn.call("watch", **filters)
     async with trio.open_nursery() as nursery:
@@ -70,37 +81,35 @@ async def watching(address: tuple[str, int], kind: str) -> AsyncIterator[Seen]:
 Scenario = tuple[str, Callable[[], Awaitable[float]], Callable[[], Awaitable[None]] | None]
 
 
-def _scenarios(address: tuple[str, int], sizes: bench.Sizes) -> list[Scenario]:
+def _scenarios(address: tuple[str, int], sizes: Sizes) -> list[Scenario]:
     a = [address]
     return [
         ("submit, 8 producer(s) one-at-a-time",
-         lambda: bench.submit_one_at_a_time(a, 8, sizes.per_producer), None),
+         lambda: submit_one_at_a_time(a, 8, sizes.per_producer), None),
         ("submit, 1 connection pipelining (window 64)",
-         lambda: bench.submit_pipelined(a, 64, sizes.pipelined), None),
+         lambda: submit_pipelined(a, 64, sizes.pipelined), None),
         ("submit_batch of 100, 1 client(s)",
-         lambda: bench.submit_batches(a, 1, 100, sizes.batches), None),
+         lambda: submit_batches(a, 1, 100, sizes.batches), None),
         ("lease+ack, 8 processes, count 8, pipelined acks",
-         lambda: bench.lease_ack_processes(a, 8, 8, sizes.backlog),
-         lambda: bench.prefill(a, sizes.backlog)),
+         lambda: lease_ack_processes(a, 8, 8, sizes.backlog),
+         lambda: prefill(a, sizes.backlog)),
     ]  # fmt: skip
 
 
 async def run_watchers(
-    sizes: bench.Sizes, runs: int, db_dir: str, note: Callable[[bench.Result], None]
+    sizes: Sizes, runs: int, db_dir: str, note: Callable[[Result], None]
 ) -> None:
     """Every scenario of ``_scenarios``, ``runs`` times with each kind of watcher; each
     result given to ``note``. The all-events watcher's counts go in its ``extra``."""
-    with bench.running_server("full", db_dir) as server:
+    with running_server("full", db_dir) as server:
         for name, run_once, before_each in _scenarios(server.address, sizes):
-            by_kind = {
-                kind: bench.Result(f"{name}, watcher: {kind}", "jobs/s", []) for kind in KINDS
-            }
+            by_kind = {kind: Result(f"{name}, watcher: {kind}", "jobs/s", []) for kind in KINDS}
             for _ in range(runs):
                 for kind, result in by_kind.items():
                     if before_each is not None:
                         await before_each()
                     async with watching(server.address, kind) as seen:
-                        with trio.fail_after(bench.RUN_TIMEOUT_S):
+                        with trio.fail_after(RUN_TIMEOUT_S):
                             result.runs.append(await run_once())
                     if kind == "all":
                         result.extra["events"] = result.extra.get("events", 0) + seen.events
