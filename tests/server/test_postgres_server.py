@@ -56,14 +56,15 @@ def sessions(url: str, application: str) -> int:
 
 
 async def parked_lease(client: LineClient, queue: str, wait_ms: int = 10_000) -> int:
-    """Send a long-poll lease and return its request id once it is parked: a ``stats``
+    """Send a long-poll lease and return its request id once it is parked: an ``inspect``
     sent after it on the same connection is answered only after the lease found nothing
-    (the writer runs leases first in a batch, and parks them as it delivers)."""
+    (the writer answers a connection's requests in order, and parks a lease as it
+    delivers; ``stats`` would not do: it is answered at once, from memory)."""
     rid = await client.send("lease", queues=[queue], worker_id="w-b", wait_ms=wait_ms)
-    stats_id = await client.send("stats")
+    marker = await client.send("inspect", job_id="job_0000000000000000")
     with trio.fail_after(BOUND_S):
         reply = await client.read()
-    assert reply["id"] == stats_id, f"the lease was answered before it parked: {reply}"
+    assert reply["id"] == marker, f"the lease was answered before it parked: {reply}"
     return rid
 
 
