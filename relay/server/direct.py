@@ -21,7 +21,8 @@ reads and writes one step that the other thread sees in order).
 
 Anything else goes to the trio thread as before (``Session.deliver``): a long-poll that
 found nothing (the trio thread parks it), a TLS or WebSocket stream, an outbox with
-replies queued, a write the socket refused.
+replies queued, a write the socket refused; and, until that hand-off has been delivered
+(``deliver_handed``), the replies of every later commit, which must not overtake it.
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ class DirectReplies:
     # Written by the writer thread only (see the module docstring).
     _answered_now = 0
     _released_now = 0
+    _handed_out = 0  # commits whose replies it left to the trio thread (NOT_TAKEN)
+    # Written by the trio thread only: of those, the hand-offs delivered.
+    _handed_in = 0
+
+    if TYPE_CHECKING:
+
+        def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...  # (Session's)
 
     @property
     def in_flight(self) -> int:
@@ -89,14 +97,32 @@ class DirectReplies:
     def deliver_now(self, pairs: list[tuple[Item, Any]]) -> int:
         """Writer thread: write the replies of one commit for this connection, if it can
         take them now; NOT_TAKEN, TAKEN or TAKEN_WAKE (``ReplySink``)."""
-        lines = []
-        for _item, reply in pairs:
-            if type(reply) is not bytes:
-                return NOT_TAKEN  # a long-poll that found nothing: the trio thread decides
-            lines.append(reply)
-        written = self._outbox.write_now(lines[0] if len(lines) == 1 else b"".join(lines))
-        if written == NOT_WRITTEN:
-            return NOT_TAKEN
+        # While an earlier commit's replies of this connection wait for their hand-off,
+        # the outbox may look idle: these go after them, through the trio thread too.
+        if self._handed_out == self._handed_in:
+            lines = []
+            for _item, reply in pairs:
+                if type(reply) is not bytes:
+                    break  # a long-poll that found nothing: the trio thread decides
+                lines.append(reply)
+            else:
+                data = lines[0] if len(lines) == 1 else b"".join(lines)
+                written = self._outbox.write_now(data)
+                if written != NOT_WRITTEN:
+                    return self._taken(pairs, written)
+        self._handed_out += 1
+        return NOT_TAKEN
+
+    def deliver_handed(self, pairs: list[tuple[Item, Any]]) -> None:
+        """Trio thread: the replies of one commit that ``deliver_now`` did not take, in
+        that commit's hand-off. Once they are queued, the writer thread may write later
+        commits' replies itself again."""
+        try:
+            self.deliver(pairs)
+        finally:
+            self._handed_in += 1
+
+    def _taken(self, pairs: list[tuple[Item, Any]], written: int) -> int:
         # Written: whatever happens now, they are taken (they must not go out a second
         # time through the trio thread), and a failure wakes the trio side to be safe.
         try:

@@ -58,7 +58,9 @@ class ReplySink(Protocol):
     any thread): the writer thread offers it a batch's pairs first (``offer``), and it
     answers NOT_TAKEN (they go to ``deliver`` as usual), TAKEN (written, or dropped, and
     counted: nothing more to do) or TAKEN_WAKE (the same, but ``after_now`` must then run
-    in the trio thread: someone there waits for what it took)."""
+    in the trio thread: someone there waits for what it took). The pairs it did not take
+    come to its ``deliver_handed`` (if it has one) in the hand-off: until then it takes
+    none of a later commit, so that a connection's replies go out in commit order."""
 
     def deliver(self, pairs: list[tuple[Item, Any]]) -> None: ...
 
@@ -118,11 +120,16 @@ def by_sink(pairs: list[tuple[Item, Any]]) -> list[tuple[Any, list[tuple[Item, A
     return list(groups.values())
 
 
-def deliver(pairs: list[tuple[Item, Any]]) -> None:
-    """Hand each sink its pairs, in order; a failing sink does not stop the others."""
+def deliver(pairs: list[tuple[Item, Any]], *, handed: bool = False) -> None:
+    """Hand each sink its pairs, in order; a failing sink does not stop the others.
+    ``handed``: these are a commit's hand-off, the pairs ``offer`` left (a sink that has
+    ``deliver_handed`` takes them there)."""
     for sink, mine in by_sink(pairs):
         try:
-            sink.deliver(mine)
+            if handed and hasattr(sink, "deliver_handed"):
+                sink.deliver_handed(mine)
+            else:
+                sink.deliver(mine)
         except Exception:
             log.exception("a reply sink failed; the other replies are delivered")
 

@@ -157,7 +157,7 @@ class WriterThread:
         writer = self.writer
         try:
             writer._answered(len(pairs))
-            deliver(pairs)
+            deliver(pairs, handed=True)
             for sink in woken:  # (their replies went out from the writer thread)
                 try:
                     sink.after_now()

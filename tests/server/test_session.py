@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,8 @@ from relay.server import session as session_module
 from relay.server.dispatch import Dispatcher
 from relay.server.session import SLICE_LINES
 from relay.server.streamio import RECEIVE_BYTES
+from relay.store import thread as thread_module
+from relay.store.writer import Writer
 from tests.server.conftest import (
     BOUND_S,
     LineClient,
@@ -362,6 +365,58 @@ async def test_pipelined_large_replies_arrive_whole_and_in_order(tmp_path, max_i
         # Nothing else is owed: the next request's reply is the next line.
         request_id = await c.send("ping")
         assert await c.read() == {"id": request_id, "ok": True}
+
+
+async def test_a_commits_replies_wait_for_an_earlier_commits_hand_off(tmp_path, monkeypatch):
+    """A commit whose replies of a connection went to the trio thread (a long-poll among
+    them found nothing) is delivered there; a later commit's replies of that connection,
+    committed before that hand-off ran, are not written by the writer thread ahead of it.
+    The interleaving is forced: the writer thread waits at ``offer`` for the next request
+    to be queued, and the trio thread is held until the later commit is offered."""
+    token = trio.lowlevel.current_trio_token()
+    timeout = BOUND_S / 2  # (each wait is bounded: a missed step fails the asserts below)
+    put = {rid: threading.Event() for rid in "pxy"}  # the request was queued
+    offered = {rid: threading.Event() for rid in "pxy"}  # its commit's replies were offered
+    real_put, real_offer = Writer.put, thread_module.offer
+
+    def put_and_tell(self: Writer, item: Any) -> None:
+        real_put(self, item)
+        if item[2] in put:
+            put[item[2]].set()
+
+    def hold_trio() -> None:  # (the trio thread: the hand-off queued after this waits)
+        offered["y"].wait(timeout)
+
+    def offer(pairs: list[Any]) -> Any:
+        rids = {item[2] for item, _reply in pairs}
+        if "p" in rids:  # held until the long-poll and x are both queued
+            offered["p"].set()
+            put["x"].wait(timeout)
+        taken = real_offer(pairs)
+        if "x" in rids:  # x's commit is handed off: y is queued meanwhile
+            offered["x"].set()
+            put["y"].wait(timeout)
+            token.run_sync_soon(hold_trio)
+        if "y" in rids:
+            offered["y"].set()
+        return taken
+
+    async with custom_server(tmp_path) as srv, connected(srv) as c:
+        await writer_barrier(c)
+        monkeypatch.setattr(Writer, "put", put_and_tell)
+        monkeypatch.setattr(thread_module, "offer", offer)
+        with trio.fail_after(BOUND_S):
+            await c.send_raw(b'{"op":"inspect","id":"p","job_id":"job_nope"}\n')
+            await trio.to_thread.run_sync(offered["p"].wait, timeout)
+            longpoll = {"op": "lease", "id": "l", "queues": ["none"], "worker_id": W,
+                        "wait_ms": 60_000}  # fmt: skip
+            x = {"op": "inspect", "id": "x", "job_id": "job_nope"}
+            await c.send_raw(pipelined([longpoll, x]))
+            await trio.to_thread.run_sync(offered["x"].wait, timeout)
+            await c.send_raw(b'{"op":"inspect","id":"y","job_id":"job_nope"}\n')
+            ids = [(await c.read())["id"] for _ in range(3)]
+        assert all(e.is_set() for e in offered.values()), "the interleaving was not forced"
+        assert ids == ["p", "x", "y"]
 
 
 # -- the read path -----------------------------------------------------------------------------
