@@ -47,6 +47,7 @@ from tests.server.test_protocol import (
     submit,
     well_behaved_round,
 )
+from tests.worker_helpers import wait_until
 
 # A job payload this large makes each inspect reply about as large: a few of them fill
 # the socket buffers of both ends on loopback.
@@ -70,6 +71,11 @@ async def open_raw(srv: RunningServer, rcvbuf: int = 4096) -> trio.socket.Socket
 async def connections(c: LineClient) -> int:
     """Open client connections as the server counts them (``c`` itself included)."""
     return (await c.ok("stats"))["server"]["connections"]
+
+
+async def closed_but(c: LineClient) -> bool:
+    """Whether ``c`` is the only client connection the server still counts."""
+    return await connections(c) == 1
 
 
 async def stall_with_big_replies(
@@ -629,12 +635,15 @@ async def test_no_job_is_leased_to_a_client_gone_while_its_long_polls_fill_max_i
             reset(sock)
             await wait_all_tasks_blocked()
         await submit(c, queue="lp")
-        await wait_all_tasks_blocked()  # woken: claimed again (queued before this) or not
+        # Woken, each lease asks the socket's state before it is claimed again, and a
+        # reset closes the connection. That happens in the trio thread when it runs the
+        # submit's hand-off, which the submit's reply (written by the writer thread) and a
+        # barrier's do not wait for: so wait for the close, then for any claim queued
+        # before it to commit.
+        await wait_until(lambda: closed_but(c), what="the reset connection closed")
         await writer_barrier(c)
         counts = await queue_stats(c, "lp")
         assert (counts["ready"], counts["leased"]) == (1, 0), counts
-        with trio.fail_after(BOUND_S):
-            assert await connections(c) == 1
 
 
 async def test_parked_long_polls_do_not_count_against_the_reply_byte_budget(tmp_path):
