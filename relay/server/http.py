@@ -36,6 +36,7 @@ import trio
 
 from relay.log import Summaries, event
 from relay.server.listener import peer_name
+from relay.server.prehello import address_key
 
 log = logging.getLogger("relay.http")
 
@@ -62,20 +63,6 @@ HEAD_TIMEOUT = "head_timeout"
 TOO_LARGE = "request_too_large"
 BAD_REQUEST = "bad_request"
 HOST = "host_not_loopback"
-
-
-def address_key(host: str) -> str:
-    """What the per-address limit counts ``host`` (a peer's address) under: an IPv6
-    address by its /64, an IPv4-mapped one as IPv4, any other as it is."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
 
 
 class Admission:

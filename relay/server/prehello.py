@@ -56,19 +56,28 @@ def default_per_address(max_connections: int) -> int:
     return min(max(max_connections // 64, 8), default_total(max_connections))
 
 
-def source_of(sockname: object) -> str:
-    """The source an address counts against: an IPv4 address (also one mapped into
-    IPv6), or an IPv6 address's /64 network."""
+def address_key(host: str) -> str:
+    """What a per-address limit counts ``host`` (a peer's address) under: an IPv6 address
+    by its /64, an IPv4-mapped one as IPv4, any other as it is. (The HTTP listener's
+    per-address limit counts the same way.)"""
     try:
-        host = sockname[0]  # type: ignore[index]
         address = ipaddress.ip_address(host.split("%", 1)[0])
-    except (TypeError, IndexError, ValueError, AttributeError):
-        return UNKNOWN
+    except ValueError:
+        return host
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
+
+
+def source_of(sockname: object) -> str:
+    """The source an address counts against: an IPv4 address (also one mapped into
+    IPv6), or an IPv6 address's /64 network (``address_key``)."""
+    host = sockname[0] if isinstance(sockname, tuple) and sockname else None
+    if not isinstance(host, str):
+        return UNKNOWN  # not an IP socket's address
+    return address_key(host)
 
 
 class Ticket:
