@@ -13,7 +13,7 @@ import trio
 from cattrs.preconf.orjson import make_converter
 from rich.console import Console
 
-from relay.client import Client, open_client
+from relay.client.client import Client, open_client
 from relay_cli.errors import run
 from relay_cli.options import DEFAULT_TIMEOUT_S, client_target, client_timeout, client_token
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from relay.client import Client, DeadPage
+from relay.client.client import Client, DeadPage
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
 from relay_cli.ids import server_short_ids

@@ -17,8 +17,8 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from relay import log as relay_log
-from relay.log import LogConfigError
+from relay.util import log as relay_log
+from relay.util.log import LogConfigError
 
 T = TypeVar("T")
 
@@ -106,11 +106,11 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _reason(exc: BaseException) -> str:
-    """Why a connection could not be made (relay/tcp.py's words), with what to do where
+    """Why a connection could not be made (relay/client/tcp.py's words), with what to do where
     the reason says it."""
     import ssl
 
-    from relay.tcp import connect_failure, connect_failure_text, tls_reason
+    from relay.client.tcp import connect_failure, connect_failure_text, tls_reason
 
     failure = connect_failure(exc)
     text = connect_failure_text(failure)
@@ -159,7 +159,7 @@ def _explain(exc: BaseException, address: str | None) -> click.ClickException | 
     import orjson
     import trio
 
-    from relay.errors import BadRequest, RelayError, StoreError, WrongServer
+    from relay.protocol.errors import BadRequest, RelayError, StoreError, WrongServer
 
     for leaf in _leaves(exc):
         if isinstance(leaf, click.ClickException):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.client import Client
-from relay.errors import BadRequest, UnknownOp
+from relay.client.client import Client
+from relay.protocol.errors import BadRequest, UnknownOp
 
 
 async def server_short_ids(client: Client, job_ids: Sequence[str]) -> dict[str, str] | None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import click
 
-from relay.model import ID_ABBREV_MIN, QUEUE_NAME_RE, job_id_keys, parse_job_id
-from relay.tls import TLS_SCHEME
+from relay.client.tls import TLS_SCHEME
+from relay.protocol.model import ID_ABBREV_MIN, QUEUE_NAME_RE, job_id_keys, parse_job_id
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 # A plain address may say so; the clients take it without.

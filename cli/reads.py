@@ -7,9 +7,9 @@ from __future__ import annotations
 import click
 import orjson
 
-from relay.client import open_client
-from relay.errors import ConnectionLost
-from relay.model import JobState
+from relay.client.client import open_client
+from relay.protocol.errors import ConnectionLost
+from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
 from relay_cli.errors import run

@@ -1,7 +1,7 @@
 """``relay-trio server``: its options made into a ``ServerConfig``, its start-up (the
 open-files limit, the signal handlers, ``serve``), its start-up failures, each mapped to one
 line on stderr and an exit code, and what a person at a terminal reads: the start-up
-summary and the line that says it is stopping (relay/log.py's text format).
+summary and the line that says it is stopping (relay/util/log.py's text format).
 """
 
 from __future__ import annotations
@@ -20,22 +20,14 @@ import attrs
 import click
 import trio
 
-from relay import log as relay_log
-from relay import wire
-from relay.errors import StoreError
-from relay.model import QUEUE_NAME_RE
-from relay.server.auth import AuthConfigError, ExposureError, load_tokens
-from relay.server.core import (
-    DEFAULT_MAX_QUEUES,
-    DEFAULT_METRICS_CACHE_MS,
-    DEFAULT_METRICS_MAX_QUEUES,
-    ServerConfig,
-    is_postgres_url,
-)
-from relay.server.listen import JOBS, METRICS, WEBSOCKET, ListenError
-from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
-from relay.server.prehello import HELLO_TIMEOUT_MS
-from relay.server.tls import TlsConfigError
+from relay.protocol import wire
+from relay.protocol.errors import StoreError
+from relay.protocol.model import QUEUE_NAME_RE
+from relay.server.connections.listen import JOBS, METRICS, WEBSOCKET, ListenError
+from relay.server.connections.tls import TlsConfigError
+from relay.server.core import ServerConfig, is_postgres_url
+from relay.server.requests.auth import AuthConfigError, ExposureError, load_tokens
+from relay.util import log as relay_log
 from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
 
@@ -43,6 +35,9 @@ if TYPE_CHECKING:
     from relay.server.serve import ServerHandle
 
 log = logging.getLogger("relay.cli")
+
+# The server's defaults, as its configuration states them.
+_DEFAULT = {field.name: field.default for field in attrs.fields(ServerConfig)}
 
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:7401"
 DEFAULT_WS_ADDRESS = "127.0.0.1:7402"
@@ -102,25 +97,27 @@ _LIMITS = wire.Limits()
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
 @_limit(
-    "max_queues", DEFAULT_MAX_QUEUES,
+    "max_queues", _DEFAULT["max_queues"],
     "Queues that may hold jobs (in any state, retained ones included); a submit that would "
     "create one more answers too_many_queues.",
 )  # fmt: skip
 @_limit(
-    "metrics_max_queues", DEFAULT_METRICS_MAX_QUEUES,
+    "metrics_max_queues", _DEFAULT["metrics_max_queues"],
     "Queues (the first by name) with their own series on /metrics; the others are summed "
     'into queue="_other".',
 )  # fmt: skip
 @_limit(
-    "metrics_cache_ms", DEFAULT_METRICS_CACHE_MS, "One /metrics rendering serves scrapes this long."
+    "metrics_cache_ms",
+    _DEFAULT["metrics_cache_ms"],
+    "One /metrics rendering serves scrapes this long.",
 )
 @_limit(
-    "max_reply_buffer_bytes", DEFAULT_REPLY_BUFFER_BYTES,
+    "max_reply_buffer_bytes", _DEFAULT["max_reply_buffer_bytes"],
     "Reply bytes all connections may owe at once; past it, those that owe any are not read "
     "until their clients take their replies.",
 )  # fmt: skip
 @_limit(
-    "hello_timeout_ms", HELLO_TIMEOUT_MS,
+    "hello_timeout_ms", _DEFAULT["hello_timeout_ms"],
     "Close a connection not authenticated this long after it connects (its TLS or "
     "WebSocket handshake, and with tokens its hello).",
 )  # fmt: skip

@@ -9,7 +9,7 @@ from typing import Any
 import click
 import orjson
 
-from relay.model import WIRE_PRIORITIES
+from relay.protocol.model import WIRE_PRIORITIES
 from relay_cli.calls import call, print_json
 from relay_cli.options import address_option, json_option
 

@@ -25,10 +25,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from relay.client import Client, open_client
-from relay.errors import BadRequest, RelayError, Unauthorized, WrongServer
-from relay.model import JobState
-from relay.tcp import tls_refused
+from relay.client.client import Client, open_client
+from relay.client.tcp import tls_refused
+from relay.protocol.errors import BadRequest, RelayError, Unauthorized, WrongServer
+from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.errors import _leaves, _reason
 from relay_cli.ids import server_short_ids

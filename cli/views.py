@@ -36,8 +36,8 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from relay.client import DeadPage, JobView, Stats
-from relay.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
+from relay.client.client import DeadPage, JobView, Stats
+from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -180,7 +180,7 @@ def short_ids(ids: Iterable[str], short: Mapping[str, str] | None = None) -> dic
     ID_ABBREV_MIN (7) at least, that no other of ``ids`` begins with ("job_34472c7",
     "job_34472d0a"), by the rule the server applies to all its jobs
     (``model.job_id_abbreviation``). An id's first digits are its creation time
-    (relay/model.py): ids made seconds apart differ within their first 7 to 9 digits, ids
+    (relay/protocol/model.py): ids made seconds apart differ within their first 7 to 9 digits, ids
     of different milliseconds within 11, and ids made in one millisecond (a batch) only
     in their sequence number's digits: those keep 12 to 16 digits (15 or 16 in a batch of
     a few hundred), up to the whole id. Shortened among the rows only, an id may be the

@@ -18,9 +18,9 @@ from typing import Any
 
 import click
 
-from relay import log as relay_log
-from relay.errors import BadRequest
-from relay.worker import DEFAULT_LEASE_MS, Worker, run_worker
+from relay.protocol.errors import BadRequest
+from relay.util import log as relay_log
+from relay.worker.worker import DEFAULT_LEASE_MS, Worker, run_worker
 from relay_cli import views
 from relay_cli.calls import console, plural
 from relay_cli.demo import DEMO_CONCURRENCY, demo_counts, demo_handler, run_demo

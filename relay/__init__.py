@@ -23,21 +23,21 @@ from typing import TYPE_CHECKING, Any
 
 # Where each public name lives.
 _EXPORTS = {
-    "BlockingClient": "relay.blocking",
-    "connect": "relay.blocking",
-    "Client": "relay.client",
-    "DeadPage": "relay.client",
-    "JobView": "relay.client",
-    "LeasedJob": "relay.client",
-    "Stats": "relay.client",
-    "job_fields": "relay.client",
-    "open_client": "relay.client",
+    "BlockingClient": "relay.client.blocking",
+    "connect": "relay.client.blocking",
+    "Client": "relay.client.client",
+    "DeadPage": "relay.client.client",
+    "JobView": "relay.client.client",
+    "LeasedJob": "relay.client.client",
+    "Stats": "relay.client.client",
+    "job_fields": "relay.client.client",
+    "open_client": "relay.client.client",
     "open_local": "relay.local",
-    "JobState": "relay.model",
-    "SubmitResult": "relay.model",
-    "PermanentError": "relay.worker",
-    "Worker": "relay.worker",
-    "run_worker": "relay.worker",
+    "JobState": "relay.protocol.model",
+    "SubmitResult": "relay.protocol.model",
+    "PermanentError": "relay.worker.worker",
+    "Worker": "relay.worker.worker",
+    "run_worker": "relay.worker.worker",
     **dict.fromkeys(
         [
             "BadRequest",
@@ -59,7 +59,7 @@ _EXPORTS = {
             "UnknownOp",
             "WrongServer",
         ],
-        "relay.errors",
+        "relay.protocol.errors",
     ),
 }
 
@@ -118,9 +118,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
-    from relay.blocking import BlockingClient, connect
-    from relay.client import Client, DeadPage, JobView, LeasedJob, Stats, job_fields, open_client
-    from relay.errors import (
+    from relay.client.blocking import BlockingClient, connect
+    from relay.client.client import (
+        Client,
+        DeadPage,
+        JobView,
+        LeasedJob,
+        Stats,
+        job_fields,
+        open_client,
+    )
+    from relay.local import open_local
+    from relay.protocol.errors import (
         BadRequest,
         ConnectionLost,
         FrameTooLarge,
@@ -140,6 +149,5 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
         UnknownOp,
         WrongServer,
     )
-    from relay.local import open_local
-    from relay.model import JobState, SubmitResult
-    from relay.worker import PermanentError, Worker, run_worker
+    from relay.protocol.model import JobState, SubmitResult
+    from relay.worker.worker import PermanentError, Worker, run_worker

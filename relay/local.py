@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import trio
 
-from relay.client import Client
-from relay.errors import RelayError, ShuttingDown, reply_fields
+from relay.client.client import Client
+from relay.protocol.errors import RelayError, ShuttingDown, reply_fields
 
 if TYPE_CHECKING:  # annotations only: the core is imported by open_local when it runs
     from relay.server.core import Core, ServerConfig
@@ -45,7 +45,7 @@ class LocalTransport:
         self.nursery = core.nursery  # the dispatcher's admin tasks (dead retry of a queue)
         self.peer = "local"
         # In-process: the program that opened the queue may do everything.
-        from relay.server.auth import Role
+        from relay.server.requests.auth import Role
 
         core.dispatcher.access.set_role(self, Role.ADMIN)
 

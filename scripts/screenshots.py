@@ -34,7 +34,7 @@ from rich.highlighter import JSONHighlighter
 from rich.text import Text
 
 import relay
-from relay.client import job_fields
+from relay.client.client import job_fields
 from relay.server.serve import ServerConfig, ServerHandle, serve
 from relay_cli.top import TopView, _follow
 from relay_scripts.browser import open_browser, page_rates, screenshot_svg, wait_for

@@ -14,7 +14,7 @@ from tests import pg
 
 # Fixtures shared by the top-level test modules (a plugin's fixtures give way to any
 # conftest's of the same name, so tests/server and tests/cli keep their own `server`).
-pytest_plugins = ["tests.worker_helpers"]
+pytest_plugins = ["tests.worker.helpers"]
 
 # A fixed instant (2026-01-01T00:00:00Z) to start test clocks from.
 T0 = 1_767_225_600_000

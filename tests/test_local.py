@@ -28,9 +28,8 @@ from relay import (
     job_fields,
     open_local,
 )
-from relay.wire import Limits
-
-from .worker_helpers import (
+from relay.protocol.wire import Limits
+from tests.worker.helpers import (
     BOUND_S,
     SpyTransport,
     queue_counts,

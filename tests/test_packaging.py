@@ -59,7 +59,7 @@ def test_every_package_of_the_tree_is_in_the_wheel(wheel: zipfile.ZipFile) -> No
         for module in (ROOT / folder).rglob("*.py"):
             installed = Path(name, module.relative_to(ROOT / folder)).as_posix()
             assert installed in files, f"{module.relative_to(ROOT)} is missing from the wheel"
-    assert "relay/server/dashboard.html" in files  # data, not code
+    assert "relay/server/http/dashboard.html" in files  # data, not code
 
 
 def test_the_console_scripts_name_the_installed_packages(wheel: zipfile.ZipFile) -> None:

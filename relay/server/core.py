@@ -15,12 +15,20 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from relay import wire
-from relay.nursery import open_service_nursery
-from relay.server.auth import Tokens
-from relay.server.dispatch import Dispatcher
-from relay.server.longpoll import PARKED_PER_CONNECTION, LongPolls
-from relay.server.maintenance import (
+from relay.protocol import wire
+from relay.server.connections.outbox import DEFAULT_REPLY_BUFFER_BYTES
+from relay.server.connections.prehello import (
+    HELLO_TIMEOUT_MS,
+    PreHello,
+    default_per_address,
+    default_total,
+)
+from relay.server.connections.tls import HANDSHAKE_TIMEOUT_MS
+from relay.server.requests.auth import Tokens
+from relay.server.requests.dispatch import Dispatcher
+from relay.server.requests.longpoll import PARKED_PER_CONNECTION, LongPolls
+from relay.server.requests.watch import Watchers
+from relay.server.services.maintenance import (
     Alarm,
     commit_listener,
     run_counts_refresher,
@@ -28,13 +36,10 @@ from relay.server.maintenance import (
     run_pruner,
     run_reaper,
 )
-from relay.server.outbox import DEFAULT_REPLY_BUFFER_BYTES
-from relay.server.prehello import HELLO_TIMEOUT_MS, PreHello, default_per_address, default_total
-from relay.server.tls import HANDSHAKE_TIMEOUT_MS
-from relay.server.watch import Watchers
 from relay.store.base import Changes, Store, StoreConfig
 from relay.store.view import QueueView
 from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
+from relay.util.nursery import open_service_nursery
 
 log = logging.getLogger("relay.server")
 
@@ -56,7 +61,7 @@ class ServerConfig:
     port: int = 7400
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 7401  # None: no metrics endpoint
-    # The WebSocket endpoint (relay/server/websocket.py); None: none. The command line's
+    # The WebSocket endpoint (relay/server/connections/websocket.py); None: none. The command line's
     # default is 7402; a library user asks for it.
     ws_host: str = "127.0.0.1"
     ws_port: int | None = None
@@ -69,7 +74,7 @@ class ServerConfig:
     shutdown_timeout_ms: int = 10_000
     idle_timeout_ms: int = 300_000
     # The reply bytes all connections may owe at once before those that owe any are no
-    # longer read (relay/server/outbox.py, ReplyBudget).
+    # longer read (relay/server/connections/outbox.py, ReplyBudget).
     max_reply_buffer_bytes: int = DEFAULT_REPLY_BUFFER_BYTES
     # Unfinished jobs (pending, ready, leased, retrying) a queue may hold before submit
     # answers queue_full: per queue, and a default for the others (None: unbounded).
@@ -79,23 +84,24 @@ class ServerConfig:
     # too_many_queues (relay/store/counts.py). None: unbounded.
     max_queues: int | None = DEFAULT_MAX_QUEUES
     # /metrics: per-queue series for this many queues (by name), the others summed into
-    # queue="_other"; one rendering serves every scrape for this long (relay/server/metrics.py).
+    # queue="_other"; one rendering serves every scrape for this long
+    # (relay/server/http/metrics.py).
     metrics_max_queues: int = DEFAULT_METRICS_MAX_QUEUES
     metrics_cache_ms: int = DEFAULT_METRICS_CACHE_MS
     # PEM files of the job listener's certificate (chain) and key: both, or neither (plain
-    # TCP). A client's handshake must finish within the timeout (relay/server/tls.py).
+    # TCP). A client's handshake must finish within the timeout (relay/server/connections/tls.py).
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_handshake_timeout_ms: int = HANDSHAKE_TIMEOUT_MS
-    # Connections not yet authenticated (relay/server/prehello.py): each must have a role
-    # (a valid hello, with tokens; its TLS or WebSocket handshake done) within the hello
-    # timeout of its accept; at most max_prehello of them at once, and
+    # Connections not yet authenticated (relay/server/connections/prehello.py): each must
+    # have a role (a valid hello, with tokens; its TLS or WebSocket handshake done) within
+    # the hello timeout of its accept; at most max_prehello of them at once, and
     # max_prehello_per_address from one address (None: the defaults, from max_connections).
     hello_timeout_ms: int = HELLO_TIMEOUT_MS
     max_prehello: int | None = None
     max_prehello_per_address: int | None = None
     clock: Callable[[], int] = wall_clock_ms
-    # Access control (relay/server/auth.py): None, every connection may do everything,
+    # Access control (relay/server/requests/auth.py): None, every connection may do everything,
     # and no listener may be reachable from other machines unless ``insecure``.
     tokens: Tokens | None = None
     insecure: bool = False
@@ -179,7 +185,7 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
 
     Owns: the writer thread (through ``open_writer``) and a services nursery with the
     long-poll hub, promoter, reaper and pruner (and, on PostgreSQL, the feed of the other
-    servers' commits, relay/server/feed.py). Leaving the block cancels the services,
+    servers' commits, relay/server/services/feed.py). Leaving the block cancels the services,
     then stops the writer (commit, checkpoint, close). Raises StoreError if the database
     is refused. Exceptions of the body come out as they are, not in a group.
     """
@@ -210,7 +216,7 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
             if is_postgres_url(config.db):  # other servers may commit too: follow them
-                from relay.server.feed import ChangeFeed
+                from relay.server.services.feed import ChangeFeed
 
                 others = [longpolls.on_commit, commit_listener(promoter, reaper)]
 

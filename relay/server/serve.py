@@ -10,7 +10,8 @@ The task tree (every task has one owner; read top to bottom)::
             ├── LongPolls.run                 re-claims woken long-polls, answers timeouts
             ├── run_promoter                  pending/retrying -> ready when due
             ├── run_reaper                    expired leases -> ready or dead
-            └── run_pruner                    succeeded jobs past retention, old keys
+            ├── run_pruner                    succeeded jobs past retention, old keys
+            └── ChangeFeed.run                (PostgreSQL) other servers' commits as wake-ups
         └── transports nursery                cancelled at the end of the grace period
             ├── Listener.serve                TCP accept loop (own cancel scope:
             │   └── sessions nursery            stop_accepting closes it first)
@@ -19,9 +20,9 @@ The task tree (every task has one owner; read top to bottom)::
             │                                 after the handshake (in the same task, within
             │                                 its deadline)
             ├── Listener.serve                WebSocket accept loop (the same cap, the
-            │   └── sessions nursery            same sessions; relay/server/websocket.py)
+            │   └── sessions nursery            same sessions; connections/websocket.py)
             │       └── run_websocket (xN)    opening handshake, then Session.run over
-            │           └── reader task       its MessageStream; trio-websocket's reader
+            │                                 its MessageStream (wsproto, no task of its own)
             └── serve_metrics                 GET /metrics, /healthz, / (the dashboard)
                 └── one task per HTTP exchange
 
@@ -43,12 +44,7 @@ from contextlib import ExitStack, asynccontextmanager
 import attrs
 import trio
 
-from relay.log import event
-from relay.server.auth import bearer_guard, check_exposure, is_loopback
-from relay.server.core import Core, ServerConfig, describe_db, open_core
-from relay.server.dashboard import Dashboard
-from relay.server.dispatch import VERSION
-from relay.server.listen import (
+from relay.server.connections.listen import (
     JOBS,
     METRICS,
     WEBSOCKET,
@@ -56,13 +52,18 @@ from relay.server.listen import (
     host_port,
     open_listeners,
 )
-from relay.server.listener import Accepting, Listener, Spare
-from relay.server.metrics import MetricsSnapshot, serve_metrics, snapshot_queues
-from relay.server.outbox import ReplyBudget
-from relay.server.prehello import Ticket
-from relay.server.session import Session, Sessions
-from relay.server.tls import server_context
-from relay.server.websocket import Origins, accept_websocket, overloaded_response
+from relay.server.connections.listener import Accepting, Listener, Spare
+from relay.server.connections.outbox import ReplyBudget
+from relay.server.connections.prehello import Ticket
+from relay.server.connections.session import Session, Sessions
+from relay.server.connections.tls import server_context
+from relay.server.connections.websocket import Origins, accept_websocket, overloaded_response
+from relay.server.core import Core, ServerConfig, describe_db, open_core
+from relay.server.http.dashboard import Dashboard
+from relay.server.http.metrics import MetricsSnapshot, serve_metrics, snapshot_queues
+from relay.server.requests.auth import bearer_guard, check_exposure, is_loopback
+from relay.server.requests.dispatch import VERSION
+from relay.util.log import event
 
 log = logging.getLogger("relay.server")
 
@@ -171,7 +172,7 @@ async def serve(
                     ws_address[1], tls=tls_context is not None, tokens=config.tokens is not None,
                 )  # fmt: skip
                 # Its accept never fails (out of descriptors, it backs off, logged in
-                # summary): see relay/server/listener.py.
+                # summary): see relay/server/connections/listener.py.
                 http = [Accepting(each, METRICS, sockets.spare) for each in sockets.metrics]
                 await transports.start(
                     functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000),

@@ -1,7 +1,7 @@
 """The store interface, and what every store shares: its values, rules and counts.
 
 ``Store`` is the interface (a ``Protocol``): the methods and attributes that the writer
-thread (relay/store/thread.py), the request ops (relay/server/ops.py), the typed commands
+thread (relay/store/thread.py), the request ops (relay/server/requests/ops.py), the typed commands
 (relay/store/commands.py) and the tests call. Each dialect implements it in its own
 package (relay/store/sqlite/, relay/store/postgres/), split by the same concerns: submit,
 leases, maintenance, dead letters, reads.
@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import attrs
 import orjson
 
-from relay.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
-from relay.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
-
-if TYPE_CHECKING:
-    from relay.store.view import QueueView
+from relay.protocol.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
+from relay.store.view import QueueView
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
@@ -43,9 +41,6 @@ TOKEN_BYTES = 16
 ERRORS_SHOWN = 32
 # What a job's fields other than its texts add to a reply, roughly: for byte budgets.
 REPLY_OVERHEAD_BYTES = 256
-
-# Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
-EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
 
 
 # The arguments of one claim: queues, worker id, count, lease ms, reply budget in bytes.
@@ -102,7 +97,7 @@ class Changes:
 
     ready_queues: set[str] = attrs.Factory(set)
     # How many jobs were made ready per queue (``made_ready``): how many parked long-polls
-    # a commit wakes (relay/server/longpoll.py). A queue in ``ready_queues`` without a
+    # a commit wakes (relay/server/requests/longpoll.py). A queue in ``ready_queues`` without a
     # count here (another server's notification of an older version) counts as one.
     ready_counts: dict[str, int] = attrs.Factory(dict)
     # The earliest due time of a job that became pending or retrying, and the earliest new

@@ -15,7 +15,7 @@ import operator
 import secrets
 from collections.abc import Callable, Sequence
 
-from relay.model import effective_priority
+from relay.protocol.model import effective_priority
 from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs
 
 # Oldest ready time first, then lowest id.

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from relay.errors import RelayError
-from relay.model import SubmitSpec
+from relay.protocol.errors import RelayError
+from relay.protocol.model import SubmitSpec
 from relay.store.base import ClaimArgs, Store
 
 
@@ -41,7 +41,7 @@ AckArgs = tuple[str, str, str, str | None]
 class Submit:
     specs: tuple[SubmitSpec, ...]
 
-    PHASE = 1  # after the claims (as relay/server/ops.py orders requests)
+    PHASE = 1  # after the claims (as relay/server/requests/ops.py orders requests)
 
     def apply(self, store: Store, now: int) -> Any:
         return store.jobs_submit(self.specs, now)

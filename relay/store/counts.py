@@ -10,9 +10,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from relay.errors import TooManyQueues
-from relay.store.base import EVENTS, Changes
-from relay.store.view import Entry, QueueView
+from relay.protocol.errors import TooManyQueues
+from relay.store.base import Changes
+from relay.store.view import EVENTS, Entry, QueueView
 
 # (counter, key, n): one counter change, undone on rollback by subtracting n.
 JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 import sys
 
-from relay.errors import StoreError
+from relay.protocol.errors import StoreError
 
 # SQLite's primary result codes that mean "cannot write now", not a bug: the file system is
 # full (or over its quota), or the device failed a read or a write. They are answered

@@ -8,7 +8,7 @@ the commit); ``sink.deliver`` gets ``(item, reply)`` pairs in the trio thread; `
 object, because one is made per request and the two threads share one GIL: every
 microsecond the trio thread spends on a request is one the writer waits for.
 
-The request ops are in relay/server/ops.py; a typed command (relay/store/commands.py)
+The request ops are in relay/server/requests/ops.py; a typed command (relay/store/commands.py)
 travels wrapped in a ``CommandOp``.
 """
 

@@ -33,7 +33,7 @@ import os
 import sqlite3
 from typing import Any, NoReturn
 
-from relay.errors import BadDatabasePath, DatabaseInUse
+from relay.protocol.errors import BadDatabasePath, DatabaseInUse
 
 LOCK_SUFFIX = ".lock"
 # The mode of the files a store creates: the database (SQLite gives its -wal and -shm the

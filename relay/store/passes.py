@@ -12,7 +12,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from relay.errors import InternalError, RelayError, Unavailable
+from relay.protocol.errors import InternalError, RelayError, Unavailable
 from relay.store.base import Store
 from relay.store.failures import store_error
 from relay.store.items import Item, Op

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from relay.errors import BadRequest, JobNotFound
-from relay.model import (
+from relay.protocol.errors import BadRequest, JobNotFound
+from relay.protocol.model import (
     ID_MAX,
     ErrorEntry,
     JobInfo,

@@ -17,15 +17,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from relay.errors import (
+from relay.protocol.errors import (
     DatabaseCorrupt,
     ForeignDatabase,
     NotADatabase,
     SchemaTooNew,
     StoreError,
 )
-from relay.log import event
 from relay.store.owner import OwnedConnection, OwnerLock, create_private
+from relay.util.log import event
 
 if TYPE_CHECKING:  # imported by _migrate, when a schema is created or migrated: a server
     # opening a database already at this version does without it (its imports: ~4 MB)
@@ -52,7 +52,7 @@ CACHED_STATEMENTS = 512
 def _create_v1(db: sqlite_utils.Database) -> None:
     db["jobs"].create(
         {
-            # The integer form of the job id: milliseconds << 21 | sequence (relay.model).
+            # The integer form of the job id: milliseconds << 21 | sequence (relay.protocol.model).
             # Using it as the rowid keeps one b-tree for the table and its key.
             "id": int,
             "queue": str,

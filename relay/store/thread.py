@@ -32,19 +32,16 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
-from relay.errors import InternalError, RelayError, ShuttingDown, StoreError, Unavailable
-from relay.log import event
+from relay.protocol.errors import InternalError, RelayError, ShuttingDown, StoreError, Unavailable
 from relay.store import passes
 from relay.store.base import Changes, Store
 from relay.store.failures import RECONNECT_MAX_S, RECONNECT_S, store_error
 from relay.store.items import Item, deliver, offer
-
-if TYPE_CHECKING:
-    from relay.store.writer import Writer
+from relay.util.log import event
 
 log = logging.getLogger("relay.writer")
 server_log = logging.getLogger("relay.server")
@@ -114,13 +111,30 @@ def take_batch(pending: Pending, max_batch: int, max_share: int) -> list[Item]:
     return batch
 
 
+class WriterBooks(Protocol):
+    """What the thread reads and counts in its ``Writer`` (relay/store/writer.py): the
+    inbox, the commit listeners, and the books the trio side reads (see there)."""
+
+    inbox: queue.SimpleQueue[Item | None]
+    commit_listeners: list[Callable[[Changes], None]]
+    recording: bool
+    _done_now: int
+    _handed: int
+    _handed_done: int
+
+    def _answered(self, n: int) -> None: ...
+    def _record(self, n: int, seconds: float | None, store_error: str | None) -> None: ...
+    def _wants_trio(self, changes: Changes | None) -> bool: ...
+    def _close(self) -> None: ...
+
+
 class WriterThread:
     """Owns the store from start to close: ``run`` is the thread's body."""
 
     def __init__(
         self,
         store: Store,
-        writer: Writer,
+        writer: WriterBooks,
         clock: Callable[[], int],
         max_batch: int,
         max_share: int,

@@ -5,7 +5,7 @@ The store moves its counts while a transaction runs (relay/store/counts.py); onl
 its commit does it ``put`` each queue it touched here. So this view never shows what was
 rolled back, and reading it never touches the database nor goes through the writer: a
 ``stats`` request and a ``/metrics`` scrape read a bounded page of it in the trio thread
-(relay/server/dispatch.py, relay/server/metrics.py), whatever the number of queues.
+(relay/server/requests/dispatch.py, relay/server/http/metrics.py), whatever the number of queues.
 
 Sharing between threads rests on the GIL (as relay/store/writer.py's counters do): each
 queue's entry is one immutable tuple, replaced whole, so a reader sees one queue's counts
@@ -20,8 +20,10 @@ import bisect
 import operator
 from collections.abc import Iterable
 
-from relay.model import JobState
-from relay.store.base import EVENTS
+from relay.protocol.model import JobState
+
+# Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
+EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
 
 # The order of an entry's fields: the job counts per state, then the event totals.
 STATES = tuple(str(state) for state in JobState)

@@ -28,13 +28,13 @@ from typing import Any
 import attrs
 import trio
 
-from relay.errors import InternalError, ShuttingDown
-from relay.histogram import Histogram, HistogramSnapshot
+from relay.protocol.errors import InternalError, ShuttingDown
 from relay.store.base import Changes, Store
 from relay.store.commands import Command
 from relay.store.failures import STORE_ERROR_KINDS
 from relay.store.items import Item, ReplySink, command_op
 from relay.store.thread import WriterThread
+from relay.util.histogram import Histogram, HistogramSnapshot
 
 log = logging.getLogger("relay.writer")
 
@@ -274,7 +274,7 @@ async def open_writer(
     """
     # The writer thread and the trio thread share counters that each writes alone, and
     # each says what it does before it looks at what the other did: under the GIL those
-    # steps happen one at a time, in an order both threads see (relay/server/direct.py).
+    # steps happen one at a time, in an order both threads see (relay/server/connections/direct.py).
     # A free-threaded interpreter gives no such order.
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         raise RuntimeError("relay-trio needs the GIL: run it with PYTHON_GIL=1")

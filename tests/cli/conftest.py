@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from relay import open_client
-from relay.client import Client
+from relay.client.client import Client
 from tests.server.conftest import RunningServer
 from tests.server.conftest import line_server as line_server  # the `server` fixture
 

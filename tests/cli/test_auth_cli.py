@@ -13,12 +13,12 @@ import pytest
 import trio
 
 from relay import JobState, open_client
-from relay.client import Client
-from relay.server.auth import load_tokens
+from relay.client.client import Client
+from relay.server.requests.auth import load_tokens
 from relay_cli.options import read_client_token
 from tests.server.conftest import RunningServer, start_server
 from tests.server.test_process import server_process
-from tests.worker_helpers import serving, wait_for_state
+from tests.worker.helpers import serving, wait_for_state
 
 from .conftest import Result, address_of, assert_one_line_error, cli_env, relay_trio
 from .test_commands import run_worker_until

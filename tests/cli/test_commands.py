@@ -16,7 +16,7 @@ import trio
 
 import relay
 from relay import JobState
-from relay.client import Client
+from relay.client.client import Client
 from tests.conftest import common_start
 
 from .conftest import (

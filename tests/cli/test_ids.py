@@ -10,12 +10,12 @@ import pytest
 import trio
 
 import relay
-from relay import wire
-from relay.errors import BadRequest, UnknownOp
+from relay.protocol import wire
+from relay.protocol.errors import BadRequest, UnknownOp
 from relay_cli.ids import server_short_ids
 from tests.conftest import assert_abbreviated_as_git_does
 from tests.server.conftest import BOUND_S, start_server
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 
 async def test_the_ids_of_more_rows_than_the_servers_max_batch_are_asked_in_smaller_requests(

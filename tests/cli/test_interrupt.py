@@ -19,14 +19,14 @@ import orjson
 import pytest
 import trio
 
-from relay.client import Client, open_client
-from relay.server.auth import load_tokens
+from relay.client.client import Client, open_client
+from relay.server.requests.auth import load_tokens
 from tests.conftest import answer_hello
 from tests.server.conftest import start_server
 from tests.server.test_process import server_process
 from tests.tls_helpers import TlsFiles
 from tests.tls_helpers import tls_files as tls_files  # the fixture
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 from .conftest import BOUND_S, RELAY, address_of, assert_one_line_error, cli_env, relay_trio
 from .test_commands import free_port

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from relay import LeasedJob, PermanentError
-from relay.errors import ConnectionLost, JobNotFound, NotADatabase
+from relay.protocol.errors import ConnectionLost, JobNotFound, NotADatabase
 from relay_cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
 from relay_cli.errors import _explain
 from relay_cli.server import SPARE_FILES, raise_open_files_limit

@@ -13,14 +13,14 @@ import pytest
 import trio
 
 from relay import JobState, open_client
-from relay.client import Client
+from relay.client.client import Client
 from relay_cli.errors import _explain
 from relay_cli.main import main
 from tests.server.conftest import RunningServer, start_server
 from tests.server.test_process import RELAY, server_process
 from tests.tls_helpers import TlsFiles
 from tests.tls_helpers import tls_files as tls_files  # the fixture
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 from .conftest import BOUND_S, address_of, assert_one_line_error, cli_env, relay_trio
 from .test_commands import run_worker_until, wait_for_states

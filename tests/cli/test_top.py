@@ -8,7 +8,7 @@ import trio
 from rich.console import Console
 
 import relay
-from relay.client import ServerInfo
+from relay.client.client import ServerInfo
 from relay_cli import views
 from relay_cli.top import TopView, _follow, age, follow
 from tests.conftest import T0

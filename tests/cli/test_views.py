@@ -13,8 +13,8 @@ from hypothesis import given, strategies
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
-from relay.client import DeadPage, JobView, ServerInfo, Stats
-from relay.model import ID_SEQ_BITS, ErrorEntry, JobState, format_job_id
+from relay.client.client import DeadPage, JobView, ServerInfo, Stats
+from relay.protocol.model import ID_SEQ_BITS, ErrorEntry, JobState, format_job_id
 from relay_cli import views
 from tests.conftest import T0  # 2026-01-01T00:00:00Z
 

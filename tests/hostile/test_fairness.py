@@ -17,7 +17,7 @@ import orjson
 import trio
 
 from tests.server.conftest import BOUND_S, LineClient, start_server
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 HEAVY = 1000  # jobs per submit_batch, acks per ack_batch: max_batch
 IN_FLIGHT = 16  # heavy requests the attacker keeps in flight

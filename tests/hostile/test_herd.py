@@ -14,7 +14,7 @@ import orjson
 import trio
 
 from tests.server.conftest import BOUND_S, LineClient, start_server
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 CONNECTIONS = 16
 PER_CONNECTION = 250  # 4,000 parked in all: within max_in_flight (256) and the cap

@@ -12,7 +12,7 @@ import contextlib
 
 import trio
 
-from relay.server.http import (
+from relay.server.http.admission import (
     HEAD_TIMEOUT_S,
     LOCAL_RESERVE,
     MAX_HTTP_CONNECTIONS,

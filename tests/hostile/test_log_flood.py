@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from relay.server.http import MAX_HTTP_PER_ADDRESS
+from relay.server.http.admission import MAX_HTTP_PER_ADDRESS
 from tests.server.conftest import BOUND_S
 from tests.server.test_process import ServerProcess, server_process
 
@@ -20,7 +20,7 @@ FLOOD = 500
 # metrics listener MAX_HTTP_PER_ADDRESS; on the WebSocket one, unauthenticated,
 # default_per_address), so each attempt is refused for its Host, Origin or request.
 AT_ONCE = {"origin": 8, "host": MAX_HTTP_PER_ADDRESS // 2, "handshake": 8}
-SUMMARY_INTERVAL_S = 1.0  # relay.log: a line per kind at most this often
+SUMMARY_INTERVAL_S = 1.0  # relay.util.log: a line per kind at most this often
 
 
 def address_of(text: str) -> tuple[str, int]:

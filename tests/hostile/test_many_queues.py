@@ -21,10 +21,10 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay import wire
+from relay.protocol import wire
 from tests import pg
 from tests.server.conftest import LineClient, RunningServer, start_server
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 # How long another client's submit may take while stats and scrapes run (its idle round
 # trip is ~1 ms; measured here 0.10-0.26 s, on a busy 2-core machine, with this test's own

@@ -1,5 +1,5 @@
 """Unauthenticated floods (issue: one host took every connection slot with idle sockets):
-the pools of connections that have not said hello (relay/server/prehello.py), per source
+the pools of connections that have not said hello (relay/server/connections/prehello.py), per source
 address and server-wide, and their deadline, on a real server with tokens over TCP,
 WebSocket and TLS. Linux routes all of 127.0.0.0/8 to loopback, so 127.0.0.N are the
 "hosts". Every wait is bounded."""
@@ -16,13 +16,13 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionClosed, wrap_client_stream
 
-from relay import wire
-from relay.server.auth import Role, Tokens, _digest
+from relay.protocol import wire
+from relay.server.requests.auth import Role, Tokens, _digest
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, logged, start_server
 from tests.server.test_process import server_process
 from tests.tls_helpers import TlsFiles, open_tls_line_client
 from tests.tls_helpers import tls_files as tls_files  # the fixture
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 TOKEN = "worker-token-for-prehello-tests"
 TOKENS = Tokens(((_digest(TOKEN), Role.WORKER),))

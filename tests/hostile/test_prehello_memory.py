@@ -20,11 +20,11 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.connection import Connection
 from wsproto.events import AcceptConnection, Message, Request
 
-from relay import wire
-from relay.server import websocket
-from relay.server.auth import Role, Tokens, _digest
+from relay.protocol import wire
+from relay.server.connections import websocket
+from relay.server.requests.auth import Role, Tokens, _digest
 from tests.server.conftest import BOUND_S, RunningServer, start_server
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 TOKEN = "producer-token-for-memory-tests"
 TOKENS = Tokens(((_digest(TOKEN), Role.PRODUCER),))

@@ -15,12 +15,12 @@ import attrs
 import pytest
 import trio
 
-from relay import wire
+from relay.protocol import wire
 from relay.server import serve as serve_module
-from relay.server.admin import job_reply_bytes
-from relay.server.session import MAX_OWED_BYTES, Session
+from relay.server.connections.session import MAX_OWED_BYTES, Session
+from relay.server.requests.admin import job_reply_bytes
 from tests.server.conftest import LineClient
-from tests.worker_helpers import BOUND_S, start_server, wait_until
+from tests.worker.helpers import BOUND_S, start_server, wait_until
 
 BUDGET = 2 * 1024 * 1024
 # Small texts beside the payload keep an inspect's reservation (its most) near its payload.

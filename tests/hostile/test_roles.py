@@ -10,9 +10,9 @@ import orjson
 import trio
 
 from tests.server.conftest import BOUND_S, LineClient, RunningServer
-from tests.server.test_auth import ADMIN, PRODUCER, WORKER, authed, authenticate, tokens
+from tests.server.requests.test_auth import ADMIN, PRODUCER, WORKER, authed, authenticate, tokens
 
-__all__ = ["authed", "tokens"]  # (fixtures, from tests/server/test_auth.py)
+__all__ = ["authed", "tokens"]  # (fixtures, from tests/server/requests/test_auth.py)
 
 
 async def lines_until_reply(client: LineClient, *request_ids: int) -> list[dict[str, Any]]:

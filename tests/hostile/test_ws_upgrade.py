@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from relay import wire
+from relay.protocol import wire
 from tests.server.conftest import BOUND_S, start_server
 
 MAX_CONNECTIONS = 4

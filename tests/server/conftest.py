@@ -14,9 +14,9 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, connect_websocket
 
-from relay import wire
+from relay.protocol import wire
 from relay.server.serve import ServerConfig, ServerHandle, serve
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 # Every network wait in these tests is bounded; a hang fails the test, never the run.
 BOUND_S = 10

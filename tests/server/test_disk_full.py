@@ -19,7 +19,7 @@ import trio
 
 from relay import open_client
 from tests.server.conftest import LineClient
-from tests.worker_helpers import BOUND_S, Server, start_server, wait_until
+from tests.worker.helpers import BOUND_S, Server, start_server, wait_until
 
 # Room for the schema and a few big jobs: the database (and its WAL) fill it in ~10 submits.
 SMALL = "2m"

@@ -19,7 +19,7 @@ import trio
 from tests.server.conftest import BOUND_S
 from tests.server.test_disk_full import small_disk
 from tests.server.test_process import ServerProcess, server_process, stop_gracefully
-from tests.worker_helpers import wait_until
+from tests.worker.helpers import wait_until
 
 __all__ = ["small_disk"]  # (a fixture of this module's tests)
 

@@ -30,15 +30,15 @@ import trio.testing
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from relay import framing, wire
-from relay.model import QUEUE_NAME_RE
-from relay.requests import REQUEST_TYPES
-from relay.server.dispatch import Dispatcher
-from relay.server.longpoll import LongPolls
-from relay.server.watch import Watchers
+from relay.protocol import framing, wire
+from relay.protocol.model import QUEUE_NAME_RE
+from relay.protocol.requests import REQUEST_TYPES
+from relay.server.requests.dispatch import Dispatcher
+from relay.server.requests.longpoll import LongPolls
+from relay.server.requests.watch import Watchers
 from tests.server.conftest import BOUND_S, LineClient
-from tests.server.test_dispatch import FakeConnection as DispatchConnection
-from tests.worker_helpers import serving, start_server
+from tests.server.requests.test_dispatch import FakeConnection as DispatchConnection
+from tests.worker.helpers import serving, start_server
 
 # The error codes of the contract. `internal` is among them, but it means a bug.
 PROTOCOL_CODES = {

@@ -14,7 +14,7 @@ import orjson
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from relay.server.http import MAX_HTTP_PER_ADDRESS
+from relay.server.http.admission import MAX_HTTP_PER_ADDRESS
 from relay.store.sqlite import SqliteStore
 
 from .conftest import BOUND_S, LineClient, RunningServer, start_server

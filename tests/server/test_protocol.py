@@ -21,13 +21,13 @@ import orjson
 import pytest
 import trio
 
-from relay import wire
-from relay.log import SUMMARY_INTERVAL_S
-from relay.server.longpoll import PARKED_PER_CONNECTION
+from relay.protocol import wire
+from relay.server.requests.longpoll import PARKED_PER_CONNECTION
+from relay.util.log import SUMMARY_INTERVAL_S
 from tests import pg
 from tests.conftest import assert_abbreviated_as_git_does, common_start
 from tests.server.conftest import LineClient, RunningServer, logged, start_server
-from tests.worker_helpers import serving
+from tests.worker.helpers import serving
 
 STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
 ADVERTISED_LIMITS = {

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from relay.server.maintenance import REFRESH_INTERVAL_S
+from relay.server.services.maintenance import REFRESH_INTERVAL_S
 from tests import pg
 
 from .conftest import BOUND_S, LineClient, writer_barrier
@@ -294,7 +294,7 @@ async def test_stats_through_any_server_show_the_same_counts(db_url):
             "pending": 2, "ready": 3, "leased": 1, "retrying": 0, "succeeded": 1, "dead": 0,
         }  # fmt: skip
         # Each server answers from its counts in memory, which follow the others' commits
-        # a page of queues per REFRESH_INTERVAL_S (relay/server/maintenance.py).
+        # a page of queues per REFRESH_INTERVAL_S (relay/server/services/maintenance.py).
         with trio.fail_after(5):
             while True:
                 seen = [(await client.ok("stats"))["queues"].get(queue) for client in (a, b, c)]

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from relay.errors import RelayError
-from relay.model import Backoff, JobState, SubmitSpec
+from relay.protocol.errors import RelayError
+from relay.protocol.model import Backoff, JobState, SubmitSpec
 from relay.store.base import JobEvent
 from relay.store.sqlite import SqliteStore
 from tests.conftest import T0

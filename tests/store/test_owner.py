@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.errors import BadDatabasePath, DatabaseInUse, NotADatabase
+from relay.protocol.errors import BadDatabasePath, DatabaseInUse, NotADatabase
 from relay.store.owner import OwnerLock, lock_path
 from relay.store.schema import open_database
 from relay.store.sqlite import SqliteStore

@@ -25,9 +25,9 @@ from hypothesis import given, strategies
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay.errors import LeaseExpired, QueueFull, StaleToken
-from relay.model import ID_MAX as MAX_JOB_KEY
-from relay.model import Backoff, JobState, SubmitSpec
+from relay.protocol.errors import LeaseExpired, QueueFull, StaleToken
+from relay.protocol.model import ID_MAX as MAX_JOB_KEY
+from relay.protocol.model import Backoff, JobState, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import dead as dead_sql

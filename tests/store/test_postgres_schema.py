@@ -13,8 +13,8 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
-from relay.model import ErrorEntry, SubmitSpec
+from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
+from relay.protocol.model import ErrorEntry, SubmitSpec
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import schema as schema_module
 from relay.store.postgres.schema import SCHEMA_VERSION, migrate

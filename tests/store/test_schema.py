@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from relay.errors import (
+from relay.protocol.errors import (
     DatabaseCorrupt,
     ForeignDatabase,
     JobNotFound,
@@ -21,7 +21,7 @@ from relay.errors import (
     SchemaTooNew,
     StoreError,
 )
-from relay.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec
+from relay.protocol.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec
 from relay.store import schema
 from relay.store.base import StoreConfig
 from relay.store.schema import (

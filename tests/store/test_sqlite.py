@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies
 
-from relay.errors import (
+from relay.protocol.errors import (
     BadRequest,
     InvalidState,
     JobNotFound,
@@ -26,7 +26,7 @@ from relay.errors import (
     RelayError,
     StaleToken,
 )
-from relay.model import (
+from relay.protocol.model import (
     Backoff,
     ErrorEntry,
     FailOutcome,
@@ -1227,7 +1227,7 @@ def test_inspect_prefix_answers_the_one_job_whose_id_begins_so(store):
 
 def test_inspect_prefix_tells_apart_jobs_by_the_digits_that_differ(store):
     # Made 3 s apart: the same first 7 digits (they change every 2**15 ms), not 8; a day
-    # later, not 7. (The ids' layout: relay/model.py; PostgreSQL's sequence keeps it.)
+    # later, not 7. (The ids' layout: relay/protocol/model.py; PostgreSQL's sequence keeps it.)
     early, late, next_day = (submit(store, now) for now in (T0, T0 + 3_000, T0 + DAY))
     assert early[:11] == late[:11] != next_day[:11] and early[:12] != late[:12]
     with pytest.raises(BadRequest, match="more than one job") as refused:
@@ -1284,7 +1284,7 @@ def test_short_ids_of_the_only_job_have_7_digits_and_of_no_job_are_whole(store):
 def test_short_ids_tell_each_job_from_its_nearest_neighbours(store):
     # Made 3 s apart, two ids share their first 7 digits (they change every 2**15 ms): 8
     # tell them apart. Two of one batch (one millisecond) share 15: whole ids. A day
-    # later, a lone job: 7 digits. (The ids' layout: relay/model.py.)
+    # later, a lone job: 7 digits. (The ids' layout: relay/protocol/model.py.)
     early, late = submit(store, T0), submit(store, T0 + 3_000)
     a, b = (r.job_id for r in store.jobs_submit([spec(), spec()], T0 + 10_000))
     lone = submit(store, T0 + DAY)

@@ -29,9 +29,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from relay.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
-from relay.model import AGING_STEP_MS, Backoff, JobState, Priority
-from relay.model import SubmitSpec as Spec
+from relay.protocol.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
+from relay.protocol.model import AGING_STEP_MS, Backoff, JobState, Priority
+from relay.protocol.model import SubmitSpec as Spec
 from relay.store.base import StoreConfig
 from tests.conftest import T0
 from tests.store.conformance import Store, Stores, recovers_on_start, rows, scalar

@@ -13,11 +13,11 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay.errors import QueueFull, TooManyQueues
-from relay.model import SubmitSpec
+from relay.protocol.errors import QueueFull, TooManyQueues
+from relay.protocol.model import SubmitSpec
 from relay.store.base import Store, StoreConfig
 from relay.store.postgres import PostgresStore
-from relay.store.postgres import store as postgres_store
+from relay.store.postgres import base as postgres_base
 from relay.store.sqlite import SqliteStore
 from relay.store.view import STATES, QueueView
 from tests.conftest import T0
@@ -132,7 +132,7 @@ def test_pages_go_by_name_and_only_names_what_is_asked():
 
 def test_postgres_follows_the_counts_of_another_server_a_page_at_a_time(pg_url, monkeypatch):
     # (pages of a few rows, so that three queues take two pages)
-    monkeypatch.setattr(postgres_store, "_MIN_PAGE_ROWS", 1)
+    monkeypatch.setattr(postgres_base, "_MIN_PAGE_ROWS", 1)
     schema = f"f_{secrets.token_hex(4)}"
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))

@@ -14,8 +14,8 @@ import attrs
 import pytest
 import trio
 
-from relay import wire
-from relay.errors import (
+from relay.protocol import wire
+from relay.protocol.errors import (
     InternalError,
     JobNotFound,
     LeaseExpired,
@@ -23,7 +23,7 @@ from relay.errors import (
     StaleToken,
     Unavailable,
 )
-from relay.model import JobState, SubmitSpec, parse_job_id
+from relay.protocol.model import JobState, SubmitSpec, parse_job_id
 from relay.store import commands as cmd
 from relay.store.base import Changes
 from relay.store.sqlite import SqliteStore
@@ -472,7 +472,7 @@ async def test_a_command_undone_in_the_careful_pass_leaves_no_event(db_path):
 
 
 async def test_a_batch_of_plain_submits_alone_delivers_its_events(db_path):
-    from relay.server import ops
+    from relay.server.requests import ops
 
     store = SqliteStore.open(db_path)
     heard: list[Changes] = []
@@ -571,7 +571,7 @@ async def test_a_run_of_submits_becomes_one_store_call(db_path):
 
 
 async def test_a_failing_submit_in_a_merged_run_fails_alone(db_path):
-    from relay.errors import QueueFull
+    from relay.protocol.errors import QueueFull
     from relay.store.base import StoreConfig
 
     store = SqliteStore.open(db_path, StoreConfig(max_depth=3))

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import trio
 
-from relay.errors import InternalError, JobNotFound, Unavailable
-from relay.model import JobInfo, JobState, Lease, SubmitSpec, parse_job_id
-from relay.server import ops
+from relay.protocol.errors import InternalError, JobNotFound, Unavailable
+from relay.protocol.model import JobInfo, JobState, Lease, SubmitSpec, parse_job_id
+from relay.server.requests import ops
 from relay.store import commands as cmd
 from relay.store.base import Changes
 from relay.store.failures import store_error

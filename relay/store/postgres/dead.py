@@ -8,14 +8,10 @@ that two servers emptying one queue share the work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from relay.errors import InvalidState, JobNotFound
-from relay.model import JobState, parse_job_id
+from relay.protocol.errors import InvalidState, JobNotFound
+from relay.protocol.model import JobState, parse_job_id
+from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
-
-if TYPE_CHECKING:
-    from relay.store.postgres.store import PostgresStore
 
 READY, DEAD = JobState.READY, JobState.DEAD
 
@@ -37,10 +33,10 @@ _PURGE_QUEUE = (
 )
 
 
-class DeadLetters:
+class DeadLetters(PostgresBase):
     """The dead-letter commands of ``PostgresStore``."""
 
-    def _dead_job(self: PostgresStore, job_id: str, operation: str) -> tuple[int, str]:
+    def _dead_job(self, job_id: str, operation: str) -> tuple[int, str]:
         """(key, queue) of a dead job, locked; else the refusal, raised, having written
         nothing."""
         key = parse_job_id(job_id)
@@ -57,7 +53,7 @@ class DeadLetters:
         return key, row[0]
 
     @atomic
-    def dead_retry(self: PostgresStore, job_id: str, now: int) -> int:
+    def dead_retry(self, job_id: str, now: int) -> int:
         """Make one dead job ready with fresh attempts. Its error history is kept."""
         key, queue = self._dead_job(job_id, "retry")
         self._write(_REVIVE_ONE, (now, key))
@@ -65,14 +61,14 @@ class DeadLetters:
         return 1
 
     @atomic
-    def dead_retry_queue(self: PostgresStore, queue: str, now: int, limit: int) -> int:
+    def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
         """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
         while it returns ``limit``: each call is one bounded piece of work."""
         keys = sorted(key for (key,) in self._write(_REVIVE_QUEUE, (queue, limit, now)))
         self._revived(keys, queue, now)
         return len(keys)
 
-    def _revived(self: PostgresStore, keys: list[int], queue: str, now: int) -> None:
+    def _revived(self, keys: list[int], queue: str, now: int) -> None:
         if not keys:
             return
         self._move(queue, DEAD, READY, len(keys))
@@ -82,7 +78,7 @@ class DeadLetters:
                 self._record(key, queue, "dead", "ready", 0, now)
 
     @atomic
-    def dead_purge(self: PostgresStore, job_id: str) -> int:
+    def dead_purge(self, job_id: str) -> int:
         """Delete one dead job and its history."""
         key, queue = self._dead_job(job_id, "purge")
         self._write("DELETE FROM jobs WHERE id = %s", (key,))
@@ -90,7 +86,7 @@ class DeadLetters:
         return 1
 
     @atomic
-    def dead_purge_queue(self: PostgresStore, queue: str, limit: int) -> int:
+    def dead_purge_queue(self, queue: str, limit: int) -> int:
         """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
         n = len(self._write(_PURGE_QUEUE, (queue, limit)).fetchall())
         if n:

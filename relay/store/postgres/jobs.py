@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from relay.errors import QueueFull
-from relay.model import (
+from relay.protocol.errors import QueueFull
+from relay.protocol.model import (
     DEFAULT_BACKOFF,
     ID_SEQ_BITS,
     JobState,
@@ -25,13 +24,11 @@ from relay.model import (
     SubmitSpec,
 )
 from relay.store.base import PENDING, READY, UNFINISHED
+from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic, encode_text
 
-if TYPE_CHECKING:
-    from relay.store.postgres.store import PostgresStore
-
 # Job ids come from the sequence job_ids (one per database: an in-process generator would
-# collide across servers), in the layout of relay.model: milliseconds << 21 plus a count.
+# collide across servers), in the layout of relay.protocol.model: milliseconds << 21 plus a count.
 # The sequence only counts; a submit that finds it more than ID_LAG_MS behind its `now`
 # moves it up to now << 21 (forward only, under ID_LOCK, so that two servers never move
 # it back past ids the other issued). Ids so sort by creation (the order the sequence
@@ -83,14 +80,14 @@ _TAKE_KEYS = (
 )
 
 
-class Jobs:
+class Jobs(PostgresBase):
     """Submit: part of ``PostgresStore``."""
 
     # -- submit ----------------------------------------------------------------------------
 
     @atomic
     def jobs_submit(
-        self: PostgresStore, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False
+        self, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False
     ) -> list[SubmitResult] | None:
         """Create jobs, all or none. A key seen within the window returns the first job.
 
@@ -170,7 +167,7 @@ class Jobs:
         return results
 
     def _live_keys(
-        self: PostgresStore, keys: set[tuple[str, str]], now: int
+        self, keys: set[tuple[str, str]], now: int
     ) -> dict[tuple[str, str], SubmitResult]:
         """The duplicate answer of each of ``keys`` that names a job within its window."""
         ordered = sorted(keys)
@@ -182,7 +179,7 @@ class Jobs:
             for queue, key, job, state in rows
         }
 
-    def _next_ids(self: PostgresStore, n: int, now: int) -> list[int]:
+    def _next_ids(self, n: int, now: int) -> list[int]:
         """``n`` new job ids, ascending (see ID_LAG_MS)."""
         ids = [row[0] for row in self._read(_NEXT_IDS, (n,))]
         floor = now << ID_SEQ_BITS
@@ -193,9 +190,7 @@ class Jobs:
         ids.sort()
         return ids
 
-    def _insert_jobs(
-        self: PostgresStore, specs: list[SubmitSpec], ids: list[int], now: int
-    ) -> list[JobState]:
+    def _insert_jobs(self, specs: list[SubmitSpec], ids: list[int], now: int) -> list[JobState]:
         """Insert one job per spec, with these ids; return their states."""
         plain = all(
             spec.idempotency_key is None
@@ -256,7 +251,7 @@ class Jobs:
         return states
 
     def _take_keys(
-        self: PostgresStore, keys: list[tuple[str, str] | None], ids: list[int], now: int
+        self, keys: list[tuple[str, str] | None], ids: list[int], now: int
     ) -> dict[tuple[str, str], SubmitResult]:
         """Take the idempotency keys of the new jobs; return the keys that another server
         took first (each with the answer for its job), whose jobs are deleted again."""
@@ -284,7 +279,7 @@ class Jobs:
             raise RuntimeError("an idempotency key was taken by a job that is gone since")
         return found
 
-    def _check_depth(self: PostgresStore, per_queue: dict[tuple[str, str], int]) -> None:
+    def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:
         """Refuse (QueueFull) new jobs that would take a queue past its limit.
 
         The depth is the sum of every server's committed counts and this transaction's

@@ -13,10 +13,9 @@ and psycopg prepares each statement after a few runs, since their texts do not v
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from relay.errors import RelayError
-from relay.model import (
+from relay.protocol.errors import RelayError
+from relay.protocol.model import (
     Backoff,
     FailOutcome,
     Lease,
@@ -34,10 +33,8 @@ from relay.store.base import (
     ClaimArgs,
     check_lease,
 )
+from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic, encode_text
-
-if TYPE_CHECKING:
-    from relay.store.postgres.store import PostgresStore
 
 # The oldest ready jobs of each (queue, priority class), locked, skipping the ones other
 # servers have locked: the only candidates, since within a class the oldest job has both
@@ -85,11 +82,11 @@ _FAILED_RETRYING = _FAILED.format(changes="state = 'retrying', run_at = %(at)s")
 _FAILED_DEAD = _FAILED.format(changes="state = 'dead', finished_at = %(at)s")
 
 
-class Leases:
+class Leases(PostgresBase):
     """Claim, renew, ack, fail, release: part of ``PostgresStore``."""
 
     def jobs_claim(
-        self: PostgresStore,
+        self,
         queues: Sequence[str],
         worker_id: str,
         count: int,
@@ -103,9 +100,7 @@ class Leases:
         return self.jobs_claim_many([(queues, worker_id, count, lease_ms, max_bytes)], now)[0]
 
     @atomic
-    def jobs_claim_many(
-        self: PostgresStore, claims: Sequence[ClaimArgs], now: int
-    ) -> list[list[Lease]]:
+    def jobs_claim_many(self, claims: Sequence[ClaimArgs], now: int) -> list[list[Lease]]:
         """Many claims (each the arguments of ``jobs_claim``): one statement per set of
         queues for the candidates, and one update for all the leases.
 
@@ -166,7 +161,7 @@ class Leases:
         return results
 
     def _held_lease(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, now: int, operation: str
+        self, job_id: str, worker_id: str, token: str, now: int, operation: str
     ) -> tuple | None:
         """The job row, locked, if ``token`` and ``worker_id`` hold its unexpired lease.
 
@@ -182,9 +177,7 @@ class Leases:
         return check_lease(row, job_id, encode_text(worker_id), token, now, operation)
 
     @atomic
-    def lease_renew(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, lease_ms: int, now: int
-    ) -> int:
+    def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
         """Extend a held lease to now + ``lease_ms``; return the new expiry."""
         row = self._held_lease(job_id, worker_id, token, now, "renew")
         assert row is not None
@@ -195,7 +188,7 @@ class Leases:
 
     @atomic
     def jobs_ack(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, result: str | None, now: int
+        self, job_id: str, worker_id: str, token: str, result: str | None, now: int
     ) -> None:
         """Complete a job. Repeating the ack with the completing token is answered ok."""
         row = self._held_lease(job_id, worker_id, token, now, "ack")
@@ -209,7 +202,7 @@ class Leases:
 
     @atomic
     def jobs_ack_many(
-        self: PostgresStore, acks: Sequence[tuple[str, str, str, str | None]], now: int
+        self, acks: Sequence[tuple[str, str, str, str | None]], now: int
     ) -> list[RelayError | None]:
         """Ack many jobs (job_id, worker_id, token, result) with one read and one write:
         each ack's outcome (None, or the ``RelayError`` that refuses it), as if each had
@@ -246,7 +239,7 @@ class Leases:
 
     @atomic
     def jobs_fail(
-        self: PostgresStore,
+        self,
         job_id: str,
         worker_id: str,
         token: str,
@@ -288,9 +281,7 @@ class Leases:
         return FailOutcome(DEAD, None)
 
     @atomic
-    def jobs_release(
-        self: PostgresStore, job_id: str, worker_id: str, token: str, now: int
-    ) -> None:
+    def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
         """Give a leased job back at once; its attempt counter returns to the value it had
         before this lease, and it keeps its place (ready_at) in the queue."""
         row = self._held_lease(job_id, worker_id, token, now, "release")

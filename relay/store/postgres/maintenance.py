@@ -1,6 +1,6 @@
 """The time-driven transitions on PostgreSQL: promote, reap, recover, prune, next times.
 
-Every server runs the promoter and the reaper (relay/server/maintenance.py) on the same
+Every server runs the promoter and the reaper (relay/server/services/maintenance.py) on the same
 rows. Each pass takes its rows with ``FOR UPDATE SKIP LOCKED`` and is one statement: two
 servers passing at once split the due rows between them instead of waiting for each other
 or doing a job's transition twice, and a row another server changed since the pass's
@@ -11,14 +11,10 @@ dies: the remaining ones carry on at their own pace.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from relay.model import JobState, format_job_id
+from relay.protocol.model import JobState, format_job_id
 from relay.store.base import LEASE_EXPIRED_ERROR, Reaped
+from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
-
-if TYPE_CHECKING:
-    from relay.store.postgres.store import PostgresStore
 
 READY, SUCCEEDED, DEAD = JobState.READY, JobState.SUCCEEDED, JobState.DEAD
 
@@ -58,11 +54,11 @@ _PRUNE_JOBS = (
 )
 
 
-class Maintenance:
+class Maintenance(PostgresBase):
     """The time-driven passes of ``PostgresStore``."""
 
     @atomic
-    def jobs_promote_due(self: PostgresStore, now: int, limit: int) -> int:
+    def jobs_promote_due(self, now: int, limit: int) -> int:
         """Make up to ``limit`` due pending and retrying jobs ready; return how many.
 
         A promoted job counts as ready from its due time, not from when this pass ran.
@@ -79,7 +75,7 @@ class Maintenance:
         return len(rows)
 
     @atomic
-    def leases_reap_expired(self: PostgresStore, now: int, limit: int) -> list[Reaped]:
+    def leases_reap_expired(self, now: int, limit: int) -> list[Reaped]:
         """End up to ``limit`` leases that expired at or before ``now``.
 
         A job with attempts left becomes ready (from its expiry time); one without becomes
@@ -105,7 +101,7 @@ class Maintenance:
             ]
         return reaped
 
-    def leases_recover(self: PostgresStore, now: int) -> int:
+    def leases_recover(self, now: int) -> int:
         """At start: nothing to do here; returns 0.
 
         With SQLite the one server owns every lease, so at its start every leased job was
@@ -118,20 +114,20 @@ class Maintenance:
         """
         return 0
 
-    def next_due_at(self: PostgresStore) -> int | None:
+    def next_due_at(self) -> int | None:
         """The earliest due time of a pending or retrying job (the start of jobs_due)."""
         row = self._read(
             "SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')"
         ).fetchone()
         return None if row is None else row[0]
 
-    def next_expiry_at(self: PostgresStore) -> int | None:
+    def next_expiry_at(self) -> int | None:
         """The earliest expiry of a held lease (the start of jobs_leased)."""
         row = self._read("SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'").fetchone()
         return None if row is None else row[0]
 
     @atomic
-    def jobs_prune(self: PostgresStore, now: int, limit: int) -> int:
+    def jobs_prune(self, now: int, limit: int) -> int:
         """Delete up to ``limit`` succeeded jobs finished longer than the retention period
         ago, and up to ``limit`` expired idempotency keys. Returns jobs deleted."""
         self._write(_PRUNE_KEYS, (now, limit))

@@ -1,5 +1,5 @@
 """Commits as notifications, for the other servers: what a commit sends, and how a
-notification reads back. Never imports trio (the listening side is relay/server/feed.py).
+notification reads back. Never imports trio (the listening side is relay/server/services/feed.py).
 
 A commit that makes jobs ready, or sets an earlier due time or lease expiry, also sends
 one notification (``payload``) on ``CHANNEL``, in the same transaction: PostgreSQL delivers

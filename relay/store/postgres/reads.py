@@ -10,11 +10,18 @@ SQLite (``CountsBook``, relay/store/counts.py; Prometheus sums counters over the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from relay.errors import JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, job_id_keys, parse_job_id
+from relay.protocol.errors import JobNotFound
+from relay.protocol.model import (
+    ErrorEntry,
+    JobInfo,
+    JobState,
+    format_job_id,
+    job_id_keys,
+    parse_job_id,
+)
 from relay.store.base import ERRORS_SHOWN
+from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import decode_text
 from relay.store.rows import (
     JOB_COLUMNS,
@@ -25,9 +32,6 @@ from relay.store.rows import (
     page,
     short_id,
 )
-
-if TYPE_CHECKING:
-    from relay.store.postgres.store import PostgresStore
 
 LEASED = JobState.LEASED
 
@@ -80,10 +84,10 @@ _DEAD_PAGES = {
 }
 
 
-class Reads:
+class Reads(PostgresBase):
     """The reads of ``PostgresStore``."""
 
-    def job_inspect(self: PostgresStore, job_id: str) -> JobInfo:
+    def job_inspect(self, job_id: str) -> JobInfo:
         key = parse_job_id(job_id)
         row = None
         if key is not None:
@@ -92,14 +96,14 @@ class Reads:
             raise JobNotFound(job_id)
         return self._job_infos([row])[0]
 
-    def job_inspect_prefix(self: PostgresStore, prefix: str) -> JobInfo:
+    def job_inspect_prefix(self, prefix: str) -> JobInfo:
         keys = job_id_keys(prefix)
         found = []
         if keys:
             found = self._read(_PREFIX_KEYS, (keys.start, keys[-1])).fetchall()
         return self.job_inspect(format_job_id(only_key(prefix, found)))
 
-    def job_ids_abbreviate(self: PostgresStore, job_ids: Sequence[str]) -> list[str]:
+    def job_ids_abbreviate(self, job_ids: Sequence[str]) -> list[str]:
         keys = [parse_job_id(job_id) for job_id in job_ids]
         given = [key for key in keys if key is not None]
         found = iter(self._read(_NEIGHBOURS, (given,)).fetchall() if given else ())
@@ -108,7 +112,7 @@ class Reads:
             for job_id, key in zip(job_ids, keys, strict=True)
         ]
 
-    def _job_infos(self: PostgresStore, rows: list[tuple]) -> list[JobInfo]:
+    def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
         errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
         if rows:
             for key, attempt, error, at, traceback in self._read(
@@ -118,7 +122,7 @@ class Reads:
                 errors[key].append(entry)
         return [job_info(row, errors[row[0]], decode_text) for row in rows]
 
-    def queue_stats(self: PostgresStore) -> dict[str, dict[str, int]]:
+    def queue_stats(self) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included), over every
         server: the sums of job_counts, a few rows per (queue, state)."""
         stats: dict[str, dict[str, int]] = {}
@@ -127,9 +131,7 @@ class Reads:
                 stats.setdefault(queue, dict.fromkeys(map(str, JobState), 0))[state] = n
         return stats
 
-    def oldest_ready_ms(
-        self: PostgresStore, now: int, queues: Sequence[str] | None = None
-    ) -> dict[str, int]:
+    def oldest_ready_ms(self, now: int, queues: Sequence[str] | None = None) -> dict[str, int]:
         """Per queue with ready jobs (of ``queues``, or of all): how long its oldest ready
         job has waited (ms); one index probe (``jobs_ready``) per queue and priority,
         never a scan. A queue asked with no ready job costs its probes and is left out."""
@@ -145,7 +147,7 @@ class Reads:
         return {queue: max(0, now - oldest) for queue, oldest in rows if oldest is not None}
 
     def dead_list(
-        self: PostgresStore,
+        self,
         queue: str | None,
         limit: int,
         cursor: str | None,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from relay.errors import ForeignDatabase, SchemaTooNew, StoreError
+from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
 SCHEMA_VERSION = 3

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from relay.store.postgres.store import PostgresStore
+from relay.store.postgres.base import PostgresBase
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,7 +24,7 @@ def atomic(method: F) -> F:
     """
 
     @functools.wraps(method)
-    def run(self: PostgresStore, *args: Any, **kwargs: Any) -> Any:
+    def run(self: PostgresBase, *args: Any, **kwargs: Any) -> Any:
         if self._journal is not None:
             return method(self, *args, **kwargs)
         return self._on_its_own(method, args, kwargs)

@@ -4,8 +4,8 @@ one job or a bounded piece of a queue at a time. Listing them is a read (reads.p
 
 from __future__ import annotations
 
-from relay.errors import InvalidState, JobNotFound
-from relay.model import parse_job_id
+from relay.protocol.errors import InvalidState, JobNotFound
+from relay.protocol.model import parse_job_id
 from relay.store.base import DEAD, READY
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids, _json_rows, _json_select
 

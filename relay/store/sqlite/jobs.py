@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import orjson
 
-from relay.errors import QueueFull
-from relay.model import (
+from relay.protocol.errors import QueueFull
+from relay.protocol.model import (
     DEFAULT_BACKOFF,
     ID_SEQ_BITS,
     JobState,

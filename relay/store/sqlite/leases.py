@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from relay.errors import RelayError
-from relay.model import (
+from relay.protocol.errors import RelayError
+from relay.protocol.model import (
     Backoff,
     FailOutcome,
     Lease,

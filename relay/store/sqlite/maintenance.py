@@ -1,11 +1,11 @@
 """The time-driven transitions, as SQLite: promote due jobs, reap expired leases, recover
 leases at start, prune old jobs and keys; and the next due time and lease expiry that the
-loops (relay/server/maintenance.py) sleep until.
+loops (relay/server/services/maintenance.py) sleep until.
 """
 
 from __future__ import annotations
 
-from relay.model import format_job_id
+from relay.protocol.model import format_job_id
 from relay.store.base import (
     DEAD,
     LEASE_EXPIRED_ERROR,

@@ -12,8 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.errors import JobNotFound
-from relay.model import ErrorEntry, JobInfo, JobState, format_job_id, job_id_keys, parse_job_id
+from relay.protocol.errors import JobNotFound
+from relay.protocol.model import (
+    ErrorEntry,
+    JobInfo,
+    JobState,
+    format_job_id,
+    job_id_keys,
+    parse_job_id,
+)
 from relay.store.base import ERRORS_SHOWN, READY
 from relay.store.rows import (
     JOB_COLUMNS,

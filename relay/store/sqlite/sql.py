@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import orjson
 
-from relay.model import JobIdGenerator, Priority
+from relay.protocol.model import JobIdGenerator, Priority
 from relay.store.base import READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 

@@ -14,8 +14,8 @@ import random
 import sqlite3
 from collections import Counter
 
-from relay.model import JobIdGenerator, JobState
-from relay.store.base import EVENTS, Changes, StoreConfig
+from relay.protocol.model import JobIdGenerator, JobState
+from relay.store.base import Changes, StoreConfig
 from relay.store.counts import JournalEntry
 from relay.store.schema import open_database
 from relay.store.sqlite.dead import SqliteDead
@@ -23,7 +23,7 @@ from relay.store.sqlite.jobs import SqliteJobs
 from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
 from relay.store.sqlite.reads import SqliteReads
-from relay.store.view import STATES, Entry
+from relay.store.view import EVENTS, STATES, Entry
 
 
 class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads):

@@ -1,0 +1,104 @@
+"""What the clients' calls return, as typed values, and a reply's fields made into one.
+
+Frozen attrs classes (``LeasedJob``, the job a worker's handler gets; ``JobView``,
+``Stats``, ``DeadPage``, ``Hello``...), made from a reply's fields by ``structure_reply``
+(which ignores fields it does not know) and ``submit_result``. Used by the async client
+(relay/client/client.py) and the blocking one (relay/client/blocking.py); no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.preconf.orjson import make_converter
+
+from relay.protocol.errors import RelayError
+from relay.protocol.model import ErrorEntry, JobState, SubmitResult
+
+
+@attrs.frozen
+class LeasedJob:
+    job_id: str
+    queue: str
+    payload: Any
+    priority: str
+    attempt: int
+    max_attempts: int
+    token: str
+    lease_expires_at: int
+
+
+@attrs.frozen
+class JobView:
+    """A job as ``inspect`` and ``dead_list`` show it."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    priority: str
+    payload: Any
+    attempt: int
+    max_attempts: int
+    created_at: int
+    errors: list[ErrorEntry] = attrs.Factory(list)
+    ready_at: int | None = None
+    run_at: int | None = None
+    lease_expires_at: int | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    result: Any = None
+    idempotency_key: str | None = None
+    finished_at: int | None = None
+
+
+@attrs.frozen
+class ServerInfo:
+    version: str
+    uptime_ms: int
+    connections: int
+
+
+@attrs.frozen
+class Stats:
+    queues: dict[str, dict[str, int]]
+    server: ServerInfo
+    # With ``stats(oldest_ready=True)``: per queue with ready jobs, how long (ms) its
+    # oldest ready job has waited.
+    oldest_ready_ms: dict[str, int] | None = None
+    # The page's end (stats answers at most a page of queues by name): the cursor of the
+    # next page, None if this is the last; and how many queues hold jobs in all (None from
+    # a server that does not page stats).
+    next_cursor: str | None = None
+    total_queues: int | None = None
+
+
+@attrs.frozen
+class DeadPage:
+    jobs: list[JobView]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class Hello:
+    server: str
+    version: str
+    protocol: int
+    limits: dict[str, int]
+    role: str = "admin"  # what the connection may do (a server without tokens: admin)
+
+
+_converter = make_converter(forbid_extra_keys=False)
+_converter.register_structure_hook(Any, lambda value, _type: value)
+
+
+def structure_reply(data: Any, cls: type) -> Any:
+    try:
+        return _converter.structure(data, cls)
+    except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
+        raise RelayError(f"unexpected reply from the server: {exc}") from None
+
+
+def submit_result(reply: dict[str, Any]) -> SubmitResult:
+    return SubmitResult(reply["job_id"], JobState(reply["state"]), reply["duplicate"])

@@ -1,0 +1,389 @@
+"""Typed requests: one attrs class per op, each with the range checks of its fields.
+
+The classes say what each request holds and what its values may be (``check``; a submit's
+``to_spec``, a backoff's ``to_model``), naming the field that is wrong. Turning a frame
+into one of them (the strict cattrs converter, ``parse_request``) is relay/protocol/parsing.py: the
+dispatcher's general path, for anything the fast checks of ``relay.protocol.wire`` do not accept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from relay.protocol.errors import BadRequest
+from relay.protocol.model import (
+    DEFAULT_BACKOFF,
+    ID_ABBREV_MIN,
+    ID_HEX_DIGITS,
+    PRIORITY_INT_BY_WIRE,
+    WIRE_PRIORITIES,
+    Backoff,
+    JobState,
+    SubmitSpec,
+    job_id_keys,
+    parse_job_id,
+)
+from relay.protocol.wire import (
+    DEFAULT_DEAD_LIST,
+    DEFAULT_LEASE_MS,
+    DEFAULT_RETRIES,
+    STATS_PAGE,
+    Limits,
+    _bad,
+    check_queue,
+    check_range,
+    check_text,
+    encode_json_value,
+)
+
+# -- requests -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Hello:
+    client: str | None = None
+    token: str | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.client is not None:
+            check_text("client", self.client, limits.max_id_bytes, empty_ok=True)
+        if self.token is not None:
+            check_text("token", self.token, limits.max_id_bytes, empty_ok=True)
+
+
+@attrs.frozen
+class Ping:
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@attrs.frozen
+class WireBackoff:
+    kind: str
+    delay_ms: int | None = None
+    base_ms: int | None = None
+    max_ms: int | None = None
+    jitter: bool = True
+
+    def to_model(self, field: str, limits: Limits) -> Backoff:
+        top = limits.max_backoff_ms
+        if self.kind == "fixed":
+            if self.delay_ms is None:
+                raise _bad(f"{field}.delay_ms", "required for a fixed backoff")
+            check_range(f"{field}.delay_ms", self.delay_ms, 0, top)
+            return Backoff.fixed(self.delay_ms)
+        if self.kind == "exponential":
+            base = DEFAULT_BACKOFF.base_ms if self.base_ms is None else self.base_ms
+            cap = DEFAULT_BACKOFF.max_ms if self.max_ms is None else self.max_ms
+            check_range(f"{field}.base_ms", base, 1, top)
+            if self.max_ms is None and base > cap:
+                raise _bad(f"{field}.max_ms", f"required when base_ms is over its default {cap}")
+            check_range(f"{field}.max_ms", cap, base, top)
+            return Backoff("exponential", base, cap, self.jitter)
+        raise _bad(f"{field}.kind", 'must be "fixed" or "exponential"')
+
+
+@attrs.frozen
+class Submit:
+    queue: str
+    payload: Any
+    priority: str = "normal"
+    delay_ms: int | None = None
+    run_at: int | None = None
+    retries: int = DEFAULT_RETRIES
+    backoff: WireBackoff | None = None
+    idempotency_key: str | None = None
+
+    def to_spec(self, limits: Limits, prefix: str = "") -> SubmitSpec:
+        """Check every field and return the store's ``SubmitSpec``."""
+        check_queue(prefix + "queue", self.queue)
+        payload = encode_json_value(prefix + "payload", self.payload, limits.max_payload_bytes)
+        if self.priority not in WIRE_PRIORITIES:
+            raise _bad(prefix + "priority", f"must be one of {', '.join(WIRE_PRIORITIES)}")
+        if self.delay_ms is not None and self.run_at is not None:
+            raise _bad(prefix + "delay_ms", "give delay_ms or run_at, not both")
+        if self.delay_ms is not None:
+            check_range(prefix + "delay_ms", self.delay_ms, 0, limits.max_delay_ms)
+        if self.run_at is not None:
+            check_range(prefix + "run_at", self.run_at, 0, 2**53)
+        check_range(prefix + "retries", self.retries, 0, limits.max_retries)
+        if self.idempotency_key is not None:
+            check_text(prefix + "idempotency_key", self.idempotency_key, limits.max_id_bytes)
+        backoff = (
+            DEFAULT_BACKOFF
+            if self.backoff is None
+            else self.backoff.to_model(prefix + "backoff", limits)
+        )
+        return SubmitSpec(
+            queue=self.queue,
+            payload=payload,
+            priority=PRIORITY_INT_BY_WIRE[self.priority],
+            delay_ms=self.delay_ms or 0,
+            run_at=self.run_at,
+            max_attempts=self.retries + 1,
+            backoff=backoff,
+            idempotency_key=self.idempotency_key,
+        )
+
+
+@attrs.frozen
+class SubmitBatch:
+    jobs: list[dict[str, Any]]
+
+
+@attrs.frozen
+class LeaseRequest:
+    queues: list[str]
+    worker_id: str
+    count: int = 1
+    lease_ms: int = DEFAULT_LEASE_MS
+    wait_ms: int = 0
+
+    def check(self, limits: Limits) -> None:
+        if not self.queues:
+            raise _bad("queues", "must name at least one queue")
+        if len(self.queues) > limits.max_queues_per_lease:
+            raise _bad("queues", f"at most {limits.max_queues_per_lease} queues")
+        for i, queue in enumerate(self.queues):
+            check_queue(f"queues[{i}]", queue)
+        check_text("worker_id", self.worker_id, limits.max_id_bytes)
+        check_range("count", self.count, 1, limits.max_batch)
+        check_range("lease_ms", self.lease_ms, 1, limits.max_lease_ms)
+        check_range("wait_ms", self.wait_ms, 0, limits.max_wait_ms)
+
+
+@attrs.frozen
+class LeaseRef:
+    """The fields every lease operation carries."""
+
+    job_id: str
+    worker_id: str
+    token: str
+
+    def check_ref(self, limits: Limits) -> None:
+        check_text("job_id", self.job_id, limits.max_id_bytes)
+        check_text("worker_id", self.worker_id, limits.max_id_bytes)
+        check_text("token", self.token, limits.max_id_bytes)
+
+
+@attrs.frozen
+class Renew(LeaseRef):
+    lease_ms: int = DEFAULT_LEASE_MS
+
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+        check_range("lease_ms", self.lease_ms, 1, limits.max_lease_ms)
+
+
+@attrs.frozen
+class Ack(LeaseRef):
+    result: Any = None
+
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+
+    def result_text(self, limits: Limits) -> str | None:
+        if self.result is None:
+            return None
+        return encode_json_value("result", self.result, limits.max_result_bytes)
+
+
+@attrs.frozen
+class AckItem:
+    """One ack of an ``ack_batch``: the worker is the batch's."""
+
+    job_id: str
+    token: str
+    result: Any = None
+
+
+@attrs.frozen
+class AckBatch:
+    """``ack_batch`` (an extension): many acks of one worker in one request. Parsed into
+    ``acks``: (job_id, worker_id, token, result text) per item, each checked like ``ack``."""
+
+    worker_id: str
+    acks: list[dict[str, Any]]
+
+
+@attrs.frozen
+class Fail(LeaseRef):
+    error: str
+    retryable: bool = True
+    # The failed attempt's traceback (an extension); null or empty: none.
+    traceback: str | None = None
+
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+        # Long texts are truncated by the store (max_error_bytes, max_traceback_bytes),
+        # not refused; only a frame's own limit bounds what arrives here.
+
+
+@attrs.frozen
+class Release(LeaseRef):
+    def check(self, limits: Limits) -> None:
+        self.check_ref(limits)
+
+
+@attrs.frozen
+class Inspect:
+    job_id: str
+    # An extension: job_id may be abbreviated, "job_" and 7 to 16 of its hex digits.
+    prefix: bool = False
+
+    def check(self, limits: Limits) -> None:
+        check_text("job_id", self.job_id, limits.max_id_bytes)
+        if self.prefix and job_id_keys(self.job_id) is None:
+            raise _bad(
+                "job_id",
+                f"with prefix, job_ and {ID_ABBREV_MIN} to {ID_HEX_DIGITS} lowercase hex "
+                "digits: the start of a job id",
+            )
+
+
+@attrs.frozen
+class ShortIds:
+    """``short_ids`` (an extension): whole job ids, 1 to max_batch of them, each to be
+    answered as its shortest start that no other job's id has."""
+
+    job_ids: list[str]
+
+    def check(self, limits: Limits) -> None:
+        n = len(self.job_ids)
+        if not 1 <= n <= limits.max_batch:
+            raise _bad("job_ids", f"must hold 1 to {limits.max_batch} job ids, got {n}")
+        for i, job_id in enumerate(self.job_ids):
+            if type(job_id) is not str or parse_job_id(job_id) is None:
+                raise _bad(f"job_ids[{i}]", "not a job id: job_ and 16 lowercase hex digits")
+
+
+@attrs.frozen
+class Stats:
+    # Also how long the oldest ready job of each queue has waited (an extension).
+    oldest_ready: bool = False
+    # Extensions: only these queues; a page of at most ``limit`` queues by name, after
+    # the queue named ``cursor`` (the ``next_cursor`` of the page before).
+    queues: list[str] | None = None
+    limit: int = STATS_PAGE
+    cursor: str | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.queues is not None:
+            if not 1 <= len(self.queues) <= STATS_PAGE:
+                raise _bad("queues", f"must name 1 to {STATS_PAGE} queues (omit it: all)")
+            for i, queue in enumerate(self.queues):
+                check_queue(f"queues[{i}]", queue)
+        check_range("limit", self.limit, 1, STATS_PAGE)
+        if self.cursor is not None:
+            try:
+                check_queue("cursor", self.cursor)
+            except BadRequest:
+                raise _bad("cursor", "not a cursor returned by stats") from None
+
+
+# The orders of a dead list (an extension): by job id, so by creation time.
+DEAD_ORDERS = ("oldest", "newest")
+
+
+@attrs.frozen
+class DeadList:
+    queue: str | None = None
+    limit: int = DEFAULT_DEAD_LIST
+    cursor: str | None = None
+    order: str = "oldest"
+
+    def check(self, limits: Limits) -> None:
+        if self.queue is not None:
+            check_queue("queue", self.queue)
+        check_range("limit", self.limit, 1, limits.max_dead_list)
+        if self.cursor is not None and parse_job_id(self.cursor) is None:
+            raise _bad("cursor", "not a cursor returned by dead_list")
+        if self.order not in DEAD_ORDERS:
+            raise _bad("order", 'must be "oldest" or "newest"')
+
+
+@attrs.frozen
+class DeadSelect:
+    """``{job_id}`` or ``{queue, all: true}``: one dead job, or every dead job of a queue."""
+
+    job_id: str | None = None
+    queue: str | None = None
+    all: bool = False
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None:
+            if self.queue is not None or self.all:
+                raise _bad("job_id", "give job_id, or queue with all: true, not both")
+            check_text("job_id", self.job_id, limits.max_id_bytes)
+            return
+        if self.queue is None:
+            raise _bad("job_id", "required (or queue with all: true)")
+        check_queue("queue", self.queue)
+        if not self.all:
+            raise _bad("all", "must be true to act on a whole queue")
+
+
+@attrs.frozen
+class DeadRetry(DeadSelect):
+    pass
+
+
+@attrs.frozen
+class DeadPurge(DeadSelect):
+    pass
+
+
+# A watch names at most this many queues (it may name none: every queue).
+MAX_WATCH_QUEUES = 256
+_STATES = frozenset(str(state) for state in JobState)
+
+
+@attrs.frozen
+class Watch:
+    """``watch``: job events of these queues and states (omitted: all)."""
+
+    queues: list[str] | None = None
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.queues is not None:
+            if not 1 <= len(self.queues) <= MAX_WATCH_QUEUES:
+                raise _bad("queues", f"must name 1 to {MAX_WATCH_QUEUES} queues (omit it: all)")
+            for i, queue in enumerate(self.queues):
+                check_queue(f"queues[{i}]", queue)
+        if self.states is not None:
+            if not 1 <= len(self.states) <= len(_STATES):
+                raise _bad("states", f"must name 1 to {len(_STATES)} states (omit it: all)")
+            for i, state in enumerate(self.states):
+                if type(state) is not str or state not in _STATES:
+                    raise _bad(f"states[{i}]", f"must be one of {', '.join(sorted(_STATES))}")
+
+
+@attrs.frozen
+class Unwatch:
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+REQUEST_TYPES: dict[str, type] = {
+    "hello": Hello,
+    "ping": Ping,
+    "submit": Submit,
+    "submit_batch": SubmitBatch,
+    "lease": LeaseRequest,
+    "renew": Renew,
+    "ack": Ack,
+    "ack_batch": AckBatch,
+    "fail": Fail,
+    "release": Release,
+    "inspect": Inspect,
+    "short_ids": ShortIds,
+    "stats": Stats,
+    "dead_list": DeadList,
+    "dead_retry": DeadRetry,
+    "dead_purge": DeadPurge,
+    "watch": Watch,
+    "unwatch": Unwatch,
+}

@@ -1,0 +1,132 @@
+"""The handlers of the requests beside the job flow: inspect, short ids, the dead letters
+(list, retry, purge: of one job, or of a whole queue in chunks), watch and unwatch.
+
+Rare requests, never on the hot path; ``AdminHandlers`` is a part of the ``Dispatcher``
+(relay/server/requests/dispatch.py), which inherits it as ``SqliteStore`` inherits the store's
+parts, so that these answer and are accounted exactly as every other request is. ("Admin"
+names the module, not the role: inspect needs only a producer, watch a worker; see
+relay/server/requests/auth.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from relay.protocol import requests, wire
+from relay.protocol.errors import RelayError, ShuttingDown, Unauthorized, UnknownOp
+from relay.server.requests import ops
+from relay.server.requests.auth import Role
+from relay.store import commands as cmd
+from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
+from relay.store.items import Item
+
+if TYPE_CHECKING:
+    from relay.server.requests.connection import Connection
+
+# Dead letters of a whole queue are retried or purged this many per transaction, so one
+# admin request never holds the writer for long.
+DEAD_CHUNK = 1000
+
+
+def job_reply_bytes(limits: wire.Limits) -> int:
+    """The most one job can take in an inspect or dead_list reply: payload, result, and
+    its last error and error history with their tracebacks (each byte of these texts at
+    most 6 once escaped as JSON)."""
+    errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
+    errors += ERRORS_SHOWN * 6 * limits.max_traceback_bytes
+    return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
+
+
+class AdminHandlers:
+    """Handlers of ``Dispatcher``. They use the dispatcher's ``writer``, ``limits``,
+    ``watchers``, ``_job_bytes`` (``job_reply_bytes``) and its accounting: ``_typed``,
+    ``_queue``, ``_answer_now``, ``_count_in``, ``answered``."""
+
+    def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "inspect")
+        args = ops.Reserving((r.job_id, r.prefix), self._job_bytes)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.INSPECT, connection, rid, started, args))
+
+    def _short_ids(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: the reply is shorter than the request (each id answered by at
+        # most itself), as a stats reply is small.
+        job_ids = tuple(self._typed(fields, "short_ids").job_ids)
+        self._queue(connection, (ops.SHORT_IDS, connection, rid, started, job_ids))
+
+    def _dead_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "dead_list")
+        page = (r.queue, r.limit, r.cursor, self.limits.max_reply_bytes, r.order == "newest")
+        args = ops.Reserving(page, self.limits.max_reply_bytes + self._job_bytes)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
+
+    def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "dead_retry")
+        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
+
+    def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "dead_purge")
+        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
+
+    def _dead(
+        self,
+        connection: Connection,
+        rid: Any,
+        started: float,
+        request: requests.DeadSelect,
+        one: ops.RequestOp,
+        chunk: Callable[[str, int], Any],
+    ) -> None:
+        if request.job_id is not None:
+            self._queue(connection, (one, connection, rid, started, request.job_id))
+            return
+        # A whole queue: a rare admin request that may take many transactions. It gets a
+        # task in the connection's nursery (the one exception to "no task per request"),
+        # so the connection keeps reading and the writer serves others between chunks.
+        assert request.queue is not None
+        self._count_in(connection)
+        item = (one, connection, rid, started, None)
+        connection.nursery.start_soon(self._dead_queue, connection, item, request.queue, chunk)
+
+    async def _dead_queue(
+        self, connection: Connection, item: Item, queue: str, chunk: Callable
+    ) -> None:
+        total = 0
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
+        try:
+            while True:
+                if connection.role < Role.ADMIN:  # a hello lowered it meanwhile
+                    raise Unauthorized(
+                        f"stopped after {total} jobs: this connection's role is now "
+                        f"{connection.role.label}; {item[0].name} needs admin"
+                    )
+                n = await self.writer.execute(chunk(queue, DEAD_CHUNK))
+                total += n
+                if n < DEAD_CHUNK:
+                    break
+            data = wire.encode_ok(item[2], {"count": total})
+        except RelayError as exc:
+            data = wire.encode_error(item[2], exc)
+        finally:
+            # Also when cancelled (the connection closed): the request must be accounted
+            # as answered, or shutdown would wait for it until its deadline.
+            self.answered(connection, item, trio.current_time())
+            connection.reply(data)
+
+    def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "watch")
+        if self.watchers is None or not hasattr(connection, "push"):
+            raise UnknownOp("watch needs a network connection (TCP or WebSocket)")
+        self.watchers.watch(connection, request.queues, request.states)  # type: ignore[arg-type]
+        # Answered after the next commit, which records events already (see watch.py).
+        self._queue(connection, (ops.WATCH, connection, rid, started, None))
+
+    def _unwatch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._typed(fields, "unwatch")
+        if self.watchers is not None:
+            self.watchers.unwatch(connection)
+        self._answer_now(connection, "unwatch", started, wire.encode_ok(rid, {}))

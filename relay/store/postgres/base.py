@@ -1,0 +1,371 @@
+"""``PostgresBase``: what the parts of ``PostgresStore`` (relay/store/postgres/store.py)
+share: its connection and transactions, reads and writes, and the counts per queue and
+state that it keeps in job_counts for every server. Each part (jobs.py, leases.py, ...) is a
+subclass, and ``PostgresStore`` joins them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import secrets
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from relay.store.base import READY, Changes, StoreConfig
+from relay.store.counts import CountsBook
+from relay.store.postgres import notify
+from relay.store.postgres.schema import open_connection
+from relay.store.view import STATES, Entry
+
+# How many rows of job_counts each (queue, state) may be spread over: a store adds its
+# counts to the rows of one slot, picked at random when it opens. With a handful of
+# servers, two rarely share a slot (and if they do, they take turns on its rows, in one
+# order, so they never deadlock); ``queue_stats`` sums at most this many rows per count.
+COUNT_SLOTS = 64
+
+_ADD_COUNTS = (
+    "INSERT INTO job_counts (slot, queue, state, n) "
+    "SELECT %s, queue, state, n FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+    "AS t(queue, state, n) "
+    "ON CONFLICT (slot, queue, state) DO UPDATE SET n = job_counts.n + EXCLUDED.n"
+)
+# Of these queues' rows in every slot, the ones no other transaction holds (SKIP LOCKED:
+# never a wait, so never a deadlock) that are zero, or whose (queue, state) sums to zero
+# over the rows held: deleting such rows leaves every count as it was, whatever other
+# servers commit meanwhile. Without it a queue moved through several slots (servers, or
+# one server's restarts) would keep its rows of opposite sums once emptied, one set per
+# queue name ever used.
+_DROP_ZEROS = (
+    "WITH held AS (SELECT slot, queue, state, n FROM job_counts WHERE queue = ANY(%s) "
+    "FOR UPDATE SKIP LOCKED), "
+    "zero AS (SELECT queue, state FROM held GROUP BY queue, state HAVING sum(n) = 0) "
+    "DELETE FROM job_counts c USING held h "
+    "WHERE c.slot = h.slot AND c.queue = h.queue AND c.state = h.state "
+    "AND (h.n = 0 OR (h.queue, h.state) IN (SELECT queue, state FROM zero))"
+)
+# The first rows of job_counts by queue after a name: one range scan of job_counts_queue,
+# which the ORDER BY and LIMIT make the plan whatever the table's statistics say (a
+# DISTINCT over the range was planned as a scan of the whole table, ~110 ms at 100,000
+# queues, while the table was new). The store sums the slots' rows itself.
+_PAGE_COUNTS = "SELECT queue, state, n FROM job_counts WHERE queue > %s ORDER BY queue LIMIT %s"
+# Rows a page reads per queue asked for: a queue has a few states with jobs, in a few slots.
+# At least one queue's most rows (every state in every slot), so a page always ends after
+# at least one whole queue.
+_ROWS_PER_QUEUE = 4
+_MIN_PAGE_ROWS = 6 * COUNT_SLOTS + 1
+# Of these queues, the ones that still hold jobs.
+_HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
+
+
+class PostgresBase(CountsBook):
+    """The connection, transactions and counts of ``PostgresStore``.
+
+    Not thread-safe: exactly one thread (the writer) may call it.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.Connection,
+        config: StoreConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        slot: int | None = None,
+    ) -> None:
+        self._db = conn
+        self.url: str | None = None  # where to reconnect to (``open``)
+        # Tells the other servers' change feeds (relay/server/services/feed.py) which
+        # commits are this store's own.
+        self.origin = secrets.token_hex(8)
+        self.config = config or StoreConfig()
+        # Jitter needs no cryptographic strength; tokens do, and use `secrets`.
+        self._rng = rng or random.Random()
+        self.slot = secrets.randbelow(COUNT_SLOTS) if slot is None else slot
+        super().__init__()  # the counts book (relay/store/base.py): empty, no transaction
+        # The moves of the open transaction, (queue, state) -> jobs: added to the
+        # slot's rows of job_counts by its commit.
+        self._moves: Counter[tuple[str, str]] = Counter()
+        # Queues some of whose jobs the open transaction deleted: their event totals are
+        # forgotten if they are left without jobs (as SqliteStore does).
+        self._deleted_from: set[str] = set()
+        # (queue, state) -> jobs, over every server, as this store knows it: read when it
+        # opens and a page at a time since (``counts_refresh``), its own commits added as
+        # they commit. What ``view`` publishes; what the bound on queues is checked on.
+        self._known: Counter[tuple[str, str]] = Counter()
+        # Rows written by every statement so far (for ``write_mark``).
+        self._rows = 0
+        # BEGIN not sent yet: it goes with the transaction's first statement (``_read``).
+        self._begin_pending = False
+        self.changes = Changes()
+        # Whether transitions append to ``changes.events``; the writer sets it per batch.
+        self.recording = False
+        self.load_counts()
+
+    def load_counts(self) -> None:
+        """Read every server's counts into ``_known``, and publish them (at open: one
+        read of job_counts, whatever its size; afterwards ``counts_refresh`` reads it a
+        page at a time)."""
+        rows = self._db.execute(
+            "SELECT queue, state, sum(n)::bigint FROM job_counts GROUP BY queue, state"
+        ).fetchall()
+        self._known = Counter({(queue, state): n for queue, state, n in rows if n})
+        self._publish_all({queue for queue, _ in self._known})
+
+    @property
+    def broken(self) -> bool:
+        """The connection is lost (the server went, the network failed): ``reconnect``."""
+        return self._db.closed or self._db.broken
+
+    def reconnect(self) -> None:
+        """A new connection in place of a lost one; raises ``StoreError`` if it cannot be
+        made yet. Whatever the lost connection's transaction held was rolled back by the
+        database (or committed, if its COMMIT arrived: see docs/failure-model.md)."""
+        if self.url is None:
+            raise psycopg.OperationalError("the store was given a connection, not a URL")
+        conn = open_connection(self.url)
+        with contextlib.suppress(psycopg.Error):
+            self._db.close()
+        self._db = conn
+        self._undo_transaction()
+        self._begin_pending = False
+        self._moves.clear()
+        self._deleted_from.clear()
+        self._publish()
+        self.changes = Changes()
+
+    def close(self) -> None:
+        """Close the connection; a transaction still open is rolled back with it."""
+        self._db.close()
+
+    # -- statements --------------------------------------------------------------------------
+
+    def _read(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """Run a statement, in the open transaction if there is one."""
+        if not self._begin_pending:
+            return self._db.execute(sql, params)
+        # The transaction's first statement: BEGIN goes with it, in one round trip (a
+        # pipeline: the results come back once both have run). READ COMMITTED whatever the
+        # database's default: every rule here re-reads a row once it is locked.
+        self._begin_pending = False
+        with self._db.pipeline():
+            self._db.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            cursor = self._db.execute(sql, params)
+        return cursor
+
+    def _write(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """Run a statement that writes; its rows count in ``write_mark``."""
+        cursor = self._read(sql, params)
+        if cursor.rowcount > 0:
+            self._rows += cursor.rowcount
+        return cursor
+
+    # -- transactions (used by the writer) -------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a transaction. Nothing is sent yet: BEGIN goes with its first statement,
+        and a transaction that runs none costs no round trip at all."""
+        self._begin_pending = True
+        self._journal = []
+
+    @property
+    def in_transaction(self) -> bool:
+        """False once PostgreSQL has failed the transaction (a statement raised outside a
+        savepoint, or the connection broke): nothing of it can commit then."""
+        if self._begin_pending:
+            return True
+        return self._db.info.transaction_status == TransactionStatus.INTRANS
+
+    def write_mark(self) -> tuple[int, int]:
+        """Where the transaction's writes stand (rows written, counter moves): equal marks
+        before and after a call mean that it wrote nothing."""
+        return self._rows, len(self._journal or ())
+
+    def _statement(self, sql: str) -> None:
+        self._read(sql)  # (with the deferred BEGIN, if it is the transaction's first)
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call (or commit), after calls made outside a
+        transaction of the writer's."""
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def commit(self) -> Changes:
+        """Commit; return what changed and start collecting afresh."""
+        self._commit()
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def _commit(self) -> None:
+        if self._begin_pending:  # no statement ran: nothing to send
+            assert not any(self._moves.values()), "counts moved without a statement"
+            self._begin_pending = False
+            empty: list[str] = []
+        else:
+            if self._db.info.transaction_status != TransactionStatus.INTRANS:
+                # COMMIT would answer ROLLBACK without an error: say so instead.
+                raise psycopg.errors.InFailedSqlTransaction(
+                    "the transaction failed before its commit; nothing of it was kept"
+                )
+            empty = self._flush_counts_and_commit()
+        self._journal = None
+        known = self._known
+        for key, n in self._moves.items():
+            if n:
+                known[key] += n
+                if not known[key]:
+                    del known[key]
+        self._moves.clear()
+        self._deleted_from.clear()
+        self._forget_totals(empty)
+        for queue in empty:  # (the database's word: none of its rows count a job)
+            self._touched.add(queue)
+            for state in STATES:
+                known.pop((queue, state), None)
+        self._publish()
+
+    def rollback(self) -> None:
+        self._roll_back()
+        self.changes = Changes()
+
+    def _roll_back(self) -> None:
+        if self._begin_pending:  # nothing was sent
+            self._begin_pending = False
+        else:
+            with contextlib.suppress(psycopg.Error):
+                self._db.execute("ROLLBACK")
+        self._undo_transaction()
+        self._moves.clear()
+        self._deleted_from.clear()
+        self._publish()
+
+    def _on_its_own(
+        self, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``method`` in a transaction of its own (``sql.atomic``); what it changed stays in
+        ``changes`` until ``take_changes``, as a call outside a transaction does in SQLite."""
+        events_mark = len(self.changes.events)
+        self.begin()
+        try:
+            result = method(self, *args, **kwargs)
+            self._commit()
+        except BaseException:
+            self._roll_back()
+            del self.changes.events[events_mark:]
+            raise
+        return result
+
+    # -- counts ------------------------------------------------------------------------------
+
+    def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
+        if src is not None:
+            self._bump(self._moves, (queue, src), -n)
+        if dst == READY:
+            self.changes.made_ready(queue, n)
+        if dst is not None:
+            self._bump(self._moves, (queue, dst), n)
+        elif src is not None:
+            self._deleted_from.add(queue)
+
+    def _flush_counts_and_commit(self) -> list[str]:
+        """Add the transaction's moves to this store's slot of job_counts and commit, in
+        one round trip (a pipeline); return the queues the transaction left without jobs
+        (whose event totals are then forgotten).
+
+        One statement for all the moves, its rows in (queue, state) order: two stores that
+        share a slot lock its rows in the same order, so they never deadlock. A transaction
+        that deleted jobs also drops those queues' rows, of any slot, that add up to zero
+        (``_DROP_ZEROS``)."""
+        moves = sorted((key, n) for key, n in self._moves.items() if n)
+        queues = sorted(self._deleted_from)
+        written: list[psycopg.Cursor] = []
+        held: psycopg.Cursor | None = None
+        with self._db.pipeline():
+            if moves:
+                params = (
+                    self.slot,
+                    [queue for (queue, _), _ in moves],
+                    [state for (_, state), _ in moves],
+                    [n for _, n in moves],
+                )
+                written.append(self._db.execute(_ADD_COUNTS, params))
+            if queues:
+                written.append(self._db.execute(_DROP_ZEROS, (queues,)))
+                held = self._db.execute(_HOLDING, (queues,))
+            payload = notify.payload(self.origin, self.changes)
+            if payload is not None:  # sent by the database when (and if) this commits
+                self._db.execute(notify.NOTIFY, (payload,))
+            self._db.execute("COMMIT")
+        self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
+        if held is None:
+            return []
+        holding = {queue for (queue,) in held}
+        return [queue for queue in queues if queue not in holding]
+
+    def _entry(self, queue: str) -> Entry | None:
+        known = self._known
+        states = [known.get((queue, state), 0) for state in STATES]
+        if not any(states):
+            return None
+        return (*states, *self._totals_of(queue))
+
+    def counts_refresh(self, after: str | None, limit: int) -> str | None:
+        """Read the counts of about ``limit`` queues named after ``after`` (None: from the
+        first) from job_counts, over every server, into ``_known``: what other servers
+        committed reaches this store's view so, a page per call. Return the name to pass
+        next, or None once the last page is read. One range scan of ``job_counts_queue``
+        of ``limit * _ROWS_PER_QUEUE`` rows, whatever the number of queues; the queues it
+        reads whole (all but the last, if more follow).
+
+        In the writer's transaction: this transaction's moves are not in job_counts yet
+        (its commit adds them), so replacing what was known by what is read loses none.
+        """
+        # ("" sorts before every queue name: they are 1 to 128 characters.)
+        wanted = max(limit * _ROWS_PER_QUEUE, _MIN_PAGE_ROWS)
+        rows = self._read(_PAGE_COUNTS, (after or "", wanted)).fetchall()
+        last = None
+        if len(rows) == wanted:  # more follow: the last queue read may be partial
+            last = rows[-1][0]
+            rows = [row for row in rows if row[0] != last]
+            last = rows[-1][0]
+        sums: Counter[tuple[str, str]] = Counter()
+        for queue, state, n in rows:
+            sums[(queue, state)] += n
+        page = {queue for queue, _ in sums}
+        known = self._known
+        gone = self.view.names_between(after, last)  # (every queue known in the range)
+        for queue in gone:
+            for state in STATES:
+                known.pop((queue, state), None)
+        for key, n in sums.items():
+            if n:
+                known[key] = n
+        self._touched.update(gone)
+        self._touched.update(page)
+        return last
+
+    def recount(self) -> None:
+        """Nothing to do: the counts are rows, written in the same transactions as the jobs
+        (``SqliteStore.recount`` repairs counts kept in memory)."""
+        self._moves.clear()
+
+    def _counts(self, queues: list[str] | None = None) -> Counter[tuple[str, str]]:
+        """(queue, state) -> jobs, over every server's slot, with this transaction's moves."""
+        if queues is None:
+            rows = self._read(
+                "SELECT queue, state, sum(n)::bigint FROM job_counts GROUP BY queue, state"
+            )
+        else:
+            rows = self._read(
+                "SELECT queue, state, sum(n)::bigint FROM job_counts WHERE queue = ANY(%s) "
+                "GROUP BY queue, state",
+                (queues,),
+            )
+        counts: Counter[tuple[str, str]] = Counter({(q, s): n for q, s, n in rows})
+        for key, n in self._moves.items():
+            if queues is None or key[0] in queues:
+                counts[key] += n
+        return counts

@@ -1,0 +1,567 @@
+"""The dashboard page (GET / on the metrics listener, relay/server/http/dashboard.py and
+dashboard.html): served to anyone with its headers and WebSocket URL, and, in a real
+headless Chromium (scripts/browser.py), showing what the server says as jobs move.
+
+The browser tests never skip: without Debian's chromium and chromium-driver they fail,
+saying what to install (CI installs them in .ci/run). Every wait is bounded; a page that
+is slow to show a job's move fails its 2 s wait.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+import trio
+from selenium.webdriver.common.by import By
+
+import relay
+from relay.protocol.errors import JobNotFound
+from relay.server.http.dashboard import Dashboard
+from relay.server.requests.auth import Role, Tokens, _digest
+from relay_scripts.browser import (
+    BrowserMissing,
+    open_browser,
+    page_counts,
+    page_oldest,
+    page_rates,
+    wait_for,
+)
+from tests.server.conftest import BOUND_S, RunningServer, start_server
+from tests.tls_helpers import tls_files as tls_files  # the fixture
+from tests.worker.helpers import running, serving, wait_for_state
+from tests.worker.helpers import start_server as start_stoppable
+
+ADMIN = "admin-token-for-dashboard-tests"
+WORKER = "worker-token-for-dashboard-tests"
+WRONG = "wrong-token-for-dashboard-tests"
+TOKENS = Tokens(((_digest(ADMIN), Role.ADMIN), (_digest(WORKER), Role.WORKER)))
+W = "dashboard-test"
+# The page must show a job's move within this (it asks for stats every second).
+MOVE_S = 2.0
+
+
+# -- over HTTP, without a browser -------------------------------------------------------------
+
+
+async def http(
+    address: tuple[str, int], method: str = "GET", path: str = "/", host: str | None = "localhost"
+) -> tuple[int, dict[str, str], bytes]:
+    """One request: (status, headers by lower-cased name, body)."""
+    lines = [f"{method} {path} HTTP/1.1", "Connection: close"]
+    if host is not None:
+        lines.append(f"Host: {host}")
+    with trio.fail_after(BOUND_S):
+        stream = await trio.open_tcp_stream("127.0.0.1", address[1])
+        async with stream:
+            await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *fields = head.decode("latin-1").split("\r\n")
+    headers = dict((k.lower(), v.strip()) for k, _, v in (f.partition(":") for f in fields))
+    return int(status.split()[1]), headers, body
+
+
+def websocket_of(body: bytes) -> str:
+    match = re.search(rb'data-websocket="([^"]*)"', body)
+    assert match is not None, body[:500]
+    return match.group(1).decode()
+
+
+@pytest.fixture
+async def exposed(tmp_path) -> AsyncIterator[RunningServer]:
+    """Tokens, and the metrics listener on every interface: /metrics needs a token."""
+
+    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
+        return await start_server(nursery, db, tokens=TOKENS, metrics_host="0.0.0.0")
+
+    async with serving(start, str(tmp_path / "relay.db")) as server:
+        yield server
+
+
+async def test_page_needs_no_token_where_metrics_do(exposed):
+    address = exposed.handle.metrics_address
+    assert address is not None and exposed.handle.ws_address is not None
+    status, headers, body = await http(address)
+    assert status == 200
+    assert headers["content-type"] == "text/html; charset=utf-8"
+    assert headers["x-content-type-options"] == "nosniff"
+    assert headers["cache-control"] == "no-store"
+    # The WebSocket listens on 127.0.0.1, not where the metrics do: that is its URL.
+    url = f"ws://127.0.0.1:{exposed.handle.ws_address[1]}/"
+    assert websocket_of(body) == url
+    assert b'data-auth="token"' in body
+    assert await http(address, "HEAD") == (200, headers, b"")
+    # Everything else is as before: a token first.
+    for method, path in (("GET", "/metrics"), ("GET", "/healthz"), ("POST", "/")):
+        assert (await http(address, method, path))[0] == 401, (method, path)
+
+
+async def test_page_policy_allows_its_own_script_and_style_and_its_websocket_only(server):
+    address = server.handle.metrics_address
+    _, headers, body = await http(address, host="127.0.0.1:7401")
+    policy = dict(
+        (d.split()[0], d.split()[1:]) for d in headers["content-security-policy"].split("; ")
+    )
+    text = body.decode()
+    for tag in ("script", "style"):
+        inline = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+        assert len(inline) == 1
+        digest = base64.b64encode(hashlib.sha256(inline[0].encode()).digest()).decode()
+        assert policy[f"{tag}-src"] == [f"'sha256-{digest}'"], tag
+    assert (
+        policy["connect-src"]
+        == [websocket_of(body)]
+        == [f"ws://127.0.0.1:{server.handle.ws_address[1]}/"]
+    )
+    assert policy["default-src"] == ["'none'"] and policy["frame-ancestors"] == ["'none'"]
+    # Self-contained: nothing to load from anywhere, and a size one can read.
+    assert not re.search(rb"\b(src|href)=", body) and b"@import" not in body
+    assert body.count(b"\n") < 500 and b'data-auth="none"' in body
+
+
+async def test_page_says_wss_when_the_server_has_tls(tmp_path, tls_files):
+    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
+        return await start_server(nursery, db, tls_cert=tls_files.cert, tls_key=tls_files.key)
+
+    async with serving(start, str(tmp_path / "relay.db")) as server:
+        # Both listeners on 127.0.0.1: the name the browser used, which the certificate has.
+        _, headers, body = await http(server.handle.metrics_address, host="localhost:7401")
+    assert websocket_of(body) == f"wss://localhost:{server.handle.ws_address[1]}/"
+    assert f"connect-src {websocket_of(body)};" in headers["content-security-policy"]
+
+
+async def test_page_without_a_websocket_endpoint_connects_nowhere(tmp_path):
+    async with serving(
+        lambda nursery, db: start_stoppable(nursery, db, metrics_port=0), str(tmp_path / "r.db")
+    ) as server:
+        assert server.handle.ws_address is None
+        _, headers, body = await http(server.handle.metrics_address)
+    assert websocket_of(body) == ""
+    assert "connect-src 'none'" in headers["content-security-policy"]
+
+
+@pytest.mark.parametrize(
+    ("dashboard", "host_header", "local", "url"),
+    [
+        # Bound to one address that is not the metrics listener's: that address.
+        (Dashboard("0.0.0.0", "127.0.0.1", 7402), b"queue.example:7401", "10.0.0.5",
+         "ws://127.0.0.1:7402/"),
+        (Dashboard("127.0.0.1", "::1", 7402), b"relay", "127.0.0.1", "ws://[::1]:7402/"),
+        # On every interface, or beside the metrics listener: the host the browser used.
+        (Dashboard("0.0.0.0", "0.0.0.0", 7402), b"queue.example:7401", "10.0.0.5",
+         "ws://queue.example:7402/"),
+        (Dashboard("::", "::", 9, tls=True), b"[fd00::5]:7401", "fd00::5", "wss://[fd00::5]:9/"),
+        (Dashboard("10.0.0.5", "10.0.0.5", 7402, tls=True), b"queue.example", "10.0.0.5",
+         "wss://queue.example:7402/"),
+        # No Host header, or one that is not a host: where the request came in.
+        (Dashboard("0.0.0.0", "0.0.0.0", 7402), None, "10.0.0.5", "ws://10.0.0.5:7402/"),
+        (Dashboard("::", "::", 7402), b'x"><script>', "::1", "ws://[::1]:7402/"),
+        (Dashboard("0.0.0.0", "0.0.0.0", 7402), b"a b", "10.0.0.5", "ws://10.0.0.5:7402/"),
+        (Dashboard("127.0.0.1"), b"relay", "127.0.0.1", None),
+    ],
+)  # fmt: skip
+def test_websocket_url_names_a_host_the_browser_reaches(dashboard, host_header, local, url):
+    headers = [] if host_header is None else [(b"host", host_header)]
+    body, _ = dashboard.response(headers, local)
+    assert websocket_of(body) == (url or "")
+
+
+# -- in a browser -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        driver = open_browser()
+    except BrowserMissing as exc:
+        pytest.fail(f"{exc}. The dashboard's browser tests do not skip.", pytrace=False)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+async def see(driver: Any, condition: Callable[[Any], Any], what: str, within: float = BOUND_S):
+    """Wait (bounded) in a thread until ``condition(driver)`` holds; returns its value."""
+    return await trio.to_thread.run_sync(wait_for, driver, condition, within, what)
+
+
+async def on_page(fn: Callable[..., Any], *args: Any) -> Any:
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+def status_is(*states: str) -> Callable[[Any], bool]:
+    def check(driver: Any) -> bool:
+        return driver.find_element(By.ID, "status").get_attribute("data-status") in states
+
+    return check
+
+
+async def open_page(driver: Any, server: Any) -> None:
+    port = server.handle.metrics_address[1]
+    await on_page(driver.get, f"http://127.0.0.1:{port}/")
+
+
+async def shows_stats(driver: Any, client: relay.Client, within: float = MOVE_S) -> None:
+    """The page's counts become what ``stats`` says now, within ``within`` seconds."""
+    queues = (await client.stats()).queues
+    await see(driver, lambda d: page_counts(d) == queues, f"the counts {queues}", within)
+
+
+def dead_row(job_id: str) -> str:
+    return f'#dead tr[data-job="{job_id}"]'
+
+
+def click(selector: str, confirm: bool = False) -> Callable[[Any], bool]:
+    """A condition that clicks the element (once it is there), and accepts the confirm
+    dialog that follows if ``confirm``."""
+
+    def act(driver: Any) -> bool:
+        driver.find_element(By.CSS_SELECTOR, selector).click()
+        if confirm:
+            wait_for(driver, lambda d: d.switch_to.alert, BOUND_S, "the confirm dialog").accept()
+        return True
+
+    return act
+
+
+def no_console_errors(driver: Any) -> list[Any]:
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, browser):
+    address = "{}:{}".format(*server.handle.address)
+    failed_once: set[str] = set()
+
+    async def handler(job: relay.LeasedJob) -> None:
+        if "fail" in job.payload and job.job_id not in failed_once:
+            failed_once.add(job.job_id)
+            raise RuntimeError(job.payload["fail"])
+
+    async with relay.open_client(address) as client:
+        for n in range(3):
+            await client.submit("email", {"n": n})
+        await client.submit("reports", {"n": 0})
+        await open_page(browser, server)
+        await see(browser, status_is("connected"), "connected")
+        await shows_stats(browser, client, BOUND_S)
+        assert set(await on_page(page_counts, browser)) == {"email", "reports"}
+        # How long each queue's oldest ready job has waited, as relay-trio stats says it.
+        oldest = await on_page(page_oldest, browser)
+        assert set(oldest) == {"email", "reports"}, oldest
+        assert all(re.fullmatch(r"\d+ ms|\d+\.\d s", text) for text in oldest.values()), oldest
+
+        # One job moves: the page shows it within 2 s.
+        [job] = await client.lease(["email"], W)
+        await shows_stats(browser, client)
+        await client.ack(job.job_id, W, job.token)
+        await shows_stats(browser, client)
+
+        # Jobs submitted while the page watches: the counts and the rate.
+        for n in range(4):
+            await client.submit("reports", {"n": n})
+        await shows_stats(browser, client)
+        await see(browser, lambda d: page_rates(d)["reports"]["submitted"] == "0.4", "0.4/s")
+
+        # A worker runs them all; two fail for good, with their errors.
+        smtp = (await client.submit("email", {"fail": "smtp said no"}, retries=0)).job_id
+        disk = (await client.submit("email", {"fail": "disk full"}, retries=0)).job_id
+        worker = relay.Worker(address, queues=["email", "reports"], handler=handler)
+        async with running(worker):
+            await wait_for_state(client, disk, "dead")
+            await wait_for_state(client, smtp, "dead")
+            await shows_stats(browser, client)
+            for job_id, error in ((smtp, "smtp said no"), (disk, "disk full")):
+                cell = await see(
+                    browser,
+                    lambda d, j=job_id: d.find_element(By.CSS_SELECTOR,
+                                                       f'{dead_row(j)} td[data-field="error"]'),
+                    f"the dead job {job_id}", MOVE_S,
+                )  # fmt: skip
+                assert await on_page(lambda c=cell: c.text) == f"RuntimeError: {error}"
+            assert (await on_page(page_rates, browser))["email"]["failed"] != "0.0"
+
+            # Retry runs it again (and it succeeds); purge deletes the other.
+            await see(browser, click(f'{dead_row(smtp)} button[data-action="retry"]'), "retry")
+            await wait_for_state(client, smtp, "succeeded")
+            await see(browser, click(f'{dead_row(disk)} button[data-action="purge"]', True),
+                      "purge")  # fmt: skip
+            await wait_until_gone(client, disk)
+            await shows_stats(browser, client)
+            assert (await client.inspect(smtp)).attempt == 1  # a fresh attempt, run once
+        await see(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, "#dead tbody tr"),
+                  "no dead job left", MOVE_S)  # fmt: skip
+        # Every job has run: no queue has a ready job waiting.
+        await see(browser, lambda d: set(page_oldest(d).values()) == {"-"}, "none ready", MOVE_S)
+    assert await on_page(no_console_errors, browser) == []
+
+
+# What the page shows of a traceback: its text, whether it scrolls (a bounded height), its
+# font, and how many elements the text made (none: text, never HTML).
+TRACEBACK_JS = """
+const pre = document.querySelector(arguments[0]);
+const style = getComputedStyle(pre);
+return [pre.textContent, pre.scrollHeight > pre.clientHeight, style.overflowY,
+        style.fontFamily, pre.children.length];
+"""
+
+
+async def dead_and_failed(client: relay.Client, error: str, traceback: str | None = None) -> str:
+    """A dead job of queue "email", failed (not retryable) with ``error`` and ``traceback``."""
+    submitted = await client.submit("email", {}, retries=0)
+    (job,) = await client.lease(["email"], W)
+    assert job.job_id == submitted.job_id
+    await client.fail(job.job_id, W, job.token, error, retryable=False, traceback=traceback)
+    return job.job_id
+
+
+async def test_a_dead_jobs_error_opens_onto_the_traceback_of_its_failure(server, browser):
+    frames = "".join(
+        f'  File "jobs.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(60)
+    )
+    traceback = f"Traceback (most recent call last):\n{frames}ValueError: <b>not bold</b>"
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        failed = await dead_and_failed(client, "ValueError: <b>not bold</b>", traceback)
+        plain = await dead_and_failed(client, "RuntimeError: no traceback sent")
+        await open_page(browser, server)
+        await see(browser, status_is("connected"), "connected")
+        cell = f'{dead_row(failed)} td[data-field="error"]'
+        # Closed, the cell shows the error's line as before.
+        text = await see(
+            browser, lambda d: d.find_element(By.CSS_SELECTOR, cell).text, "the dead job", MOVE_S
+        )
+        assert text == "ValueError: <b>not bold</b>"
+        shown = f"{cell} pre.traceback"
+        assert not await on_page(
+            lambda: browser.find_element(By.CSS_SELECTOR, shown).is_displayed()
+        )
+        plain_cell = f'{dead_row(plain)} td[data-field="error"]'
+        assert await on_page(lambda: browser.find_element(By.CSS_SELECTOR, plain_cell).text) == (
+            "RuntimeError: no traceback sent"
+        )
+        assert not await on_page(browser.find_elements, By.CSS_SELECTOR, f"{plain_cell} summary")
+
+        # Opened: the whole traceback, as text, monospace, in a box that scrolls.
+        await see(browser, click(f"{cell} summary"), "the error's toggle")
+        await see(browser, lambda d: d.find_element(By.CSS_SELECTOR, shown).is_displayed(),
+                  "the traceback", MOVE_S)  # fmt: skip
+        text, scrolls, overflow, font, elements = await on_page(
+            browser.execute_script, TRACEBACK_JS, shown
+        )
+        assert text == traceback and elements == 0
+        assert scrolls and overflow == "auto" and "monospace" in font
+
+        # It stays open while the list is drawn again (another job dies).
+        third = await dead_and_failed(client, "RuntimeError: a third")
+        await see(browser, lambda d: d.find_elements(By.CSS_SELECTOR, dead_row(third)),
+                  "the third dead job", MOVE_S)  # fmt: skip
+        assert await on_page(lambda: browser.find_element(By.CSS_SELECTOR, shown).is_displayed())
+    assert await on_page(no_console_errors, browser) == []
+
+
+async def wait_until_gone(client: relay.Client, job_id: str) -> None:
+    with trio.fail_after(BOUND_S):
+        while True:
+            try:
+                await client.inspect(job_id)
+            except JobNotFound:
+                return
+            await trio.sleep(0.02)
+
+
+# The dead jobs' rows as shown, and the text beside the heading ("(50 of 60, ...)").
+DEAD_JS = """
+return [[...document.querySelectorAll("#dead tbody tr[data-job]")].map((r) => r.dataset.job),
+        document.getElementById("dead-count").textContent];
+"""
+# Whether the dead jobs' table and paging buttons fit the window's width (the queues'
+# table, of 11 columns, does not at 500 px: it is not this test's).
+FITS_JS = """
+const table = document.getElementById("dead").getBoundingClientRect();
+const pages = document.getElementById("dead-pages").getBoundingClientRect();
+return table.right <= window.innerWidth && pages.width > 0 && pages.right <= window.innerWidth;
+"""
+
+
+def dead_shown(driver: Any) -> tuple[list[str], str]:
+    rows, count = driver.execute_script(DEAD_JS)
+    return rows, count
+
+
+async def shows_dead(driver: Any, rows: list[str], count: str) -> None:
+    """The dead table shows exactly ``rows``, in order, and the count text has ``count``."""
+
+    def check(d: Any) -> bool:
+        shown, text = dead_shown(d)
+        return shown == rows and count in text
+
+    try:
+        await see(driver, check, f"{len(rows)} dead rows and {count!r}", MOVE_S)
+    except Exception:
+        shown, text = await on_page(dead_shown, driver)
+        raise AssertionError(f"shown: {len(shown)} rows from {shown[:1]}, {text!r}") from None
+
+
+async def make_dead_jobs(client: relay.Client, queue: str, n: int) -> list[str]:
+    """``n`` dead jobs, oldest first (by job id)."""
+    results = await client.submit_batch([relay.job_fields(queue, {"n": i}, retries=0)
+                                         for i in range(n)])  # fmt: skip
+    for job in await client.lease([queue], W, count=n):
+        await client.fail(job.job_id, W, job.token, f"failed {job.payload['n']}", retryable=False)
+    return [r.job_id for r in results]
+
+
+@pytest.mark.parametrize("width", [500, 1920])
+async def test_dashboard_shows_the_newest_dead_jobs_first_and_pages_to_the_oldest(
+    server, browser, width
+):
+    address = "{}:{}".format(*server.handle.address)
+    await on_page(browser.set_window_size, width, 900)
+    try:
+        async with relay.open_client(address) as client:
+            ids = await make_dead_jobs(client, "email", 60)
+            newest = ids[::-1]
+            await open_page(browser, server)
+            await see(browser, status_is("connected"), "connected")
+            await shows_dead(browser, newest[:50], "(50 of 60, newest first)")
+            assert await on_page(browser.execute_script, FITS_JS)
+            newer, older = "#dead-newer", "#dead-older"
+            assert not await on_page(
+                lambda: browser.find_element(By.CSS_SELECTOR, newer).is_enabled()
+            )
+
+            # Older: the last ten, the oldest last; Older is then disabled, Newer is not.
+            await see(browser, click(older), "Older")
+            await shows_dead(browser, newest[50:], "(10 of 60, newest first, page 2)")
+            buttons = await on_page(lambda: [browser.find_element(By.CSS_SELECTOR, b).is_enabled()
+                                             for b in (newer, older)])  # fmt: skip
+            assert buttons == [True, False]
+            assert await on_page(browser.execute_script, FITS_JS)
+
+            # Retry and Purge work on that page: it shows what is left of it.
+            await see(browser, click(f'{dead_row(ids[0])} button[data-action="retry"]'), "retry")
+            await see(browser, click(f'{dead_row(ids[1])} button[data-action="purge"]', True),
+                      "purge")  # fmt: skip
+            await shows_dead(browser, newest[50:58], "(8 of 58, newest first, page 2)")
+            assert (await client.inspect(ids[0])).state == "ready"
+
+            # Newer: the first page again, where a job that dies now comes first.
+            await see(browser, click(newer), "Newer")
+            await shows_dead(browser, newest[:50], "(50 of 58, newest first)")
+            [late] = await make_dead_jobs(client, "reports", 1)
+            await shows_dead(browser, [late, *newest[:49]], "(50 of 59, newest first)")
+    finally:
+        await on_page(browser.set_window_size, 1280, 800)
+    assert await on_page(no_console_errors, browser) == []
+
+
+def token_form(driver: Any) -> bool:
+    return driver.find_element(By.ID, "token-form").is_displayed()
+
+
+def say_token(token: str) -> Callable[[Any], bool]:
+    def act(driver: Any) -> bool:
+        field = driver.find_element(By.ID, "token")
+        field.send_keys(token)
+        driver.find_element(By.ID, "token-submit").click()
+        return True
+
+    return act
+
+
+def stored(driver: Any) -> tuple[str | None, int, str]:
+    """The token in sessionStorage, how many items localStorage has, the cookies."""
+    return driver.execute_script(
+        "return [sessionStorage.getItem('relay-trio-token'), localStorage.length, document.cookie]"
+    )
+
+
+async def test_dashboard_asks_for_a_token_and_offers_retry_to_admins_only(tmp_path, browser):
+    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
+        return await start_server(nursery, db, tokens=TOKENS)
+
+    async with (
+        serving(start, str(tmp_path / "relay.db")) as server,
+        relay.open_client("{}:{}".format(*server.handle.address), token=ADMIN) as client,
+    ):
+        doomed = (await client.submit("email", {"n": 0})).job_id
+        [job] = await client.lease(["email"], W)
+        await client.fail(doomed, W, job.token, "boom", retryable=False)
+        await client.submit("email", {"n": 1})
+        await open_page(browser, server)
+        await see(browser, status_is("token"), "the token form")
+        assert await on_page(token_form, browser)
+
+        await see(browser, say_token(WRONG), "the form")
+        await see(browser, lambda d: "refused" in d.find_element(By.ID, "token-note").text,
+                  "a refusal")  # fmt: skip
+        assert await on_page(stored, browser) == [None, 0, ""]
+
+        await see(browser, say_token(WORKER), "the form")
+        await see(browser, status_is("connected"), "connected as worker")
+        role = await on_page(lambda: browser.find_element(By.ID, "role").get_attribute("data-role"))
+        assert role == "worker"
+        await shows_stats(browser, client)
+        assert await on_page(stored, browser) == [WORKER, 0, ""]
+        assert await on_page(lambda: browser.find_element(By.ID, "dead-note").text) == (
+            "The dead jobs need an admin token (dead_list)."
+        )
+        assert await on_page(browser.find_elements, By.CSS_SELECTOR, "button[data-action]") == []
+        assert WORKER not in await on_page(lambda: browser.page_source)
+
+        await see(browser, click("#forget"), "forget")
+        await see(browser, status_is("token"), "the token form again")
+        assert await on_page(stored, browser) == [None, 0, ""]
+        await see(browser, say_token(ADMIN), "the form")
+        await see(browser, status_is("connected"), "connected as admin")
+        buttons = await see(
+            browser,
+            lambda d: d.find_elements(By.CSS_SELECTOR, f"{dead_row(doomed)} button"),
+            "the buttons",
+        )
+        assert [await on_page(lambda b=b: b.text) for b in buttons] == ["Retry", "Purge"]
+        await shows_stats(browser, client)
+
+
+async def test_dashboard_reconnects_after_a_server_restart(tmp_path, browser):
+    db = str(tmp_path / "relay.db")
+    async with trio.open_nursery() as nursery:
+        first = await start_stoppable(nursery, db, metrics_port=0, ws_port=0)
+        async with relay.open_client(first.address) as client:
+            await client.submit("email", {"n": 0})
+            await open_page(browser, first)
+            await see(browser, status_is("connected"), "connected")
+            await shows_stats(browser, client, BOUND_S)
+        await first.stop()
+        await see(browser, status_is("reconnecting"), "reconnecting")
+        ports = {"metrics_port": first.handle.metrics_address[1],
+                 "ws_port": first.handle.ws_address[1]}  # fmt: skip
+        second = await start_stoppable(nursery, db, port=first.port, **ports)
+        try:
+            async with relay.open_client(second.address) as client:
+                await see(browser, status_is("connected"), "connected again")
+                await client.submit("email", {"n": 1})
+                await shows_stats(browser, client)
+                # Watching again: the new connection's events count.
+                await see(browser, lambda d: page_rates(d)["email"]["submitted"] == "0.1",
+                          "the rate", MOVE_S)  # fmt: skip
+        finally:
+            await second.stop()
+
+
+async def test_dashboard_says_when_the_websocket_endpoint_is_off(tmp_path, browser):
+    async with serving(
+        lambda nursery, db: start_stoppable(nursery, db, metrics_port=0), str(tmp_path / "r.db")
+    ) as server:
+        await open_page(browser, server)
+        await see(browser, status_is("off"), "off")
+        text = await on_page(lambda: browser.find_element(By.ID, "status").text)
+    assert "WebSocket endpoint is off" in text

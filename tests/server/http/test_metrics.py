@@ -1,0 +1,124 @@
+"""The /metrics exposition (relay/server/http/metrics.py), checked with prometheus_client's own
+parser: the per-queue families are formatted by hand, so their text must parse."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
+
+from relay.protocol.errors import ShuttingDown
+from relay.server.http.metrics import (
+    EVENT_METRICS,
+    MetricsSnapshot,
+    RenderCache,
+    render,
+    snapshot_queues,
+)
+from relay.store.view import EVENTS, QueueView
+from relay.store.view import STATES as VIEW_STATES
+from relay.util.histogram import Histogram
+
+
+def test_rendered_metrics_parse_with_every_queue_state_and_event():
+    histogram = Histogram((0.1, 1.0))
+    histogram.observe(0.05)
+    snapshot = MetricsSnapshot(
+        queues={"email": {"ready": 2, "dead": 1}, "a.b:c-d_e": {"leased": 5}},
+        events={("email", "submitted"): 3, ("email", "dead"): 1, ("gone", "acked"): 7},
+        connections=4,
+        durations={"submit": histogram.snapshot()},
+        batch_sizes=histogram.snapshot(),
+        commit_seconds=histogram.snapshot(),
+    )
+    families = {f.name: f for f in text_string_to_metric_families(render(snapshot).decode())}
+
+    for event, (metric, _) in EVENT_METRICS.items():
+        family = families[metric]
+        assert family.type == "counter"
+        values = {s.labels["queue"]: s.value for s in family.samples}
+        # Every queue that has jobs or counted events, zeros included.
+        assert set(values) == {"email", "a.b:c-d_e", "gone"}
+        for queue, value in values.items():
+            assert value == snapshot.events.get((queue, event), 0), (metric, queue)
+
+    jobs = families["relay_queue_jobs"]
+    assert jobs.type == "gauge"
+    values = {(s.labels["queue"], s.labels["state"]): s.value for s in jobs.samples}
+    assert len(values) == 2 * 6
+    assert values[("email", "ready")] == 2 and values[("email", "dead")] == 1
+    assert values[("a.b:c-d_e", "leased")] == 5 and values[("email", "pending")] == 0
+    assert families["relay_connections"].samples[0].value == 4
+    durations = families["relay_request_duration_seconds"]
+    assert durations.type == "histogram"
+    assert {s.labels.get("op") for s in durations.samples} == {"submit"}
+
+
+def test_every_event_the_store_counts_has_a_metric():
+    assert set(EVENT_METRICS) == set(EVENTS)
+
+
+async def test_scrapes_share_one_rendering_per_interval_and_never_make_two_at_once(
+    autojump_clock,
+):
+    made: list[float] = []
+    release = trio.Event()
+
+    async def make() -> bytes:
+        made.append(trio.current_time())
+        await release.wait()
+        return f"body {len(made)}".encode()
+
+    cache = RenderCache(make, ttl_s=1.0)
+    bodies: list[bytes] = []
+
+    async def scrape() -> None:
+        bodies.append(await cache.get())
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            nursery.start_soon(scrape)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(made) == 1  # ten scrapes at once: one rendering under way
+        release.set()
+    assert bodies == [b"body 1"] * 10
+    await trio.sleep(0.5)
+    assert await cache.get() == b"body 1" and len(made) == 1  # within the interval
+    await trio.sleep(0.6)
+    assert await cache.get() == b"body 2" and len(made) == 2  # made anew after it
+
+
+async def test_a_rendering_that_fails_is_made_again_by_the_next_scrape(autojump_clock):
+    calls = 0
+
+    async def make() -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ShuttingDown("stopping")
+        return b"ok"
+
+    cache = RenderCache(make, ttl_s=1.0)
+    with pytest.raises(ShuttingDown):
+        await cache.get()
+    assert await cache.get() == b"ok" and calls == 2
+
+
+def test_the_first_queues_have_series_and_the_others_are_summed_as_other():
+    view = QueueView()
+    width = len(VIEW_STATES) + len(EVENTS)
+
+    # (state counts, then event totals: ready n, submitted n)
+    def entry(n: int) -> tuple[int, ...]:
+        values = [0] * width
+        values[VIEW_STATES.index("ready")] = n
+        values[len(VIEW_STATES) + EVENTS.index("submitted")] = n
+        return tuple(values)
+
+    view.publish([(name, entry(n)) for name, n in [("a", 1), ("b", 2), ("c", 3), ("d", 4)]])
+    queues, events = snapshot_queues(view, 2)
+    assert {q: c["ready"] for q, c in queues.items()} == {"a": 1, "b": 2, "_other": 7}
+    assert events[("_other", "submitted")] == 7 and events[("a", "submitted")] == 1
+    queues, _ = snapshot_queues(view, 4)
+    assert set(queues) == {"a", "b", "c", "d"}  # all shown: no _other
