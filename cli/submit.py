@@ -9,7 +9,7 @@ from typing import Any
 import click
 import orjson
 
-from relay.protocol.model import WIRE_PRIORITIES
+from relay.protocol.model import UNIQUE_FOR, WIRE_PRIORITIES
 from relay_cli.calls import call, print_json
 from relay_cli.options import address_option, json_option
 
@@ -66,6 +66,16 @@ def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | Non
     help=f"Wait between retries: {BACKOFF_FORMS} (default exp:1000:300000).",
 )  # fmt: skip
 @click.option("--idempotency-key", metavar="KEY", help="Submit at most once per queue and key.")
+@click.option(
+    "--unique-key", metavar="KEY",
+    help="At most one unfinished job of the queue with this key: while one is, the submit "
+    "answers it.",
+)  # fmt: skip
+@click.option(
+    "--unique-for", type=click.Choice(UNIQUE_FOR),
+    help="How long --unique-key holds: while the job is unfinished (default) or queued "
+    "(until a worker leases it).",
+)  # fmt: skip
 @address_option
 @json_option
 def submit(
@@ -77,16 +87,21 @@ def submit(
     run_at: int | None,
     backoff: dict[str, Any] | None,
     idempotency_key: str | None,
+    unique_key: str | None,
+    unique_for: str | None,
     address: str,
     as_json: bool,
 ) -> None:
     """Submit a job to QUEUE; print its id and state (and "duplicate" when the idempotency
-    key matched an earlier job)."""
+    key or the unique key matched an earlier job)."""
     if delay_ms is not None and run_at is not None:
         raise click.UsageError("give --delay-ms or --run-at, not both")
+    if unique_for is not None and unique_key is None:
+        raise click.UsageError("--unique-for needs --unique-key")
     result = call(address, lambda client: client.submit(
         queue, payload, priority=priority, retries=retries, delay_ms=delay_ms, run_at=run_at,
-        backoff=backoff, idempotency_key=idempotency_key,
+        backoff=backoff, idempotency_key=idempotency_key, unique_key=unique_key,
+        unique_for=unique_for,
     ))  # fmt: skip
     if as_json:
         print_json(result)

@@ -134,14 +134,19 @@ class Client:
         retries: int | None = None,
         backoff: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
+        unique_key: str | None = None,
+        unique_for: str | None = None,
         wait: bool = False,
     ) -> SubmitResult:
         """Create a job. With ``wait``, a full queue (``QueueFull``) is retried with backoff
         until it has room; without, ``QueueFull`` is raised. With an ``idempotency_key``,
-        ``Unavailable`` is retried too (a repeat cannot make a second job)."""
+        ``Unavailable`` is retried too (a repeat cannot make a second job). With a
+        ``unique_key``, the queue's job holding that key (while unfinished, or with
+        ``unique_for="queued"`` while not yet leased) is answered as a duplicate."""
         job = job_fields(
             queue, payload, priority=priority, delay_ms=delay_ms, run_at=run_at,
             retries=retries, backoff=backoff, idempotency_key=idempotency_key,
+            unique_key=unique_key, unique_for=unique_for,
         )  # fmt: skip
         send = None if self._coalescer is None else self._coalescer.submit
         reply = await self._while_full(wait, "submit", job, send, idempotency_key is not None)
@@ -326,6 +331,8 @@ def job_fields(
     retries: int | None = None,
     backoff: dict[str, Any] | None = None,
     idempotency_key: str | None = None,
+    unique_key: str | None = None,
+    unique_for: str | None = None,
 ) -> dict[str, Any]:
     """One job of a submit or submit_batch, as the wire wants it."""
     job: dict[str, Any] = {"queue": queue, "payload": payload}
@@ -336,6 +343,8 @@ def job_fields(
         "retries": retries,
         "backoff": backoff,
         "idempotency_key": idempotency_key,
+        "unique_key": unique_key,
+        "unique_for": unique_for,
     }
     job.update((k, v) for k, v in optional.items() if v is not None)
     return job

@@ -128,9 +128,26 @@ class SubmitSpec(NamedTuple):
     max_attempts: int = 4
     backoff: Backoff = DEFAULT_BACKOFF
     idempotency_key: str | None = None
+    # At most one job of the queue with this key while the holder is in ``unique_for``'s
+    # scope (UNIQUE_FOR: "unfinished" or "queued"); checked when a job is submitted.
+    unique_key: str | None = None
+    unique_for: str = "unfinished"
 
     def due_at(self, now: int) -> int:
         return self.run_at if self.run_at is not None else now + self.delay_ms
+
+
+# How long a unique key holds (``SubmitSpec.unique_key``): while its job is unfinished
+# (pending, ready, leased or retrying), or only while it is queued (pending or ready,
+# never leased: a release gives the attempt back and so counts as never leased).
+UNIQUE_FOR = ("unfinished", "queued")
+
+
+def unique_key_held(unique_for: str, state: str, attempt: int) -> bool:
+    """Whether a job in ``state`` (at ``attempt``) still holds its unique key."""
+    if unique_for == "queued":
+        return state in ("pending", "ready") and attempt == 0
+    return state in ("pending", "ready", "leased", "retrying")
 
 
 class SubmitResult(NamedTuple):

@@ -18,6 +18,7 @@ from relay.protocol.model import (
     ID_ABBREV_MIN,
     ID_HEX_DIGITS,
     PRIORITY_INT_BY_WIRE,
+    UNIQUE_FOR,
     WIRE_PRIORITIES,
     Backoff,
     JobState,
@@ -95,6 +96,8 @@ class Submit:
     retries: int = DEFAULT_RETRIES
     backoff: WireBackoff | None = None
     idempotency_key: str | None = None
+    unique_key: str | None = None
+    unique_for: str | None = None
 
     def to_spec(self, limits: Limits, prefix: str = "") -> SubmitSpec:
         """Check every field and return the store's ``SubmitSpec``."""
@@ -111,6 +114,13 @@ class Submit:
         check_range(prefix + "retries", self.retries, 0, limits.max_retries)
         if self.idempotency_key is not None:
             check_text(prefix + "idempotency_key", self.idempotency_key, limits.max_id_bytes)
+        if self.unique_key is not None:
+            check_text(prefix + "unique_key", self.unique_key, limits.max_id_bytes)
+        if self.unique_for is not None:
+            if self.unique_key is None:
+                raise _bad(prefix + "unique_for", "needs a unique_key")
+            if self.unique_for not in UNIQUE_FOR:
+                raise _bad(prefix + "unique_for", 'must be "unfinished" or "queued"')
         backoff = (
             DEFAULT_BACKOFF
             if self.backoff is None
@@ -125,6 +135,8 @@ class Submit:
             max_attempts=self.retries + 1,
             backoff=backoff,
             idempotency_key=self.idempotency_key,
+            unique_key=self.unique_key,
+            unique_for=self.unique_for or UNIQUE_FOR[0],
         )
 
 

@@ -199,13 +199,14 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
         return None
     return _new_spec(
         SubmitSpec, (queue, payload.decode(), priority, delay_ms, None, retries + 1,
-                     DEFAULT_BACKOFF, key)
+                     DEFAULT_BACKOFF, key, None, UNFINISHED)
     )  # fmt: skip
 
 
 # A named tuple made from a tuple at once: skips its __new__'s argument handling (the
-# fast path makes one per job).
+# fast path makes one per job), so every field is given, defaults too.
 _new_spec = tuple.__new__
+UNFINISHED = SubmitSpec._field_defaults["unique_for"]
 
 
 def _short_text(value: Any, max_bytes: int) -> bool:

@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -130,10 +130,25 @@ def _v2_error_tracebacks(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE job_errors ADD COLUMN traceback TEXT")
 
 
+def _v3_unique_keys(db: sqlite_utils.Database) -> None:
+    # Unique jobs: who holds each (queue, unique key), and for how long (``unique_for``).
+    # A row stays after its job leaves that scope (a submit then takes it over) and goes
+    # with its job (``_delete_jobs``).
+    db["unique_keys"].create(
+        {"queue": str, "key": str, "job_id": int, "unique_for": str},
+        pk=("queue", "key"),
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["job_id", "unique_for"],
+        strict=True,
+    )
+    db["unique_keys"].create_index(["job_id"], index_name="unique_keys_job")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
     2: _v2_error_tracebacks,
+    3: _v3_unique_keys,
 }
 
 

@@ -81,6 +81,20 @@ async def test_submit_prints_id_and_state_and_honours_every_option(address, clie
     assert job.priority == "high" and job.max_attempts == 6 and job.idempotency_key == "k1"
 
 
+async def test_submit_with_a_unique_key_prints_the_holder_as_duplicate(address, client):
+    args = ["submit", "reports", "--payload", "1", "--unique-key", "day-7"]
+    first = await relay_trio(*args, address=address)
+    assert first.code == 0, first
+    job_id, state = first.stdout.split()
+    again = await relay_trio(*args, "--unique-for", "unfinished", address=address)
+    assert again.stdout.split() == [job_id, state, "duplicate"]
+    alone = await relay_trio("submit", "reports", "--payload", "1", "--unique-for", "queued",
+                             address=address)  # fmt: skip
+    assert alone.code == 2 and "--unique-for needs --unique-key" in alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1 and "Traceback" not in alone.stderr
+    assert (await client.stats()).queues["reports"]["ready"] == 1
+
+
 async def test_submit_reads_the_payload_from_stdin_and_prints_json(address, client):
     result = await relay_trio("submit", "reports", "--payload", "-", "--delay-ms", "60000",
                               "--backoff", "fixed:250", "--json", address=address,

@@ -296,6 +296,51 @@ async def test_idempotency_key_is_per_queue(client):
     assert b["duplicate"] is False
 
 
+async def test_unique_key_answers_the_unfinished_job_then_frees_once_it_succeeds(client):
+    first = await client.ok("submit", queue="q", payload=1, unique_key="report-7")
+    assert first["duplicate"] is False
+    again = await client.ok("submit", queue="q", payload=2, unique_key="report-7")
+    assert again == {**again, "job_id": first["job_id"], "duplicate": True, "state": "ready"}
+    job = await lease_one(client, "q")
+    leased = await client.ok("submit", queue="q", payload=3, unique_key="report-7")
+    assert (leased["job_id"], leased["state"], leased["duplicate"]) == (
+        first["job_id"], "leased", True,
+    )  # fmt: skip
+    await client.ok("ack", job_id=job["job_id"], worker_id=W, token=job["token"])
+    fresh = await client.ok("submit", queue="q", payload=4, unique_key="report-7")
+    assert fresh["job_id"] != first["job_id"] and fresh["duplicate"] is False
+    assert (await queue_stats(client, "q"))["ready"] == 1
+
+
+async def test_unique_for_queued_frees_the_key_when_a_worker_leases_the_job(client):
+    first = await client.ok("submit", queue="q", payload=1, unique_key="k", unique_for="queued")
+    batch = await client.ok(
+        "submit_batch",
+        jobs=[{"queue": "q", "payload": 2, "unique_key": "k", "unique_for": "queued"}],
+    )
+    assert batch["results"][0]["job_id"] == first["job_id"]
+    await lease_one(client, "q")
+    second = await client.ok("submit", queue="q", payload=3, unique_key="k", unique_for="queued")
+    assert second["job_id"] != first["job_id"] and second["duplicate"] is False
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"unique_for": "queued"}, "unique_for"),
+        ({"unique_key": "k", "unique_for": "forever"}, "unique_for"),
+        ({"unique_key": ""}, "unique_key"),
+        ({"unique_key": "x" * 257}, "unique_key"),
+        ({"unique_key": 7}, "unique_key"),
+    ],
+)
+async def test_a_bad_unique_key_is_refused_and_makes_no_job(client, fields, field):
+    reply = await client.request("submit", queue="q", payload=1, **fields)
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    assert field in reply["error"]["message"]
+    assert (await queue_stats(client, "q"))["ready"] == 0
+
+
 async def test_concurrent_duplicate_submits_create_one_job(server):
     async with connected(server) as a, connected(server) as b:
         replies: list[dict[str, Any]] = []

@@ -171,7 +171,7 @@ def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url,
     store = PostgresStore.open(url)
     try:
         meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
         # (version 3: the counts by queue, which each server reads a page at a time)
         indexes = store._db.execute(
             "SELECT indexname FROM pg_indexes WHERE tablename = 'job_counts' "
@@ -187,6 +187,27 @@ def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url,
         [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
         store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
         assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+    finally:
+        store.close()
+
+
+def test_a_version_3_schema_migrates_to_unique_keys_and_keeps_its_jobs(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 3)
+        store = PostgresStore.open(url)
+        [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('unique_keys')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
+        assert store.job_inspect(old.job_id).state == "ready"
+        [first] = store.jobs_submit([SubmitSpec("q", "1", unique_key="u")], T0)
+        [again] = store.jobs_submit([SubmitSpec("q", "2", unique_key="u")], T0)
+        assert (again.job_id, again.duplicate) == (first.job_id, True)
     finally:
         store.close()
 

@@ -409,7 +409,7 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
 
     store = SqliteStore.open(path)
     try:
-        assert pragma(store._db, "user_version") == SCHEMA_VERSION == 2
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
         info = store.job_inspect(dead)
         assert (info.state, info.last_error) == (JobState.DEAD, "lease expired")
         assert info.errors == (ErrorEntry(1, "lease expired", T0 + 1_000, None),)
@@ -665,3 +665,30 @@ def test_uncommitted_transaction_is_lost_when_the_process_dies(tmp_path: Path) -
             survivor.job_inspect(uncommitted.job_id)
     finally:
         survivor.close()
+
+
+def test_a_version_2_file_migrates_to_unique_keys_and_keeps_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 2)
+        store = SqliteStore.open(path)
+        [old] = store.jobs_submit([spec()], T0)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 2
+    assert (
+        conn.execute("SELECT name FROM sqlite_master WHERE name = 'unique_keys'").fetchall() == []
+    )
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert store.job_inspect(old.job_id).state == JobState.READY
+        [first] = store.jobs_submit([spec(unique_key="u")], T0)
+        [again] = store.jobs_submit([spec(unique_key="u")], T0)
+        assert (again.job_id, again.duplicate) == (first.job_id, True)
+    finally:
+        store.close()

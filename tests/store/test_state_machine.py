@@ -30,7 +30,14 @@ from hypothesis.stateful import (
 )
 
 from relay.protocol.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
-from relay.protocol.model import AGING_STEP_MS, Backoff, JobState, Priority
+from relay.protocol.model import (
+    AGING_STEP_MS,
+    UNIQUE_FOR,
+    Backoff,
+    JobState,
+    Priority,
+    unique_key_held,
+)
 from relay.protocol.model import SubmitSpec as Spec
 from relay.store.base import StoreConfig
 from tests.conftest import T0
@@ -42,6 +49,7 @@ RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
 QUEUES = ("alpha", "beta")
 WORKERS = ("w1", "w2")
 KEYS = ("k1", "k2")
+UNIQUE_KEYS = ("u1", "u2")
 # Ids that name no job: well-formed but never issued (the clock starts at T0), and malformed.
 UNKNOWN_IDS = ("job_0000000000000001", "not-a-job")
 
@@ -134,6 +142,8 @@ specs = st.fixed_dictionaries(
         "retries": st.integers(0, 3),
         "backoff": backoffs,
         "key": st.one_of(st.none(), st.sampled_from(KEYS)),
+        "unique": st.one_of(st.none(), st.none(), st.sampled_from(UNIQUE_KEYS)),
+        "unique_for": st.sampled_from(UNIQUE_FOR),
     }
 )
 
@@ -148,6 +158,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.jobs: dict[str, ModelJob] = {}
         self.gone: list[str] = []  # ids of purged or pruned jobs
         self.keys: dict[tuple[str, str], tuple[str, int]] = {}  # -> (job id, expires_at)
+        # (queue, unique key) -> the job that last took it, and for how long it holds it.
+        self.uniques: dict[tuple[str, str], tuple[str, str]] = {}
         self.issued: list[IssuedLease] = []
         self.tokens: set[str] = set()
         self.last_id = ""
@@ -321,11 +333,14 @@ class StoreMachine(RuleBasedStateMachine):
                     max_attempts=s["retries"] + 1,
                     backoff=s["backoff"],
                     idempotency_key=s["key"],
+                    unique_key=s["unique"],
+                    unique_for=s["unique_for"],
                 )
             )
         # What the contract says each spec gets: a duplicate of a job (with its state) or a
         # new job; and whether the batch as a whole overfills a bounded queue.
         fresh: dict[tuple[str, str], int] = {}  # key -> index of the spec that created it
+        fresh_unique: dict[tuple[str, str], int] = {}  # the same, for unique keys
         expected: list[tuple[str, object]] = []  # ("dup", job id) / ("fresh", index) / ("new",)
         for s in submit_specs:
             k = (s.queue, s.idempotency_key) if s.idempotency_key is not None else None
@@ -337,8 +352,22 @@ class StoreMachine(RuleBasedStateMachine):
                 if expires_at > self.now and job_id in self.jobs:
                     expected.append(("dup", job_id))
                     continue
+            u = (s.queue, s.unique_key) if s.unique_key is not None else None
+            if u is not None and u in fresh_unique:
+                expected.append(("fresh", fresh_unique[u]))
+                continue
+            if u is not None and u in self.uniques:
+                job_id, unique_for = self.uniques[u]
+                holder = self.jobs.get(job_id)
+                if holder is not None and unique_key_held(
+                    unique_for, holder.state.value, holder.attempt
+                ):
+                    expected.append(("dup", job_id))
+                    continue
             if k is not None:
                 fresh[k] = len(expected)
+            if u is not None:
+                fresh_unique[u] = len(expected)
             expected.append(("new", None))
         new_per_queue = Counter(
             s.queue for s, e in zip(submit_specs, expected, strict=True) if e[0] == "new"
@@ -366,7 +395,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert (result.job_id, result.state) == (first.job_id, first.state)
                 continue
             if kind == "dup":
-                assert result.duplicate, "a key within its window created a second job"
+                assert result.duplicate, "a key within its window, or a held unique key, made a job"
                 assert result.job_id == ref
                 assert result.state is self.jobs[ref].state
                 continue
@@ -394,6 +423,8 @@ class StoreMachine(RuleBasedStateMachine):
             if s.idempotency_key is not None:
                 key = (s.queue, s.idempotency_key)
                 self.keys[key] = (result.job_id, self.now + CONFIG.idempotency_window_ms)
+            if s.unique_key is not None:
+                self.uniques[(s.queue, s.unique_key)] = (result.job_id, s.unique_for)
 
     @rule(
         queues=st.lists(st.sampled_from(QUEUES), min_size=1, max_size=2, unique=True),

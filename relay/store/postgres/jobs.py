@@ -22,6 +22,7 @@ from relay.protocol.model import (
     JobState,
     SubmitResult,
     SubmitSpec,
+    unique_key_held,
 )
 from relay.store.base import PENDING, READY, UNFINISHED
 from relay.store.postgres.base import PostgresBase
@@ -80,6 +81,30 @@ _TAKE_KEYS = (
 )
 
 
+# Unique keys (SubmitSpec.unique_key): their holders now, with what decides whether they
+# still hold them.
+_UNIQUE_HOLDERS = (
+    "SELECT u.queue, u.key, u.job_id, u.unique_for, j.state, j.attempt "
+    "FROM unnest(%s::text[], %s::text[]) AS w(queue, key) "
+    "JOIN unique_keys u ON u.queue = w.queue AND u.key = w.key JOIN jobs j ON j.id = u.job_id"
+)
+# Take the keys no row holds; the others are decided under their rows' locks (a holder
+# inserted by another server meanwhile: this waits for its commit, then finds it).
+_TAKE_UNIQUE = (
+    "INSERT INTO unique_keys (queue, key, job_id, unique_for) "
+    "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::text[]) "
+    "ON CONFLICT (queue, key) DO NOTHING RETURNING queue, key"
+)
+_LOCK_UNIQUE = (
+    "SELECT u.queue, u.key, u.job_id, u.unique_for FROM unnest(%s::text[], %s::text[]) "
+    "AS w(queue, key) JOIN unique_keys u ON u.queue = w.queue AND u.key = w.key "
+    "ORDER BY u.queue, u.key FOR UPDATE OF u"
+)
+# Rounds of taking unique keys whose holder rows vanish in between (a purge per round).
+_TAKE_ATTEMPTS = 3
+_MOVE_UNIQUE = "UPDATE unique_keys SET job_id = %s, unique_for = %s WHERE queue = %s AND key = %s"
+
+
 class Jobs(PostgresBase):
     """Submit: part of ``PostgresStore``."""
 
@@ -105,11 +130,19 @@ class Jobs(PostgresBase):
             if spec.idempotency_key is not None
         }
         live = self._live_keys(keyed, now) if keyed else {}
+        unique = {
+            (spec.queue, encode_text(spec.unique_key))
+            for spec in specs
+            if spec.unique_key is not None
+        }
+        held = self._unique_holders(unique) if unique else {}
         # Per spec, a duplicate's answer or (index of its new job, duplicate within specs).
         answers: list[SubmitResult | tuple[int, bool]] = []
         new: list[SubmitSpec] = []
         new_keys: list[tuple[str, str] | None] = []
+        new_uniques: list[tuple[str, str] | None] = []
         fresh: dict[tuple[str, str], int] = {}
+        fresh_uniques: dict[tuple[str, str], int] = {}
         per_queue: dict[tuple[str, str], int] = {}
         for spec in specs:
             key = None
@@ -122,10 +155,23 @@ class Jobs(PostgresBase):
                 if seen is not None:
                     answers.append(seen)
                     continue
+            unique_key = None
+            if spec.unique_key is not None:
+                unique_key = (spec.queue, encode_text(spec.unique_key))
+                if unique_key in fresh_uniques:
+                    answers.append((fresh_uniques[unique_key], True))
+                    continue
+                seen = held.get(unique_key)
+                if seen is not None:
+                    answers.append(seen)
+                    continue
+                fresh_uniques[unique_key] = len(new)
+            if key is not None:
                 fresh[key] = len(new)
             answers.append((len(new), False))
             new.append(spec)
             new_keys.append(key)
+            new_uniques.append(unique_key)
             state = PENDING if spec.due_at(now) > now else READY
             per_queue[spec.queue, state] = per_queue.get((spec.queue, state), 0) + 1
         self._check_queues({queue for queue, _ in per_queue})
@@ -134,21 +180,26 @@ class Jobs(PostgresBase):
             return [answer for answer in answers if isinstance(answer, SubmitResult)]
         ids = self._next_ids(len(new), now)
         states = self._insert_jobs(new, ids, now)
-        lost: dict[tuple[str, str], SubmitResult] = {}
+        # New jobs that another server's job beat to their key: answered as its duplicate.
+        lost: dict[int, SubmitResult] = {}
         if fresh:
-            lost = self._take_keys(new_keys, ids, now)
+            by_key = self._take_keys(new_keys, ids, now)
+            lost = {i: by_key[key] for i, key in enumerate(new_keys) if key in by_key}
+        if fresh_uniques:
+            lost.update(self._take_uniques(new, new_uniques, ids, lost))
+        if lost:
+            self._write("DELETE FROM jobs WHERE id = ANY(%s)", ([ids[i] for i in lost],))
         results: list[SubmitResult] = []
         for answer in answers:
             if isinstance(answer, SubmitResult):
                 results.append(answer)
                 continue
             i, duplicate = answer
-            key = new_keys[i]
-            if key is not None and key in lost:
-                results.append(lost[key])
+            if i in lost:
+                results.append(lost[i])
             else:
                 results.append(SubmitResult(f"job_{ids[i]:016x}", states[i], duplicate))
-        made = [i for i, key in enumerate(new_keys) if key is None or key not in lost]
+        made = [i for i in range(len(new)) if i not in lost]
         moves: Counter[tuple[str, str]] = Counter()
         for i in made:
             queue, state = new[i].queue, states[i]
@@ -254,7 +305,7 @@ class Jobs(PostgresBase):
         self, keys: list[tuple[str, str] | None], ids: list[int], now: int
     ) -> dict[tuple[str, str], SubmitResult]:
         """Take the idempotency keys of the new jobs; return the keys that another server
-        took first (each with the answer for its job), whose jobs are deleted again."""
+        took first (each with the answer for its job), whose jobs the caller deletes."""
         taken = sorted((key, job) for key, job in zip(keys, ids, strict=True) if key is not None)
         # In (queue, key) order: two servers taking the same keys wait in the same order.
         rows = self._write(
@@ -271,13 +322,84 @@ class Jobs(PostgresBase):
             return {}
         won = {(queue, key) for queue, key in rows}
         lost = {key: job for key, job in taken if key not in won}
-        self._write("DELETE FROM jobs WHERE id = ANY(%s)", (list(lost.values()),))
         found = self._live_keys(set(lost), now)
         if len(found) != len(lost):
             # The other server's job held the key within its window (else it would have
             # been taken over): only its purge since then can make it missing.
             raise RuntimeError("an idempotency key was taken by a job that is gone since")
         return found
+
+    def _unique_holders(self, keys: set[tuple[str, str]]) -> dict[tuple[str, str], SubmitResult]:
+        """The duplicate answer of each of ``keys`` whose job still holds it."""
+        ordered = sorted(keys)
+        rows = self._read(
+            _UNIQUE_HOLDERS, ([queue for queue, _ in ordered], [key for _, key in ordered])
+        )
+        return {
+            (queue, key): SubmitResult(f"job_{job:016x}", JobState(state), True)
+            for queue, key, job, unique_for, state, attempt in rows
+            if unique_key_held(unique_for, state, attempt)
+        }
+
+    def _take_uniques(
+        self,
+        specs: list[SubmitSpec],
+        keys: list[tuple[str, str] | None],
+        ids: list[int],
+        lost: dict[int, SubmitResult],
+    ) -> dict[int, SubmitResult]:
+        """Take the unique keys of the new jobs (those not already ``lost``): a key no
+        row holds, or whose holder is out of its scope, goes to the new job; a key that a
+        job of another server holds (committed since ``_unique_holders`` looked) makes the
+        new job its duplicate. Returns the new jobs so lost, by index."""
+        wanted = sorted((key, i) for i, key in enumerate(keys) if key is not None and i not in lost)
+        if not wanted:
+            return {}
+        beaten: dict[int, SubmitResult] = {}
+        for _ in range(_TAKE_ATTEMPTS):
+            rows = self._write(
+                _TAKE_UNIQUE,
+                (
+                    [queue for (queue, _), _ in wanted],
+                    [name for (_, name), _ in wanted],
+                    [ids[i] for _, i in wanted],
+                    [specs[i].unique_for for _, i in wanted],
+                ),
+            ).fetchall()
+            taken = {(queue, key) for queue, key in rows}
+            rest = [(key, i) for key, i in wanted if key not in taken]
+            if not rest:
+                return beaten
+            # Locked in (queue, key) order, as taken: two servers wait for each other in
+            # one order. Once locked, a holder's job is committed, and the next statement
+            # reads its state.
+            locked = {
+                (queue, key): (job, unique_for)
+                for queue, key, job, unique_for in self._read(
+                    _LOCK_UNIQUE, ([q for (q, _), _ in rest], [k for (_, k), _ in rest])
+                )
+            }
+            jobs = {
+                job: (state, attempt)
+                for job, state, attempt in self._read(
+                    "SELECT id, state, attempt FROM jobs WHERE id = ANY(%s)",
+                    ([job for job, _ in locked.values()],),
+                )
+            }
+            wanted = []
+            for key, i in rest:
+                if key not in locked:  # its holder went since (purged): take it again
+                    wanted.append((key, i))
+                    continue
+                job, unique_for = locked[key]
+                state, attempt = jobs[job]
+                if unique_key_held(unique_for, state, attempt):
+                    beaten[i] = SubmitResult(f"job_{job:016x}", JobState(state), True)
+                else:  # its holder has left the scope: the key is the new job's
+                    self._write(_MOVE_UNIQUE, (ids[i], specs[i].unique_for, *key))
+            if not wanted:
+                return beaten
+        raise RuntimeError("a unique key changed hands too often while a submit took it")
 
     def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:
         """Refuse (QueueFull) new jobs that would take a queue past its limit.

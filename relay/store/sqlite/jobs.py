@@ -20,6 +20,7 @@ from relay.protocol.model import (
     SubmitResult,
     SubmitSpec,
     format_job_id,
+    unique_key_held,
 )
 from relay.store.base import PENDING, READY, UNFINISHED
 from relay.store.sqlite.sql import (
@@ -59,12 +60,21 @@ _INSERT_PLAIN_ROW = (
 _INSERT_KEYS = (
     "INSERT OR REPLACE INTO idempotency_keys (queue, key, job_id, expires_at) VALUES {values}"
 )
+# A unique key is taken by its new job: the holder it replaces (if any) is out of scope.
+_INSERT_UNIQUE = (
+    "INSERT OR REPLACE INTO unique_keys (queue, key, job_id, unique_for) VALUES {values}"
+)
+_UNIQUE_HOLDER = (
+    "SELECT u.job_id, u.unique_for, j.state, j.attempt FROM unique_keys u "
+    "JOIN jobs j ON j.id = u.job_id WHERE u.queue = ? AND u.key = ?"
+)
 
 
 def _plain(spec: SubmitSpec) -> bool:
     """Ready at once, with the default backoff and no key: one insert of seven values."""
     return (
         spec.idempotency_key is None
+        and spec.unique_key is None
         and spec.run_at is None
         and not spec.delay_ms
         and spec.backoff is DEFAULT_BACKOFF
@@ -93,10 +103,14 @@ class SqliteJobs(SqliteBase):
         # (_plain, written out by position: this runs per job, and a named tuple's
         # attributes are descriptors, its unpacking an iteration, each dearer than an
         # index. SubmitSpec: queue 0, payload 1, priority 2, delay_ms 3, run_at 4,
-        # max_attempts 5, backoff 6, idempotency_key 7.)
+        # max_attempts 5, backoff 6, idempotency_key 7, unique_key 8, unique_for 9.)
         plain_only = all(
-            [s[7] is None and s[4] is None and not s[3] and s[6] is DEFAULT_BACKOFF for s in specs]
-        )
+            [
+                s[7] is None and s[4] is None and not s[3] and s[6] is DEFAULT_BACKOFF
+                and s[8] is None
+                for s in specs
+            ]
+        )  # fmt: skip
         if alone and not (
             plain_only
             and len(specs) <= ALONE_ROWS
@@ -110,6 +124,8 @@ class SqliteJobs(SqliteBase):
         rows: list[tuple] = []  # every other job
         keys: list[tuple] = []
         fresh_keys: dict[tuple[str, str], SubmitResult] = {}
+        uniques: list[tuple] = []  # unique keys taken by new jobs
+        fresh_uniques: dict[tuple[str, str], SubmitResult] = {}
         per_queue: dict[tuple[str, str], int] = {}  # (queue, state) -> new jobs
         key_expires_at = now + self.config.idempotency_window_ms
         # Ids as JobIdGenerator.next_id gives them, written out (one call per job showed
@@ -118,11 +134,19 @@ class SqliteJobs(SqliteBase):
         last_id = self._ids.last_id
         ready_queues = self.changes.ready_queues
         for spec in specs:
-            queue, _payload, _priority, delay_ms, run_at, _max, backoff, idempotency_key = spec
+            queue, _payload, _priority, delay_ms, run_at, _max, backoff, idempotency_key = spec[:8]
             if idempotency_key is not None:
                 seen = fresh_keys.get((queue, idempotency_key))
                 if seen is None:
                     seen = self._idempotent_hit(queue, idempotency_key, now)
+                if seen is not None:
+                    results.append(SubmitResult(seen.job_id, seen.state, duplicate=True))
+                    continue
+            unique_key = spec[8]
+            if unique_key is not None:
+                seen = fresh_uniques.get((queue, unique_key)) or self._unique_holder(
+                    queue, unique_key
+                )
                 if seen is not None:
                     results.append(SubmitResult(seen.job_id, seen.state, duplicate=True))
                     continue
@@ -156,6 +180,11 @@ class SqliteJobs(SqliteBase):
             if idempotency_key is not None:
                 keys.append((queue, idempotency_key, key, key_expires_at))
                 fresh_keys[(queue, idempotency_key)] = result
+            if unique_key is not None:
+                uniques.append((queue, unique_key, key, spec[9]))
+                fresh_uniques[(queue, unique_key)] = _new_result(
+                    SubmitResult, (result[0], state, True)
+                )
         self._check_queues({queue for queue, _ in per_queue})
         self._ids.last_id = last_id
         self._check_depth(per_queue)
@@ -163,6 +192,7 @@ class SqliteJobs(SqliteBase):
         _execute_rows(self._db, _INSERT_JOBS, _INSERT_JOBS_ROW, rows)
         # An expired key for the same (queue, key) is replaced: its window has passed.
         _execute_rows(self._db, _INSERT_KEYS, "(?, ?, ?, ?)", keys)
+        _execute_rows(self._db, _INSERT_UNIQUE, "(?, ?, ?, ?)", uniques)
         # Counted once written: a statement that fails outside a transaction (``alone``)
         # leaves nothing to undo.
         for (queue, state), n in per_queue.items():
@@ -231,6 +261,13 @@ class SqliteJobs(SqliteBase):
             depth = sum(self._counts[(queue, state)] for state in UNFINISHED)
             if depth + n > limit:
                 raise QueueFull(f"queue {queue} holds {depth} unfinished jobs (max {limit})")
+
+    def _unique_holder(self, queue: str, key: str) -> SubmitResult | None:
+        """The duplicate answer for a job that holds this unique key, if one still does."""
+        row = self._db.execute(_UNIQUE_HOLDER, (queue, key)).fetchone()
+        if row is None or not unique_key_held(row[1], row[2], row[3]):
+            return None
+        return SubmitResult(format_job_id(row[0]), JobState(row[2]), duplicate=True)
 
     def _idempotent_hit(self, queue: str, key: str, now: int) -> SubmitResult | None:
         row = self._db.execute(

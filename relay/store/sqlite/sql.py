@@ -177,7 +177,8 @@ class SqliteBase(CountsBook):
         )
 
     def _delete_jobs(self, rows: Iterable[tuple[int, str]], state: str) -> None:
-        """Delete these jobs (id, queue), all in ``state``, with their errors and keys."""
+        """Delete these jobs (id, queue), all in ``state``, with their errors and keys (their
+        idempotency and unique keys)."""
         rows = list(rows)
         if not rows:
             return
@@ -185,6 +186,7 @@ class SqliteBase(CountsBook):
         keys = (_json_ids([row[0] for row in rows]),)
         self._db.execute(f"DELETE FROM job_errors WHERE job_id IN {_JSON_IDS}", keys)
         self._db.execute(f"DELETE FROM idempotency_keys WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(f"DELETE FROM unique_keys WHERE job_id IN {_JSON_IDS}", keys)
         self._db.execute(f"DELETE FROM jobs WHERE id IN {_JSON_IDS}", keys)
         for _key, queue in rows:
             self._move(queue, state, None)
