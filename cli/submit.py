@@ -76,6 +76,11 @@ def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | Non
     help="How long --unique-key holds: while the job is unfinished (default) or queued "
     "(until a worker leases it).",
 )  # fmt: skip
+@click.option(
+    "--timeout-ms", type=click.IntRange(min=1), metavar="MS",
+    help="Longest run of one attempt: the worker stops the handler then and the attempt "
+    "fails (retried as any failure).",
+)  # fmt: skip
 @address_option
 @json_option
 def submit(
@@ -89,6 +94,7 @@ def submit(
     idempotency_key: str | None,
     unique_key: str | None,
     unique_for: str | None,
+    timeout_ms: int | None,
     address: str,
     as_json: bool,
 ) -> None:
@@ -101,7 +107,7 @@ def submit(
     result = call(address, lambda client: client.submit(
         queue, payload, priority=priority, retries=retries, delay_ms=delay_ms, run_at=run_at,
         backoff=backoff, idempotency_key=idempotency_key, unique_key=unique_key,
-        unique_for=unique_for,
+        unique_for=unique_for, timeout_ms=timeout_ms,
     ))  # fmt: skip
     if as_json:
         print_json(result)

@@ -493,6 +493,8 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
     fields.add_row("queue", job.queue)
     fields.add_row("priority", priority_text(job.priority))
     fields.add_row("attempts", f"{job.attempt} of {job.max_attempts}")
+    if job.timeout_ms is not None:
+        fields.add_row("timeout", f"{format_duration(job.timeout_ms)} per attempt")
     for label, name in _TIMES:
         ms = getattr(job, name)
         if ms is not None:

@@ -136,17 +136,20 @@ class Client:
         idempotency_key: str | None = None,
         unique_key: str | None = None,
         unique_for: str | None = None,
+        timeout_ms: int | None = None,
         wait: bool = False,
     ) -> SubmitResult:
         """Create a job. With ``wait``, a full queue (``QueueFull``) is retried with backoff
         until it has room; without, ``QueueFull`` is raised. With an ``idempotency_key``,
         ``Unavailable`` is retried too (a repeat cannot make a second job). With a
         ``unique_key``, the queue's job holding that key (while unfinished, or with
-        ``unique_for="queued"`` while not yet leased) is answered as a duplicate."""
+        ``unique_for="queued"`` while not yet leased) is answered as a duplicate. With
+        ``timeout_ms``, an attempt may run that long: ``relay.Worker`` cancels the handler
+        then, and the server ends the lease soon after."""
         job = job_fields(
             queue, payload, priority=priority, delay_ms=delay_ms, run_at=run_at,
             retries=retries, backoff=backoff, idempotency_key=idempotency_key,
-            unique_key=unique_key, unique_for=unique_for,
+            unique_key=unique_key, unique_for=unique_for, timeout_ms=timeout_ms,
         )  # fmt: skip
         send = None if self._coalescer is None else self._coalescer.submit
         reply = await self._while_full(wait, "submit", job, send, idempotency_key is not None)
@@ -333,6 +336,7 @@ def job_fields(
     idempotency_key: str | None = None,
     unique_key: str | None = None,
     unique_for: str | None = None,
+    timeout_ms: int | None = None,
 ) -> dict[str, Any]:
     """One job of a submit or submit_batch, as the wire wants it."""
     job: dict[str, Any] = {"queue": queue, "payload": payload}
@@ -345,6 +349,7 @@ def job_fields(
         "idempotency_key": idempotency_key,
         "unique_key": unique_key,
         "unique_for": unique_for,
+        "timeout_ms": timeout_ms,
     }
     job.update((k, v) for k, v in optional.items() if v is not None)
     return job

@@ -28,6 +28,7 @@ class LeasedJob:
     max_attempts: int
     token: str
     lease_expires_at: int
+    timeout_ms: int | None = None  # the job's execution timeout: the handler's time
 
 
 @attrs.frozen
@@ -51,6 +52,7 @@ class JobView:
     result: Any = None
     idempotency_key: str | None = None
     finished_at: int | None = None
+    timeout_ms: int | None = None
 
 
 @attrs.frozen

@@ -132,6 +132,8 @@ class SubmitSpec(NamedTuple):
     # scope (UNIQUE_FOR: "unfinished" or "queued"); checked when a job is submitted.
     unique_key: str | None = None
     unique_for: str = "unfinished"
+    # The longest one attempt may run (None: as long as its lease is renewed).
+    timeout_ms: int | None = None
 
     def due_at(self, now: int) -> int:
         return self.run_at if self.run_at is not None else now + self.delay_ms
@@ -148,6 +150,18 @@ def unique_key_held(unique_for: str, state: str, attempt: int) -> bool:
     if unique_for == "queued":
         return state in ("pending", "ready") and attempt == 0
     return state in ("pending", "ready", "leased", "retrying")
+
+
+# A job's execution timeout (``SubmitSpec.timeout_ms``) is enforced by the server too: the
+# lease of an attempt, as granted and as renewed, never runs past the attempt's start +
+# timeout_ms + this grace, which leaves a worker that stops its handler at the deadline
+# the time to report the failure itself.
+TIMEOUT_GRACE_MS = 2_000
+
+
+def timeout_error(timeout_ms: int) -> str:
+    """The error of an attempt that ran past its execution timeout."""
+    return f"timed out after {timeout_ms} ms"
 
 
 class SubmitResult(NamedTuple):
@@ -167,6 +181,7 @@ class Lease(NamedTuple):
     max_attempts: int
     token: str
     lease_expires_at: int
+    timeout_ms: int | None = None  # the job's execution timeout, if it has one
 
 
 @attrs.frozen
@@ -211,6 +226,7 @@ class JobInfo:
     result: str | None = None
     idempotency_key: str | None = None
     finished_at: int | None = None
+    timeout_ms: int | None = None
 
 
 class JobIdGenerator:

@@ -98,6 +98,7 @@ class Submit:
     idempotency_key: str | None = None
     unique_key: str | None = None
     unique_for: str | None = None
+    timeout_ms: int | None = None
 
     def to_spec(self, limits: Limits, prefix: str = "") -> SubmitSpec:
         """Check every field and return the store's ``SubmitSpec``."""
@@ -121,6 +122,8 @@ class Submit:
                 raise _bad(prefix + "unique_for", "needs a unique_key")
             if self.unique_for not in UNIQUE_FOR:
                 raise _bad(prefix + "unique_for", 'must be "unfinished" or "queued"')
+        if self.timeout_ms is not None:
+            check_range(prefix + "timeout_ms", self.timeout_ms, 1, limits.max_timeout_ms)
         backoff = (
             DEFAULT_BACKOFF
             if self.backoff is None
@@ -137,6 +140,7 @@ class Submit:
             idempotency_key=self.idempotency_key,
             unique_key=self.unique_key,
             unique_for=self.unique_for or UNIQUE_FOR[0],
+            timeout_ms=self.timeout_ms,
         )
 
 

@@ -56,6 +56,8 @@ class Limits:
     max_retries: int = 1000
     max_delay_ms: int = 366 * DAY_MS
     max_backoff_ms: int = 7 * DAY_MS
+    # A job's execution timeout (``submit.timeout_ms``, an extension). Not advertised.
+    max_timeout_ms: int = 7 * DAY_MS
     max_id_bytes: int = 256  # worker_id, token, idempotency_key, client name
     max_dead_list: int = 1000
     # A lease or dead_list reply stops adding jobs once their texts reach this (at least
@@ -199,7 +201,7 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
         return None
     return _new_spec(
         SubmitSpec, (queue, payload.decode(), priority, delay_ms, None, retries + 1,
-                     DEFAULT_BACKOFF, key, None, UNFINISHED)
+                     DEFAULT_BACKOFF, key, None, UNFINISHED, None)
     )  # fmt: skip
 
 
@@ -279,8 +281,8 @@ def encode_error(request_id: Any, error: RelayError) -> bytes:
 
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
-    job_id, queue, payload, priority, attempt, max_attempts, token, expires_at = lease
-    return {
+    job_id, queue, payload, priority, attempt, max_attempts, token, expires_at, timeout = lease
+    fields = {
         "job_id": job_id,
         "queue": queue,
         "payload": orjson.Fragment(payload),
@@ -290,6 +292,9 @@ def lease_fields(lease: Lease) -> dict[str, Any]:
         "token": token,
         "lease_expires_at": expires_at,
     }
+    if timeout is not None:
+        fields["timeout_ms"] = timeout
+    return fields
 
 
 def _error_fields(entry: ErrorEntry) -> dict[str, Any]:
@@ -320,6 +325,7 @@ def job_fields(job: JobInfo) -> dict[str, Any]:
         "result": None if job.result is None else orjson.Fragment(job.result),
         "idempotency_key": job.idempotency_key,
         "finished_at": job.finished_at,
+        "timeout_ms": job.timeout_ms,
     }
     fields.update((k, v) for k, v in optional.items() if v is not None)
     return fields

@@ -6,7 +6,8 @@ LOCKED``) and writes the leases its own way; what lies between, the order of the
 and which candidates each takes, is decided here once, so the two cannot drift.
 
 A candidate is a row whose first five fields are (id, priority, ready_at, payload length,
-queue); the rest is the dialect's.
+queue); the rest is the dialect's, among them the job's execution timeout (``grant``'s
+``timeout_at``: where it is in the row).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import operator
 import secrets
 from collections.abc import Callable, Sequence
 
-from relay.protocol.model import effective_priority
+from relay.protocol.model import TIMEOUT_GRACE_MS, effective_priority
 from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs
 
 # Oldest ready time first, then lowest id.
@@ -73,10 +74,15 @@ def choose(
 
 
 def grant(
-    claims: Sequence[ClaimArgs], chosen: list[list[int]], now: int
+    claims: Sequence[ClaimArgs],
+    chosen: list[list[int]],
+    now: int,
+    found: dict[int, Sequence],
+    timeout_at: int,
 ) -> list[list[tuple[int, str, str, int]]]:
     """Per claim, (id, token, worker, expires_at) of each job it leases: a random token
-    each, from one call for all of them."""
+    each, from one call for all of them. A job with an execution timeout (its candidate's
+    field ``timeout_at``) expires no later than its deadline, now + timeout + grace."""
     hex_digits = secrets.token_hex(TOKEN_BYTES * sum(map(len, chosen)))
     width = 2 * TOKEN_BYTES
     granted: list[list[tuple[int, str, str, int]]] = []
@@ -90,4 +96,11 @@ def grant(
             ]
         )
         at += width * len(mine)
+    timed = [key for key, candidate in found.items() if candidate[timeout_at] is not None]
+    if timed:  # (rare: the common claim pays one look per job, above)
+        deadlines = {key: now + found[key][timeout_at] + TIMEOUT_GRACE_MS for key in timed}
+        for mine in granted:
+            for n, (key, token, worker, expires_at) in enumerate(mine):
+                if key in deadlines and deadlines[key] < expires_at:
+                    mine[n] = (key, token, worker, deadlines[key])
     return granted

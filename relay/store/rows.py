@@ -21,7 +21,8 @@ from relay.store.base import info_size
 # The columns of a job's row, in the order ``job_info`` reads them.
 JOB_COLUMNS = (
     "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
-    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at"
+    "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at, "
+    "timeout_ms"
 )
 
 
@@ -86,6 +87,7 @@ def job_info(
         result=row[13],
         idempotency_key=text(row[14]),
         finished_at=row[15],
+        timeout_ms=row[16],
     )
 
 

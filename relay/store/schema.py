@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -144,11 +144,20 @@ def _v3_unique_keys(db: sqlite_utils.Database) -> None:
     db["unique_keys"].create_index(["job_id"], index_name="unique_keys_job")
 
 
+def _v4_execution_timeouts(db: sqlite_utils.Database) -> None:
+    # A job's execution timeout (NULL: none), and the deadline of its current attempt
+    # (its lease's start + timeout + grace; NULL without a timeout), which no lease or
+    # renewal passes. Nullable columns: rewrites no row.
+    db.execute("ALTER TABLE jobs ADD COLUMN timeout_ms INTEGER")
+    db.execute("ALTER TABLE jobs ADD COLUMN deadline_at INTEGER")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
     2: _v2_error_tracebacks,
     3: _v3_unique_keys,
+    4: _v4_execution_timeouts,
 }
 
 

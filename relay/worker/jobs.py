@@ -29,7 +29,7 @@ import trio
 
 from relay.client.client import Client, LeasedJob
 from relay.protocol.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
-from relay.protocol.model import FailOutcome, JobState, truncate_utf8_end
+from relay.protocol.model import FailOutcome, JobState, timeout_error, truncate_utf8_end
 from relay.util.log import event
 
 log = logging.getLogger("relay.worker")  # the worker's: its parts log as the worker does
@@ -73,7 +73,17 @@ def _is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+class JobTimedOut(Exception):
+    """The handler ran past the job's execution timeout (``timeout_ms``): it was cancelled,
+    and the attempt fails with the error the server gives a timed-out lease."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        super().__init__(timeout_error(timeout_ms))
+
+
 def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, JobTimedOut):
+        return str(exc)  # "timed out after N ms", as the server's reaper writes it
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -200,11 +210,21 @@ class WorkerJobs:
         job = running.job
         handler = self._handlers.get(job.queue, self._default)
         outcome: tuple[str, Any] = ("cancelled", None)
+        timeout = job.timeout_ms
         with running.scope:
             try:
                 if handler is None:
                     raise PermanentError(f"no handler for queue {job.queue}")
-                outcome = ("ok", await self._call(handler, job))
+                if timeout is None:
+                    outcome = ("ok", await self._call(handler, job))
+                else:
+                    # The job's execution timeout, from when this worker got it (a little
+                    # after the server's start of the attempt, whose deadline allows a
+                    # grace for the fail below: model.TIMEOUT_GRACE_MS).
+                    with trio.move_on_after(timeout / 1000) as limit:
+                        outcome = ("ok", await self._call(handler, job))
+                    if limit.cancelled_caught:
+                        raise JobTimedOut(timeout)
             except Exception as exc:
                 outcome = ("error", exc)
         # From here on a refused renewal is about a token this job is done with.

@@ -107,6 +107,19 @@ async def test_submit_reads_the_payload_from_stdin_and_prints_json(address, clie
     assert job.payload == {"report": [1, 2, 3]} and job.state == JobState.PENDING
 
 
+async def test_submit_with_a_timeout_and_inspect_shows_it(address, client):
+    result = await relay_trio("submit", "reports", "--payload", "1", "--timeout-ms", "90000",
+                              address=address)  # fmt: skip
+    assert result.code == 0, result
+    job_id = result.stdout.split()[0]
+    assert (await client.inspect(job_id)).timeout_ms == 90_000
+    panel = await relay_trio("inspect", job_id, address=address)
+    assert "timeout" in panel.stdout and "1m 30s per attempt" in panel.stdout
+    bad = await relay_trio("submit", "reports", "--payload", "1", "--timeout-ms", "0",
+                           address=address)  # fmt: skip
+    assert bad.code == 2 and "--timeout-ms" in bad.stderr and "Traceback" not in bad.stderr
+
+
 async def test_inspect_shows_the_job_as_a_panel_and_as_json(address, client):
     job_id = await make_dead(client, "payments", "card declined")
     panel = await relay_trio("inspect", job_id, address=address)

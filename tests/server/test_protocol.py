@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from relay.protocol import wire
+from relay.protocol.model import TIMEOUT_GRACE_MS
 from relay.server.requests.longpoll import PARKED_PER_CONNECTION
 from relay.util.log import SUMMARY_INTERVAL_S
 from tests import pg
@@ -339,6 +340,31 @@ async def test_a_bad_unique_key_is_refused_and_makes_no_job(client, fields, fiel
     assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
     assert field in reply["error"]["message"]
     assert (await queue_stats(client, "q"))["ready"] == 0
+
+
+async def test_a_lease_of_a_job_with_a_timeout_says_so_and_ends_by_its_deadline(client):
+    job_id = await submit(client, "q", 1, timeout_ms=5_000)
+    assert (await inspect(client, job_id))["timeout_ms"] == 5_000
+    before = int(time.time() * 1000)
+    [job] = (await client.ok("lease", queues=["q"], worker_id=W, lease_ms=600_000))["jobs"]
+    after = int(time.time() * 1000)
+    assert job["job_id"] == job_id and job["timeout_ms"] == 5_000
+    grace = TIMEOUT_GRACE_MS
+    assert before + 5_000 + grace <= job["lease_expires_at"] <= after + 5_000 + grace
+    renewed = await client.ok(
+        "renew", job_id=job_id, worker_id=W, token=job["token"], lease_ms=600_000
+    )
+    assert renewed["lease_expires_at"] == job["lease_expires_at"]
+    plain = await submit(client, "p", 1)
+    [other] = (await client.ok("lease", queues=["p"], worker_id=W, lease_ms=600_000))["jobs"]
+    assert other["job_id"] == plain and "timeout_ms" not in other
+
+
+@pytest.mark.parametrize("value", [0, -1, 7 * 24 * 3_600_000 + 1, "10", 1.5])
+async def test_a_bad_timeout_is_refused(client, value):
+    reply = await client.request("submit", queue="q", payload=1, timeout_ms=value)
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    assert "timeout_ms" in reply["error"]["message"]
 
 
 async def test_concurrent_duplicate_submits_create_one_job(server):

@@ -14,7 +14,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
-from relay.protocol.model import ErrorEntry, SubmitSpec
+from relay.protocol.model import ErrorEntry, SubmitSpec, parse_job_id
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import schema as schema_module
 from relay.store.postgres.schema import SCHEMA_VERSION, migrate
@@ -149,14 +149,30 @@ def test_three_stores_opening_together_all_open(url):
 def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url, monkeypatch):
     # The schema as the code of version 1 made it (its migration is never edited), with
     # rows of every kind, among them an error history (a lease expired on its last attempt).
+    # (Written as version 1's reaper wrote them: today's claims read later columns.)
     with monkeypatch.context() as old_code:
         old_code.setattr(schema_module, "SCHEMA_VERSION", 1)
         store = PostgresStore.open(url)
         specs = [SubmitSpec("q", '{"n": 1}', max_attempts=1), SubmitSpec("q", '{"n": 2}')]
         dead, ready = (r.job_id for r in store.jobs_submit(specs, T0))
-        claimed = store.jobs_claim(["q"], "w1", 1, 1_000, T0)
-        assert [lease.job_id for lease in claimed] == [dead]
-        store.leases_reap_expired(T0 + 1_000, 10)
+        key = parse_job_id(dead)
+        with store._db.transaction():
+            store._db.execute(
+                "UPDATE jobs SET state = 'dead', attempt = 1, finished_at = %s, "
+                "last_error = 'lease expired', lease_token = 't', lease_worker = 'w1', "
+                "lease_expires_at = %s WHERE id = %s",
+                (T0 + 1_000, T0 + 1_000, key),
+            )
+            store._db.execute(
+                "INSERT INTO job_errors (job_id, attempt, error, at) "
+                "VALUES (%s, 1, 'lease expired', %s)",
+                (key, T0 + 1_000),
+            )
+            store._db.execute(
+                "INSERT INTO job_counts (slot, queue, state, n) VALUES (0, 'q', 'ready', -1), "
+                "(0, 'q', 'dead', 1) ON CONFLICT (slot, queue, state) "
+                "DO UPDATE SET n = job_counts.n + EXCLUDED.n"
+            )
         store.close()
     with psycopg.connect(url, autocommit=True) as conn:
         assert conn.execute(
@@ -203,11 +219,33 @@ def test_a_version_3_schema_migrates_to_unique_keys_and_keeps_its_jobs(url, monk
     store = PostgresStore.open(url)
     try:
         meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
         assert store.job_inspect(old.job_id).state == "ready"
         [first] = store.jobs_submit([SubmitSpec("q", "1", unique_key="u")], T0)
         [again] = store.jobs_submit([SubmitSpec("q", "2", unique_key="u")], T0)
         assert (again.job_id, again.duplicate) == (first.job_id, True)
+    finally:
+        store.close()
+
+
+def test_a_version_4_schema_migrates_to_execution_timeouts_and_keeps_its_jobs(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 4)
+        store = PostgresStore.open(url)
+        [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
+        assert store.job_inspect(old.job_id).timeout_ms is None
+        [timed] = store.jobs_submit([SubmitSpec("q", "2", timeout_ms=1_000)], T0)
+        leases = store.jobs_claim(["q"], "w1", 2, 60_000, T0)
+        assert {lease.job_id: lease.timeout_ms for lease in leases} == {
+            old.job_id: None,
+            timed.job_id: 1_000,
+        }
     finally:
         store.close()
 

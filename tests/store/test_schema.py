@@ -21,7 +21,7 @@ from relay.protocol.errors import (
     SchemaTooNew,
     StoreError,
 )
-from relay.protocol.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec
+from relay.protocol.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec, parse_job_id
 from relay.store import schema
 from relay.store.base import StoreConfig
 from relay.store.schema import (
@@ -392,14 +392,21 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
 ) -> None:
     path = str(tmp_path / "relay.db")
     # The file as the code of version 1 made it: its migration (never edited) and rows of
-    # every kind, among them an error history (a lease that expired on its last attempt).
+    # every kind, among them an error history (a lease that expired on its last attempt),
+    # written as version 1's reaper wrote them (today's claims read later columns).
     with monkeypatch.context() as old_code:
         old_code.setattr(schema, "SCHEMA_VERSION", 1)
         store = SqliteStore.open(path)
         dead, ready = (r.job_id for r in store.jobs_submit([spec(max_attempts=1), spec()], T0))
-        claimed = store.jobs_claim(["q"], "w1", 1, 1_000, T0)
-        assert [lease.job_id for lease in claimed] == [dead]
-        store.leases_reap_expired(T0 + 1_000, 10)
+        store._db.execute(
+            "UPDATE jobs SET state = 'dead', attempt = 1, finished_at = ?, last_error = ?, "
+            "lease_token = 't', lease_worker = 'w1', lease_expires_at = ? WHERE id = ?",
+            (T0 + 1_000, "lease expired", T0 + 1_000, parse_job_id(dead)),
+        )
+        store._db.execute(
+            "INSERT INTO job_errors (job_id, attempt, error, at) VALUES (?, 1, ?, ?)",
+            (parse_job_id(dead), "lease expired", T0 + 1_000),
+        )
         store.close()
     conn = sqlite3.connect(path)
     assert pragma(conn, "user_version") == 1
@@ -690,5 +697,33 @@ def test_a_version_2_file_migrates_to_unique_keys_and_keeps_its_jobs(
         [first] = store.jobs_submit([spec(unique_key="u")], T0)
         [again] = store.jobs_submit([spec(unique_key="u")], T0)
         assert (again.job_id, again.duplicate) == (first.job_id, True)
+    finally:
+        store.close()
+
+
+def test_a_version_3_file_migrates_to_execution_timeouts_and_keeps_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 3)
+        store = SqliteStore.open(path)
+        [old] = store.jobs_submit([spec()], T0)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 3
+    assert "timeout_ms" not in [row[1] for row in conn.execute("PRAGMA table_info(jobs)")]
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert store.job_inspect(old.job_id).timeout_ms is None
+        [timed] = store.jobs_submit([spec(timeout_ms=1_000)], T0)
+        leases = store.jobs_claim(["q"], "w1", 2, 60_000, T0)
+        assert {lease.job_id: lease.timeout_ms for lease in leases} == {
+            old.job_id: None,
+            timed.job_id: 1_000,
+        }
     finally:
         store.close()

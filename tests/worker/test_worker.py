@@ -251,6 +251,42 @@ async def test_permanent_error_is_dead_at_the_first_failure(backend):
     assert [(e.attempt, e.error) for e in view.errors] == [(1, "PermanentError: bad payload")]
 
 
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_handler_past_its_timeout_is_cancelled_and_the_attempt_fails(backend, kind):
+    submitted = await backend.client.submit("q", {}, retries=0, timeout_ms=300)
+    assert (await backend.client.inspect(submitted.job_id)).timeout_ms == 300
+    stopped = threading.Event()
+
+    async def async_handler(job: LeasedJob) -> None:
+        assert job.timeout_ms == 300
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopped.set()
+
+    def handler(job: LeasedJob) -> None:  # a thread cannot be interrupted: it is left
+        stopped.wait(BOUND_S)
+
+    worker = make_worker(backend.target, handler=async_handler if kind == "async" else handler)
+    async with running(worker):
+        view = await wait_for_state(backend.client, submitted.job_id, "dead")
+    stopped.set()
+    assert [(e.attempt, e.error) for e in view.errors] == [(1, "timed out after 300 ms")]
+    assert view.errors[0].traceback is not None and "JobTimedOut" in view.errors[0].traceback
+    assert worker.statistics().failed == 1
+
+
+async def test_a_handler_within_its_timeout_succeeds(backend):
+    submitted = await backend.client.submit("q", {"n": 2}, timeout_ms=int(BOUND_S * 1000))
+
+    async def handler(job: LeasedJob) -> int:
+        return job.payload["n"] * 2
+
+    async with running(make_worker(backend.target, handler=handler)):
+        view = await wait_for_state(backend.client, submitted.job_id, "succeeded")
+    assert view.result == 4 and not view.errors
+
+
 # -- what a failure records and logs ---------------------------------------------------------
 
 

@@ -55,12 +55,13 @@ _INSERT_PLAIN = (
 _INSERT_JOBS = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
     "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
-    "run_at, idempotency_key) "
+    "run_at, idempotency_key, timeout_ms) "
     "SELECT id, queue, state, priority, payload, 0, max_attempts, kind, base_ms, max_ms, "
-    "jitter, %s, ready_at, run_at, key FROM unnest(%s::bigint[], %s::text[], %s::text[], "
-    "%s::int[], %s::text[], %s::int[], %s::text[], %s::bigint[], %s::bigint[], "
-    "%s::boolean[], %s::bigint[], %s::bigint[], %s::text[]) AS t(id, queue, state, "
-    "priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, key)"
+    "jitter, %s, ready_at, run_at, key, timeout FROM unnest(%s::bigint[], %s::text[], "
+    "%s::text[], %s::int[], %s::text[], %s::int[], %s::text[], %s::bigint[], %s::bigint[], "
+    "%s::boolean[], %s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS t(id, queue, "
+    "state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, "
+    "key, timeout)"
 )
 # The keys among these that name a job within their window.
 _LIVE_KEYS = (
@@ -245,6 +246,7 @@ class Jobs(PostgresBase):
         """Insert one job per spec, with these ids; return their states."""
         plain = all(
             spec.idempotency_key is None
+            and spec.timeout_ms is None
             and spec.run_at is None
             and not spec.delay_ms
             and spec.backoff is DEFAULT_BACKOFF
@@ -297,6 +299,7 @@ class Jobs(PostgresBase):
                     None if spec.idempotency_key is None else encode_text(spec.idempotency_key)
                     for spec in specs
                 ],
+                [spec.timeout_ms for spec in specs],
             ),
         )
         return states

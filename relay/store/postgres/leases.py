@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import RelayError
 from relay.protocol.model import (
+    TIMEOUT_GRACE_MS,
     Backoff,
     FailOutcome,
     Lease,
@@ -40,15 +41,18 @@ from relay.store.postgres.sql import atomic, encode_text
 # servers have locked: the only candidates, since within a class the oldest job has both
 # the earliest ready time and the most aging. Each class is an index scan of jobs_ready.
 _CANDIDATES = (
-    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue "
+    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms "
     "FROM unnest(%s::text[]) AS q(queue) CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
-    "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue "
-    "FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
+    "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
+    "timeout_ms FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
     "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
 )
+# A job with an execution timeout gets its attempt's deadline (its expiry is already no
+# later than that: claims.grant).
 _CLAIM = (
     "UPDATE jobs SET state = 'leased', attempt = jobs.attempt + 1, lease_token = v.token, "
-    "lease_worker = v.worker, lease_expires_at = v.expires_at "
+    "lease_worker = v.worker, lease_expires_at = v.expires_at, deadline_at = CASE WHEN "
+    f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
     "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
     "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id "
     "RETURNING jobs.id, jobs.attempt, jobs.max_attempts, jobs.payload"
@@ -57,7 +61,8 @@ _CLAIM = (
 # The columns ``check_lease`` reads, in its order.
 _LEASE_COLUMNS = (
     "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
-    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter"
+    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, "
+    "deadline_at"
 )
 _LEASE_ROW = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = %s FOR UPDATE"
 # In id order: two servers locking the same rows lock them in the same order.
@@ -118,13 +123,15 @@ class Leases(PostgresBase):
         chosen, found = claims_.choose(claims, now, fetch)
         if not found:
             return [[] for _ in claims]
-        granted = claims_.grant(claims, chosen, now)  # per claim: (key, token, worker, expiry)
+        # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 5.
+        granted = claims_.grant(claims, chosen, now, found, 5)
         updates = [update for mine in granted for update in mine]
         leased = {
             key: (attempt, max_attempts, payload)
             for key, attempt, max_attempts, payload in self._write(
                 _CLAIM,
                 (
+                    now,
                     [u[0] for u in updates],
                     [u[1] for u in updates],
                     [encode_text(u[2]) for u in updates],
@@ -137,14 +144,16 @@ class Leases(PostgresBase):
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, priority, _, _, queue = found[key]
+                _, priority, _, _, queue, timeout = found[key]
                 attempt, max_attempts, payload = leased[key]
                 leases.append(
                     Lease(
                         f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
-                        token, expires_at,
+                        token, expires_at, timeout,
                     )
                 )  # fmt: skip
+                if timeout is not None:
+                    self.changes.expiry(expires_at)  # (perhaps before the claim's, below)
                 per_queue[queue] = per_queue.get(queue, 0) + 1
             if leases:
                 self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
@@ -178,10 +187,13 @@ class Leases(PostgresBase):
 
     @atomic
     def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
-        """Extend a held lease to now + ``lease_ms``; return the new expiry."""
+        """Extend a held lease to now + ``lease_ms``, or to its attempt's deadline if that
+        comes first (an execution timeout); return the new expiry."""
         row = self._held_lease(job_id, worker_id, token, now, "renew")
         assert row is not None
         expires_at = now + lease_ms
+        if row[12] is not None and row[12] < expires_at:  # no later than its deadline
+            expires_at = row[12]
         self._write("UPDATE jobs SET lease_expires_at = %s WHERE id = %s", (expires_at, row[0]))
         self.changes.expiry(expires_at)
         return expires_at

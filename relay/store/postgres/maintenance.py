@@ -26,15 +26,18 @@ _PROMOTE = (
     "RETURNING jobs.id, jobs.queue, due.state, jobs.attempt, jobs.run_at"
 )
 # An expired lease: ready again from its expiry if attempts are left, else dead. Either
-# way "lease expired" joins the history, and lease_expires_at stays, so that the old
-# token keeps answering lease_expired.
+# way "lease expired" joins the history ("timed out after N ms" for a lease that reached
+# its attempt's deadline: model.timeout_error), and lease_expires_at stays, so that the
+# old token keeps answering lease_expired.
 _REAP = (
-    "WITH expired AS (SELECT id, attempt, max_attempts, lease_expires_at FROM jobs "
+    "WITH expired AS (SELECT id, attempt, max_attempts, lease_expires_at, "
+    "CASE WHEN deadline_at IS NOT NULL AND lease_expires_at >= deadline_at "
+    "THEN 'timed out after ' || timeout_ms || ' ms' ELSE %(error)s END AS error FROM jobs "
     "WHERE state = 'leased' AND lease_expires_at <= %(now)s "
     "ORDER BY lease_expires_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
     "errors AS (INSERT INTO job_errors (job_id, attempt, error, at) "
-    "SELECT id, attempt, %(error)s, %(now)s FROM expired ORDER BY lease_expires_at, id) "
-    "UPDATE jobs SET last_error = %(error)s, "
+    "SELECT id, attempt, error, %(now)s FROM expired ORDER BY lease_expires_at, id) "
+    "UPDATE jobs SET last_error = e.error, "
     "state = CASE WHEN e.attempt < e.max_attempts THEN 'ready' ELSE 'dead' END, "
     "ready_at = CASE WHEN e.attempt < e.max_attempts THEN e.lease_expires_at "
     "ELSE jobs.ready_at END, "

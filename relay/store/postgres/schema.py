@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -161,12 +161,18 @@ def _v4_unique_keys(conn: psycopg.Connection) -> None:
     conn.execute("CREATE INDEX unique_keys_job ON unique_keys (job_id)")
 
 
+def _v5_execution_timeouts(conn: psycopg.Connection) -> None:
+    # As SQLite's version 4: a job's execution timeout and its attempt's deadline.
+    conn.execute("ALTER TABLE jobs ADD COLUMN timeout_ms bigint, ADD COLUMN deadline_at bigint")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
     2: _v2_error_tracebacks,
     3: _v3_job_counts_by_queue,
     4: _v4_unique_keys,
+    5: _v5_execution_timeouts,
 }
 
 

@@ -37,9 +37,9 @@ _new_result = tuple.__new__
 _INSERT_JOBS = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
     "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
-    "run_at, idempotency_key) VALUES {values}"
+    "run_at, idempotency_key, timeout_ms) VALUES {values}"
 )
-_INSERT_JOBS_ROW = "(?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_JOBS_ROW = "(?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 # A job ready at once with the default backoff and no key: seven values, not fourteen.
 _INSERT_PLAIN_JOBS = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
@@ -75,6 +75,7 @@ def _plain(spec: SubmitSpec) -> bool:
     return (
         spec.idempotency_key is None
         and spec.unique_key is None
+        and spec.timeout_ms is None
         and spec.run_at is None
         and not spec.delay_ms
         and spec.backoff is DEFAULT_BACKOFF
@@ -103,11 +104,12 @@ class SqliteJobs(SqliteBase):
         # (_plain, written out by position: this runs per job, and a named tuple's
         # attributes are descriptors, its unpacking an iteration, each dearer than an
         # index. SubmitSpec: queue 0, payload 1, priority 2, delay_ms 3, run_at 4,
-        # max_attempts 5, backoff 6, idempotency_key 7, unique_key 8, unique_for 9.)
+        # max_attempts 5, backoff 6, idempotency_key 7, unique_key 8, unique_for 9,
+        # timeout_ms 10.)
         plain_only = all(
             [
                 s[7] is None and s[4] is None and not s[3] and s[6] is DEFAULT_BACKOFF
-                and s[8] is None
+                and s[8] is None and s[10] is None
                 for s in specs
             ]
         )  # fmt: skip
@@ -163,6 +165,7 @@ class SqliteJobs(SqliteBase):
                 and run_at is None
                 and idempotency_key is None
                 and (backoff is DEFAULT_BACKOFF)
+                and spec[10] is None
             ):  # (_plain, written out)
                 plain.append((key, queue, spec.priority, spec.payload, spec.max_attempts, now, now))
             else:
@@ -171,7 +174,7 @@ class SqliteJobs(SqliteBase):
                         key, queue, state.value, int(spec.priority), spec.payload,
                         spec.max_attempts,
                         backoff.kind, backoff.base_ms, backoff.max_ms, int(backoff.jitter),
-                        now, ready_at, run_at, idempotency_key,
+                        now, ready_at, run_at, idempotency_key, spec[10],
                     )
                 )  # fmt: skip
             result = _new_result(SubmitResult, (f"job_{key:016x}", state, False))

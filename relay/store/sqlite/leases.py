@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import RelayError
 from relay.protocol.model import (
+    TIMEOUT_GRACE_MS,
     Backoff,
     FailOutcome,
     Lease,
@@ -51,7 +52,8 @@ _new_lease = tuple.__new__  # (a NamedTuple's own __new__ is a Python function)
 # A job's lease row: the columns ``check_lease`` reads, in its order, then the backoff.
 _LEASE_COLUMNS = (
     "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
-    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter"
+    "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, "
+    "deadline_at"
 )
 # The same for many jobs, as one row of JSON, without the backoff (what acks need).
 _ACK_ROWS_SQL = (
@@ -69,10 +71,13 @@ _ACK_HELD = (
 _LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
 
 # One statement leases a chunk of jobs, each with its own token, worker and expiry.
+# ?1 is now: a job with an execution timeout gets its attempt's deadline (its expiry,
+# column4, is already no later than that: claims.grant).
 _CLAIM_UPDATE = (
     "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = v.column2, "
-    "lease_worker = v.column3, lease_expires_at = v.column4 FROM (VALUES {values}) AS v "
-    "WHERE jobs.id = v.column1"
+    "lease_worker = v.column3, lease_expires_at = v.column4, deadline_at = CASE WHEN "
+    f"timeout_ms IS NULL THEN NULL ELSE ?1 + timeout_ms + {TIMEOUT_GRACE_MS} END "
+    "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
 )
 _CLAIMED_PAYLOADS_SQL = (
     f"SELECT json_group_array(json_array(id, payload)) FROM jobs WHERE id IN {_JSON_IDS}"
@@ -122,9 +127,10 @@ class SqliteLeases(SqliteBase):
         chosen, found = claims_.choose(claims, now, fetch)
         if not found:
             return [[] for _ in claims]
-        granted = claims_.grant(claims, chosen, now)  # per claim: (key, token, worker, expiry)
+        # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 8.
+        granted = claims_.grant(claims, chosen, now, found, 8)
         updates = [update for mine in granted for update in mine]
-        _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates)
+        _execute_rows(self._db, _CLAIM_UPDATE, "(?, ?, ?, ?)", updates, (now,))
         missing = [key for key in found if found[key][7] is None]
         if missing:  # payloads that did not come with the candidates
             for key, payload in _json_rows(self._db, _CLAIMED_PAYLOADS_SQL, (_json_ids(missing),)):
@@ -135,14 +141,16 @@ class SqliteLeases(SqliteBase):
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, worker, expires_at in mine:
-                _, priority, _, _, queue, attempt, max_attempts, payload = found[key]
+                _, priority, _, _, queue, attempt, max_attempts, payload, timeout = found[key]
                 job_id = f"job_{key:016x}"
                 leases.append(
                     _new_lease(Lease, (
                         job_id, queue, payload, priority, attempt + 1, max_attempts, token,
-                        expires_at,
+                        expires_at, timeout,
                     ))
                 )  # fmt: skip
+                if timeout is not None:
+                    self.changes.expiry(expires_at)  # (perhaps before the claim's, below)
                 per_queue[queue] = per_queue.get(queue, 0) + 1
                 if len(book) < HELD_MAX:
                     book[job_id] = (key, token, worker, expires_at, queue, attempt + 1)
@@ -177,10 +185,13 @@ class SqliteLeases(SqliteBase):
         return check_lease(row, job_id, worker_id, token, now, operation)
 
     def lease_renew(self, job_id: str, worker_id: str, token: str, lease_ms: int, now: int) -> int:
-        """Extend a held lease to now + ``lease_ms``; return the new expiry."""
+        """Extend a held lease to now + ``lease_ms``, or to its attempt's deadline if that
+        comes first (an execution timeout); return the new expiry."""
         row = self._held_lease(job_id, worker_id, token, now, "renew")
         assert row is not None
         expires_at = now + lease_ms
+        if row[12] is not None and row[12] < expires_at:  # no later than its deadline
+            expires_at = row[12]
         self._db.execute("UPDATE jobs SET lease_expires_at = ? WHERE id = ?", (expires_at, row[0]))
         held_id = format_job_id(row[0])
         if (held := self._held.get(held_id)) is not None:

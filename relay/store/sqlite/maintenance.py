@@ -5,7 +5,7 @@ loops (relay/server/services/maintenance.py) sleep until.
 
 from __future__ import annotations
 
-from relay.protocol.model import format_job_id
+from relay.protocol.model import format_job_id, timeout_error
 from relay.store.base import (
     DEAD,
     LEASE_EXPIRED_ERROR,
@@ -26,7 +26,11 @@ from relay.store.sqlite.sql import (
 )
 
 _REAP_READY = (
-    "UPDATE jobs SET state = 'ready', ready_at = v.column2, last_error = ? "
+    "UPDATE jobs SET state = 'ready', ready_at = v.column2, last_error = v.column3 "
+    "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+)
+_REAP_DEAD = (
+    "UPDATE jobs SET state = 'dead', finished_at = ?1, last_error = v.column2 "
     "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
 )
 _DUE_ROWS_SQL = _json_select(
@@ -39,7 +43,7 @@ _DUE_EVENT_ROWS_SQL = _json_select(
     "FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
 )
 _EXPIRED_ROWS_SQL = _json_select(
-    "id, queue, attempt, max_attempts, lease_expires_at",
+    "id, queue, attempt, max_attempts, lease_expires_at, deadline_at, timeout_ms",
     "FROM jobs WHERE state = 'leased' AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?",
 )
 _SUCCEEDED_BEFORE_SQL = _json_select(
@@ -81,30 +85,29 @@ class SqliteMaintenance(SqliteBase):
         """
         rows = _json_rows(self._db, _EXPIRED_ROWS_SQL, (now, limit))
         reaped = []
-        ready: list[tuple[int, int]] = []  # (id, expired at): ready again from its expiry
-        dead: list[int] = []
-        for key, queue, attempt, max_attempts, expired_at in rows:
+        ready: list[tuple[int, int, str]] = []  # (id, expired at, error): ready from expiry
+        dead: list[tuple[int, str]] = []
+        errors: list[tuple[int, int, str, int]] = []
+        for key, queue, attempt, max_attempts, expired_at, deadline_at, timeout_ms in rows:
             self._held.pop(format_job_id(key), None)
             self._count(queue, "expired")
+            error = LEASE_EXPIRED_ERROR
+            if deadline_at is not None and expired_at >= deadline_at:
+                error = timeout_error(timeout_ms)  # its attempt ran out of time
+            errors.append((key, attempt, error, now))
             if attempt < max_attempts:
-                ready.append((key, expired_at))
+                ready.append((key, expired_at, error))
                 state = READY
                 self.changes.ready_queues.add(queue)
             else:
-                dead.append(key)
+                dead.append((key, error))
                 state = DEAD
                 self._count(queue, "dead")
             self._move(queue, LEASED, state)
             reaped.append(Reaped(format_job_id(key), queue, state, attempt))
-        errors = [(key, attempt, LEASE_EXPIRED_ERROR, now) for key, _, attempt, *_ in rows]
         _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", errors)
-        _execute_rows(self._db, _REAP_READY, "(?, ?)", ready, (LEASE_EXPIRED_ERROR,))
-        if dead:
-            self._db.execute(
-                "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ? "
-                f"WHERE id IN {_JSON_IDS}",
-                (now, LEASE_EXPIRED_ERROR, _json_ids(dead)),
-            )
+        _execute_rows(self._db, _REAP_READY, "(?, ?, ?)", ready)
+        _execute_rows(self._db, _REAP_DEAD, "(?, ?)", dead, (now,))
         if self.recording:  # in the order of their expiry (one change per job)
             self.changes.events += [
                 (r.job_id, r.queue, r.state.value, r.attempt, now, "leased") for r in reaped
