@@ -1,9 +1,10 @@
 """What the clients' calls return, as typed values, and a reply's fields made into one.
 
 Frozen attrs classes (``LeasedJob``, the job a worker's handler gets; ``JobView``,
-``Stats``, ``DeadPage``, ``Hello``...), made from a reply's fields by ``structure_reply``
-(which ignores fields it does not know) and ``submit_result``. Used by the async client
-(relay/client/client.py) and the blocking one (relay/client/blocking.py); no I/O.
+``Stats``, ``DeadPage``, ``QueuePage``, ``Hello``...), made from a reply's fields by
+``structure_reply`` (which ignores fields it does not know) and ``submit_result``. Used by
+the async client (relay/client/client.py) and the blocking one (relay/client/blocking.py);
+no I/O.
 """
 
 from __future__ import annotations
@@ -77,6 +78,21 @@ class Stats:
 @attrs.frozen
 class DeadPage:
     jobs: list[JobView]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class QueueInfo:
+    """A queue as ``queue_list`` shows it: its settings and its jobs per state."""
+
+    queue: str
+    paused: bool
+    counts: dict[str, int]
+
+
+@attrs.frozen
+class QueuePage:
+    queues: list[QueueInfo]
     next_cursor: str | None
 
 
