@@ -31,7 +31,14 @@ from typing import Any
 import orjson
 
 from relay.client.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
-from relay.client.replies import JobView, QueuePage, Stats, structure_reply, submit_result
+from relay.client.replies import (
+    JobView,
+    QueuePage,
+    Stats,
+    stats_reply,
+    structure_reply,
+    submit_result,
+)
 from relay.client.tcp import CONNECT_TIMEOUT_S, check_hello_reply, hello_line, hello_read
 from relay.client.tls import client_context, parse_address, uses_tls
 from relay.protocol.errors import ConnectionLost, RelayError, Unavailable, reply_fields
@@ -312,7 +319,7 @@ class BlockingClient:
             fields["limit"] = limit
         if cursor is not None:
             fields["cursor"] = cursor
-        return structure_reply(self.request("stats", **fields), Stats)
+        return stats_reply(self.request("stats", **fields))
 
     def queue_pause(self, queue: str) -> bool:
         """As ``Client.queue_pause``: True (paused)."""

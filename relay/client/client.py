@@ -43,6 +43,7 @@ from relay.client.replies import (
     QueuePage,
     ServerInfo,
     Stats,
+    stats_reply,
     structure_reply,
     submit_result,
 )
@@ -290,7 +291,7 @@ class Client:
             limit=limit,
             cursor=cursor,
         )
-        return structure_reply(reply, Stats)
+        return stats_reply(reply)
 
     async def dead_list(
         self,

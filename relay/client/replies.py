@@ -73,6 +73,9 @@ class Stats:
     # a server that does not page stats).
     next_cursor: str | None = None
     total_queues: int | None = None
+    # The queues of the page that are paused (their entries say ``"paused": true`` on the
+    # wire; here ``queues`` holds only counts), by name.
+    paused: list[str] = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -114,6 +117,18 @@ def structure_reply(data: Any, cls: type) -> Any:
         return _converter.structure(data, cls)
     except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
         raise RelayError(f"unexpected reply from the server: {exc}") from None
+
+
+def stats_reply(reply: dict[str, Any]) -> Any:
+    """A stats reply as ``Stats``: each paused queue's ``"paused": true`` taken out of its
+    counts into ``paused``."""
+    queues = reply.get("queues")
+    paused = []
+    if isinstance(queues, dict):
+        for name, counts in queues.items():
+            if isinstance(counts, dict) and counts.pop("paused", None) is True:
+                paused.append(name)
+    return structure_reply({**reply, "paused": sorted(paused)}, Stats)
 
 
 def submit_result(reply: dict[str, Any]) -> SubmitResult:
