@@ -107,9 +107,9 @@ class SqliteLeases(SqliteBase):
 
         A queue paused (as committed: ``_paused``, settings.py) is left out of every
         claim. The outcome is that of making the claims one after the other: grouped by
-        their set of queues, the groups in the order they first appear (among the claims that ask
-        for at least one job), the claims of a group in the order given; each takes the
-        best jobs the ones before it left.
+        their set of queues, the groups in the order they first appear (among the claims
+        that ask for at least one job), the claims of a group in the order given; each
+        takes the best jobs the ones before it left.
         """
 
         def fetch(queues: tuple[str, ...], wanted: int) -> list:
