@@ -16,7 +16,7 @@ import collections
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import trio
@@ -87,6 +87,7 @@ class TopView:
         self.lagged = 0
         self.status = "connecting"
         self.total_queues: int | None = None  # more queues than the stats page listed
+        self.paused: frozenset[str] = frozenset()  # the stats page's paused queues
 
     def stats(
         self,
@@ -94,11 +95,13 @@ class TopView:
         server: Any,
         oldest_ready_ms: dict[str, int],
         total_queues: int | None = None,
+        paused: Iterable[str] = (),
     ) -> None:
         """The counts of a stats reply: of its first page of queues, of ``total_queues``
-        (None: all of them)."""
+        (None: all of them); which of them are ``paused``."""
         self.queues, self.server, self.oldest_ready_ms = queues, server, oldest_ready_ms
         self.total_queues = total_queues
+        self.paused = frozenset(paused)
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
@@ -146,7 +149,7 @@ class TopView:
         rates = self.rates()
         rows = [
             _QueueRow(name, dict(self.queues.get(name, {})), self.oldest_ready_ms.get(name),
-                      rates.get(name, {}))
+                      rates.get(name, {}), name in self.paused)
             for name in sorted(set(self.queues) | set(rates))
         ]  # fmt: skip
         status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
@@ -168,6 +171,7 @@ class _QueueRow(NamedTuple):
     counts: dict[str, int]
     oldest_ready_ms: int | None
     rates: dict[str, float]
+    paused: bool = False
 
 
 def _layout(
@@ -193,7 +197,7 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
     widths = {header: views.column_width(header, cells) for header, cells in columns.items()}
     widths[views.OLDEST_READY] += 1  # "2m 03s" has a space: one more before it
 
-    names = ["queue", *(row.name for row in rows)]
+    names = ["queue", *(views.marked(row.name, row.paused) for row in rows)]
     longest = max(map(len, names))
     if longest > width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP):
         for state in OPTIONAL_STATES:
@@ -207,7 +211,8 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
         table.add_column(header, justify="right", width=column, no_wrap=True,
                          header_style=views.STATE_STYLES.get(header, ""))  # fmt: skip
     for n, row in enumerate(rows):
-        table.add_row(views.cut_middle(row.name, queue), *(cells[n] for cells in columns.values()))
+        table.add_row(views.queue_cell(row.name, row.paused, queue),
+                      *(cells[n] for cells in columns.values()))  # fmt: skip
     return table
 
 
@@ -339,7 +344,7 @@ async def _follow(client: Client, view: TopView) -> None:
         while True:
             stats = await client.stats(oldest_ready=True)
             more = stats.total_queues if stats.next_cursor is not None else None
-            view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {}, more)
+            view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {}, more, stats.paused)
             view.shorten(await short_ids(view.failure_ids()))
             await trio.sleep(STATS_EVERY_S)
 

@@ -36,7 +36,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from relay.client.client import DeadPage, JobView, Stats
+from relay.client.client import DeadPage, JobView, QueuePage, Stats
 from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
@@ -296,6 +296,25 @@ def short_number(n: int) -> str:
     return str(n)
 
 
+# After a paused queue's name, in the tables of queues (stats, top, queue list).
+PAUSED_MARK = " paused"
+
+
+def queue_cell(name: str, paused: bool, width: int) -> Text:
+    """A queue's cell in a column ``width`` wide: its name (cut in the middle if need be),
+    and PAUSED_MARK after it if it is paused."""
+    if not paused:
+        return Text(cut_middle(name, width))
+    text = Text(cut_middle(name, max(width - len(PAUSED_MARK), 3)))
+    text.append(PAUSED_MARK, style="bold yellow")
+    return text
+
+
+def marked(name: str, paused: bool) -> str:
+    """A queue's name as its cell shows it whole: for the width of the queue column."""
+    return name + PAUSED_MARK if paused else name
+
+
 def count_text(count: int, state: str | None = None) -> Text:
     if count == 0:
         return Text("0", style="dim")
@@ -324,13 +343,14 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
     caption = f"relay-trio {server.version} · up {uptime} · {connections}"
     oldest = stats.oldest_ready_ms or {}
     names = sorted(stats.queues)
+    paused = set(stats.paused)
     rows = []
     for name in names:
         counts = stats.queues[name]
         wait = oldest.get(name)
         rows.append([
             *(count_text(counts.get(state, 0), state) for state in STATES),
-            Text(short_number(sum(counts.values()))),
+            Text(short_number(sum(counts.get(state, 0) for state in STATES))),
             Text("-" if wait is None else short_duration(wait)),
         ])  # fmt: skip
     totals = totals_by_state(stats)
@@ -340,7 +360,9 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
     widths = [column_width(header, [row[i] for row in [*rows, total_row]])
               for i, header in enumerate(headers)]  # fmt: skip
     widths[-1] += 1  # "1d 02h" has a space: one more before it, so it reads as one value
-    labels = [*names, "queue", "total"] if names else ["no jobs yet"]
+    labels = (
+        [*(marked(n, n in paused) for n in names), "queue", "total"] if names else ["no jobs yet"]
+    )
     queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
 
     table = plain_table("Queues", gap=NUMBERS_GAP)
@@ -351,7 +373,7 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
             header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
         )  # fmt: skip
     for name, row in zip(names, rows, strict=True):
-        table.add_row(cut_middle(name, queue), *row)
+        table.add_row(queue_cell(name, name in paused, queue), *row)
     if not names:
         table.add_row(Text("no jobs yet", style="dim"), *("" for _ in headers))
     table.add_section()
@@ -374,6 +396,50 @@ def failed_at(job: JobView) -> int | None:
     if job.finished_at is not None:
         return job.finished_at
     return job.errors[-1].at if job.errors else None
+
+
+def queue_table(page: QueuePage) -> Fitted:
+    """``relay-trio queue list``: one row per queue (those with jobs or settings, by
+    name), whether it is paused, its jobs in each state and their total; below it, the
+    option that gives the next page, if there is one.
+
+    The numbers take about as much room as the stats table's (a count is six cells at
+    most, "paused" six): at 80 columns a queue name of about 20 characters is whole, at
+    120 about 60; a longer one is cut in the middle (``cut_middle``), to QUEUE_MIN at the
+    least."""
+    return Fitted(functools.partial(_queue_layout, page))
+
+
+def _queue_layout(page: QueuePage, width: int) -> RenderableType:
+    queues = page.queues
+    rows = []
+    for info in queues:
+        counts = info.counts
+        rows.append([
+            Text("paused", style="bold yellow") if info.paused else Text("-", style="dim"),
+            *(count_text(counts.get(state, 0), state) for state in STATES),
+            Text(short_number(sum(counts.get(state, 0) for state in STATES))),
+        ])  # fmt: skip
+    headers = ["paused", *STATES, "total"]
+    widths = [column_width(header, [row[i] for row in rows]) for i, header in enumerate(headers)]
+    labels = [info.queue for info in queues] + ["queue"] if queues else ["no queues yet"]
+    queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
+
+    table = plain_table("Queues", gap=NUMBERS_GAP)
+    table.add_column("queue", width=queue, no_wrap=True)
+    for header, column in zip(headers, widths, strict=True):
+        table.add_column(
+            header, justify="right", width=column, no_wrap=True,
+            header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
+        )  # fmt: skip
+    for info, row in zip(queues, rows, strict=True):
+        table.add_row(cut_middle(info.queue, queue), *row)
+    if not queues:
+        table.add_row(Text("no queues yet", style="dim"), *("" for _ in headers))
+    if page.next_cursor is None:
+        return table
+    more = Text(f"next page: --cursor {page.next_cursor}", style="table.caption")
+    return Group(table, more)
 
 
 def dead_table(

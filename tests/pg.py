@@ -98,8 +98,11 @@ def server_url(conninfo: str, schema: str | None = None) -> str:
 
 
 def empty(store: PostgresStore) -> None:
-    """Delete every job (their errors and keys go with them) and every count, and start
-    the ids afresh: two stores emptied alike then give the same calls the same ids."""
+    """Delete every job (their errors and keys go with them), every count and every
+    queue's settings, and start the ids afresh: two stores emptied alike then give the
+    same calls the same ids."""
     store._db.execute("DELETE FROM jobs")
     store._db.execute("DELETE FROM job_counts")
+    store._db.execute("DELETE FROM queue_settings")
     store._db.execute("SELECT setval('job_ids', 1, false)")
+    store.load_counts()  # (and what it knows of paused queues: none now)

@@ -31,7 +31,14 @@ from typing import Any
 import orjson
 
 from relay.client.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
-from relay.client.replies import JobView, Stats, structure_reply, submit_result
+from relay.client.replies import (
+    JobView,
+    QueuePage,
+    Stats,
+    stats_reply,
+    structure_reply,
+    submit_result,
+)
 from relay.client.tcp import CONNECT_TIMEOUT_S, check_hello_reply, hello_line, hello_read
 from relay.client.tls import client_context, parse_address, uses_tls
 from relay.protocol.errors import ConnectionLost, RelayError, Unavailable, reply_fields
@@ -312,7 +319,24 @@ class BlockingClient:
             fields["limit"] = limit
         if cursor is not None:
             fields["cursor"] = cursor
-        return structure_reply(self.request("stats", **fields), Stats)
+        return stats_reply(self.request("stats", **fields))
+
+    def queue_pause(self, queue: str) -> bool:
+        """As ``Client.queue_pause``: True (paused)."""
+        return self.request("queue_pause", queue=queue)["paused"]
+
+    def queue_resume(self, queue: str) -> bool:
+        """As ``Client.queue_resume``: False (not paused)."""
+        return self.request("queue_resume", queue=queue)["paused"]
+
+    def queue_list(self, *, limit: int | None = None, cursor: str | None = None) -> QueuePage:
+        """As ``Client.queue_list``: a page of queues with their settings and counts."""
+        fields: dict[str, Any] = {}
+        if limit is not None:
+            fields["limit"] = limit
+        if cursor is not None:
+            fields["cursor"] = cursor
+        return structure_reply(self.request("queue_list", **fields), QueuePage)
 
 
 def _answer(call: _Call, reply: dict[str, Any]) -> None:

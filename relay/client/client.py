@@ -39,8 +39,11 @@ from relay.client.replies import (
     Hello,
     JobView,
     LeasedJob,
+    QueueInfo,
+    QueuePage,
     ServerInfo,
     Stats,
+    stats_reply,
     structure_reply,
     submit_result,
 )
@@ -296,7 +299,7 @@ class Client:
             limit=limit,
             cursor=cursor,
         )
-        return structure_reply(reply, Stats)
+        return stats_reply(reply)
 
     async def dead_list(
         self,
@@ -322,6 +325,24 @@ class Client:
     ) -> int:
         reply = await self._call("dead_purge", job_id=job_id, queue=queue, all=all or None)
         return reply["count"]
+
+    async def queue_pause(self, queue: str) -> bool:
+        """Pause ``queue``: it takes submits, but no lease takes its jobs until it is
+        resumed (role admin). Returns True (paused). An extension: an older server raises
+        ``UnknownOp``."""
+        return (await self._call("queue_pause", queue=queue))["paused"]
+
+    async def queue_resume(self, queue: str) -> bool:
+        """Resume ``queue``: its ready jobs are leased again (role admin). Returns False
+        (not paused)."""
+        return (await self._call("queue_resume", queue=queue))["paused"]
+
+    async def queue_list(self, *, limit: int | None = None, cursor: str | None = None) -> QueuePage:
+        """A page of at most ``limit`` queues by name (the server's default and most:
+        1,000), those with jobs or settings, after ``cursor`` (the ``next_cursor`` of the
+        page before): each with ``paused`` and its jobs per state."""
+        reply = await self._call("queue_list", limit=limit, cursor=cursor)
+        return structure_reply(reply, QueuePage)
 
 
 def job_fields(
@@ -415,6 +436,8 @@ __all__ = [
     "DeadPage",
     "JobView",
     "LeasedJob",
+    "QueueInfo",
+    "QueuePage",
     "ServerInfo",
     "Stats",
     "job_fields",

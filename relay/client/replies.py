@@ -1,9 +1,10 @@
 """What the clients' calls return, as typed values, and a reply's fields made into one.
 
 Frozen attrs classes (``LeasedJob``, the job a worker's handler gets; ``JobView``,
-``Stats``, ``DeadPage``, ``Hello``...), made from a reply's fields by ``structure_reply``
-(which ignores fields it does not know) and ``submit_result``. Used by the async client
-(relay/client/client.py) and the blocking one (relay/client/blocking.py); no I/O.
+``Stats``, ``DeadPage``, ``QueuePage``, ``Hello``...), made from a reply's fields by
+``structure_reply`` (which ignores fields it does not know) and ``submit_result``. Used by
+the async client (relay/client/client.py) and the blocking one (relay/client/blocking.py);
+no I/O.
 """
 
 from __future__ import annotations
@@ -74,11 +75,29 @@ class Stats:
     # a server that does not page stats).
     next_cursor: str | None = None
     total_queues: int | None = None
+    # The queues of the page that are paused (their entries say ``"paused": true`` on the
+    # wire; here ``queues`` holds only counts), by name.
+    paused: list[str] = attrs.Factory(list)
 
 
 @attrs.frozen
 class DeadPage:
     jobs: list[JobView]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class QueueInfo:
+    """A queue as ``queue_list`` shows it: its settings and its jobs per state."""
+
+    queue: str
+    paused: bool
+    counts: dict[str, int]
+
+
+@attrs.frozen
+class QueuePage:
+    queues: list[QueueInfo]
     next_cursor: str | None
 
 
@@ -100,6 +119,18 @@ def structure_reply(data: Any, cls: type) -> Any:
         return _converter.structure(data, cls)
     except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
         raise RelayError(f"unexpected reply from the server: {exc}") from None
+
+
+def stats_reply(reply: dict[str, Any]) -> Any:
+    """A stats reply as ``Stats``: each paused queue's ``"paused": true`` taken out of its
+    counts into ``paused``."""
+    queues = reply.get("queues")
+    paused = []
+    if isinstance(queues, dict):
+        for name, counts in queues.items():
+            if isinstance(counts, dict) and counts.pop("paused", None) is True:
+                paused.append(name)
+    return structure_reply({**reply, "paused": sorted(paused)}, Stats)
 
 
 def submit_result(reply: dict[str, Any]) -> SubmitResult:

@@ -383,6 +383,42 @@ class Unwatch:
         pass
 
 
+@attrs.frozen
+class QueuePause:
+    """``queue_pause`` / ``queue_resume`` (extensions): one queue, which need not exist."""
+
+    queue: str
+
+    def check(self, limits: Limits) -> None:
+        check_queue("queue", self.queue)
+
+
+@attrs.frozen
+class QueueResume(QueuePause):
+    pass
+
+
+# Queues per queue_list reply at most, and by default: as a stats page.
+QUEUE_LIST_PAGE = STATS_PAGE
+
+
+@attrs.frozen
+class QueueList:
+    """``queue_list`` (an extension): a page of at most ``limit`` queues that hold jobs or
+    have settings, by name, after the queue named ``cursor``."""
+
+    cursor: str | None = None
+    limit: int = QUEUE_LIST_PAGE
+
+    def check(self, limits: Limits) -> None:
+        check_range("limit", self.limit, 1, QUEUE_LIST_PAGE)
+        if self.cursor is not None:
+            try:
+                check_queue("cursor", self.cursor)
+            except BadRequest:
+                raise _bad("cursor", "not a cursor returned by queue_list") from None
+
+
 REQUEST_TYPES: dict[str, type] = {
     "hello": Hello,
     "ping": Ping,
@@ -402,4 +438,7 @@ REQUEST_TYPES: dict[str, type] = {
     "dead_purge": DeadPurge,
     "watch": Watch,
     "unwatch": Unwatch,
+    "queue_pause": QueuePause,
+    "queue_resume": QueueResume,
+    "queue_list": QueueList,
 }

@@ -60,7 +60,12 @@ from relay.server.connections.tls import server_context
 from relay.server.connections.websocket import Origins, accept_websocket, overloaded_response
 from relay.server.core import Core, ServerConfig, describe_db, open_core
 from relay.server.http.dashboard import Dashboard
-from relay.server.http.metrics import MetricsSnapshot, serve_metrics, snapshot_queues
+from relay.server.http.metrics import (
+    MetricsSnapshot,
+    serve_metrics,
+    snapshot_paused,
+    snapshot_queues,
+)
 from relay.server.requests.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.requests.dispatch import VERSION
 from relay.util.log import event
@@ -152,6 +157,7 @@ async def serve(
                 batch_sizes=w.batch_sizes,
                 commit_seconds=w.commit_seconds,
                 store_errors=w.store_errors,
+                paused=snapshot_paused(core.view, queues, config.metrics_max_queues),
             )
 
         async with trio.open_nursery() as transports:

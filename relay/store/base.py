@@ -21,7 +21,13 @@ from typing import Protocol
 import attrs
 import orjson
 
-from relay.protocol.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.protocol.errors import (
+    JobNotFound,
+    LeaseExpired,
+    RelayError,
+    StaleToken,
+    TooManyQueues,
+)
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
 from relay.store.view import QueueView
 
@@ -41,6 +47,29 @@ TOKEN_BYTES = 16
 ERRORS_SHOWN = 32
 # What a job's fields other than its texts add to a reply, roughly: for byte budgets.
 REPLY_OVERHEAD_BYTES = 256
+
+
+# Queues that may have settings (a row of queue_settings) at once. An admin's request
+# makes one, for a queue that need not hold jobs, so they are bounded as queues with jobs
+# are (``max_queues``); a row that holds only defaults (a queue resumed) is deleted.
+MAX_QUEUE_SETTINGS = 10_000
+# Settings read per call of ``queue_settings`` at most (a queue_list page asks fewer).
+SETTINGS_PAGE = 1000
+
+
+def too_many_settings(held: int) -> TooManyQueues:
+    return TooManyQueues(
+        f"{held} queues have settings (max {MAX_QUEUE_SETTINGS}); resume paused queues "
+        "that need it no longer"
+    )
+
+
+@attrs.frozen
+class QueueSettings:
+    """A queue's settings, as kept in queue_settings (the defaults for a queue with none)."""
+
+    queue: str
+    paused: bool = False
 
 
 # The arguments of one claim: queues, worker id, count, lease ms, reply budget in bytes.
@@ -248,8 +277,9 @@ class Store(Protocol):
         now: int,
         max_bytes: int | None = None,
     ) -> list[Lease]:
-        """Lease up to ``count`` ready jobs, best effective priority first, each with a
-        fresh token and its attempt incremented; stops once payloads reach ``max_bytes``."""
+        """Lease up to ``count`` ready jobs of the queues not paused, best effective
+        priority first, each with a fresh token and its attempt incremented; stops once
+        payloads reach ``max_bytes``."""
 
     def jobs_claim_many(self, claims: Sequence[ClaimArgs], now: int) -> list[list[Lease]]:
         """Many claims, with the outcome of making them one after the other, grouped by
@@ -353,6 +383,17 @@ class Store(Protocol):
         """Dead jobs by job id, oldest first (``newest``: newest first), a page of at most
         ``limit`` (and ``max_bytes``, at least one job) after ``cursor``'s job in that
         order, and the cursor of the next page or None."""
+
+    # -- queue settings ----------------------------------------------------------------------
+
+    def queue_pause(self, queue: str, paused: bool, now: int) -> bool:
+        """Pause (no claim leases from it) or resume ``queue``, idempotent, whether or not
+        it holds jobs; return ``paused``. Resuming a paused queue reports its ready jobs as
+        made ready (parked leases wake). Raises ``TooManyQueues`` past MAX_QUEUE_SETTINGS."""
+
+    def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
+        """The settings of up to ``limit`` (at most SETTINGS_PAGE) queues that have any,
+        named after ``after`` (None: from the first), in name order: one range read."""
 
     # -- dead letters ------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import secrets
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
 from relay.protocol.model import TIMEOUT_GRACE_MS, effective_priority
 from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs
@@ -71,6 +72,17 @@ def choose(
                 if len(mine) == count or (max_bytes is not None and size >= max_bytes):
                     break
     return chosen, found
+
+
+def without_paused(claims: Sequence[ClaimArgs], paused: AbstractSet[str]) -> list[ClaimArgs]:
+    """``claims`` with the ``paused`` queues left out of each (a claim left with none asks
+    for nothing: ``choose`` skips it)."""
+    return [
+        claim
+        if paused.isdisjoint(claim[0])
+        else (tuple([q for q in claim[0] if q not in paused]), *claim[1:])
+        for claim in claims
+    ]
 
 
 def grant(

@@ -318,3 +318,25 @@ class DeadPurgeQueue:
 
     def apply(self, store: Store, now: int) -> Any:
         return store.dead_purge_queue(self.queue, self.limit)
+
+
+@attrs.frozen
+class QueuePause:
+    """Pause (``paused``) or resume a queue; answers whether it is paused now."""
+
+    queue: str
+    paused: bool
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.queue_pause(self.queue, self.paused, now)
+
+
+@attrs.frozen
+class QueueSettingsPage:
+    """The settings of up to ``limit`` queues that have any, named after ``after``."""
+
+    after: str | None
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.queue_settings(self.after, self.limit)

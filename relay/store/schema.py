@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -152,12 +152,23 @@ def _v4_execution_timeouts(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN deadline_at INTEGER")
 
 
+def _v5_queue_settings(db: sqlite_utils.Database) -> None:
+    # A queue's settings, one row per queue that has any (a queue may have settings before
+    # it has jobs). Only ``paused`` so far; later settings are columns with defaults, and a
+    # row that holds only defaults is deleted (so the rows are the queues set otherwise).
+    db.execute(
+        "CREATE TABLE queue_settings (queue TEXT PRIMARY KEY, "
+        "paused INTEGER NOT NULL DEFAULT 0, updated_at INTEGER NOT NULL) STRICT"
+    )
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
     2: _v2_error_tracebacks,
     3: _v3_unique_keys,
     4: _v4_execution_timeouts,
+    5: _v5_queue_settings,
 }
 
 

@@ -62,6 +62,9 @@ class QueueView:
         self._names: list[str] = []  # sorted: pages by name, bisect for the cursor
         self._sums: Entry = (0,) * ENTRY_FIELDS  # over every queue
         self.version = 0  # odd while the writer publishes
+        # The queues paused as of the last commit (held jobs or not): one frozenset,
+        # replaced whole by the writer thread (``publish_paused``).
+        self.paused: frozenset[str] = frozenset()
 
     # -- the writer thread ------------------------------------------------------------------
 
@@ -90,6 +93,10 @@ class QueueView:
             self._sums = sums
         finally:
             self.version += 1
+
+    def publish_paused(self, paused: frozenset[str]) -> None:
+        """Set the queues paused (all of them, as committed)."""
+        self.paused = paused
 
     def names_between(self, after: str | None, last: str | None) -> list[str]:
         """The queues named after ``after`` (None: from the first) up to ``last``
@@ -151,6 +158,12 @@ class QueueView:
             rows, next_after = self._page(after, limit, only)
             texts = self._json
             parts = [texts.get(queue) or counts_json(queue, None) for queue, _ in rows]
+            paused = self.paused
+            if paused:  # (a paused queue's entry says so: ``"paused":true`` at its end)
+                parts = [
+                    part[:-1] + b',"paused":true}' if queue in paused else part
+                    for part, (queue, _) in zip(parts, rows, strict=True)
+                ]
             if version == self.version and not version & 1:
                 break
         ready = [queue for queue, entry in rows if entry is not None and entry[_READY]]

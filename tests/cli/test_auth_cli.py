@@ -157,6 +157,21 @@ async def test_submit_with_a_producer_token(address, admin):
     assert view.payload == {"n": 5} and view.state == JobState.READY
 
 
+async def test_queue_pause_needs_an_admin_token_and_queue_list_a_producers(address, admin):
+    await admin.submit("jobs", {"n": 1})
+    refused, listed, paused = await run_all(
+        (("queue", "pause", "jobs"), env_with(address, WORKER)),
+        (("queue", "list", "--json"), env_with(address, PRODUCER)),
+        (("queue", "pause", "other", "--json"), env_with(address, ADMIN)),
+    )
+    assert_one_line_error(refused, "unauthorized", "admin")
+    assert "jobs" in [q["queue"] for q in listed.json()["queues"]]  # (run at once: "other"?)
+    assert paused.json() == {"queue": "other", "paused": True}
+    assert [(q.queue, q.paused) for q in (await admin.queue_list()).queues] == [
+        ("jobs", False), ("other", True),
+    ]  # fmt: skip
+
+
 # -- the server command -----------------------------------------------------------------------
 
 

@@ -164,7 +164,10 @@ async def test_stats_shows_queues_by_state_with_totals(address, client):
     assert "relay-trio 0.1.0" in table.stdout and "connection" in table.stdout
 
     as_json = (await relay_trio("stats", "--json", address=address)).json()
-    assert list(as_json) == ["queues", "server", "oldest_ready_ms", "next_cursor", "total_queues"]
+    assert list(as_json) == [
+        "queues", "server", "oldest_ready_ms", "next_cursor", "total_queues", "paused",
+    ]  # fmt: skip
+    assert as_json["paused"] == []
     assert list(as_json["queues"]) == ["email", "images"]
     assert set(as_json["oldest_ready_ms"]) == {"email"}  # images has no ready job
     assert as_json["queues"]["email"]["ready"] == 3 and as_json["queues"]["images"]["dead"] == 1
@@ -174,6 +177,59 @@ async def test_stats_shows_queues_by_state_with_totals(address, client):
     # Only the queues named (a page of the server's queues by name, else).
     only = (await relay_trio("stats", "--queue", "images", "--json", address=address)).json()
     assert list(only["queues"]) == ["images"] and only["total_queues"] == 2
+
+
+# -- queues -------------------------------------------------------------------------------
+
+
+async def test_queue_pause_then_list_shows_it_paused_and_resume_lets_it_lease(address, client):
+    job_id = (await client.submit("email", {"n": 1})).job_id
+    await client.submit("images", {"n": 2})
+    paused = await relay_trio("queue", "pause", "email", address=address)
+    assert paused.code == 0 and paused.stderr == "", paused
+    assert "paused queue email" in paused.stdout
+    assert await client.lease(["email"], WORKER) == []
+    later = await relay_trio("queue", "pause", "later", "--json", address=address)
+    assert later.json() == {"queue": "later", "paused": True}
+
+    table = await relay_trio("queue", "list", address=address)
+    assert table.code == 0, table
+    lines = table.stdout.splitlines()
+    email = next(line for line in lines if "email" in line).split()
+    assert email == ["email", "paused", "0", "1", "0", "0", "0", "0", "1"]
+    assert next(line for line in lines if "images" in line).split()[1] == "-"
+    assert next(line for line in lines if "later" in line).split()[1] == "paused"
+    as_json = (await relay_trio("queue", "list", "--limit", "2", "--json", address=address)).json()
+    assert [(q["queue"], q["paused"]) for q in as_json["queues"]] == [
+        ("email", True), ("images", False),
+    ]  # fmt: skip
+    assert as_json["queues"][0]["counts"]["ready"] == 1 and as_json["next_cursor"] == "images"
+    rest = await relay_trio("queue", "list", "--cursor", "images", "--json", address=address)
+    assert [q["queue"] for q in rest.json()["queues"]] == ["later"]
+    stats = await relay_trio("stats", address=address)
+    assert "email paused" in stats.stdout and "images paused" not in stats.stdout
+    assert (await relay_trio("stats", "--json", address=address)).json()["paused"] == ["email"]
+
+    resumed = await relay_trio("queue", "resume", "email", address=address)
+    assert resumed.code == 0 and "resumed queue email" in resumed.stdout, resumed
+    assert [job.job_id for job in await client.lease(["email"], WORKER)] == [job_id]
+
+
+async def test_queue_commands_refuse_a_bad_name_or_page_in_one_line(address, client):
+    for args in (["pause", "no spaces"], ["resume", "x" * 129], ["pause"]):
+        result = await relay_trio("queue", *args, address=address)
+        assert_one_line_error(result, code=2)
+    assert_one_line_error(
+        await relay_trio("queue", "pause", "a/b", address=address), "a/b", "queue name", code=2
+    )
+    assert_one_line_error(
+        await relay_trio("queue", "list", "--limit", "0", address=address), "--limit", code=2
+    )
+    assert_one_line_error(
+        await relay_trio("queue", "list", "--cursor", "no spaces", address=address), "cursor",
+        code=2,
+    )  # fmt: skip
+    assert (await client.queue_list()).queues == []  # nothing was paused
 
 
 # -- dead letters -------------------------------------------------------------------------

@@ -244,3 +244,32 @@ def test_top_says_when_it_shows_the_first_page_of_queues():
     assert lines_of(view.render(), 100)[0].endswith("· 1 connection · first 2 of 12000 queues")
     view.stats({"a": zeros}, ServerInfo("0.1.0", 1_000, 1), {})
     assert "first" not in lines_of(view.render(), 100)[0]
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_top_marks_a_paused_queue(width):
+    view = TopView(clock=lambda: 0.0)
+    zeros = dict.fromkeys(views.STATES, 0)
+    queues = {"mail": {**zeros, "ready": 7}, "sms": zeros, QUEUE_40: zeros}
+    view.stats(queues, ServerInfo("0.1.0", 1_000, 1), {}, None, ["mail", QUEUE_40])
+    lines = lines_of(view.render(), width)
+    assert row(lines, "mail ").startswith("mail paused ")
+    assert "7" in row(lines, "mail ").split()
+    assert "paused" not in row(lines, "sms ")
+    assert row(lines, "run-eu").split()[1] == "paused"  # the name cut, never the mark
+    view.stats(queues, ServerInfo("0.1.0", 1_000, 1), {})
+    assert "paused" not in "\n".join(lines_of(view.render(), width))
+
+
+async def test_top_learns_which_queues_are_paused_from_stats(server):
+    view = TopView(clock=lambda: 0.0)
+    host, port = server.handle.address
+    async with relay.open_client(f"{host}:{port}") as client, trio.open_nursery() as nursery:
+        await client.submit("held", {})
+        await client.queue_pause("held")
+        nursery.start_soon(_follow, client, view)
+        with trio.fail_after(BOUND_S):
+            while "held" not in view.paused:  # noqa: ASYNC110 (its stats, a second apart)
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert row(lines_of(view.render(), 80), "held ").startswith("held paused ")

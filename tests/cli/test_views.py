@@ -13,7 +13,7 @@ from hypothesis import given, strategies
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
-from relay.client.client import DeadPage, JobView, ServerInfo, Stats
+from relay.client.client import DeadPage, JobView, QueueInfo, QueuePage, ServerInfo, Stats
 from relay.protocol.model import ID_SEQ_BITS, ErrorEntry, JobState, format_job_id
 from relay_cli import views
 from tests.conftest import T0  # 2026-01-01T00:00:00Z
@@ -252,6 +252,60 @@ def test_stats_table_gives_queue_names_the_room_the_counts_leave(width):
     huge = row(lines, "acme.")
     assert huge.split()[0].endswith(".end") and (QUEUE_128 in huge) == (width == 200)
     assert long_row.split()[1:] == ["0", "250000", "16", "0", "4.00M", "3", "4.25M", "4.2", "s"]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_marks_a_paused_queue_and_keeps_its_counts(width):
+    s = attrs.evolve(
+        stats(email=counts(ready=10), **{QUEUE_40: counts(ready=2, dead=1)}),
+        paused=["email", QUEUE_40],
+    )
+    lines = lines_of(views.stats_table(s), width)
+    email = row(lines, "email")
+    assert "email paused" in email
+    assert [w for w in email.split() if w.isdigit()] == ["0", "10", "0", "0", "0", "0", "10"]
+    long_row = row(lines, "run-eu")
+    assert long_row.split()[1] == "paused"  # cut in the middle, if need be, never the mark
+    if width >= 120:
+        assert QUEUE_40 in long_row
+    total = next(line for line in lines if line.startswith("total"))
+    assert [w for w in total.split() if w.isdigit()] == ["0", "12", "0", "0", "0", "1", "13"]
+    assert "paused" not in "\n".join(lines_of(views.stats_table(stats(email=counts())), width))
+
+
+# -- queue list ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_queue_table_shows_each_queue_paused_or_not_with_its_counts(width):
+    page = QueuePage(
+        queues=[
+            QueueInfo(QUEUE_40, True, counts(ready=3, dead=1)),
+            QueueInfo("email", False, counts(pending=1, ready=12_345_678, succeeded=5)),
+            QueueInfo("later", True, counts()),
+        ],
+        next_cursor=None,
+    )
+    lines = lines_of(views.queue_table(page), width)
+    assert lines[1].split() == ["queue", "paused", *views.STATES, "total"]
+    assert row(lines, "email").split() == ["email", "-", "1", "12.3M", "0", "0", "5", "0", "12.3M"]
+    assert row(lines, "later").split() == ["later", "paused", *["0"] * 7]
+    billing = row(lines, "billing.i").split()
+    assert billing[1:] == ["paused", "0", "3", "0", "0", "0", "1", "4"]
+    # The numbers leave a name of about 20 whole at 80 columns, 40 and more at 120.
+    if width == 80:
+        assert "…" in billing[0] and billing[0].endswith("run-eu")
+    else:
+        assert billing[0] == QUEUE_40
+    assert "next page" not in "\n".join(lines)
+
+
+def test_queue_table_says_where_the_next_page_begins_and_when_there_is_none():
+    page = QueuePage(queues=[QueueInfo("a", False, counts(ready=1))], next_cursor="a")
+    text = "\n".join(lines_of(views.queue_table(page), 80))
+    assert "next page: --cursor a" in text
+    empty = "\n".join(lines_of(views.queue_table(QueuePage(queues=[], next_cursor=None)), 80))
+    assert "no queues yet" in empty
 
 
 def test_stats_table_without_queues_says_so():

@@ -72,6 +72,18 @@ async def test_stats_pages_by_queue_name(bclient):
     assert list(only.queues) == ["b2"] and only.total_queues == 2
 
 
+async def test_pause_list_and_resume_a_queue(bclient):
+    result = await call(bclient.submit, "bp", {})
+    assert await call(bclient.queue_pause, "bp") is True
+    page = await call(bclient.queue_list, limit=5)
+    assert [(q.queue, q.paused, q.counts["ready"]) for q in page.queues] == [("bp", True, 1)]
+    assert page.next_cursor is None
+    assert (await call(bclient.stats)).queues["bp"]["ready"] == 1
+    assert await call(bclient.queue_resume, "bp") is False
+    assert (await call(bclient.queue_list, cursor="bp")).queues == []
+    assert (await call(bclient.inspect, result.job_id)).state == JobState.READY
+
+
 async def test_submit_inspect_stats(bclient):
     result = await call(bclient.submit, "email", {"to": "ada@example.com"})
     assert isinstance(result, SubmitResult)

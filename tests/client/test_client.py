@@ -31,6 +31,8 @@ from relay import (
     NotFound,
     Overloaded,
     QueueFull,
+    QueueInfo,
+    QueuePage,
     RelayError,
     StaleToken,
     Stats,
@@ -396,6 +398,21 @@ async def test_stats_pages_by_queue_name_and_answers_the_queues_asked_for(client
     assert list(rest.queues) == ["p3"] and rest.next_cursor is None
     only = await client.stats(queues=["p3", "none"], oldest_ready=True)
     assert only.queues["none"]["ready"] == 0 and set(only.oldest_ready_ms or {}) == {"p3"}
+
+
+async def test_a_paused_queue_is_listed_and_leases_nothing_until_resumed(client):
+    job_id = (await client.submit("pq", {})).job_id
+    assert await client.queue_pause("pq") is True
+    assert await client.queue_pause("later") is True  # (no jobs yet)
+    assert await client.lease(["pq"], "w") == []
+    page = await client.queue_list(limit=1)
+    assert isinstance(page, QueuePage) and page.next_cursor == "later"
+    assert page.queues == [QueueInfo("later", True, dict.fromkeys(map(str, JobState), 0))]
+    rest = await client.queue_list(cursor=page.next_cursor)
+    assert [(q.queue, q.paused, q.counts["ready"]) for q in rest.queues] == [("pq", True, 1)]
+    assert rest.next_cursor is None
+    assert await client.queue_resume("pq") is False
+    assert [job.job_id for job in await client.lease(["pq"], "w")] == [job_id]
 
 
 async def test_dead_list_pages(client):

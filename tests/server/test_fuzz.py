@@ -450,6 +450,15 @@ OPS: list[tuple[str, dict[str, Field]]] = [
         },
     ),
     ("unwatch", {}),
+    ("queue_pause", {"queue": Field("str", queue_names, required=True, bad=bad_queue_names)}),
+    ("queue_resume", {"queue": Field("str", queue_names, required=True, bad=bad_queue_names)}),
+    (
+        "queue_list",
+        {
+            "cursor": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            "limit": int_field(1, 1000),
+        },
+    ),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 

@@ -351,6 +351,26 @@ async def test_metrics_lists_every_metric_and_follows_traffic(server: RunningSer
             await trio.sleep(0.02)
 
 
+async def test_the_paused_gauge_follows_pause_and_resume(server: RunningServer, client):
+    await submit(client, "m")
+    await submit(client, "n")
+    await client.ok("queue_pause", queue="m")
+    await client.ok("queue_pause", queue="empty")  # (no jobs: a series all the same)
+    text, samples = await scrape(server)
+    assert re.search(r"^# TYPE relay_queue_paused gauge$", text, re.M)
+    paused = {k: v for k, v in samples.items() if k.startswith("relay_queue_paused")}
+    assert paused == {
+        'relay_queue_paused{queue="empty"}': 1.0,
+        'relay_queue_paused{queue="m"}': 1.0,
+        'relay_queue_paused{queue="n"}': 0.0,
+    }
+    await client.ok("queue_resume", queue="m")
+    await client.ok("queue_resume", queue="empty")
+    samples = (await scrape(server))[1]
+    assert samples['relay_queue_paused{queue="m"}'] == 0.0
+    assert 'relay_queue_paused{queue="empty"}' not in samples
+
+
 async def test_metrics_endpoint_healthz_and_unknown_path(server: RunningServer):
     assert server.handle.metrics_address is not None
     status, _ = await http_get(server.handle.metrics_address, "/healthz")

@@ -27,7 +27,7 @@ from relay.server.requests.longpoll import PARKED_PER_CONNECTION
 from relay.util.log import SUMMARY_INTERVAL_S
 from tests import pg
 from tests.conftest import assert_abbreviated_as_git_does, common_start
-from tests.server.conftest import LineClient, RunningServer, logged, start_server
+from tests.server.conftest import LineClient, RunningServer, logged, start_server, writer_barrier
 from tests.worker.helpers import serving
 
 STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
@@ -1008,6 +1008,88 @@ async def test_dead_purge_one_job_and_whole_queue(client):
         assert (await client.error("inspect", job_id=job_id))["code"] == "not_found"
     assert (await queue_stats(client, "dq"))["dead"] == 0
     assert (await client.ok("dead_list", queue="dq"))["jobs"] == []
+
+
+# -- queue_pause / queue_resume / queue_list (extensions) -----------------------------------
+
+
+async def test_a_paused_queue_takes_submits_but_leases_none_until_resumed(client):
+    reply = await client.ok("queue_pause", queue="pz")
+    assert set(reply) == {"id", "ok", "queue", "paused"}
+    assert (reply["queue"], reply["paused"]) == ("pz", True)
+    job_id = await submit(client, "pz")
+    other = await submit(client, "open")
+    reply = await client.ok("lease", queues=["pz", "open"], worker_id=W, count=5)
+    assert [j["job_id"] for j in reply["jobs"]] == [other]
+    assert (await inspect(client, job_id))["state"] == "ready"
+    reply = await client.ok("queue_resume", queue="pz")
+    assert (reply["queue"], reply["paused"]) == ("pz", False)
+    assert (await lease_one(client, "pz"))["job_id"] == job_id
+
+
+async def test_pause_and_resume_are_idempotent_and_need_no_jobs(client):
+    for _ in range(2):
+        assert (await client.ok("queue_pause", queue="nothing.yet"))["paused"] is True
+    for _ in range(2):
+        assert (await client.ok("queue_resume", queue="nothing.yet"))["paused"] is False
+    error = assert_error(await client.request("queue_pause", queue="no spaces"), "bad_request")
+    assert "queue" in error["message"]
+    assert_error(await client.request("queue_pause"), "bad_request")
+
+
+async def test_a_long_poll_parked_on_a_paused_queue_stays_parked_and_wakes_on_resume(
+    server, client
+):
+    async with connected(server) as admin:
+        await admin.ok("queue_pause", queue="pz")
+        request_id = await client.send("lease", queues=["pz"], worker_id=W, wait_ms=30_000)
+        await writer_barrier(client)  # (the lease has found nothing and parked)
+        job_id = await submit(admin, "pz", "held")
+        # The submit's commit woke the lease; its claim finds the queue paused, and it
+        # parks again: no answer, for many times what a woken claim takes.
+        with trio.move_on_after(0.5):
+            early = await client.read()
+            pytest.fail(f"a lease was answered while its queue was paused: {early!r}")
+        assert (await inspect(admin, job_id))["state"] == "ready"
+        await admin.ok("queue_resume", queue="pz")
+        with trio.fail_after(5):
+            reply = await client.read()
+    assert reply["id"] == request_id
+    assert [j["job_id"] for j in reply["jobs"]] == [job_id]
+
+
+async def test_stats_marks_a_paused_queue_and_only_that_one(client):
+    await submit(client, "a")
+    await submit(client, "b")
+    await client.ok("queue_pause", queue="b")
+    queues = (await client.ok("stats"))["queues"]
+    assert "paused" not in queues["a"]
+    assert queues["b"]["paused"] is True and queues["b"]["ready"] == 1
+    await client.ok("queue_resume", queue="b")
+    assert "paused" not in (await client.ok("stats"))["queues"]["b"]
+
+
+async def test_queue_list_pages_the_queues_with_jobs_or_settings_by_name(client):
+    await make_dead(client, "d", 1)
+    await submit(client, "b")
+    await submit(client, "d")
+    await client.ok("queue_pause", queue="a")  # no jobs
+    await client.ok("queue_pause", queue="d")
+    reply = await client.ok("queue_list", limit=2)
+    assert set(reply) == {"id", "ok", "queues", "next_cursor"}
+    assert [(q["queue"], q["paused"]) for q in reply["queues"]] == [("a", True), ("b", False)]
+    assert reply["queues"][0]["counts"] == dict.fromkeys(STATES, 0)
+    assert reply["queues"][1]["counts"] == {**dict.fromkeys(STATES, 0), "ready": 1}
+    rest = await client.ok("queue_list", limit=2, cursor=reply["next_cursor"])
+    assert [(q["queue"], q["paused"]) for q in rest["queues"]] == [("d", True)]
+    assert rest["queues"][0]["counts"] == {**dict.fromkeys(STATES, 0), "ready": 1, "dead": 1}
+    assert rest["next_cursor"] is None
+    whole = await client.ok("queue_list")
+    assert [q["queue"] for q in whole["queues"]] == ["a", "b", "d"]
+    for fields, name in (({"limit": 0}, "limit"), ({"limit": 1001}, "limit"),
+                         ({"cursor": "x y"}, "cursor")):  # fmt: skip
+        error = assert_error(await client.request("queue_list", **fields), "bad_request")
+        assert name in error["message"]
 
 
 # -- errors ---------------------------------------------------------------------------------

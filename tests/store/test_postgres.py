@@ -557,3 +557,52 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
                 assert "Sort" not in plan, plan
             if statement in reads_sql._DEAD_PAGES.values():  # either order: the index's
                 assert "Sort" not in plan, plan
+
+
+# -- queue settings ----------------------------------------------------------------------
+
+
+def test_a_pause_through_one_server_stops_the_next_claim_of_every_server(servers):
+    a, b = servers(), servers()
+    jobs = [r.job_id for r in a.jobs_submit(specs(3) + specs(1, "other"), T0)]
+    a.queue_pause("q", True, T0)
+    # Server b never heard of it: its next claim reads the setting in its own statement.
+    assert [lease.job_id for lease in b.jobs_claim(["q", "other"], "w", 10, LEASE_MS, T0)] == [
+        jobs[3]
+    ]
+    assert b.jobs_claim(["q"], "w", 10, LEASE_MS, T0) == []
+    # Resumed through b: a's next claim takes them, and b's commit told the others.
+    b.take_changes()
+    b.queue_pause("q", False, T0 + 1)
+    assert b.take_changes().ready_counts == {"q": 3}
+    assert [lease.job_id for lease in a.jobs_claim(["q"], "w", 10, LEASE_MS, T0 + 2)] == jobs[:3]
+
+
+def test_a_resume_notifies_the_other_servers_of_its_ready_jobs(servers, url):
+    from relay.store.postgres import notify
+
+    a = servers()
+    a.jobs_submit(specs(2), T0)
+    a.queue_pause("q", True, T0)
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {notify.CHANNEL}")
+        a.take_changes()  # (what the submit made ready: a writer takes it at its commit)
+        a.begin()
+        a.queue_pause("q", False, T0 + 1)
+        a.commit()
+        notes = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    [changes] = [notify.parse(note, "another server") for note in notes]
+    assert changes.ready_counts == {"q": 2}
+
+
+def test_a_server_learns_of_another_servers_pause_as_it_refreshes_its_counts(servers):
+    a, b = servers(), servers()
+    a.jobs_submit(specs(1), T0)
+    a.queue_pause("q", True, T0)
+    assert a.view.paused == {"q"}
+    assert b.view.paused == frozenset()
+    assert b.counts_refresh(None, 100) is None
+    assert b.view.paused == {"q"}
+    a.queue_pause("q", False, T0)
+    b.counts_refresh(None, 100)
+    assert b.view.paused == frozenset()

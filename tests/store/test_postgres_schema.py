@@ -4,6 +4,7 @@ tables have our names."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -16,11 +17,15 @@ from psycopg.conninfo import make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 from relay.protocol.model import ErrorEntry, SubmitSpec, parse_job_id
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import schema as schema_module
 from relay.store.postgres.schema import SCHEMA_VERSION, migrate
 from tests.conftest import T0
 
-OURS = {"relay_meta", "jobs", "job_errors", "idempotency_keys", "job_counts", "job_ids"}
+OURS = {
+    "relay_meta", "jobs", "job_errors", "idempotency_keys", "job_counts", "queue_settings",
+    "job_ids",
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -55,6 +60,19 @@ def catalog(url: str) -> list[tuple]:
                 "SELECT t::text, xmin::text FROM relay_meta AS t ORDER BY 1"
             ).fetchall()
         return [*relations, *meta]
+
+
+def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 6 ran it: no queue_settings to read,
+    its claims' candidates taken from every queue asked."""
+    old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
+    candidates = re.sub(
+        r"FROM \(SELECT u\.queue .*?\) AS q ",
+        "FROM unnest(%s::text[]) AS q(queue) ",
+        leases_sql._CANDIDATES,
+    )
+    assert "queue_settings" not in candidates
+    old_code.setattr(leases_sql, "_CANDIDATES", candidates)
 
 
 def execute(url: str, *statements: str) -> None:
@@ -152,6 +170,7 @@ def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url,
     # (Written as version 1's reaper wrote them: today's claims read later columns.)
     with monkeypatch.context() as old_code:
         old_code.setattr(schema_module, "SCHEMA_VERSION", 1)
+        before_queue_settings(old_code)
         store = PostgresStore.open(url)
         specs = [SubmitSpec("q", '{"n": 1}', max_attempts=1), SubmitSpec("q", '{"n": 2}')]
         dead, ready = (r.job_id for r in store.jobs_submit(specs, T0))
@@ -210,6 +229,7 @@ def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url,
 def test_a_version_3_schema_migrates_to_unique_keys_and_keeps_its_jobs(url, monkeypatch):
     with monkeypatch.context() as old_code:
         old_code.setattr(schema_module, "SCHEMA_VERSION", 3)
+        before_queue_settings(old_code)
         store = PostgresStore.open(url)
         [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
         store.close()
@@ -231,6 +251,7 @@ def test_a_version_3_schema_migrates_to_unique_keys_and_keeps_its_jobs(url, monk
 def test_a_version_4_schema_migrates_to_execution_timeouts_and_keeps_its_jobs(url, monkeypatch):
     with monkeypatch.context() as old_code:
         old_code.setattr(schema_module, "SCHEMA_VERSION", 4)
+        before_queue_settings(old_code)
         store = PostgresStore.open(url)
         [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
         store.close()
@@ -238,7 +259,7 @@ def test_a_version_4_schema_migrates_to_execution_timeouts_and_keeps_its_jobs(ur
     store = PostgresStore.open(url)
     try:
         meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
         assert store.job_inspect(old.job_id).timeout_ms is None
         [timed] = store.jobs_submit([SubmitSpec("q", "2", timeout_ms=1_000)], T0)
         leases = store.jobs_claim(["q"], "w1", 2, 60_000, T0)
@@ -246,6 +267,36 @@ def test_a_version_4_schema_migrates_to_execution_timeouts_and_keeps_its_jobs(ur
             old.job_id: None,
             timed.job_id: 1_000,
         }
+    finally:
+        store.close()
+
+
+def test_a_version_5_schema_migrates_to_queue_settings_and_keeps_its_jobs(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 5)
+        before_queue_settings(old_code)
+        store = PostgresStore.open(url)
+        specs = [SubmitSpec("q", '{"n": 1}'), SubmitSpec("q", '{"n": 2}')]
+        first, second = (r.job_id for r in store.jobs_submit(specs, T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT value FROM relay_meta WHERE key = 'schema_version'"
+        ).fetchone() == ("5",)
+        assert conn.execute("SELECT to_regclass('queue_settings')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        assert store.job_inspect(first).state == "leased"
+        assert store.job_inspect(second).state == "ready"
+        # The lease taken before the migration is still held, and the queue now pauses.
+        store.queue_pause("q", True, T0 + 1)
+        assert store.jobs_claim(["q"], "w1", 2, 60_000, T0 + 2) == []
+        store.jobs_ack(first, "w1", lease.token, None, T0 + 3)
+        assert store.queue_stats()["q"] == {**store.queue_stats()["q"], "succeeded": 1, "ready": 1}
     finally:
         store.close()
 

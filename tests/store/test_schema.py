@@ -382,6 +382,15 @@ def test_sqlite_header_followed_by_garbage_is_refused_unchanged(tmp_path: Path) 
 # -- migrations ------------------------------------------------------------------------------
 
 
+def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 5 ran it: no queue_settings to read."""
+
+    def no_paused_queues(store: SqliteStore) -> None:
+        store._paused, store._paused_changes = frozenset(), {}
+
+    old_code.setattr(SqliteStore, "_load_paused", no_paused_queues)
+
+
 def test_there_is_a_migration_for_every_version() -> None:
     assert set(MIGRATIONS) == set(range(1, SCHEMA_VERSION + 1))
     assert all(callable(m) for m in MIGRATIONS.values())
@@ -396,6 +405,7 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
     # written as version 1's reaper wrote them (today's claims read later columns).
     with monkeypatch.context() as old_code:
         old_code.setattr(schema, "SCHEMA_VERSION", 1)
+        before_queue_settings(old_code)
         store = SqliteStore.open(path)
         dead, ready = (r.job_id for r in store.jobs_submit([spec(max_attempts=1), spec()], T0))
         store._db.execute(
@@ -426,6 +436,44 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
         [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
         store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
         assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_4_file_migrates_to_queue_settings_and_keeps_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 4)
+        before_queue_settings(old_code)
+        store = SqliteStore.open(path)
+        leased, ready = (r.job_id for r in store.jobs_submit([spec(), spec()], T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 4
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
+    assert "queue_settings" not in tables
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert lease.job_id == leased
+        assert store.job_inspect(leased).state == JobState.LEASED
+        assert store.job_inspect(ready).state == JobState.READY
+        # The new table takes a queue's pause from now on, and keeps it.
+        store.queue_pause("q", True, T0 + 1)
+        assert store.jobs_claim(["q"], "w1", 2, 1_000, T0 + 2) == []
+        store.jobs_ack(leased, "w1", lease.token, None, T0 + 3)
+        assert store.queue_stats()["q"]["succeeded"] == 1
+    finally:
+        store.close()
+    store = SqliteStore.open(path)
+    try:
+        assert store.view.paused == frozenset({"q"})
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
@@ -680,6 +728,7 @@ def test_a_version_2_file_migrates_to_unique_keys_and_keeps_its_jobs(
     path = str(tmp_path / "relay.db")
     with monkeypatch.context() as old_code:
         old_code.setattr(schema, "SCHEMA_VERSION", 2)
+        before_queue_settings(old_code)
         store = SqliteStore.open(path)
         [old] = store.jobs_submit([spec()], T0)
         store.close()
@@ -707,6 +756,7 @@ def test_a_version_3_file_migrates_to_execution_timeouts_and_keeps_its_jobs(
     path = str(tmp_path / "relay.db")
     with monkeypatch.context() as old_code:
         old_code.setattr(schema, "SCHEMA_VERSION", 3)
+        before_queue_settings(old_code)
         store = SqliteStore.open(path)
         [old] = store.jobs_submit([spec()], T0)
         store.close()

@@ -171,6 +171,7 @@ class StoreMachine(RuleBasedStateMachine):
         # Full promote passes so far, and the `now` of the last one.
         self.full_promotes = 0
         self.full_promote_at: int | None = None
+        self.paused: set[str] = set()  # queues no claim takes from
 
     def teardown(self) -> None:
         self.store.close()
@@ -433,7 +434,9 @@ class StoreMachine(RuleBasedStateMachine):
         lease_ms=st.integers(1, 300_000),
     )
     def claim(self, queues: list[str], worker: str, count: int, lease_ms: int) -> None:
-        candidates = sorted(self.ready_jobs(queues), key=self.rank)
+        # A paused queue's ready jobs stay where they are: the others' are the candidates.
+        open_queues = [queue for queue in queues if queue not in self.paused]
+        candidates = sorted(self.ready_jobs(open_queues), key=self.rank)
         leases = self.store.jobs_claim(queues, worker, count, lease_ms, self.now)
         assert len(leases) == min(count, len(candidates))
         # Best effective priority first, then the earliest ready time; among jobs equal in
@@ -441,7 +444,7 @@ class StoreMachine(RuleBasedStateMachine):
         expected_ranks = [self.rank(j) for j in candidates[: len(leases)]]
         for lease in leases:
             job = self.jobs.get(lease.job_id)
-            assert job is not None and job.state is READY and job.queue in queues
+            assert job is not None and job.state is READY and job.queue in open_queues
         assert [self.rank(self.jobs[lease.job_id]) for lease in leases] == expected_ranks
         assert len({lease.job_id for lease in leases}) == len(leases)
         for lease in leases:
@@ -629,6 +632,21 @@ class StoreMachine(RuleBasedStateMachine):
                 job.state = DEAD
                 job.finished_at = self.now
             job.lease_expires_at = None
+
+    @rule(queue=st.sampled_from(QUEUES), paused=st.booleans())
+    def pause(self, queue: str, paused: bool) -> None:
+        # Idempotent; it changes no job (and none of their rows), paused or resumed.
+        before = self.all_rows(), self.store.queue_stats()
+        self.store.take_changes()
+        assert self.store.queue_pause(queue, paused, self.now) is paused
+        woken = self.store.take_changes().ready_counts
+        ready = len(self.ready_jobs([queue]))
+        # Resuming a paused queue wakes as many parked leases as it has ready jobs.
+        resumed = queue in self.paused and not paused
+        assert woken == ({queue: ready} if resumed and ready else {})
+        (self.paused.add if paused else self.paused.discard)(queue)
+        assert (self.all_rows(), self.store.queue_stats()) == before
+        assert self.store.view.paused == self.paused
 
     @precondition(lambda self: any(j.state is LEASED for j in self.jobs.values()))
     @rule()

@@ -75,6 +75,8 @@ class MetricsSnapshot:
     watch_buffered: int = 0  # events waiting in their buffers
     # Transactions the disk refused, by kind ("full", "ioerr"): WriterStatistics.store_errors
     store_errors: dict[str, int] = attrs.Factory(dict)
+    # queue -> 1 if paused, else 0 (``snapshot_paused``)
+    paused: dict[str, int] = attrs.Factory(dict)
 
 
 def snapshot_queues(
@@ -103,6 +105,25 @@ def snapshot_queues(
         for name, n in zip(EVENTS, rest[n_states:], strict=True):
             events[(OTHER_QUEUES, name)] = n
     return queues, events
+
+
+def snapshot_paused(
+    view: QueueView, queues: dict[str, dict[str, int]], max_queues: int
+) -> dict[str, int]:
+    """``relay_queue_paused``'s series: 0 or 1 for each queue ``snapshot_queues`` shows on
+    its own, 1 for a paused queue without jobs while the series stay at most
+    ``max_queues`` (the first by name), and under ``OTHER_QUEUES`` how many other queues
+    are paused (where there are other queues). A set of at most MAX_QUEUE_SETTINGS names,
+    read without a query."""
+    paused = view.paused
+    series = {queue: int(queue in paused) for queue in queues if queue != OTHER_QUEUES}
+    room = max(0, max_queues - len(series))
+    for queue in sorted(paused - series.keys())[:room]:
+        series[queue] = 1
+    others = len(paused - series.keys())
+    if others or OTHER_QUEUES in queues:
+        series[OTHER_QUEUES] = others
+    return series
 
 
 class RenderCache:
@@ -203,6 +224,11 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
             f'relay_queue_jobs{{queue="{queue}",state="{state}"}} {counts.get(state, 0)}\n'
             for state in STATES
         ]
+    lines.append(
+        "# HELP relay_queue_paused Whether the queue is paused (1) or not (0): "
+        "queue_pause.\n# TYPE relay_queue_paused gauge\n"
+    )
+    lines += [f'relay_queue_paused{{queue="{q}"}} {n}\n' for q, n in sorted(s.paused.items())]
     return "".join(lines).encode()
 
 

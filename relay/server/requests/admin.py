@@ -1,5 +1,6 @@
 """The handlers of the requests beside the job flow: inspect, short ids, the dead letters
-(list, retry, purge: of one job, or of a whole queue in chunks), watch and unwatch.
+(list, retry, purge: of one job, or of a whole queue in chunks), the queues (pause,
+resume, list), watch and unwatch.
 
 Rare requests, never on the hot path; ``AdminHandlers`` is a part of the ``Dispatcher``
 (relay/server/requests/dispatch.py), which inherits it as ``SqliteStore`` inherits the store's
@@ -116,6 +117,20 @@ class AdminHandlers:
             # as answered, or shutdown would wait for it until its deadline.
             self.answered(connection, item, trio.current_time())
             connection.reply(data)
+
+    def _queue_pause(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        queue = self._typed(fields, "queue_pause").queue
+        self._queue(connection, (ops.QUEUE_PAUSE, connection, rid, started, (queue, True)))
+
+    def _queue_resume(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        queue = self._typed(fields, "queue_resume").queue
+        self._queue(connection, (ops.QUEUE_RESUME, connection, rid, started, (queue, False)))
+
+    def _queue_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: a page of at most QUEUE_LIST_PAGE queues, each a few hundred
+        # bytes, as a stats page is.
+        r = self._typed(fields, "queue_list")
+        self._queue(connection, (ops.QUEUE_LIST, connection, rid, started, (r.cursor, r.limit)))
 
     def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "watch")

@@ -77,6 +77,10 @@ OP_ROLES: dict[str, Role] = {
     "dead_list": Role.ADMIN,
     "dead_retry": Role.ADMIN,
     "dead_purge": Role.ADMIN,
+    # Extensions: pausing is an admin's; the list shows what stats shows, and the pauses.
+    "queue_pause": Role.ADMIN,
+    "queue_resume": Role.ADMIN,
+    "queue_list": Role.PRODUCER,
 }
 
 ROLES_BY_NAME = {role.label: role for role in Role if role is not Role.NONE}

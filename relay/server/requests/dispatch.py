@@ -123,6 +123,9 @@ class Dispatcher(AdminHandlers):
             "dead_purge": self._dead_purge,
             "watch": self._watch,
             "unwatch": self._unwatch,
+            "queue_pause": self._queue_pause,
+            "queue_resume": self._queue_resume,
+            "queue_list": self._queue_list,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

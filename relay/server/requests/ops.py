@@ -24,6 +24,7 @@ from relay.server.requests.auth import Role
 from relay.store import commands as cmd
 from relay.store.base import READY, REPLY_OVERHEAD_BYTES, Store
 from relay.store.items import Item
+from relay.store.view import STATES
 from relay.util.log import event
 
 log = logging.getLogger("relay.dispatch")
@@ -362,6 +363,45 @@ class _DeadOne(RequestOp):
         return {"count": outcome}
 
 
+class _QueuePause(RequestOp):
+    """``queue_pause`` / ``queue_resume``: args is (queue, paused)."""
+
+    def run(self, store: Store, now: int, args: tuple[str, bool]) -> Any:
+        return store.queue_pause(args[0], args[1], now)
+
+    def fields(self, outcome: bool, args: tuple[str, bool]) -> dict[str, Any]:
+        return {"queue": args[0], "paused": outcome}
+
+
+class _QueueList(RequestOp):
+    """``queue_list``: args is (cursor, limit). The queues that hold jobs (the store's
+    view, as committed) or have settings (read in this transaction), merged by name."""
+
+    def run(self, store: Store, now: int, args: tuple[str | None, int]) -> Any:
+        after, limit = args
+        settings = {s.queue: s for s in store.queue_settings(after, limit + 1)}
+        counted, _ = store.view.page(after, limit + 1)
+        entries = {queue: entry for queue, entry in counted if entry is not None}
+        names = sorted(settings.keys() | entries.keys())
+        more = len(names) > limit
+        names = names[:limit]
+        queues = []
+        for queue in names:
+            entry = entries.get(queue) or (0,) * len(STATES)
+            setting = settings.get(queue)
+            queues.append(
+                {
+                    "queue": queue,
+                    "paused": setting is not None and setting.paused,
+                    "counts": dict(zip(STATES, entry[: len(STATES)], strict=True)),
+                }
+            )
+        return queues, names[-1] if more else None
+
+    def fields(self, outcome: tuple[list, str | None], args: Any) -> dict[str, Any]:
+        return {"queues": outcome[0], "next_cursor": outcome[1]}
+
+
 class _Watch(RequestOp):
     """``watch``: nothing to run; its reply comes after a commit made while recording
     (relay/server/requests/watch.py)."""
@@ -385,3 +425,6 @@ STATS = _Stats("stats")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
 WATCH = _Watch("watch")
+QUEUE_PAUSE = _QueuePause("queue_pause")
+QUEUE_RESUME = _QueuePause("queue_resume")
+QUEUE_LIST = _QueueList("queue_list")

@@ -103,6 +103,11 @@ class PostgresBase(CountsBook):
         self.changes = Changes()
         # Whether transitions append to ``changes.events``; the writer sets it per batch.
         self.recording = False
+        # The queues paused, as this server knows them (for stats and /metrics: a claim
+        # reads the table itself), and the open transaction's pauses and resumes, added
+        # by its commit (settings.py).
+        self._paused_known: set[str] = set()
+        self._paused_changes: dict[str, bool] = {}
         self.load_counts()
 
     def load_counts(self) -> None:
@@ -114,6 +119,13 @@ class PostgresBase(CountsBook):
         ).fetchall()
         self._known = Counter({(queue, state): n for queue, state, n in rows if n})
         self._publish_all({queue for queue, _ in self._known})
+        self._load_paused()
+
+    def _load_paused(self) -> None:
+        """Read which queues are paused (every server's word) into ``view``."""
+        paused = self._db.execute("SELECT queue FROM queue_settings WHERE paused").fetchall()
+        self._paused_known = {queue for (queue,) in paused}
+        self.view.publish_paused(frozenset(self._paused_known))
 
     @property
     def broken(self) -> bool:
@@ -134,6 +146,7 @@ class PostgresBase(CountsBook):
         self._begin_pending = False
         self._moves.clear()
         self._deleted_from.clear()
+        self._paused_changes.clear()
         self._publish()
         self.changes = Changes()
 
@@ -225,6 +238,14 @@ class PostgresBase(CountsBook):
             self._touched.add(queue)
             for state in STATES:
                 known.pop((queue, state), None)
+        if self._paused_changes:
+            for queue, paused in self._paused_changes.items():
+                if paused:
+                    self._paused_known.add(queue)
+                else:
+                    self._paused_known.discard(queue)
+            self._paused_changes.clear()
+            self.view.publish_paused(frozenset(self._paused_known))
         self._publish()
 
     def rollback(self) -> None:
@@ -240,6 +261,7 @@ class PostgresBase(CountsBook):
         self._undo_transaction()
         self._moves.clear()
         self._deleted_from.clear()
+        self._paused_changes.clear()
         self._publish()
 
     def _on_its_own(
@@ -345,7 +367,23 @@ class PostgresBase(CountsBook):
                 known[key] = n
         self._touched.update(gone)
         self._touched.update(page)
+        self._refresh_paused(after, last)
         return last
+
+    def _refresh_paused(self, after: str | None, last: str | None) -> None:
+        """What is known of the paused queues named after ``after`` up to ``last`` (None:
+        to the end), read again: other servers' pauses and resumes reach stats so."""
+        rows = self._read(
+            "SELECT queue FROM queue_settings WHERE paused AND queue > %s "
+            "AND (%s::text IS NULL OR queue <= %s)",
+            (after or "", last, last),
+        ).fetchall()
+        low = after or ""
+        known = {q for q in self._paused_known if not (q > low and (last is None or q <= last))}
+        known.update(queue for (queue,) in rows)
+        if known != self._paused_known:
+            self._paused_known = known
+            self.view.publish_paused(frozenset(known))
 
     def recount(self) -> None:
         """Nothing to do: the counts are rows, written in the same transactions as the jobs

@@ -40,9 +40,13 @@ from relay.store.postgres.sql import atomic, encode_text
 # The oldest ready jobs of each (queue, priority class), locked, skipping the ones other
 # servers have locked: the only candidates, since within a class the oldest job has both
 # the earliest ready time and the most aging. Each class is an index scan of jobs_ready.
+# A queue paused (a row of queue_settings, committed when the statement starts, by any
+# server) is left out before its jobs are looked at: one primary-key probe per queue asked.
 _CANDIDATES = (
     "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms "
-    "FROM unnest(%s::text[]) AS q(queue) CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
+    "FROM (SELECT u.queue FROM unnest(%s::text[]) AS u(queue) WHERE NOT EXISTS "
+    "(SELECT 1 FROM queue_settings s WHERE s.queue = u.queue AND s.paused)) AS q "
+    "CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
     "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
     "timeout_ms FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
     "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -54,7 +54,14 @@ def connection_info(url: str, application: str) -> str:
 # The relations relay-trio creates. Any of them present without our marker in relay_meta
 # means another application's tables: refused, never altered.
 META_TABLE = "relay_meta"
-TABLES = ("jobs", "job_errors", "idempotency_keys", "job_counts", "unique_keys")
+TABLES = (
+    "jobs",
+    "job_errors",
+    "idempotency_keys",
+    "job_counts",
+    "unique_keys",
+    "queue_settings",
+)
 SEQUENCES = ("job_ids",)
 
 _V1 = (
@@ -166,6 +173,17 @@ def _v5_execution_timeouts(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE jobs ADD COLUMN timeout_ms bigint, ADD COLUMN deadline_at bigint")
 
 
+def _v6_queue_settings(conn: psycopg.Connection) -> None:
+    # A queue's settings, one row per queue that has any (a queue may have settings before
+    # it has jobs), shared by every server: a claim reads the rows of the queues it asks
+    # for, by primary key, in its own statement. Only ``paused`` so far; later settings are
+    # columns with defaults, and a row that holds only defaults is deleted.
+    conn.execute(
+        "CREATE TABLE queue_settings (queue text PRIMARY KEY, "
+        "paused boolean NOT NULL DEFAULT false, updated_at bigint NOT NULL)"
+    )
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -173,6 +191,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     3: _v3_job_counts_by_queue,
     4: _v4_unique_keys,
     5: _v5_execution_timeouts,
+    6: _v6_queue_settings,
 }
 
 

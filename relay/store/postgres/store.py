@@ -38,9 +38,10 @@ from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
 from relay.store.postgres.reads import Reads
 from relay.store.postgres.schema import open_connection
+from relay.store.postgres.settings import Settings
 
 
-class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, PostgresBase):
+class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, Settings, PostgresBase):
     """The job store on one PostgreSQL connection, which it owns.
 
     Not thread-safe: exactly one thread (the writer) may call it.

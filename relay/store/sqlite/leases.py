@@ -110,10 +110,11 @@ class SqliteLeases(SqliteBase):
         three when some payloads are large (more than INLINE_PAYLOAD_BYTES) or the claims
         want many jobs (more than INLINE_CANDIDATES candidates).
 
-        The outcome is that of making the claims one after the other: grouped by their set
-        of queues, the groups in the order they first appear (among the claims that ask
-        for at least one job), the claims of a group in the order given; each takes the
-        best jobs the ones before it left.
+        A queue paused (as committed: ``_paused``, settings.py) is left out of every
+        claim. The outcome is that of making the claims one after the other: grouped by
+        their set of queues, the groups in the order they first appear (among the claims
+        that ask for at least one job), the claims of a group in the order given; each
+        takes the best jobs the ones before it left.
         """
 
         def fetch(queues: tuple[str, ...], wanted: int) -> list:
@@ -124,6 +125,8 @@ class SqliteLeases(SqliteBase):
             inline = wanted * len(params) // 3 <= INLINE_CANDIDATES
             return _json_rows(self._db, _claim_candidates_sql(len(queues), inline), params)
 
+        if self._paused:  # (none paused: this one test is all a claim pays for pausing)
+            claims = claims_.without_paused(claims, self._paused)
         chosen, found = claims_.choose(claims, now, fetch)
         if not found:
             return [[] for _ in claims]

@@ -4,7 +4,8 @@ Here: opening and closing, the transactions the writer runs (``begin``, ``comman
 ``commit``, ``rollback``, ``write_mark``) and loading the counts. The transitions live by
 concern: jobs.py (submit), leases.py (claim, renew, ack, fail, release), maintenance.py
 (promote, reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge),
-reads.py (inspect, dead list). Never imports trio; never reads the clock.
+reads.py (inspect, dead list), settings.py (pause, resume, the queues' settings). Never
+imports trio; never reads the clock.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from relay.store.sqlite.jobs import SqliteJobs
 from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
 from relay.store.sqlite.reads import SqliteReads
+from relay.store.sqlite.settings import SqliteSettings
 from relay.store.view import EVENTS, STATES, Entry
 
 
-class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads):
+class SqliteStore(
+    SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads, SqliteSettings
+):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).
 
@@ -57,6 +61,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         self._counts = Counter()
         self._load_counts()
         self._publish_all(())
+        self._load_paused()
         self._held = {}  # the leases granted (SqliteBase, sql.py)
         self.changes = Changes()
         # Whether transitions append to ``changes.events``. Off, they cost one check of
@@ -113,6 +118,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
     def commit(self) -> Changes:
         """Commit; return what changed and start collecting afresh."""
         self._db.execute("COMMIT")
+        self._settle_paused(True)
         journal, self._journal = self._journal, None
         if journal:
             self._forget_empty(journal)
@@ -127,6 +133,7 @@ class SqliteStore(SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, Sqlit
         # generator never goes back); none was committed or answered, so none needs
         # remembering across a restart.
         self._undo_transaction()
+        self._settle_paused(False)
         self._publish()
         self.changes = Changes()
 

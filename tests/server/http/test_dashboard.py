@@ -123,7 +123,7 @@ async def test_page_policy_allows_its_own_script_and_style_and_its_websocket_onl
     assert policy["default-src"] == ["'none'"] and policy["frame-ancestors"] == ["'none'"]
     # Self-contained: nothing to load from anywhere, and a size one can read.
     assert not re.search(rb"\b(src|href)=", body) and b"@import" not in body
-    assert body.count(b"\n") < 500 and b'data-auth="none"' in body
+    assert body.count(b"\n") < 550 and b'data-auth="none"' in body
 
 
 async def test_page_says_wss_when_the_server_has_tls(tmp_path, tls_files):
@@ -565,3 +565,63 @@ async def test_dashboard_says_when_the_websocket_endpoint_is_off(tmp_path, brows
         await see(browser, status_is("off"), "off")
         text = await on_page(lambda: browser.find_element(By.ID, "status").text)
     assert "WebSocket endpoint is off" in text
+
+
+# Per queue row: whether it is marked paused, and its button's action ("" for none).
+PAUSED_JS = """
+const out = {};
+for (const row of document.querySelectorAll("#queues tbody tr")) {
+  const mark = row.querySelector(".paused-mark");
+  const button = row.querySelector("td[data-actions] button");
+  out[row.dataset.queue] = [!!mark && !mark.hidden && mark.offsetParent !== null,
+                            button ? button.dataset.action : ""];
+}
+return out;
+"""
+
+
+async def shows_paused(driver: Any, expected: dict[str, list]) -> None:
+    await see(driver, lambda d: d.execute_script(PAUSED_JS) == expected,
+              f"the queues as {expected}", MOVE_S)  # fmt: skip
+
+
+async def test_dashboard_marks_paused_queues_and_lets_an_admin_pause_and_resume(server, browser):
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        await client.submit("email", {"n": 0})
+        await client.submit("reports", {"n": 0})
+        await client.queue_pause("reports")
+        await open_page(browser, server)
+        await see(browser, status_is("connected"), "connected")
+        await shows_paused(browser, {"email": [False, "pause"], "reports": [True, "resume"]})
+        await shows_stats(browser, client)  # (the counts of a paused queue as any other's)
+
+        await see(browser, click('#queues button[data-queue="email"]'), "pause email")
+        await shows_paused(browser, {"email": [True, "resume"], "reports": [True, "resume"]})
+        assert (await client.stats()).paused == ["email", "reports"]
+        assert await client.lease(["email"], W) == []
+
+        await see(browser, click('#queues button[data-queue="reports"]'), "resume reports")
+        await shows_paused(browser, {"email": [True, "resume"], "reports": [False, "pause"]})
+        assert (await client.stats()).paused == ["email"]
+        assert len(await client.lease(["reports"], W)) == 1
+    assert await on_page(no_console_errors, browser) == []
+
+
+async def test_dashboard_offers_no_pause_to_a_worker(tmp_path, browser):
+    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
+        return await start_server(nursery, db, tokens=TOKENS)
+
+    async with (
+        serving(start, str(tmp_path / "relay.db")) as server,
+        relay.open_client("{}:{}".format(*server.handle.address), token=ADMIN) as client,
+    ):
+        await client.submit("email", {"n": 0})
+        await client.queue_pause("email")
+        await open_page(browser, server)
+        await see(browser, status_is("token"), "the token form")
+        await see(browser, say_token(WORKER), "the form")
+        await see(browser, status_is("connected"), "connected as worker")
+        await shows_paused(browser, {"email": [True, ""]})
+        await see(browser, click("#forget"), "forget")
+        await see(browser, status_is("token"), "the token form again")

@@ -14,6 +14,7 @@ from relay.server.http.metrics import (
     MetricsSnapshot,
     RenderCache,
     render,
+    snapshot_paused,
     snapshot_queues,
 )
 from relay.store.view import EVENTS, QueueView
@@ -122,3 +123,24 @@ def test_the_first_queues_have_series_and_the_others_are_summed_as_other():
     assert events[("_other", "submitted")] == 7 and events[("a", "submitted")] == 1
     queues, _ = snapshot_queues(view, 4)
     assert set(queues) == {"a", "b", "c", "d"}  # all shown: no _other
+
+
+def test_a_paused_queue_has_its_gauge_at_one_and_the_others_at_zero():
+    view = QueueView()
+    width = len(VIEW_STATES) + len(EVENTS)
+    view.publish([(name, (1,) * width) for name in ("a", "b", "c", "d")])
+    view.publish_paused(frozenset({"b", "d", "empty"}))  # ("empty": no jobs)
+    queues, _ = snapshot_queues(view, 10)
+    assert snapshot_paused(view, queues, 10) == {"a": 0, "b": 1, "c": 0, "d": 1, "empty": 1}
+    # At most max_queues series: the rest paused counted under _other.
+    queues, _ = snapshot_queues(view, 2)
+    assert snapshot_paused(view, queues, 2) == {"a": 0, "b": 1, "_other": 2}
+    histogram = Histogram((0.1,)).snapshot()
+    snapshot = MetricsSnapshot(
+        queues=queues, events={}, connections=0, durations={}, batch_sizes=histogram,
+        commit_seconds=histogram, paused=snapshot_paused(view, queues, 2),
+    )  # fmt: skip
+    families = {f.name: f for f in text_string_to_metric_families(render(snapshot).decode())}
+    gauge = families["relay_queue_paused"]
+    assert gauge.type == "gauge"
+    assert {s.labels["queue"]: s.value for s in gauge.samples} == {"a": 0, "b": 1, "_other": 2}

@@ -147,18 +147,23 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "dead_purge": lambda token: {"job_id": JOB},
     "watch": lambda token: {"queues": ["q"]},
     "unwatch": lambda token: {},
+    "queue_pause": lambda token: {"queue": "q"},
+    "queue_resume": lambda token: {"queue": "q"},
+    "queue_list": lambda token: {},
 }
-PRODUCER_OPS = {"hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats"}
+PRODUCER_OPS = {
+    "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
+}  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
 }  # fmt: skip
-ADMIN_OPS = WORKER_OPS | {"dead_list", "dead_retry", "dead_purge"}
+ADMIN_OPS = WORKER_OPS | {"dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume"}
 ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 18
+    assert len(REQUESTS) == 21
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))
@@ -204,6 +209,24 @@ async def test_a_refused_op_changes_nothing(authed):
     assert (await admin.ok("dead_purge", job_id=job_id))["count"] == 1
     for c in (admin, producer, worker):
         await c.aclose()
+
+
+async def test_only_an_admin_pauses_a_queue_and_a_refused_pause_changes_nothing(authed):
+    admin = await authenticate(authed, ADMIN)
+    job_id = (await admin.ok("submit", queue="q", payload=1))["job_id"]
+    for token in (PRODUCER, WORKER):
+        other = await authenticate(authed, token)
+        for op in ("queue_pause", "queue_resume"):
+            error = await other.error(op, queue="q")
+            assert error["code"] == "unauthorized" and "admin" in error["message"], error
+        # Any role may list the queues, as it may read stats.
+        (listed,) = (await other.ok("queue_list"))["queues"]
+        assert (listed["queue"], listed["paused"]) == ("q", False)
+        await other.aclose()
+    worker = await authenticate(authed, WORKER)
+    leased = (await worker.ok("lease", queues=["q"], worker_id="w"))["jobs"]
+    assert [job["job_id"] for job in leased] == [job_id]
+    assert (await admin.ok("queue_pause", queue="q"))["paused"] is True
 
 
 async def test_every_token_the_config_accepts_can_say_hello(tmp_path):

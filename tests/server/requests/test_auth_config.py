@@ -177,13 +177,16 @@ def test_roles_and_the_op_they_need():
     expected = {
         "hello": Role.NONE,
         **dict.fromkeys(
-            ("ping", "submit", "submit_batch", "inspect", "short_ids", "stats"), Role.PRODUCER
+            ("ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list"),
+            Role.PRODUCER,
         ),
         **dict.fromkeys(
             ("lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch"),
             Role.WORKER,
         ),
-        **dict.fromkeys(("dead_list", "dead_retry", "dead_purge"), Role.ADMIN),
+        **dict.fromkeys(
+            ("dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume"), Role.ADMIN
+        ),
     }
     assert dict(OP_ROLES) == expected
     assert required_role("an_op_added_later") is Role.ADMIN
