@@ -103,3 +103,4 @@ def empty(store: PostgresStore) -> None:
     store._db.execute("DELETE FROM jobs")
     store._db.execute("DELETE FROM job_counts")
     store._db.execute("SELECT setval('job_ids', 1, false)")
+    store.load_counts()  # (what it read as it opened, of the jobs deleted, is gone too)

@@ -21,13 +21,18 @@ from typing import Protocol
 import attrs
 import orjson
 
-from relay.protocol.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.protocol.errors import Cancelled, JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
 from relay.store.view import QueueView
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
+CANCELLED = JobState.CANCELLED
 UNFINISHED = (PENDING, READY, LEASED, RETRYING)
+# The states a job may be cancelled from, and those of a job that has not started (which
+# a producer may cancel; the wire's default for a whole queue).
+CANCELLABLE = (PENDING, READY, RETRYING, LEASED)
+NOT_STARTED = (PENDING, READY, RETRYING)
 
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
@@ -125,7 +130,8 @@ def check_lease(
     row: tuple | None, job_id: str, worker_id: str, token: str, now: int, operation: str
 ) -> tuple | None:
     """``row`` if the token and worker hold its unexpired lease; None for an ack repeated
-    with the completing token; else the refusal, raised.
+    with the completing token; else the refusal, raised (``Cancelled`` for the token of a
+    lease its job's cancel voided).
 
     ``row`` is the job's (id, queue, state, attempt, max_attempts, lease_token,
     lease_worker, lease_expires_at, ...), or None if there is no such job.
@@ -141,6 +147,10 @@ def check_lease(
         return row
     if state == SUCCEEDED and operation == "ack":
         return None
+    if state == CANCELLED:
+        # A leased job cancelled keeps its token and worker on the row (job_cancel), and
+        # only then: a job cancelled before it started clears them.
+        raise Cancelled(job_id)
     # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
     # restart recovery): the token held the lease and it expired. The holder's own ack,
     # fail or release clears it: the token no longer holds the current lease.
@@ -306,8 +316,8 @@ class Store(Protocol):
         return how many."""
 
     def jobs_prune(self, now: int, limit: int) -> int:
-        """Delete up to ``limit`` succeeded jobs past retention, and up to ``limit``
-        expired idempotency keys; return the jobs deleted."""
+        """Delete up to ``limit`` succeeded and cancelled jobs past retention, and up to
+        ``limit`` expired idempotency keys; return the jobs deleted."""
 
     def next_due_at(self) -> int | None:
         """The earliest due time of a pending or retrying job, or None."""
@@ -368,3 +378,14 @@ class Store(Protocol):
 
     def dead_purge_queue(self, queue: str, limit: int) -> int:
         """Delete up to ``limit`` dead jobs of ``queue``; return how many."""
+
+    # -- cancel ------------------------------------------------------------------------------
+
+    def job_cancel(self, job_id: str, now: int, leased_ok: bool = True) -> JobState:
+        """Cancel one unfinished job (finished_at ``now``) and return the state it was in;
+        a leased one's lease is void, its token then answered ``Cancelled``. Raises
+        ``JobNotFound``, or ``InvalidState`` if it is finished or (not ``leased_ok``) leased."""
+
+    def job_cancel_queue(self, queue: str, states: Sequence[str], now: int, limit: int) -> int:
+        """Cancel up to ``limit`` jobs of ``queue`` in ``states`` (of ``CANCELLABLE``);
+        return how many (call again while it returns ``limit``)."""

@@ -318,3 +318,22 @@ class DeadPurgeQueue:
 
     def apply(self, store: Store, now: int) -> Any:
         return store.dead_purge_queue(self.queue, self.limit)
+
+
+@attrs.frozen
+class JobCancel:
+    job_id: str
+    leased_ok: bool = True  # False (a producer's cancel): a leased job is refused
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.job_cancel(self.job_id, now, self.leased_ok)
+
+
+@attrs.frozen
+class JobCancelQueue:
+    queue: str
+    states: tuple[str, ...]
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.job_cancel_queue(self.queue, self.states, now, self.limit)

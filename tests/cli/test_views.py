@@ -113,6 +113,7 @@ def test_totals_and_unfinished_count_every_state_over_every_queue():
     s = stats(a=counts(ready=2, dead=1), b=counts(leased=1, succeeded=5, retrying=3))
     assert views.totals_by_state(s) == {
         "pending": 0, "ready": 2, "leased": 1, "retrying": 3, "succeeded": 5, "dead": 1,
+        "cancelled": 0,
     }  # fmt: skip
     assert views.unfinished(s) == 6
     assert views.unfinished(stats()) == 0

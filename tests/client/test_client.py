@@ -380,6 +380,7 @@ async def test_stats_counts_and_server_info(client):
     assert isinstance(stats, Stats) and isinstance(stats.server, ServerInfo)
     assert stats.queues["s1"] == {
         "pending": 1, "ready": 1, "leased": 0, "retrying": 0, "succeeded": 0, "dead": 0,
+        "cancelled": 0,
     }  # fmt: skip
     assert stats.queues["s2"]["succeeded"] == 1 and stats.queues["s2"]["ready"] == 0
     assert stats.server.connections == 1

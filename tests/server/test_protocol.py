@@ -809,6 +809,7 @@ async def test_stats_shape(server, client):
         "retrying": 0,
         "succeeded": 0,
         "dead": 0,
+        "cancelled": 0,
     }
     assert reply["queues"]["s2"]["ready"] == 1
     srv = reply["server"]

@@ -409,7 +409,7 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
 
     store = SqliteStore.open(path)
     try:
-        assert pragma(store._db, "user_version") == SCHEMA_VERSION == 2
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION == 3
         info = store.job_inspect(dead)
         assert (info.state, info.last_error) == (JobState.DEAD, "lease expired")
         assert info.errors == (ErrorEntry(1, "lease expired", T0 + 1_000, None),)
@@ -419,6 +419,10 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
         [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
         store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
         assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+        # (version 3: the index that prunes cancelled jobs)
+        assert store.job_cancel(ready, T0 + 3_000) == JobState.RETRYING
+        indexes = {row[1] for row in store._db.execute("PRAGMA index_list(jobs)")}
+        assert {"jobs_cancelled", "jobs_due_queue"} <= indexes
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
@@ -545,6 +549,7 @@ def test_restart_recovers_every_leased_job_of_a_thousand_and_loses_nothing(
             "retrying": len(failed),
             "succeeded": len(acked),
             "dead": len(dead),
+            "cancelled": 0,
         }
 
         # The wall clock stepped back an hour: new ids still sort after every old one.
