@@ -41,6 +41,7 @@ _EXPORTS = {
     **dict.fromkeys(
         [
             "BadRequest",
+            "Cancelled",
             "ConnectionLost",
             "FrameTooLarge",
             "InternalError",
@@ -66,6 +67,7 @@ _EXPORTS = {
 __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
     "BadRequest",
     "BlockingClient",
+    "Cancelled",
     "Client",
     "ConnectionLost",
     "DeadPage",
@@ -131,6 +133,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from relay.local import open_local
     from relay.protocol.errors import (
         BadRequest,
+        Cancelled,
         ConnectionLost,
         FrameTooLarge,
         InternalError,

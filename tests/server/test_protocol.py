@@ -29,7 +29,7 @@ from tests.conftest import assert_abbreviated_as_git_does, common_start
 from tests.server.conftest import LineClient, RunningServer, logged, start_server
 from tests.worker.helpers import serving
 
-STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
+STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"}
 ADVERTISED_LIMITS = {
     "max_frame_bytes",
     "max_payload_bytes",

@@ -77,6 +77,9 @@ OP_ROLES: dict[str, Role] = {
     "dead_list": Role.ADMIN,
     "dead_retry": Role.ADMIN,
     "dead_purge": Role.ADMIN,
+    # (an extension) A producer may cancel one job that has not started; a leased job, or
+    # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
+    "cancel": Role.PRODUCER,
 }
 
 ROLES_BY_NAME = {role.label: role for role in Role if role is not Role.NONE}

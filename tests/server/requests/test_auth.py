@@ -145,10 +145,13 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "dead_list": lambda token: {},
     "dead_retry": lambda token: {"job_id": JOB},
     "dead_purge": lambda token: {"job_id": JOB},
+    "cancel": lambda token: {"job_id": JOB},
     "watch": lambda token: {"queues": ["q"]},
     "unwatch": lambda token: {},
 }
-PRODUCER_OPS = {"hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats"}
+PRODUCER_OPS = {
+    "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "cancel",
+}  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
 }  # fmt: skip
@@ -158,7 +161,7 @@ ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 18
+    assert len(REQUESTS) == 19
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))

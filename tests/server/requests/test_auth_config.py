@@ -177,7 +177,8 @@ def test_roles_and_the_op_they_need():
     expected = {
         "hello": Role.NONE,
         **dict.fromkeys(
-            ("ping", "submit", "submit_batch", "inspect", "short_ids", "stats"), Role.PRODUCER
+            ("ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "cancel"),
+            Role.PRODUCER,
         ),
         **dict.fromkeys(
             ("lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch"),
