@@ -41,6 +41,15 @@ from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, p
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
+# States whose column a table shows only while some queue has jobs in them: cancelling is
+# rare, and the room is the queue names'. (``--json`` always has every state.)
+SHOWN_IF_ANY: tuple[str, ...] = ("cancelled",)
+
+
+def shown_states(totals: Mapping[str, int]) -> list[str]:
+    """The states whose columns a table shows, given the jobs per state (``totals``)."""
+    return [state for state in STATES if state not in SHOWN_IF_ANY or totals.get(state)]
+
 
 STATE_STYLES: Mapping[str, str] = {
     "pending": "cyan",
@@ -49,6 +58,7 @@ STATE_STYLES: Mapping[str, str] = {
     "retrying": "magenta",
     "succeeded": "green",
     "dead": "red",
+    "cancelled": "dim",
 }
 PRIORITY_STYLES: Mapping[str, str] = {
     "low": "dim",
@@ -164,7 +174,7 @@ def totals_by_state(stats: Stats) -> dict[str, int]:
 
 
 def unfinished(stats: Stats) -> int:
-    """Jobs that are not succeeded or dead yet (pending, ready, leased, retrying)."""
+    """Jobs that have not finished (pending, ready, leased, retrying)."""
     totals = totals_by_state(stats)
     return sum(totals[state] for state in UNFINISHED)
 
@@ -310,9 +320,11 @@ def stats_table(stats: Stats) -> Fitted:
     oldest ready job has waited, and a totals row; the server's version, uptime and
     connections below.
 
-    The eight columns of numbers take 59 to 63 cells (a count is six at most), so at 80
-    columns a queue name of 17 to 21 characters is whole (at 100, 37 to 41; at 120, 57 to
-    61); a longer one is cut in the middle (``cut_middle``), to QUEUE_MIN at the least.
+    The cancelled column is shown only while some queue has cancelled jobs
+    (``SHOWN_IF_ANY``). The eight columns of numbers take 59 to 63 cells (a count is six
+    at most), so at 80 columns a queue name of 17 to 21 characters is whole (at 100, 37 to
+    41; at 120, 57 to 61); a longer one is cut in the middle (``cut_middle``), to
+    QUEUE_MIN at the least.
     """
     return Fitted(functools.partial(_stats_layout, stats))
 
@@ -324,19 +336,20 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
     caption = f"relay-trio {server.version} · up {uptime} · {connections}"
     oldest = stats.oldest_ready_ms or {}
     names = sorted(stats.queues)
+    totals = totals_by_state(stats)
+    states = shown_states(totals)
     rows = []
     for name in names:
         counts = stats.queues[name]
         wait = oldest.get(name)
         rows.append([
-            *(count_text(counts.get(state, 0), state) for state in STATES),
+            *(count_text(counts.get(state, 0), state) for state in states),
             Text(short_number(sum(counts.values()))),
             Text("-" if wait is None else short_duration(wait)),
         ])  # fmt: skip
-    totals = totals_by_state(stats)
-    total_row = [*(count_text(totals[state], state) for state in STATES),
+    total_row = [*(count_text(totals[state], state) for state in states),
                  Text(short_number(sum(totals.values()))), Text("")]  # fmt: skip
-    headers = [*STATES, "total", OLDEST_READY]
+    headers = [*states, "total", OLDEST_READY]
     widths = [column_width(header, [row[i] for row in [*rows, total_row]])
               for i, header in enumerate(headers)]  # fmt: skip
     widths[-1] += 1  # "1d 02h" has a space: one more before it, so it reads as one value

@@ -27,6 +27,10 @@ QUEUE_128 = ("acme." + "eu-west-1.billing." * 7)[:124] + ".end"
 assert (len(QUEUE_40), len(QUEUE_128)) == (40, 128)
 
 
+# The states a table shows while no job is cancelled (the cancelled column comes with one).
+BASE_STATES = [state for state in views.STATES if state not in views.SHOWN_IF_ANY]
+
+
 def render(renderable: RenderableType, width: int = 100) -> str:
     console = Console(file=io.StringIO(), width=width, color_system=None)
     console.print(renderable)
@@ -195,7 +199,7 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     )
     lines = lines_of(views.stats_table(s), width)
     text = "\n".join(lines)
-    for header in (*views.STATES, "queue", "total", "oldest", "ready"):
+    for header in (*BASE_STATES, "queue", "total", "oldest", "ready"):
         assert header in text
     assert "…" not in text  # nothing cut, also in a terminal of 80 columns
     email = row(lines, "email").split()
@@ -209,6 +213,18 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     assert "relay-trio 0.1.0" in text and "up 1h 02m 03s" in text and "2 connections" in text
     # Title, two lines of headers, rule, two queues, the blank line, totals, server.
     assert len(lines) == 9
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_shows_the_cancelled_column_once_some_job_is_cancelled(width):
+    s = stats(email=counts(ready=10, succeeded=5, cancelled=2), other=counts(ready=1))
+    lines = lines_of(views.stats_table(s), width)
+    assert "cancelled" in "\n".join(lines)
+    assert [w for w in row(lines, "email").split() if w.isdigit()] == [
+        "0", "10", "0", "0", "5", "0", "2", "17",
+    ]  # fmt: skip
+    total = next(line for line in lines if line.startswith("total"))
+    assert [w for w in total.split() if w.isdigit()] == ["0", "11", "0", "0", "5", "0", "2", "18"]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -236,7 +252,7 @@ def millions() -> Stats:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_stats_table_gives_queue_names_the_room_the_counts_leave(width):
     lines = lines_of(views.stats_table(millions()), width)
-    assert lines[2].split() == ["queue", *views.STATES, "total", "ready"]  # all whole
+    assert lines[2].split() == ["queue", *BASE_STATES, "total", "ready"]  # all whole
     email = row(lines, "email ").split()
     assert email[1:] == ["0", "1.23M", "0", "0", "999999", "0", "2.23M", "1d", "02h"]
     for shown in ("12.3M", "9.87M", "1.00M", "987G", "70.0M"):
