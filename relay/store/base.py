@@ -183,7 +183,8 @@ class Store(Protocol):
     each call commits on its own, which is what the synchronous unit tests do.
 
     Every method that refuses (a ``RelayError``: ``JobNotFound``, ``StaleToken``,
-    ``LeaseExpired``, ``InvalidState``, ``QueueFull``) does so before it writes anything,
+    ``LeaseExpired``, ``Cancelled``, ``InvalidState``, ``Unauthorized``, ``QueueFull``) does
+    so before it writes anything,
     so a refused call never leaves a partial change behind, even without a savepoint; the
     writer checks this with ``write_mark``. Job ids that do not parse are ``JobNotFound``.
     """
@@ -384,7 +385,8 @@ class Store(Protocol):
     def job_cancel(self, job_id: str, now: int, leased_ok: bool = True) -> JobState:
         """Cancel one unfinished job (finished_at ``now``) and return the state it was in;
         a leased one's lease is void, its token then answered ``Cancelled``. Raises
-        ``JobNotFound``, or ``InvalidState`` if it is finished or (not ``leased_ok``) leased."""
+        ``JobNotFound``, ``InvalidState`` if it is finished, ``Unauthorized`` if it is
+        leased and not ``leased_ok`` (a producer's cancel)."""
 
     def job_cancel_queue(self, queue: str, states: Sequence[str], now: int, limit: int) -> int:
         """Cancel up to ``limit`` jobs of ``queue`` in ``states`` (of ``CANCELLABLE``);
