@@ -277,3 +277,30 @@ def test_a_lease_cancelled_with_its_queue_answers_its_token_cancelled(store):
     with pytest.raises(Cancelled):
         store.jobs_ack(job, "w1", token, None, T0 + 2)
     assert state(store, job) == CANCELLED
+
+
+# -- several servers on one PostgreSQL database ------------------------------------------
+
+
+@pytest.mark.parametrize("store_kind", ["postgres"])  # (one SQLite file has one server)
+def test_a_cancel_through_one_server_voids_a_lease_another_server_granted(stores: Stores):
+    one, other = stores.open("shared"), stores.open("shared")
+    job = submit(one, T0)
+    lease = claim_one(one, T0)
+    assert other.job_cancel(job, T0 + 1) == LEASED
+    with pytest.raises(Cancelled):
+        one.jobs_ack(job, "w1", lease.token, None, T0 + 2)
+    with pytest.raises(Cancelled):
+        one.lease_renew(job, "w1", lease.token, LEASE_MS, T0 + 2)
+    assert state(one, job) == CANCELLED
+    assert one.queue_stats()["q"]["cancelled"] == 1 == other.queue_stats()["q"]["cancelled"]
+    assert one.queue_stats()["q"]["leased"] == 0
+    # Both servers' whole-queue cancels share a queue's jobs, none twice.
+    jobs = [submit(one, T0 + 3) for _ in range(5)]
+    assert (
+        one.job_cancel_queue("q", NOT_STARTED, T0 + 4, 3)
+        + other.job_cancel_queue("q", NOT_STARTED, T0 + 4, 3)
+        == 5
+    )
+    assert {state(one, j) for j in jobs} == {CANCELLED}
+    assert one.queue_stats()["q"]["cancelled"] == 6
