@@ -45,7 +45,7 @@ STATES = [str(state) for state in JobState]
 RATES = (("submitted", "sub/s"), ("succeeded", "ok/s"), ("failed", "fail/s"))
 # The counts left out when the queue names would not fit whole beside them: the rates of
 # submitted and succeeded jobs stay, and ``relay-trio stats`` shows every count.
-OPTIONAL_STATES = ("pending", "succeeded")
+OPTIONAL_STATES = ("pending", "succeeded", "cancelled")
 NO_FAILURES = "none yet"
 
 
@@ -187,9 +187,10 @@ def _layout(
 
 
 def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
+    totals = {state: sum(row.counts.get(state, 0) for row in rows) for state in STATES}
     columns: dict[str, list[Text]] = {
         state: [views.count_text(row.counts.get(state, 0), state) for row in rows]
-        for state in STATES
+        for state in views.shown_states(totals)
     }
     columns[views.OLDEST_READY] = [Text(age(row.oldest_ready_ms)) for row in rows]
     for kind, header in RATES:
@@ -201,7 +202,8 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
     longest = max(map(len, names))
     if longest > width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP):
         for state in OPTIONAL_STATES:
-            del columns[state], widths[state]
+            if state in columns:
+                del columns[state], widths[state]
     queue = views.queue_width(names, width - views.tables_width([0, *widths.values()],
                                                                  views.NUMBERS_GAP))  # fmt: skip
 

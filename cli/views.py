@@ -41,6 +41,15 @@ from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, p
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
+# States whose column a table shows only while some queue has jobs in them: cancelling is
+# rare, and the room is the queue names'. (``--json`` always has every state.)
+SHOWN_IF_ANY: tuple[str, ...] = ("cancelled",)
+
+
+def shown_states(totals: Mapping[str, int]) -> list[str]:
+    """The states whose columns a table shows, given the jobs per state (``totals``)."""
+    return [state for state in STATES if state not in SHOWN_IF_ANY or totals.get(state)]
+
 
 STATE_STYLES: Mapping[str, str] = {
     "pending": "cyan",
@@ -49,6 +58,7 @@ STATE_STYLES: Mapping[str, str] = {
     "retrying": "magenta",
     "succeeded": "green",
     "dead": "red",
+    "cancelled": "dim",
 }
 PRIORITY_STYLES: Mapping[str, str] = {
     "low": "dim",
@@ -164,7 +174,7 @@ def totals_by_state(stats: Stats) -> dict[str, int]:
 
 
 def unfinished(stats: Stats) -> int:
-    """Jobs that are not succeeded or dead yet (pending, ready, leased, retrying)."""
+    """Jobs that have not finished (pending, ready, leased, retrying)."""
     totals = totals_by_state(stats)
     return sum(totals[state] for state in UNFINISHED)
 
@@ -329,9 +339,11 @@ def stats_table(stats: Stats) -> Fitted:
     oldest ready job has waited, and a totals row; the server's version, uptime and
     connections below.
 
-    The eight columns of numbers take 59 to 63 cells (a count is six at most), so at 80
-    columns a queue name of 17 to 21 characters is whole (at 100, 37 to 41; at 120, 57 to
-    61); a longer one is cut in the middle (``cut_middle``), to QUEUE_MIN at the least.
+    The cancelled column is shown only while some queue has cancelled jobs
+    (``SHOWN_IF_ANY``). The eight columns of numbers take 59 to 63 cells (a count is six
+    at most), so at 80 columns a queue name of 17 to 21 characters is whole (at 100, 37 to
+    41; at 120, 57 to 61); a longer one is cut in the middle (``cut_middle``), to
+    QUEUE_MIN at the least.
     """
     return Fitted(functools.partial(_stats_layout, stats))
 
@@ -344,19 +356,20 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
     oldest = stats.oldest_ready_ms or {}
     names = sorted(stats.queues)
     paused = set(stats.paused)
+    totals = totals_by_state(stats)
+    states = shown_states(totals)
     rows = []
     for name in names:
         counts = stats.queues[name]
         wait = oldest.get(name)
         rows.append([
-            *(count_text(counts.get(state, 0), state) for state in STATES),
+            *(count_text(counts.get(state, 0), state) for state in states),
             Text(short_number(sum(counts.get(state, 0) for state in STATES))),
             Text("-" if wait is None else short_duration(wait)),
         ])  # fmt: skip
-    totals = totals_by_state(stats)
-    total_row = [*(count_text(totals[state], state) for state in STATES),
+    total_row = [*(count_text(totals[state], state) for state in states),
                  Text(short_number(sum(totals.values()))), Text("")]  # fmt: skip
-    headers = [*STATES, "total", OLDEST_READY]
+    headers = [*states, "total", OLDEST_READY]
     widths = [column_width(header, [row[i] for row in [*rows, total_row]])
               for i, header in enumerate(headers)]  # fmt: skip
     widths[-1] += 1  # "1d 02h" has a space: one more before it, so it reads as one value
@@ -401,7 +414,8 @@ def failed_at(job: JobView) -> int | None:
 def queue_table(page: QueuePage) -> Fitted:
     """``relay-trio queue list``: one row per queue (those with jobs or settings, by
     name), whether it is paused, its jobs in each state and their total; below it, the
-    option that gives the next page, if there is one.
+    option that gives the next page, if there is one. The cancelled column is shown only
+    while a queue of the page has cancelled jobs (``SHOWN_IF_ANY``), as in ``stats``.
 
     The numbers take about as much room as the stats table's (a count is six cells at
     most, "paused" six): at 80 columns a queue name of about 20 characters is whole, at
@@ -412,15 +426,20 @@ def queue_table(page: QueuePage) -> Fitted:
 
 def _queue_layout(page: QueuePage, width: int) -> RenderableType:
     queues = page.queues
+    totals = dict.fromkeys(STATES, 0)
+    for info in queues:
+        for state in STATES:
+            totals[state] += info.counts.get(state, 0)
+    states = shown_states(totals)  # (cancelled: while the page has some)
     rows = []
     for info in queues:
         counts = info.counts
         rows.append([
             Text("paused", style="bold yellow") if info.paused else Text("-", style="dim"),
-            *(count_text(counts.get(state, 0), state) for state in STATES),
+            *(count_text(counts.get(state, 0), state) for state in states),
             Text(short_number(sum(counts.get(state, 0) for state in STATES))),
         ])  # fmt: skip
-    headers = ["paused", *STATES, "total"]
+    headers = ["paused", *states, "total"]
     widths = [column_width(header, [row[i] for row in rows]) for i, header in enumerate(headers)]
     labels = [info.queue for info in queues] + ["queue"] if queues else ["no queues yet"]
     queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))

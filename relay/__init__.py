@@ -43,6 +43,7 @@ _EXPORTS = {
     **dict.fromkeys(
         [
             "BadRequest",
+            "Cancelled",
             "ConnectionLost",
             "FrameTooLarge",
             "InternalError",
@@ -68,6 +69,7 @@ _EXPORTS = {
 __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
     "BadRequest",
     "BlockingClient",
+    "Cancelled",
     "Client",
     "ConnectionLost",
     "DeadPage",
@@ -137,6 +139,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from relay.local import open_local
     from relay.protocol.errors import (
         BadRequest,
+        Cancelled,
         ConnectionLost,
         FrameTooLarge,
         InternalError,

@@ -105,4 +105,5 @@ def empty(store: PostgresStore) -> None:
     store._db.execute("DELETE FROM job_counts")
     store._db.execute("DELETE FROM queue_settings")
     store._db.execute("SELECT setval('job_ids', 1, false)")
-    store.load_counts()  # (and what it knows of paused queues: none now)
+    store.load_counts()  # (what it read as it opened, of the jobs deleted, is gone; and
+    # what it knows of paused queues: none now)

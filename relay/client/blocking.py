@@ -42,7 +42,7 @@ from relay.client.replies import (
 from relay.client.tcp import CONNECT_TIMEOUT_S, check_hello_reply, hello_line, hello_read
 from relay.client.tls import client_context, parse_address, uses_tls
 from relay.protocol.errors import ConnectionLost, RelayError, Unavailable, reply_fields
-from relay.protocol.model import SubmitResult
+from relay.protocol.model import JobState, SubmitResult
 
 READ_BYTES = 64 * 1024
 
@@ -337,6 +337,17 @@ class BlockingClient:
         if cursor is not None:
             fields["cursor"] = cursor
         return structure_reply(self.request("queue_list", **fields), QueuePage)
+
+    def cancel(self, job_id: str) -> JobState:
+        """As ``Client.cancel``: the state the job was in."""
+        return JobState(self.request("cancel", job_id=job_id)["was"])
+
+    def cancel_queue(self, queue: str, *, states: Sequence[str] | None = None) -> int:
+        """As ``Client.cancel_queue``: how many jobs were cancelled."""
+        fields: dict[str, Any] = {"queue": queue, "all": True}
+        if states is not None:
+            fields["states"] = list(states)
+        return self.request("cancel", **fields)["cancelled"]
 
 
 def _answer(call: _Call, reply: dict[str, Any]) -> None:

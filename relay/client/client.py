@@ -344,6 +344,22 @@ class Client:
         reply = await self._call("queue_list", limit=limit, cursor=cursor)
         return structure_reply(reply, QueuePage)
 
+    async def cancel(self, job_id: str) -> JobState:
+        """Cancel one job that has not finished (an extension op); return the state it was
+        in. A leased job needs an admin token: its worker's next renew, ack or fail is
+        refused with ``Cancelled``. A finished job raises ``InvalidState``."""
+        reply = await self._call("cancel", job_id=job_id)
+        return JobState(reply["was"])
+
+    async def cancel_queue(self, queue: str, *, states: Sequence[str] | None = None) -> int:
+        """Cancel every job of ``queue`` in ``states`` (of pending, ready, retrying, leased;
+        None: the first three, the jobs that have not started); return how many. Needs an
+        admin token; the server works in bounded transactions."""
+        reply = await self._call(
+            "cancel", queue=queue, all=True, states=None if states is None else list(states)
+        )
+        return reply["cancelled"]
+
 
 def job_fields(
     queue: str,

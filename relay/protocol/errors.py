@@ -10,6 +10,8 @@ The tree:
       StaleToken                    stale_token
       LeaseExpired                  lease_expired
       InvalidState                  invalid_state
+      Cancelled                     cancelled    (extension: the token's lease was
+                                                 cancelled with its job)
       Overloaded                    overloaded
       ShuttingDown                  shutting_down
       Unauthorized                  unauthorized
@@ -127,6 +129,19 @@ class InvalidState(RelayError):
         self.operation = operation
 
 
+class Cancelled(RelayError):
+    job_id: str | None = None
+
+    """The token held the job's lease, and the job was cancelled (``cancel``): the lease is
+    void and the work is not wanted. Nothing was changed; stop working on the job."""
+
+    code = "cancelled"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"{job_id} was cancelled: its lease is void, stop working on it")
+        self.job_id = job_id
+
+
 class Overloaded(RelayError):
     code = "overloaded"
 
@@ -235,7 +250,7 @@ ERRORS_BY_CODE: dict[str, type[RelayError]] = {
     cls.code: cls
     for cls in (
         BadRequest, FrameTooLarge, UnknownOp, JobNotFound, StaleToken, LeaseExpired,
-        InvalidState, Overloaded, ShuttingDown, Unauthorized, InternalError, QueueFull,
+        InvalidState, Cancelled, Overloaded, ShuttingDown, Unauthorized, InternalError, QueueFull,
         TooManyQueues, Unavailable,
     )
 }  # fmt: skip

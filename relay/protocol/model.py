@@ -45,10 +45,11 @@ class JobState(enum.StrEnum):
     RETRYING = "retrying"  # failed, waiting for its retry time
     SUCCEEDED = "succeeded"
     DEAD = "dead"
+    CANCELLED = "cancelled"  # (extension) cancelled by a client before it finished
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.DEAD)
+        return self in (JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED)
 
 
 class Priority(enum.IntEnum):

@@ -351,6 +351,49 @@ class DeadPurge(DeadSelect):
     pass
 
 
+# The states a cancel of a whole queue may name, and the ones it takes if it names none:
+# the jobs that have not started (leased ones only when asked for).
+CANCEL_STATES = ("pending", "ready", "retrying", "leased")
+CANCEL_DEFAULT_STATES = ("pending", "ready", "retrying")
+
+
+@attrs.frozen
+class Cancel:
+    """``cancel``, an extension: ``{job_id}``, one job; or ``{queue, all: true, states?}``,
+    every job of a queue in those states (default: those that have not started)."""
+
+    job_id: str | None = None
+    queue: str | None = None
+    all: bool = False
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None:
+            if self.queue is not None or self.all or self.states is not None:
+                raise _bad("job_id", "give job_id, or queue with all: true, not both")
+            check_text("job_id", self.job_id, limits.max_id_bytes)
+            return
+        if self.queue is None:
+            raise _bad("job_id", "required (or queue with all: true)")
+        check_queue("queue", self.queue)
+        if not self.all:
+            raise _bad("all", "must be true to act on a whole queue")
+        if self.states is not None:
+            if not 1 <= len(self.states) <= len(CANCEL_STATES):
+                raise _bad(
+                    "states", f"must name 1 to {len(CANCEL_STATES)} states (omit it: not started)"
+                )
+            for i, state in enumerate(self.states):
+                if type(state) is not str or state not in CANCEL_STATES:
+                    raise _bad(f"states[{i}]", f"must be one of {', '.join(CANCEL_STATES)}")
+
+    @property
+    def chosen_states(self) -> tuple[str, ...]:
+        """The states a whole-queue cancel takes, in CANCEL_STATES order, each once."""
+        wanted = CANCEL_DEFAULT_STATES if self.states is None else self.states
+        return tuple(state for state in CANCEL_STATES if state in wanted)
+
+
 # A watch names at most this many queues (it may name none: every queue).
 MAX_WATCH_QUEUES = 256
 _STATES = frozenset(str(state) for state in JobState)
@@ -436,6 +479,7 @@ REQUEST_TYPES: dict[str, type] = {
     "dead_list": DeadList,
     "dead_retry": DeadRetry,
     "dead_purge": DeadPurge,
+    "cancel": Cancel,
     "watch": Watch,
     "unwatch": Unwatch,
     "queue_pause": QueuePause,

@@ -22,6 +22,7 @@ import attrs
 import orjson
 
 from relay.protocol.errors import (
+    Cancelled,
     JobNotFound,
     LeaseExpired,
     RelayError,
@@ -33,7 +34,12 @@ from relay.store.view import QueueView
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
+CANCELLED = JobState.CANCELLED
 UNFINISHED = (PENDING, READY, LEASED, RETRYING)
+# The states a job may be cancelled from, and those of a job that has not started (which
+# a producer may cancel; the wire's default for a whole queue).
+CANCELLABLE = (PENDING, READY, RETRYING, LEASED)
+NOT_STARTED = (PENDING, READY, RETRYING)
 
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
@@ -154,7 +160,8 @@ def check_lease(
     row: tuple | None, job_id: str, worker_id: str, token: str, now: int, operation: str
 ) -> tuple | None:
     """``row`` if the token and worker hold its unexpired lease; None for an ack repeated
-    with the completing token; else the refusal, raised.
+    with the completing token; else the refusal, raised (``Cancelled`` for the token of a
+    lease its job's cancel voided).
 
     ``row`` is the job's (id, queue, state, attempt, max_attempts, lease_token,
     lease_worker, lease_expires_at, ...), or None if there is no such job.
@@ -170,6 +177,10 @@ def check_lease(
         return row
     if state == SUCCEEDED and operation == "ack":
         return None
+    if state == CANCELLED:
+        # A leased job cancelled keeps its token and worker on the row (job_cancel), and
+        # only then: a job cancelled before it started clears them.
+        raise Cancelled(job_id)
     # This token's lease has ended. An expiry leaves lease_expires_at set (reaper,
     # restart recovery): the token held the lease and it expired. The holder's own ack,
     # fail or release clears it: the token no longer holds the current lease.
@@ -202,7 +213,8 @@ class Store(Protocol):
     each call commits on its own, which is what the synchronous unit tests do.
 
     Every method that refuses (a ``RelayError``: ``JobNotFound``, ``StaleToken``,
-    ``LeaseExpired``, ``InvalidState``, ``QueueFull``) does so before it writes anything,
+    ``LeaseExpired``, ``Cancelled``, ``InvalidState``, ``Unauthorized``, ``QueueFull``) does
+    so before it writes anything,
     so a refused call never leaves a partial change behind, even without a savepoint; the
     writer checks this with ``write_mark``. Job ids that do not parse are ``JobNotFound``.
     """
@@ -336,8 +348,8 @@ class Store(Protocol):
         return how many."""
 
     def jobs_prune(self, now: int, limit: int) -> int:
-        """Delete up to ``limit`` succeeded jobs past retention, and up to ``limit``
-        expired idempotency keys; return the jobs deleted."""
+        """Delete up to ``limit`` succeeded and cancelled jobs past retention, and up to
+        ``limit`` expired idempotency keys; return the jobs deleted."""
 
     def next_due_at(self) -> int | None:
         """The earliest due time of a pending or retrying job, or None."""
@@ -409,3 +421,15 @@ class Store(Protocol):
 
     def dead_purge_queue(self, queue: str, limit: int) -> int:
         """Delete up to ``limit`` dead jobs of ``queue``; return how many."""
+
+    # -- cancel ------------------------------------------------------------------------------
+
+    def job_cancel(self, job_id: str, now: int, leased_ok: bool = True) -> JobState:
+        """Cancel one unfinished job (finished_at ``now``) and return the state it was in;
+        a leased one's lease is void, its token then answered ``Cancelled``. Raises
+        ``JobNotFound``, ``InvalidState`` if it is finished, ``Unauthorized`` if it is
+        leased and not ``leased_ok`` (a producer's cancel)."""
+
+    def job_cancel_queue(self, queue: str, states: Sequence[str], now: int, limit: int) -> int:
+        """Cancel up to ``limit`` jobs of ``queue`` in ``states`` (of ``CANCELLABLE``);
+        return how many (call again while it returns ``limit``)."""

@@ -340,3 +340,22 @@ class QueueSettingsPage:
 
     def apply(self, store: Store, now: int) -> Any:
         return store.queue_settings(self.after, self.limit)
+
+
+@attrs.frozen
+class JobCancel:
+    job_id: str
+    leased_ok: bool = True  # False (a producer's cancel): a leased job is refused
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.job_cancel(self.job_id, now, self.leased_ok)
+
+
+@attrs.frozen
+class JobCancelQueue:
+    queue: str
+    states: tuple[str, ...]
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.job_cancel_queue(self.queue, self.states, now, self.limit)

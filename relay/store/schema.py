@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -162,6 +162,16 @@ def _v5_queue_settings(db: sqlite_utils.Database) -> None:
     )
 
 
+def _v6_cancelled(db: sqlite_utils.Database) -> None:
+    # The state "cancelled" (the column has no CHECK): its jobs are pruned after retention
+    # as succeeded ones are (finished_at), and a queue's unstarted jobs are found by queue
+    # for a whole-queue cancel (ready ones are in jobs_ready).
+    db.execute("CREATE INDEX jobs_cancelled ON jobs (finished_at) WHERE state = 'cancelled'")
+    db.execute(
+        "CREATE INDEX jobs_due_queue ON jobs (queue, id) WHERE state IN ('pending', 'retrying')"
+    )
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -169,6 +179,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     3: _v3_unique_keys,
     4: _v4_execution_timeouts,
     5: _v5_queue_settings,
+    6: _v6_cancelled,
 }
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from relay.protocol.model import JobState
 
 # Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
-EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired")
+EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired", "cancelled")
 
 # The order of an entry's fields: the job counts per state, then the event totals.
 STATES = tuple(str(state) for state in JobState)

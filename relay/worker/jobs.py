@@ -28,7 +28,7 @@ import orjson
 import trio
 
 from relay.client.client import Client, LeasedJob
-from relay.protocol.errors import JobNotFound, LeaseExpired, RelayError, StaleToken
+from relay.protocol.errors import Cancelled, JobNotFound, LeaseExpired, RelayError, StaleToken
 from relay.protocol.model import FailOutcome, JobState, timeout_error, truncate_utf8_end
 from relay.util.log import event
 
@@ -154,6 +154,9 @@ class _Running:
     scope: trio.CancelScope  # the handler's: cancelled when the lease is lost
     renew_at: float
     lost: bool = False
+    # The server answered a renewal ``cancelled``: the job was cancelled, its handler is
+    # stopped, and nothing is reported for it.
+    cancelled: bool = False
     # The handler has returned: a renewal refusal no longer cancels anything. (If its
     # ack, fail or release is still to come, that is refused too, and counted as lost.)
     done: bool = False
@@ -206,7 +209,8 @@ class WorkerJobs:
 
     async def _execute(self, running: _Running) -> tuple[str, Any]:
         """Run the handler (the renewal task keeps its lease). Returns (outcome, value):
-        ("ok", result), ("error", exception), ("lost", None) or ("cancelled", None)."""
+        ("ok", result), ("error", exception), ("lost", None), ("cancelled", None) (by a
+        stop: released) or ("withdrawn", None) (the job was cancelled on the server)."""
         job = running.job
         handler = self._handlers.get(job.queue, self._default)
         outcome: tuple[str, Any] = ("cancelled", None)
@@ -231,6 +235,8 @@ class WorkerJobs:
         running.done = True
         if running.lost:
             return "lost", None
+        if running.cancelled:
+            return "withdrawn", None
         return outcome
 
     async def _call(self, handler: Handler, job: LeasedJob) -> Any:
@@ -253,6 +259,9 @@ class WorkerJobs:
         ids = {"job_id": job.job_id, "queue": job.queue, "attempt": job.attempt}
         if outcome == "lost":
             self._counts["lost"] += 1
+            return
+        if outcome == "withdrawn":  # cancelled on the server: nothing to report (logged)
+            self._counts["cancelled"] += 1
             return
         error: BaseException | None = None
         deadline = trio.current_time() + SETTLE_TIMEOUT_S
@@ -278,11 +287,19 @@ class WorkerJobs:
         worker and runs again, as for a handler cancelled by a refused renewal. Otherwise
         (no answer, the server unreachable or overloaded) it runs again once its lease
         expires. A fail's line is the failed job's one line: ``failure`` is the handler's
-        exception, its error and traceback go in too."""
+        exception, its error and traceback go in too. Refused because the job was
+        cancelled: it is settled so, one ``job.cancelled`` line."""
+        request = {"ok": "ack", "error": "fail"}.get(outcome, "release")
+        if isinstance(error, Cancelled):
+            self._counts["cancelled"] += 1
+            fields = {}
+            if failure is not None:
+                fields = {"handler_error": _error_text(failure)}
+            self._log_cancelled(job, f"its {request}", "it is settled so, not failed", **fields)
+            return
         lost = isinstance(error, _LEASE_GONE)
         if lost:
             self._counts["lost"] += 1
-        request = {"ok": "ack", "error": "fail"}.get(outcome, "release")
         words = _job_words(job)
         fields: dict[str, Any] = {}
         if failure is not None:
@@ -297,6 +314,12 @@ class WorkerJobs:
               message=f"{words}; its {request} was not taken ({error!r}): {then}",
               outcome=outcome, error=repr(error), job_id=job.job_id, queue=job.queue,
               attempt=job.attempt, **fields)  # fmt: skip
+
+    def _log_cancelled(self, job: LeasedJob, told_by: str, then: str, **fields: Any) -> None:
+        """The one line of a job the server said was cancelled (answering ``told_by``)."""
+        event(log, logging.INFO, "job.cancelled",
+              message=f"{_job_words(job)} was cancelled: the server refused {told_by}; {then}",
+              job_id=job.job_id, queue=job.queue, attempt=job.attempt, **fields)  # fmt: skip
 
     async def _report(
         self, client: Client, job: LeasedJob, outcome: str, value: Any, ids: dict[str, Any]

@@ -18,11 +18,14 @@ While a handler runs, its lease is renewed about every third of the lease, by on
 task for the whole worker (it wakes at the earliest renewal due, at most four times per
 renewal interval, and renews every job due then, concurrently). If a renewal is refused
 (the lease expired, or another worker holds the job now), the handler is cancelled and
-nothing is acked: the job belongs to someone else. A handler that returns is acked
-with its return value as the result (when it is JSON-serialisable; the acks of jobs that
-finish while an ack request is in flight go together in one ``ack_batch``); one that raises is
-failed with the exception's text (``PermanentError``: not retryable). Synchronous handlers
-run in a worker thread, under the same slots.
+nothing is acked: the job belongs to someone else. If it is refused because the job was
+cancelled (``cancel``), the handler is cancelled too, and the job is settled without a
+fail (``job.cancelled`` in the log); so is a job whose ack or fail is refused so. A
+handler that returns is acked with its return value as the result (when it is
+JSON-serialisable; the acks of jobs that finish while an ack request is in flight go
+together in one ``ack_batch``); one that raises is failed with the exception's text
+(``PermanentError``: not retryable). Synchronous handlers run in a worker thread, under
+the same slots.
 
 Graceful stop: stop leasing, let running jobs finish within ``shutdown_timeout``, then
 cancel them and ``release`` their leases so others can take them at once. A second stop
@@ -66,6 +69,7 @@ from relay.client.replies import Hello
 from relay.client.tcp import CONNECT_TIMEOUT_S, connect_failure_text, tls_refused
 from relay.protocol.errors import (
     BadRequest,
+    Cancelled,
     ConnectionLost,
     Overloaded,
     RelayError,
@@ -128,6 +132,7 @@ class WorkerStatistics:
     failed: int
     lost: int  # renewal refused: cancelled, not acked
     released: int
+    cancelled: int = 0  # the job was cancelled (the server said so): stopped, not failed
 
 
 class Worker(WorkerJobs, WorkerAcks):
@@ -220,7 +225,7 @@ class Worker(WorkerJobs, WorkerAcks):
             for h in (handler, *self._handlers.values())
             if h is not None
         }
-        self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released"), 0)
+        self._counts = dict.fromkeys(("succeeded", "failed", "lost", "released", "cancelled"), 0)
         self.durations = Histogram((0.001, 0.01, 0.1, 1, 10, 60, 600))
 
     def statistics(self) -> WorkerStatistics:
@@ -410,6 +415,13 @@ class Worker(WorkerJobs, WorkerAcks):
         job = running.job
         try:
             await client.renew(job.job_id, self.worker_id, job.token, lease_ms=self.lease_ms)
+        except Cancelled:
+            if running.done:  # its ack or fail is refused too, and says so (jobs.py)
+                return
+            # The job was cancelled: stop its handler; it is settled without a fail.
+            running.cancelled = True
+            self._log_cancelled(job, "its renewal", "its handler is stopped, no fail is sent")
+            running.scope.cancel()
         except (*_LEASE_GONE, ConnectionLost) as exc:
             if running.done:
                 # Settled meanwhile (the token is spent), or its ack is on its way (and

@@ -27,6 +27,10 @@ QUEUE_128 = ("acme." + "eu-west-1.billing." * 7)[:124] + ".end"
 assert (len(QUEUE_40), len(QUEUE_128)) == (40, 128)
 
 
+# The states a table shows while no job is cancelled (the cancelled column comes with one).
+BASE_STATES = [state for state in views.STATES if state not in views.SHOWN_IF_ANY]
+
+
 def render(renderable: RenderableType, width: int = 100) -> str:
     console = Console(file=io.StringIO(), width=width, color_system=None)
     console.print(renderable)
@@ -113,6 +117,7 @@ def test_totals_and_unfinished_count_every_state_over_every_queue():
     s = stats(a=counts(ready=2, dead=1), b=counts(leased=1, succeeded=5, retrying=3))
     assert views.totals_by_state(s) == {
         "pending": 0, "ready": 2, "leased": 1, "retrying": 3, "succeeded": 5, "dead": 1,
+        "cancelled": 0,
     }  # fmt: skip
     assert views.unfinished(s) == 6
     assert views.unfinished(stats()) == 0
@@ -194,7 +199,7 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     )
     lines = lines_of(views.stats_table(s), width)
     text = "\n".join(lines)
-    for header in (*views.STATES, "queue", "total", "oldest", "ready"):
+    for header in (*BASE_STATES, "queue", "total", "oldest", "ready"):
         assert header in text
     assert "…" not in text  # nothing cut, also in a terminal of 80 columns
     email = row(lines, "email").split()
@@ -208,6 +213,18 @@ def test_stats_table_shows_queues_by_state_with_totals_and_server(width):
     assert "relay-trio 0.1.0" in text and "up 1h 02m 03s" in text and "2 connections" in text
     # Title, two lines of headers, rule, two queues, the blank line, totals, server.
     assert len(lines) == 9
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_shows_the_cancelled_column_once_some_job_is_cancelled(width):
+    s = stats(email=counts(ready=10, succeeded=5, cancelled=2), other=counts(ready=1))
+    lines = lines_of(views.stats_table(s), width)
+    assert "cancelled" in "\n".join(lines)
+    assert [w for w in row(lines, "email").split() if w.isdigit()] == [
+        "0", "10", "0", "0", "5", "0", "2", "17",
+    ]  # fmt: skip
+    total = next(line for line in lines if line.startswith("total"))
+    assert [w for w in total.split() if w.isdigit()] == ["0", "11", "0", "0", "5", "0", "2", "18"]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -235,7 +252,7 @@ def millions() -> Stats:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_stats_table_gives_queue_names_the_room_the_counts_leave(width):
     lines = lines_of(views.stats_table(millions()), width)
-    assert lines[2].split() == ["queue", *views.STATES, "total", "ready"]  # all whole
+    assert lines[2].split() == ["queue", *BASE_STATES, "total", "ready"]  # all whole
     email = row(lines, "email ").split()
     assert email[1:] == ["0", "1.23M", "0", "0", "999999", "0", "2.23M", "1d", "02h"]
     for shown in ("12.3M", "9.87M", "1.00M", "987G", "70.0M"):
@@ -287,7 +304,8 @@ def test_queue_table_shows_each_queue_paused_or_not_with_its_counts(width):
         next_cursor=None,
     )
     lines = lines_of(views.queue_table(page), width)
-    assert lines[1].split() == ["queue", "paused", *views.STATES, "total"]
+    six = ["pending", "ready", "leased", "retrying", "succeeded", "dead"]  # (no cancelled job)
+    assert lines[1].split() == ["queue", "paused", *six, "total"]
     assert row(lines, "email").split() == ["email", "-", "1", "12.3M", "0", "0", "5", "0", "12.3M"]
     assert row(lines, "later").split() == ["later", "paused", *["0"] * 7]
     billing = row(lines, "billing.i").split()
@@ -298,6 +316,17 @@ def test_queue_table_shows_each_queue_paused_or_not_with_its_counts(width):
     else:
         assert billing[0] == QUEUE_40
     assert "next page" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_queue_table_shows_cancelled_jobs_while_a_queue_has_some(width):
+    page = QueuePage(
+        queues=[QueueInfo("email", False, counts(ready=2, cancelled=3))], next_cursor=None
+    )
+    lines = lines_of(views.queue_table(page), width)
+    assert lines[1].split() == ["queue", "paused", *views.STATES, "total"]
+    assert row(lines, "email").split() == ["email", "-", "0", "2", "0", "0", "0", "0", "3", "5"]
+    assert all(len(line) <= width for line in lines)
 
 
 def test_queue_table_says_where_the_next_page_begins_and_when_there_is_none():

@@ -382,6 +382,7 @@ async def test_stats_counts_and_server_info(client):
     assert isinstance(stats, Stats) and isinstance(stats.server, ServerInfo)
     assert stats.queues["s1"] == {
         "pending": 1, "ready": 1, "leased": 0, "retrying": 0, "succeeded": 0, "dead": 0,
+        "cancelled": 0,
     }  # fmt: skip
     assert stats.queues["s2"]["succeeded"] == 1 and stats.queues["s2"]["ready"] == 0
     assert stats.server.connections == 1
@@ -609,7 +610,7 @@ def test_every_wire_code_has_a_class():
     codes = {
         "bad_request", "frame_too_large", "unknown_op", "not_found", "stale_token",
         "lease_expired", "invalid_state", "overloaded", "shutting_down", "unauthorized",
-        "internal", "queue_full", "unavailable", "too_many_queues",
+        "internal", "queue_full", "unavailable", "too_many_queues", "cancelled",
     }  # fmt: skip
     assert set(ERRORS_BY_CODE) == codes
     assert ERRORS_BY_CODE["shutting_down"] is ShuttingDown

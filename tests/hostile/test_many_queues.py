@@ -147,6 +147,7 @@ async def test_stats_pages_by_name_and_answers_the_queues_asked_for(db):
         assert set(plain["oldest_ready_ms"]) == set(names)
         assert plain["queues"]["page-03"] == {
             "pending": 1, "ready": 1, "leased": 0, "retrying": 0, "succeeded": 0, "dead": 0,
+            "cancelled": 0,
         }  # fmt: skip
         # Only the queues asked for; one without jobs is all zeros.
         some = await client.ok("stats", queues=["page-07", "nothing-here"], oldest_ready=True)

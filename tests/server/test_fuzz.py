@@ -367,6 +367,16 @@ DEAD_QUEUE = {
     ),
     "all": Field("bool", st.just(True), required=True, bad=st.just(False)),
 }  # fmt: skip
+# A whole queue's cancel: also the states it takes (1 to 4 of the unfinished ones).
+CANCEL_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["pending", "ready", "retrying", "leased"]),
+        st.sampled_from(["", "succeeded", "dead", "cancelled", "READY"])
+        | wrong_value("str", False),
+        4, nullable=True,
+    ),
+}  # fmt: skip
 
 # (op, its fields); the dead letter ops come in their two forms.
 OPS: list[tuple[str, dict[str, Field]]] = [
@@ -437,6 +447,8 @@ OPS: list[tuple[str, dict[str, Field]]] = [
     ("dead_retry", DEAD_QUEUE),
     ("dead_purge", DEAD_ONE),
     ("dead_purge", DEAD_QUEUE),
+    ("cancel", DEAD_ONE),
+    ("cancel", CANCEL_QUEUE),
     (
         "watch",
         {
@@ -732,9 +744,10 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
                 if reply["ok"]:  # answered at once: hello, ping, stats (from the counts in
                     # memory), or a whole queue's dead op
                     name = orjson.loads(line)["op"]
-                    ops_now = ("hello", "ping", "unwatch", "dead_retry", "dead_purge", "stats")
+                    queue_ops = ("dead_retry", "dead_purge", "cancel")
+                    ops_now = ("hello", "ping", "unwatch", "stats", *queue_ops)
                     assert name in ops_now, reply
-                    assert (name in ("dead_retry", "dead_purge")) == bool(commands)
+                    assert (name in queue_ops) == bool(commands)
                     assert len(commands) <= 1
                     outcome = "accept"
                 else:

@@ -30,7 +30,7 @@ from tests.conftest import assert_abbreviated_as_git_does, common_start
 from tests.server.conftest import LineClient, RunningServer, logged, start_server, writer_barrier
 from tests.worker.helpers import serving
 
-STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
+STATES = {"pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"}
 ADVERTISED_LIMITS = {
     "max_frame_bytes",
     "max_payload_bytes",
@@ -880,6 +880,7 @@ async def test_stats_shape(server, client):
         "retrying": 0,
         "succeeded": 0,
         "dead": 0,
+        "cancelled": 0,
     }
     assert reply["queues"]["s2"]["ready"] == 1
     srv = reply["server"]

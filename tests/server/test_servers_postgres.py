@@ -292,6 +292,7 @@ async def test_stats_through_any_server_show_the_same_counts(db_url):
 
         expected = {
             "pending": 2, "ready": 3, "leased": 1, "retrying": 0, "succeeded": 1, "dead": 0,
+            "cancelled": 0,
         }  # fmt: skip
         # Each server answers from its counts in memory, which follow the others' commits
         # a page of queues per REFRESH_INTERVAL_S (relay/server/services/maintenance.py).

@@ -30,6 +30,7 @@ from relay.protocol.model import ID_MAX as MAX_JOB_KEY
 from relay.protocol.model import Backoff, JobState, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import cancel as cancel_sql
 from relay.store.postgres import dead as dead_sql
 from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import maintenance as maintenance_sql
@@ -538,6 +539,9 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
             (maintenance_sql._PROMOTE, (now, 100), "jobs_due"),
             (maintenance_sql._REAP, {"now": now, "limit": 100, "error": "e"}, "jobs_leased"),
             (maintenance_sql._PRUNE_JOBS, (now, 100), "jobs_succeeded"),
+            (maintenance_sql._PRUNE_CANCELLED, (now, 100), "jobs_cancelled"),
+            (cancel_sql._CANCEL_GROUP[0][0], ("q0", ["ready"], 10, now), "jobs_ready"),
+            (cancel_sql._CANCEL_GROUP[1][0], ("q0", ["pending"], 10, now), "jobs_due_queue"),
             ("SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')", (), "jobs_due"),
             ("SELECT min(lease_expires_at) FROM jobs WHERE state = 'leased'", (), "jobs_leased"),
             (reads_sql._DEAD, (-1, 10), "jobs_dead"),
@@ -557,6 +561,11 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
                 assert "Sort" not in plan, plan
             if statement in reads_sql._DEAD_PAGES.values():  # either order: the index's
                 assert "Sort" not in plan, plan
+        # A queue's leased jobs to cancel: read from jobs_leased (every lease held, a number
+        # the workers' slots bound), a bitmap scan of it or a plain one.
+        plan = _plan(conn, cancel_sql._CANCEL_GROUP[2][0], ("q0", ["leased"], 10, now), prepared)
+        assert "Scan on jobs_leased" in plan or "using jobs_leased" in plan, plan
+        assert "Seq Scan on jobs" not in plan, plan
 
 
 # -- queue settings ----------------------------------------------------------------------

@@ -222,6 +222,9 @@ def test_a_version_1_schema_migrates_to_error_tracebacks_and_keeps_its_rows(url,
         [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
         store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
         assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+        # (version 7: the CHECK on the state admits "cancelled")
+        assert store.job_cancel(ready, T0 + 3_000) == "retrying"
+        assert store.job_inspect(ready).state == "cancelled"
     finally:
         store.close()
 

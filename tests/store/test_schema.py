@@ -436,6 +436,10 @@ def test_a_version_1_file_migrates_to_error_tracebacks_and_keeps_its_rows(
         [lease] = store.jobs_claim(["q"], "w1", 1, 1_000, T0 + 2_000)
         store.jobs_fail(ready, "w1", lease.token, "e", True, T0 + 2_000, "Traceback: here")
         assert [e.traceback for e in store.job_inspect(ready).errors] == ["Traceback: here"]
+        # (version 6: the index that prunes cancelled jobs)
+        assert store.job_cancel(ready, T0 + 3_000) == JobState.RETRYING
+        indexes = {row[1] for row in store._db.execute("PRAGMA index_list(jobs)")}
+        assert {"jobs_cancelled", "jobs_due_queue"} <= indexes
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
@@ -600,6 +604,7 @@ def test_restart_recovers_every_leased_job_of_a_thousand_and_loses_nothing(
             "retrying": len(failed),
             "succeeded": len(acked),
             "dead": len(dead),
+            "cancelled": 0,
         }
 
         # The wall clock stepped back an hour: new ids still sort after every old one.

@@ -29,7 +29,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from relay.protocol.errors import InvalidState, JobNotFound, LeaseExpired, QueueFull, StaleToken
+from relay.protocol.errors import (
+    Cancelled,
+    InvalidState,
+    JobNotFound,
+    LeaseExpired,
+    QueueFull,
+    StaleToken,
+    Unauthorized,
+)
 from relay.protocol.model import (
     AGING_STEP_MS,
     UNIQUE_FOR,
@@ -45,6 +53,10 @@ from tests.store.conformance import Store, Stores, recovers_on_start, rows, scal
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
 RETRYING, SUCCEEDED, DEAD = JobState.RETRYING, JobState.SUCCEEDED, JobState.DEAD
+CANCELLED = JobState.CANCELLED
+# The states retention prunes from, and those that never change again.
+PRUNED = (SUCCEEDED, CANCELLED)
+TERMINAL = (SUCCEEDED, DEAD, CANCELLED)
 
 QUEUES = ("alpha", "beta")
 WORKERS = ("w1", "w2")
@@ -102,7 +114,8 @@ class ModelJob:
     worker: str | None = None
     lease_expires_at: int | None = None  # while leased
     # How the last lease ended: None (still held), "holder" (its own ack, fail or release),
-    # or "expired" (reaper or restart recovery, at `expired_at`).
+    # "expired" (reaper or restart recovery, at `expired_at`), or "cancelled" (its job was
+    # cancelled while leased: the token is answered Cancelled).
     lease_end: str | None = None
     expired_at: int | None = None
     # The number of full promote passes run when the job last became pending or retrying.
@@ -213,6 +226,9 @@ class StoreMachine(RuleBasedStateMachine):
             return None, None
         if job.state is SUCCEEDED and operation == "ack":
             return None, "repeat"
+        if job.state is CANCELLED:
+            assert job.lease_end == "cancelled"
+            return Cancelled, None
         if job.lease_end == "expired":
             return LeaseExpired, job.expired_at
         assert job.lease_end == "holder"
@@ -267,7 +283,7 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.footprint(lease.job_id)
         try:
             result = call()
-        except (JobNotFound, StaleToken, LeaseExpired, InvalidState) as exc:
+        except (JobNotFound, StaleToken, LeaseExpired, InvalidState, Cancelled) as exc:
             assert expected is not None, f"{operation} should have succeeded: {exc!r}"
             self.check_refusal(exc, expected, detail, before, lease.job_id)
             return False, None
@@ -311,7 +327,7 @@ class StoreMachine(RuleBasedStateMachine):
                 deadlines.add(j.lease_expires_at)
             elif j.state in (PENDING, RETRYING):
                 deadlines.add(j.run_at)
-            elif j.state is SUCCEEDED:
+            elif j.state in PRUNED:
                 deadlines.add(j.finished_at + CONFIG.retention_ms)
         deadlines.update(expires_at for _job_id, expires_at in self.keys.values())
         upcoming = sorted(t for t in deadlines if t >= self.now)
@@ -731,6 +747,59 @@ class StoreMachine(RuleBasedStateMachine):
         with pytest.raises(JobNotFound):
             self.store.job_inspect(job_id)
 
+    def expected_cancel(
+        self, job_id: str, leased_ok: bool
+    ) -> tuple[type[Exception] | None, object]:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return JobNotFound, None
+        if job.state in TERMINAL:
+            return InvalidState, job.state
+        if job.state is LEASED and not leased_ok:
+            return Unauthorized, None
+        return None, None
+
+    def cancelled(self, job: ModelJob) -> None:
+        """The model's job, cancelled now (from an unfinished state)."""
+        if job.state is LEASED:
+            job.lease_end = "cancelled"  # its token is kept: answered Cancelled
+        else:
+            job.token = None  # an old token of it holds nothing: stale
+        job.state = CANCELLED
+        job.finished_at = self.now
+        job.lease_expires_at = None
+
+    @rule(data=st.data(), leased_ok=st.sampled_from([True, True, False]))
+    def cancel(self, data: st.DataObject, leased_ok: bool) -> None:
+        wanted = data.draw(st.sampled_from([PENDING, READY, LEASED, RETRYING, *TERMINAL]))
+        job_id = self.draw_job_id(data, wanted)
+        expected, detail = self.expected_cancel(job_id, leased_ok)
+        event(f"cancel: {'ok' if expected is None else expected.__name__}")
+        before = self.footprint(job_id)
+        try:
+            was = self.store.job_cancel(job_id, self.now, leased_ok)
+        except (JobNotFound, InvalidState, Unauthorized) as exc:
+            assert expected is not None, f"cancel should have succeeded: {exc!r}"
+            self.check_refusal(exc, expected, detail, before, job_id)
+            return
+        assert expected is None, f"cancel should have raised {expected.__name__}"
+        job = self.jobs[job_id]
+        assert was is job.state
+        self.cancelled(job)
+
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        states=st.sets(st.sampled_from([PENDING, READY, LEASED, RETRYING]), min_size=1),
+        limit=st.sampled_from([1, 2, UNLIMITED]),
+    )
+    def cancel_queue(self, queue: str, states: set[JobState], limit: int) -> None:
+        eligible = [j for j in self.jobs.values() if j.queue == queue and j.state in states]
+        count = self.store.job_cancel_queue(queue, sorted(map(str, states)), self.now, limit)
+        assert count == min(limit, len(eligible))
+        # Which of them a limited piece takes is not specified.
+        for job in self.chosen(eligible, count, lambda j: 0):
+            self.cancelled(job)
+
     @rule(limit=st.sampled_from([1, UNLIMITED]), jump=st.sampled_from([None, 0, 1]))
     def prune(self, limit: int, jump: int | None) -> None:
         if jump is not None:  # onto the end of the next retention period, or 1 ms past it
@@ -738,14 +807,14 @@ class StoreMachine(RuleBasedStateMachine):
                 [
                     j.finished_at + CONFIG.retention_ms
                     for j in self.jobs.values()
-                    if j.state is SUCCEEDED
+                    if j.state in PRUNED
                 ],
                 jump,
             )
         old = [
             j
             for j in self.jobs.values()
-            if j.state is SUCCEEDED and j.finished_at < self.now - CONFIG.retention_ms
+            if j.state in PRUNED and j.finished_at < self.now - CONFIG.retention_ms
         ]
         pruned = self.store.jobs_prune(self.now, limit)
         assert pruned == min(limit, len(old))
@@ -843,7 +912,7 @@ class StoreMachine(RuleBasedStateMachine):
         now_rows = self.all_rows()
         for key, before in self.previous_rows.items():
             state = before[2]
-            if state not in (SUCCEEDED, DEAD):
+            if state not in TERMINAL:
                 continue
             job_id = f"job_{key:016x}"
             if job_id in self.may_change:

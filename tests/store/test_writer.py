@@ -177,7 +177,7 @@ async def test_a_refused_command_does_not_undo_the_others_in_its_batch(db_path):
     assert "ZeroDivisionError" in out["explode"].message
     # The exploding command's own insert was rolled back with its savepoint.
     assert stats == {"q": {"pending": 0, "ready": 2, "leased": 0, "retrying": 0,
-                           "succeeded": 0, "dead": 0}}  # fmt: skip
+                           "succeeded": 0, "dead": 0, "cancelled": 0}}  # fmt: skip
     assert committed_ids(db_path) == {
         parse_job_id(out["a"][0].job_id),
         parse_job_id(out["b"][0].job_id),
@@ -240,7 +240,7 @@ async def test_a_command_alone_in_its_batch_is_undone_when_it_fails(db_path):
             statistics = writer.statistics()
     assert committed_ids(db_path) == {parse_job_id(kept.job_id)}
     assert stats == {"q": {"pending": 0, "ready": 1, "leased": 0, "retrying": 0,
-                           "succeeded": 0, "dead": 0}}  # fmt: skip
+                           "succeeded": 0, "dead": 0, "cancelled": 0}}  # fmt: skip
     assert statistics.failed_commits == 0 and statistics.batches == 4
 
 
@@ -691,7 +691,7 @@ async def test_an_ack_batch_answers_each_ack_and_commits_only_the_accepted_ones(
         (JobState.SUCCEEDED, '{"n":4}', T0 + 1_000, None),
     ]
     assert stats == {"q": {"pending": 0, "ready": 0, "leased": 3, "retrying": 0,
-                           "succeeded": 2, "dead": 0}}  # fmt: skip
+                           "succeeded": 2, "dead": 0, "cancelled": 0}}  # fmt: skip
     assert totals[("q", "acked")] == 2
     states = committed_states(db_path)
     assert {job_id: states[parse_job_id(job_id)] for job_id in (a.job_id, d.job_id, *refused)} == {

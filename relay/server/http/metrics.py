@@ -59,6 +59,7 @@ EVENT_METRICS = {
     "retried": ("relay_jobs_retried", "Failed attempts scheduled for a retry."),
     "dead": ("relay_jobs_dead", "Jobs moved to the dead letters."),
     "expired": ("relay_leases_expired", "Leases that expired before ack, fail or release."),
+    "cancelled": ("relay_jobs_cancelled", "Jobs cancelled by cancel."),
 }
 
 

@@ -1,6 +1,6 @@
 """The handlers of the requests beside the job flow: inspect, short ids, the dead letters
-(list, retry, purge: of one job, or of a whole queue in chunks), the queues (pause,
-resume, list), watch and unwatch.
+(list, retry, purge: of one job, or of a whole queue in chunks), cancel (of one job, or of
+a whole queue in chunks), the queues (pause, resume, list), watch and unwatch.
 
 Rare requests, never on the hot path; ``AdminHandlers`` is a part of the ``Dispatcher``
 (relay/server/requests/dispatch.py), which inherits it as ``SqliteStore`` inherits the store's
@@ -27,8 +27,8 @@ from relay.store.items import Item
 if TYPE_CHECKING:
     from relay.server.requests.connection import Connection
 
-# Dead letters of a whole queue are retried or purged this many per transaction, so one
-# admin request never holds the writer for long.
+# Dead letters of a whole queue are retried or purged (or a queue's jobs cancelled) this
+# many per transaction, so one admin request never holds the writer for long.
 DEAD_CHUNK = 1000
 
 
@@ -93,8 +93,34 @@ class AdminHandlers:
         item = (one, connection, rid, started, None)
         connection.nursery.start_soon(self._dead_queue, connection, item, request.queue, chunk)
 
+    def _cancel(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        request = self._typed(fields, "cancel")
+        if request.job_id is not None:
+            # A producer may cancel a job that has not started; a leased one needs admin
+            # (the store refuses it, unauthorized, having changed nothing).
+            args = (request.job_id, connection.role >= Role.ADMIN)
+            self._queue(connection, (ops.CANCEL, connection, rid, started, args))
+            return
+        if connection.role < Role.ADMIN:
+            raise Unauthorized(
+                f"cancel of a whole queue needs the admin role; this token is "
+                f"{connection.role.label} (cancel one job by its job_id)"
+            )
+        assert request.queue is not None
+        states = request.chosen_states
+        self._count_in(connection)
+        item = (ops.CANCEL, connection, rid, started, None)
+        connection.nursery.start_soon(
+            self._dead_queue,
+            connection,
+            item,
+            request.queue,
+            lambda queue, limit: cmd.JobCancelQueue(queue, states, limit),
+            "cancelled",
+        )
+
     async def _dead_queue(
-        self, connection: Connection, item: Item, queue: str, chunk: Callable
+        self, connection: Connection, item: Item, queue: str, chunk: Callable, field: str = "count"
     ) -> None:
         total = 0
         data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
@@ -109,7 +135,7 @@ class AdminHandlers:
                 total += n
                 if n < DEAD_CHUNK:
                     break
-            data = wire.encode_ok(item[2], {"count": total})
+            data = wire.encode_ok(item[2], {field: total})
         except RelayError as exc:
             data = wire.encode_error(item[2], exc)
         finally:

@@ -121,6 +121,7 @@ class Dispatcher(AdminHandlers):
             "dead_list": self._dead_list,
             "dead_retry": self._dead_retry,
             "dead_purge": self._dead_purge,
+            "cancel": self._cancel,
             "watch": self._watch,
             "unwatch": self._unwatch,
             "queue_pause": self._queue_pause,

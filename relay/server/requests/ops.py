@@ -402,6 +402,17 @@ class _QueueList(RequestOp):
         return {"queues": outcome[0], "next_cursor": outcome[1]}
 
 
+class _Cancel(RequestOp):
+    """``cancel`` of one job: args is (its id, whether a leased job may be cancelled: the
+    connection's role is admin). Its reply is also what a whole queue's is made of."""
+
+    def run(self, store: Store, now: int, args: tuple[str, bool]) -> Any:
+        return store.job_cancel(args[0], now, args[1])
+
+    def fields(self, outcome: JobState, args: Any) -> dict[str, Any]:
+        return {"job_id": args[0], "state": "cancelled", "was": str(outcome)}
+
+
 class _Watch(RequestOp):
     """``watch``: nothing to run; its reply comes after a commit made while recording
     (relay/server/requests/watch.py)."""
@@ -424,6 +435,7 @@ DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
+CANCEL = _Cancel("cancel")
 WATCH = _Watch("watch")
 QUEUE_PAUSE = _QueuePause("queue_pause")
 QUEUE_RESUME = _QueuePause("queue_resume")

@@ -17,6 +17,7 @@ from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
 
 READY, SUCCEEDED, DEAD = JobState.READY, JobState.SUCCEEDED, JobState.DEAD
+CANCELLED = JobState.CANCELLED
 
 # A promoted job counts as ready from its due time, not from when the pass ran.
 _PROMOTE = (
@@ -50,11 +51,17 @@ _PRUNE_KEYS = (
     "DELETE FROM idempotency_keys WHERE (queue, key) IN (SELECT queue, key "
     "FROM idempotency_keys WHERE expires_at <= %s LIMIT %s FOR UPDATE SKIP LOCKED)"
 )
-# Their errors and keys go with them (ON DELETE CASCADE).
-_PRUNE_JOBS = (
-    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = 'succeeded' "
+# Their errors and keys go with them (ON DELETE CASCADE). Succeeded and cancelled jobs,
+# each state a scan of its own partial index (jobs_succeeded, jobs_cancelled): the state
+# is written in the text, since a prepared statement's generic plan cannot match a
+# parameter to an index's predicate.
+_PRUNE_STATE = (
+    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = '{state}' "
     "AND finished_at < %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id, queue"
 )
+_PRUNE_JOBS = _PRUNE_STATE.format(state="succeeded")
+_PRUNE_CANCELLED = _PRUNE_STATE.format(state="cancelled")
+_PRUNE = {SUCCEEDED: _PRUNE_JOBS, CANCELLED: _PRUNE_CANCELLED}
 
 
 class Maintenance(PostgresBase):
@@ -131,10 +138,17 @@ class Maintenance(PostgresBase):
 
     @atomic
     def jobs_prune(self, now: int, limit: int) -> int:
-        """Delete up to ``limit`` succeeded jobs finished longer than the retention period
-        ago, and up to ``limit`` expired idempotency keys. Returns jobs deleted."""
+        """Delete up to ``limit`` succeeded and cancelled jobs finished longer than the
+        retention period ago, and up to ``limit`` expired idempotency keys. Returns jobs
+        deleted."""
         self._write(_PRUNE_KEYS, (now, limit))
-        rows = self._write(_PRUNE_JOBS, (now - self.config.retention_ms, limit)).fetchall()
-        for _key, queue in rows:
-            self._move(queue, SUCCEEDED, None)
-        return len(rows)
+        before = now - self.config.retention_ms
+        deleted = 0
+        for state in (SUCCEEDED, CANCELLED):
+            if deleted >= limit:
+                break
+            rows = self._write(_PRUNE[state], (before, limit - deleted)).fetchall()
+            for _key, queue in rows:
+                self._move(queue, state, None)
+            deleted += len(rows)
+        return deleted

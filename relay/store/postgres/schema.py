@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -184,6 +184,22 @@ def _v6_queue_settings(conn: psycopg.Connection) -> None:
     )
 
 
+def _v7_cancelled(conn: psycopg.Connection) -> None:
+    # The state "cancelled": the CHECK on jobs.state admits it (the constraint of v1 has
+    # PostgreSQL's default name). Cancelled jobs are pruned after retention as succeeded
+    # ones are (finished_at); a queue's unstarted jobs are found by queue for a whole-queue
+    # cancel (ready ones are in jobs_ready).
+    conn.execute("ALTER TABLE jobs DROP CONSTRAINT jobs_state_check")
+    conn.execute(
+        "ALTER TABLE jobs ADD CONSTRAINT jobs_state_check CHECK (state IN "
+        "('pending', 'ready', 'leased', 'retrying', 'succeeded', 'dead', 'cancelled'))"
+    )
+    conn.execute("CREATE INDEX jobs_cancelled ON jobs (finished_at) WHERE state = 'cancelled'")
+    conn.execute(
+        "CREATE INDEX jobs_due_queue ON jobs (queue, id) WHERE state IN ('pending', 'retrying')"
+    )
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -192,6 +208,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     4: _v4_unique_keys,
     5: _v5_execution_timeouts,
     6: _v6_queue_settings,
+    7: _v7_cancelled,
 }
 
 

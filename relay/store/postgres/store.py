@@ -32,6 +32,7 @@ import random
 
 from relay.store.base import StoreConfig
 from relay.store.postgres.base import PostgresBase
+from relay.store.postgres.cancel import Cancel
 from relay.store.postgres.dead import DeadLetters
 from relay.store.postgres.jobs import Jobs
 from relay.store.postgres.leases import Leases
@@ -41,7 +42,7 @@ from relay.store.postgres.schema import open_connection
 from relay.store.postgres.settings import Settings
 
 
-class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Reads, Settings, PostgresBase):
+class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Cancel, Reads, Settings, PostgresBase):
     """The job store on one PostgreSQL connection, which it owns.
 
     Not thread-safe: exactly one thread (the writer) may call it.

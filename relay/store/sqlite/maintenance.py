@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from relay.protocol.model import format_job_id, timeout_error
 from relay.store.base import (
+    CANCELLED,
     DEAD,
     LEASE_EXPIRED_ERROR,
     LEASED,
@@ -48,6 +49,10 @@ _EXPIRED_ROWS_SQL = _json_select(
 )
 _SUCCEEDED_BEFORE_SQL = _json_select(
     "id, queue", "FROM jobs WHERE state = 'succeeded' AND finished_at < ? LIMIT ?"
+)
+_CANCELLED_BEFORE_SQL = _json_select(
+    "id, queue",
+    "FROM jobs INDEXED BY jobs_cancelled WHERE state = 'cancelled' AND finished_at < ? LIMIT ?",
 )
 
 
@@ -152,13 +157,19 @@ class SqliteMaintenance(SqliteBase):
         ).fetchone()[0]
 
     def jobs_prune(self, now: int, limit: int) -> int:
-        """Delete up to ``limit`` succeeded jobs finished longer than the retention period
-        ago, and up to ``limit`` expired idempotency keys. Returns jobs deleted."""
+        """Delete up to ``limit`` succeeded and cancelled jobs finished longer than the
+        retention period ago, and up to ``limit`` expired idempotency keys. Returns jobs
+        deleted."""
         self._db.execute(
             "DELETE FROM idempotency_keys WHERE rowid IN "
             "(SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
             (now, limit),
         )
-        rows = _json_rows(self._db, _SUCCEEDED_BEFORE_SQL, (now - self.config.retention_ms, limit))
+        before = now - self.config.retention_ms
+        rows = _json_rows(self._db, _SUCCEEDED_BEFORE_SQL, (before, limit))
         self._delete_jobs(rows, SUCCEEDED)
-        return len(rows)
+        cancelled = []
+        if len(rows) < limit:
+            cancelled = _json_rows(self._db, _CANCELLED_BEFORE_SQL, (before, limit - len(rows)))
+            self._delete_jobs(cancelled, CANCELLED)
+        return len(rows) + len(cancelled)

@@ -4,8 +4,8 @@ Here: opening and closing, the transactions the writer runs (``begin``, ``comman
 ``commit``, ``rollback``, ``write_mark``) and loading the counts. The transitions live by
 concern: jobs.py (submit), leases.py (claim, renew, ack, fail, release), maintenance.py
 (promote, reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge),
-reads.py (inspect, dead list), settings.py (pause, resume, the queues' settings). Never
-imports trio; never reads the clock.
+cancel.py (cancel a job or a queue's), reads.py (inspect, dead list), settings.py (pause,
+resume, the queues' settings). Never imports trio; never reads the clock.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from relay.protocol.model import JobIdGenerator, JobState
 from relay.store.base import Changes, StoreConfig
 from relay.store.counts import JournalEntry
 from relay.store.schema import open_database
+from relay.store.sqlite.cancel import SqliteCancel
 from relay.store.sqlite.dead import SqliteDead
 from relay.store.sqlite.jobs import SqliteJobs
 from relay.store.sqlite.leases import SqliteLeases
@@ -29,7 +30,13 @@ from relay.store.view import EVENTS, STATES, Entry
 
 
 class SqliteStore(
-    SqliteJobs, SqliteLeases, SqliteMaintenance, SqliteDead, SqliteReads, SqliteSettings
+    SqliteJobs,
+    SqliteLeases,
+    SqliteMaintenance,
+    SqliteDead,
+    SqliteCancel,
+    SqliteReads,
+    SqliteSettings,
 ):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).

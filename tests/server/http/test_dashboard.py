@@ -383,7 +383,7 @@ return [[...document.querySelectorAll("#dead tbody tr[data-job]")].map((r) => r.
         document.getElementById("dead-count").textContent];
 """
 # Whether the dead jobs' table and paging buttons fit the window's width (the queues'
-# table, of 11 columns, does not at 500 px: it is not this test's).
+# table, of 12 columns, does not at 500 px: it is not this test's).
 FITS_JS = """
 const table = document.getElementById("dead").getBoundingClientRect();
 const pages = document.getElementById("dead-pages").getBoundingClientRect();

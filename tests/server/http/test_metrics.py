@@ -47,7 +47,7 @@ def test_rendered_metrics_parse_with_every_queue_state_and_event():
     jobs = families["relay_queue_jobs"]
     assert jobs.type == "gauge"
     values = {(s.labels["queue"], s.labels["state"]): s.value for s in jobs.samples}
-    assert len(values) == 2 * 6
+    assert len(values) == 2 * 7  # (every state, cancelled included)
     assert values[("email", "ready")] == 2 and values[("email", "dead")] == 1
     assert values[("a.b:c-d_e", "leased")] == 5 and values[("email", "pending")] == 0
     assert families["relay_connections"].samples[0].value == 4

@@ -145,6 +145,7 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "dead_list": lambda token: {},
     "dead_retry": lambda token: {"job_id": JOB},
     "dead_purge": lambda token: {"job_id": JOB},
+    "cancel": lambda token: {"job_id": JOB},
     "watch": lambda token: {"queues": ["q"]},
     "unwatch": lambda token: {},
     "queue_pause": lambda token: {"queue": "q"},
@@ -153,6 +154,7 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
+    "cancel",
 }  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
@@ -163,7 +165,7 @@ ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 21
+    assert len(REQUESTS) == 22
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))

@@ -177,7 +177,16 @@ def test_roles_and_the_op_they_need():
     expected = {
         "hello": Role.NONE,
         **dict.fromkeys(
-            ("ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list"),
+            (
+                "ping",
+                "submit",
+                "submit_batch",
+                "inspect",
+                "short_ids",
+                "stats",
+                "queue_list",
+                "cancel",
+            ),
             Role.PRODUCER,
         ),
         **dict.fromkeys(
