@@ -167,3 +167,25 @@ def test_settings_are_bounded(store: Store, monkeypatch: pytest.MonkeyPatch) -> 
     store.queue_pause("c", True, T0)
     assert [s.queue for s in store.queue_settings(None, 10)] == ["b", "c"]
     assert base.MAX_QUEUE_SETTINGS == 10_000
+
+
+@pytest.mark.parametrize("paused_before", [False, True])
+def test_a_pause_or_resume_the_disk_refused_changes_nothing(
+    store: Store, paused_before: bool
+) -> None:
+    # A batch whose commit the disk refused is run again item by item, each in a
+    # savepoint; one that writes (a pause, a resume) is undone and answered unavailable.
+    from relay.protocol.errors import Unavailable
+    from relay.server.requests import ops
+    from relay.store import passes
+
+    store.jobs_submit([SubmitSpec("q", "1")], T0)
+    if paused_before:
+        store.queue_pause("q", True, T0)
+    batch = [(ops.QUEUE_PAUSE, None, None, 0.0, ("q", not paused_before))]
+    refused = Unavailable("disk full")
+    [answer] = passes.apply_unwritten(store, batch, [(ops.QUEUE_PAUSE, [0])], T0 + 1, refused)
+    assert answer is refused
+    assert store.view.paused == ({"q"} if paused_before else frozenset())
+    claimed = store.jobs_claim(["q"], "w", 1, 30_000, T0 + 2)
+    assert len(claimed) == (0 if paused_before else 1)

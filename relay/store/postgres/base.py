@@ -239,11 +239,14 @@ class PostgresBase(CountsBook):
             for state in STATES:
                 known.pop((queue, state), None)
         if self._paused_changes:
-            for queue, paused in self._paused_changes.items():
-                if paused:
-                    self._paused_known.add(queue)
-                else:
-                    self._paused_known.discard(queue)
+            # What this transaction leaves, read back: a command undone by its savepoint
+            # (a batch refused, run again item by item) left its change in the dict only.
+            touched = list(self._paused_changes)
+            rows = self._db.execute(
+                "SELECT queue FROM queue_settings WHERE paused AND queue = ANY(%s)", (touched,)
+            )
+            self._paused_known.difference_update(touched)
+            self._paused_known.update(queue for (queue,) in rows)
             self._paused_changes.clear()
             self.view.publish_paused(frozenset(self._paused_known))
         self._publish()

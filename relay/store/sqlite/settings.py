@@ -46,16 +46,20 @@ class SqliteSettings(SqliteBase):
 
     def _settle_paused(self, committed: bool) -> None:
         """After a commit (``committed``) or a rollback: the transaction's pauses and
-        resumes take effect, or are forgotten."""
+        resumes take effect, or are forgotten. What took effect is read back from the
+        table, for the queues the transaction touched: a command undone by its savepoint
+        (a batch the disk refused, run again item by item: relay/store/passes.py) left
+        its change here but not there."""
         changes, self._paused_changes = self._paused_changes, {}
         if not committed or not changes:
             return
-        paused = set(self._paused)
-        for queue, now_paused in changes.items():
-            if now_paused:
-                paused.add(queue)
-            else:
-                paused.discard(queue)
+        touched = list(changes)
+        rows = self._db.execute(
+            "SELECT queue FROM queue_settings WHERE paused AND queue IN "
+            f"({', '.join('?' * len(touched))})",
+            touched,
+        )
+        paused = (self._paused - changes.keys()) | {queue for (queue,) in rows}
         self._paused = frozenset(paused)
         self.view.publish_paused(self._paused)
 
