@@ -59,7 +59,7 @@ REPLY_OVERHEAD_BYTES = 256
 # makes one, for a queue that need not hold jobs, so they are bounded as queues with jobs
 # are (``max_queues``); a row that holds only defaults (a queue resumed) is deleted.
 MAX_QUEUE_SETTINGS = 10_000
-# Settings read per call of ``queue_settings`` at most (a queue_list page asks fewer).
+# A page of settings at most (``queue_settings`` reads one more: whether more follow).
 SETTINGS_PAGE = 1000
 
 
@@ -404,7 +404,8 @@ class Store(Protocol):
         made ready (parked leases wake). Raises ``TooManyQueues`` past MAX_QUEUE_SETTINGS."""
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
-        """The settings of up to ``limit`` (at most SETTINGS_PAGE) queues that have any,
+        """The settings of up to ``limit`` (at most SETTINGS_PAGE + 1, so that a page of
+        SETTINGS_PAGE can tell whether another follows) queues that have any,
         named after ``after`` (None: from the first), in name order: one range read."""
 
     # -- dead letters ------------------------------------------------------------------------

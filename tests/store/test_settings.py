@@ -189,3 +189,19 @@ def test_a_pause_or_resume_the_disk_refused_changes_nothing(
     assert store.view.paused == ({"q"} if paused_before else frozenset())
     claimed = store.jobs_claim(["q"], "w", 1, 30_000, T0 + 2)
     assert len(claimed) == (0 if paused_before else 1)
+
+
+def test_a_full_page_of_queues_says_that_more_follow(store: Store) -> None:
+    # queue_list merges the queues with jobs and those with settings; a page of 1,000
+    # names must know whether a 1,001st follows, even if only settings hold them.
+    from relay.server.requests import ops
+
+    names = [f"z{n:05d}" for n in range(base.SETTINGS_PAGE + 1)]
+    store.begin()
+    for name in names:
+        store.queue_pause(name, True, T0)
+    store.commit()
+    queues, cursor = ops.QUEUE_LIST.run(store, T0, (None, base.SETTINGS_PAGE))
+    assert [q["queue"] for q in queues] == names[:-1] and cursor == names[-2]
+    queues, cursor = ops.QUEUE_LIST.run(store, T0, (cursor, base.SETTINGS_PAGE))
+    assert [q["queue"] for q in queues] == names[-1:] and cursor is None

@@ -89,6 +89,6 @@ class SqliteSettings(SqliteBase):
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
         """The settings of up to ``limit`` queues after ``after`` (see ``Store``)."""
-        limit = max(0, min(limit, SETTINGS_PAGE))
+        limit = max(0, min(limit, SETTINGS_PAGE + 1))  # (a page, and whether more follow)
         rows = self._db.execute(_PAGE, (after or "", limit))
         return [QueueSettings(queue, bool(paused)) for queue, paused in rows]
