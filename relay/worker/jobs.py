@@ -160,6 +160,10 @@ class _Running:
     # The handler has returned: a renewal refusal no longer cancels anything. (If its
     # ack, fail or release is still to come, that is refused too, and counted as lost.)
     done: bool = False
+    # A sync handler's thread, as the one token of its own limiter, held while it runs:
+    # a thread left running (timed out, lease lost, stop) keeps the job's slot until it
+    # returns, so no job is leased that no thread could run (``WorkerJobs._call``).
+    thread: trio.CapacityLimiter | None = None
 
 
 @attrs.define(eq=False)
@@ -179,7 +183,7 @@ class _PendingAck:
 class WorkerJobs:
     """The job tasks of ``Worker`` (relay/worker/worker.py), a part it inherits as ``SqliteStore``
     inherits the store's parts. They use the worker's ``worker_id``, ``_handlers``,
-    ``_default``, ``_is_async``, ``_threads``, ``_slots``, ``_slot_freed``, ``_running``,
+    ``_default``, ``_is_async``, ``_slots``, ``_slot_freed``, ``_running``,
     ``_counts`` and ``durations``, and the ack task's ``_acking``, ``_acks`` and
     ``_acks_queued``."""
 
@@ -205,7 +209,24 @@ class WorkerJobs:
             await self._settle(client, job, outcome, value)
         finally:
             if not handed_over:
-                self._finish(running, owner, started)
+                try:
+                    await self._thread_ended(running)
+                finally:
+                    self._finish(running, owner, started)
+
+    async def _thread_ended(self, running: _Running) -> None:
+        """Wait for the handler's thread, if one was left running (it cannot be
+        interrupted): its slot is free only once it returns. A stop cancels the wait."""
+        thread = running.thread
+        if thread is None or not thread.borrowed_tokens:
+            return
+        job = running.job
+        event(log, logging.WARNING, "job.thread_running",
+              message=f"{_job_words(job)}: its handler's thread runs on after it was given up; "
+              "its slot is held until the thread returns",
+              job_id=job.job_id, queue=job.queue, attempt=job.attempt)  # fmt: skip
+        async with thread:  # (acquired once the thread has released it)
+            pass
 
     async def _execute(self, running: _Running) -> tuple[str, Any]:
         """Run the handler (the renewal task keeps its lease). Returns (outcome, value):
@@ -220,13 +241,13 @@ class WorkerJobs:
                 if handler is None:
                     raise PermanentError(f"no handler for queue {job.queue}")
                 if timeout is None:
-                    outcome = ("ok", await self._call(handler, job))
+                    outcome = ("ok", await self._call(handler, running))
                 else:
                     # The job's execution timeout, from when this worker got it (a little
                     # after the server's start of the attempt, whose deadline allows a
                     # grace for the fail below: model.TIMEOUT_GRACE_MS).
                     with trio.move_on_after(timeout / 1000) as limit:
-                        outcome = ("ok", await self._call(handler, job))
+                        outcome = ("ok", await self._call(handler, running))
                     if limit.cancelled_caught:
                         raise JobTimedOut(timeout)
             except Exception as exc:
@@ -239,14 +260,18 @@ class WorkerJobs:
             return "withdrawn", None
         return outcome
 
-    async def _call(self, handler: Handler, job: LeasedJob) -> Any:
+    async def _call(self, handler: Handler, running: _Running) -> Any:
+        job = running.job
         if self._is_async[id(handler)]:
             return await handler(job)  # type: ignore[misc]
-        # A thread cannot be interrupted. On cancellation (lease lost, shutdown timeout)
-        # stop waiting for it: it runs on to its end, its result ignored, nothing acked.
-        # It keeps its token of _threads until then, so threads never exceed the slots.
+        # A thread cannot be interrupted. On cancellation (timeout, lease lost, shutdown
+        # timeout) stop waiting for it: it runs on to its end, its result ignored, nothing
+        # acked. It keeps the one token of its own limiter until then (trio releases it
+        # when the thread reports back, abandoned or not), and the job keeps its slot
+        # while it does (``_thread_ended``): so threads never exceed the slots.
+        running.thread = trio.CapacityLimiter(1)
         result = await trio.to_thread.run_sync(
-            handler, job, limiter=self._threads, abandon_on_cancel=True
+            handler, job, limiter=running.thread, abandon_on_cancel=True
         )
         if inspect.isawaitable(result):
             return await result

@@ -185,10 +185,10 @@ class Worker(WorkerJobs, WorkerAcks):
         self.wait_ms = wait_ms
         self.shutdown_timeout = shutdown_timeout
         self.worker_id = worker_id or default_worker_id()
+        # Each slot holds a job, and, for a sync handler, its thread (a limiter of its own
+        # per job, relay/worker/jobs.py: trio's default thread limit of 40 never stands
+        # between a slot and its job, and a thread left running keeps its slot).
         self._slots = trio.CapacityLimiter(concurrency)
-        # Sync handlers' threads: as many as slots, so trio's default thread limit (40)
-        # never stands between a slot and its job.
-        self._threads = trio.CapacityLimiter(concurrency)
         self._leasing = trio.CancelScope()
         self._jobs_scope = trio.CancelScope()
         # Around the attempts to reach the server and the waits between them: stop() ends

@@ -276,6 +276,35 @@ async def test_a_handler_past_its_timeout_is_cancelled_and_the_attempt_fails(bac
     assert worker.statistics().failed == 1
 
 
+async def test_a_thread_left_running_keeps_its_slot_and_no_job_times_out_waiting(backend):
+    # A sync handler stuck past its timeout cannot be interrupted: its job fails, and its
+    # slot stays held until the thread returns, so the next job is not leased into a slot
+    # with no thread for it (where it would time out without running, every attempt).
+    stuck = await backend.client.submit("q", {"stuck": True}, retries=0, timeout_ms=200)
+    healthy = await backend.client.submit("q", {"stuck": False}, retries=2, timeout_ms=300)
+    release = threading.Event()
+    ran: list[Any] = []
+
+    def handler(job: LeasedJob) -> None:
+        ran.append(job.payload)
+        if job.payload["stuck"]:
+            release.wait(BOUND_S)
+
+    with logged("relay.worker") as records:
+        async with running(make_worker(backend.target, handler=handler, concurrency=1)):
+            await wait_for_state(backend.client, stuck.job_id, "dead")
+
+            async def held() -> bool:
+                return any(getattr(r, "event", None) == "job.thread_running" for r in records)
+
+            await wait_until(held, what="the stuck thread's slot held")
+            assert (await backend.client.inspect(healthy.job_id)).state == "ready"
+            release.set()
+            view = await wait_for_state(backend.client, healthy.job_id, "succeeded")
+    assert ran == [{"stuck": True}, {"stuck": False}]
+    assert view.attempt == 1 and not view.errors
+
+
 async def test_a_handler_within_its_timeout_succeeds(backend):
     submitted = await backend.client.submit("q", {"n": 2}, timeout_ms=int(BOUND_S * 1000))
 
