@@ -75,8 +75,7 @@ class Stats:
     # a server that does not page stats).
     next_cursor: str | None = None
     total_queues: int | None = None
-    # The queues of the page that are paused (their entries say ``"paused": true`` on the
-    # wire; here ``queues`` holds only counts), by name.
+    # The queues of the page that are paused, by name (empty from a server without pauses).
     paused: list[str] = attrs.Factory(list)
 
 
@@ -122,15 +121,8 @@ def structure_reply(data: Any, cls: type) -> Any:
 
 
 def stats_reply(reply: dict[str, Any]) -> Any:
-    """A stats reply as ``Stats``: each paused queue's ``"paused": true`` taken out of its
-    counts into ``paused``."""
-    queues = reply.get("queues")
-    paused = []
-    if isinstance(queues, dict):
-        for name, counts in queues.items():
-            if isinstance(counts, dict) and counts.pop("paused", None) is True:
-                paused.append(name)
-    return structure_reply({**reply, "paused": sorted(paused)}, Stats)
+    """A stats reply as ``Stats``."""
+    return structure_reply(reply, Stats)
 
 
 def submit_result(reply: dict[str, Any]) -> SubmitResult:

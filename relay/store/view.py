@@ -150,24 +150,20 @@ class QueueView:
 
     def page_json(
         self, after: str | None, limit: int, only: Iterable[str] | None = None
-    ) -> tuple[bytes, list[str], str | None]:
+    ) -> tuple[bytes, list[str], str | None, list[str]]:
         """``page``, as a stats reply's ``queues`` object (JSON), the page's queues that
-        have ready jobs, and the next ``after``."""
+        have ready jobs, the next ``after``, and the page's queues that are paused."""
         for _ in range(READ_ATTEMPTS):
             version = self.version
             rows, next_after = self._page(after, limit, only)
             texts = self._json
             parts = [texts.get(queue) or counts_json(queue, None) for queue, _ in rows]
             paused = self.paused
-            if paused:  # (a paused queue's entry says so: ``"paused":true`` at its end)
-                parts = [
-                    part[:-1] + b',"paused":true}' if queue in paused else part
-                    for part, (queue, _) in zip(parts, rows, strict=True)
-                ]
             if version == self.version and not version & 1:
                 break
         ready = [queue for queue, entry in rows if entry is not None and entry[_READY]]
-        return b"{" + b",".join(parts) + b"}", ready, next_after
+        stopped = [queue for queue, _ in rows if queue in paused] if paused else []
+        return b"{" + b",".join(parts) + b"}", ready, next_after, stopped
 
     def top(self, limit: int) -> tuple[list[tuple[str, Entry]], Entry]:
         """The first ``limit`` queues by name with their entries, and the sums of the

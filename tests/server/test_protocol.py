@@ -1059,15 +1059,18 @@ async def test_a_long_poll_parked_on_a_paused_queue_stays_parked_and_wakes_on_re
     assert [j["job_id"] for j in reply["jobs"]] == [job_id]
 
 
-async def test_stats_marks_a_paused_queue_and_only_that_one(client):
+async def test_stats_names_the_pages_paused_queues_and_keeps_its_counts_counts(client):
     await submit(client, "a")
     await submit(client, "b")
     await client.ok("queue_pause", queue="b")
-    queues = (await client.ok("stats"))["queues"]
-    assert "paused" not in queues["a"]
-    assert queues["b"]["paused"] is True and queues["b"]["ready"] == 1
+    await client.ok("queue_pause", queue="c")  # (no jobs: not on the page)
+    reply = await client.ok("stats")
+    assert reply["paused"] == ["b"]
+    # Each queue's entry is its counts and nothing else, as clients before pauses sum it.
+    assert reply["queues"]["b"] == {**dict.fromkeys(STATES, 0), "ready": 1}
+    assert (await client.ok("stats", queues=["a"])).get("paused") is None
     await client.ok("queue_resume", queue="b")
-    assert "paused" not in (await client.ok("stats"))["queues"]["b"]
+    assert "paused" not in await client.ok("stats")
 
 
 async def test_queue_list_pages_the_queues_with_jobs_or_settings_by_name(client):

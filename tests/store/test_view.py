@@ -126,7 +126,7 @@ def test_pages_go_by_name_and_only_names_what_is_asked():
     assert [q for q, _ in view.page(None, 10)[0]] == ["q2", "q4", "q5"]
     rows, sums = view.top(2)
     assert [q for q, _ in rows] == ["q2", "q4"] and sums[0] == 3
-    text, ready, after = view.page_json(None, 2)
+    text, ready, after, _paused = view.page_json(None, 2)
     assert text.startswith(b'{"q2":{"pending":1,') and ready == [] and after == "q4"
 
 

@@ -344,10 +344,12 @@ class Dispatcher(AdminHandlers):
             "uptime_ms": (time.monotonic_ns() - self._started_ns) // 1_000_000,
             "connections": self.connections(),
         }
-        queues, ready, next_cursor = self.view.page_json(r.cursor, r.limit, r.queues)
+        queues, ready, next_cursor, paused = self.view.page_json(r.cursor, r.limit, r.queues)
         # Written out around the page's JSON, made as the counts were published.
         head = _STATS_HEAD % (orjson.dumps(rid), queues, orjson.dumps(server))
         tail = _STATS_TAIL % (orjson.dumps(next_cursor), len(self.view))
+        if paused:  # (an extension: the page's paused queues, left out when none is)
+            tail = b',"paused":' + orjson.dumps(paused) + tail
         if not r.oldest_ready or not ready:
             if r.oldest_ready:
                 tail = b',"oldest_ready_ms":{}' + tail
