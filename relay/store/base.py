@@ -23,11 +23,13 @@ import orjson
 
 from relay.protocol.errors import (
     Cancelled,
+    InvalidState,
     JobNotFound,
     LeaseExpired,
     RelayError,
     StaleToken,
     TooManyQueues,
+    Unauthorized,
 )
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
 from relay.store.view import QueueView
@@ -154,6 +156,23 @@ class Changes:
     def expiry(self, at: int) -> None:
         if self.next_expiry_at is None or at < self.next_expiry_at:
             self.next_expiry_at = at
+
+
+def check_cancel(job_id: str, row: tuple | None, leased_ok: bool) -> tuple[str, str, int]:
+    """A job's (queue, state, attempt) as read for a cancel, if it may be cancelled; else
+    the refusal, raised, the store having written nothing: ``JobNotFound`` (no row),
+    ``InvalidState`` (finished), ``Unauthorized`` (leased, and ``leased_ok`` is False: a
+    producer's cancel)."""
+    if row is None:
+        raise JobNotFound(job_id)
+    queue, state, attempt = row
+    if state not in CANCELLABLE:
+        raise InvalidState(job_id, state, "cancel")
+    if state == LEASED and not leased_ok:
+        raise Unauthorized(
+            f"cannot cancel {job_id}: it is leased (running); only an admin may cancel it"
+        )
+    return queue, state, attempt
 
 
 def check_lease(

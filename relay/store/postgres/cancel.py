@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.protocol.errors import InvalidState, JobNotFound, Unauthorized
 from relay.protocol.model import JobState, parse_job_id
-from relay.store.base import CANCELLABLE, CANCELLED, LEASED
+from relay.store.base import CANCELLED, check_cancel
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
 
@@ -57,16 +56,8 @@ class Cancel(PostgresBase):
             row = self._read(
                 "SELECT queue, state, attempt FROM jobs WHERE id = %s FOR UPDATE", (key,)
             ).fetchone()
-        if row is None:
-            raise JobNotFound(job_id)
+        queue, state, attempt = check_cancel(job_id, row, leased_ok)
         assert key is not None
-        queue, state, attempt = row
-        if state not in CANCELLABLE:
-            raise InvalidState(job_id, state, "cancel")
-        if state == LEASED and not leased_ok:
-            raise Unauthorized(
-                f"cannot cancel {job_id}: it is leased (running); only an admin may cancel it"
-            )
         self._write(_CANCEL_ONE, (now, key))
         self._cancelled(queue, [(key, state, attempt)], now)
         return JobState(state)

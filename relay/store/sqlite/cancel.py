@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.protocol.errors import InvalidState, JobNotFound, Unauthorized
 from relay.protocol.model import JobState, format_job_id, parse_job_id
-from relay.store.base import CANCELLABLE, CANCELLED, LEASED
+from relay.store.base import CANCELLABLE, CANCELLED, LEASED, check_cancel
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids, _json_rows, _json_select
 
 # Cancelled: finished now; the token stays only on a job that was leased.
@@ -50,16 +49,8 @@ class SqliteCancel(SqliteBase):
             row = self._db.execute(
                 "SELECT queue, state, attempt FROM jobs WHERE id = ?", (key,)
             ).fetchone()
-        if row is None:
-            raise JobNotFound(job_id)
+        queue, state, attempt = check_cancel(job_id, row, leased_ok)
         assert key is not None
-        queue, state, attempt = row
-        if state not in CANCELLABLE:
-            raise InvalidState(job_id, state, "cancel")
-        if state == LEASED and not leased_ok:
-            raise Unauthorized(
-                f"cannot cancel {job_id}: it is leased (running); only an admin may cancel it"
-            )
         self._db.execute(_CANCEL_ONE, (now, key))
         self._cancelled(queue, [(key, state, attempt)], now)
         return JobState(state)
