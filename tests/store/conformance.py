@@ -27,6 +27,9 @@ STORE_KINDS = ("sqlite", "postgres")
 
 # For a test about SQLite's own machinery: it runs on the SQLite store only.
 sqlite_only = pytest.mark.parametrize("store_kind", ["sqlite"])
+# For a test of several servers on one database: PostgreSQL's alone (one server owns a
+# SQLite file).
+postgres_only = pytest.mark.parametrize("store_kind", ["postgres"])
 
 
 def rows(store: Store, sql: str, *params: object) -> list[tuple]:

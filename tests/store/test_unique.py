@@ -11,7 +11,7 @@ import pytest
 from relay.protocol.model import JobState
 from relay.store.postgres import PostgresStore
 from tests.conftest import T0
-from tests.store.conformance import Store, Stores, rows, scalar
+from tests.store.conformance import Store, Stores, postgres_only, rows, scalar
 from tests.store.test_sqlite import DAY, LEASE_MS, claim_one, dump, make_dead, spec, submit
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
@@ -147,9 +147,8 @@ def test_a_key_held_in_a_batch_that_rolls_back_is_not_held(store):
     assert not fresh.duplicate and jobs_in(store) == 1
 
 
-def test_another_server_sees_the_key(stores: Stores, store_kind):
-    if store_kind != "postgres":
-        pytest.skip("one SQLite file has one server")
+@postgres_only
+def test_another_server_sees_the_key(stores: Stores):
     a, b = stores.open("db"), stores.open("db")
     job = submit(a, unique_key="u")
     assert b.jobs_submit([spec(unique_key="u")], T0)[0][:3] == (job, READY, True)
@@ -159,9 +158,8 @@ def test_another_server_sees_the_key(stores: Stores, store_kind):
     assert not fresh.duplicate
 
 
-def test_servers_submitting_one_key_at_once_make_one_job(stores: Stores, store_kind):
-    if store_kind != "postgres":
-        pytest.skip("one SQLite file has one server")
+@postgres_only
+def test_servers_submitting_one_key_at_once_make_one_job(stores: Stores):
     servers = [stores.open("db") for _ in range(3)]
     rounds = 20
     barrier = threading.Barrier(len(servers))
