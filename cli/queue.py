@@ -30,15 +30,7 @@ def queue_pause(name: str, address: str, as_json: bool) -> None:
     become ready when due, but no worker leases its jobs until it is resumed. Jobs leased
     already run to the end. A queue may be paused before it has jobs. Needs an admin
     token on a server with tokens."""
-
-    async def pause(client: Client) -> bool:
-        return await client.queue_pause(name)
-
-    paused = call(address, pause)
-    if as_json:
-        print_json({"queue": name, "paused": paused})
-    else:
-        click.echo(f"paused queue {name}: its jobs wait until `relay-trio queue resume {name}`")
+    _set_paused(name, True, address, as_json)
 
 
 @queue.command("resume", short_help="Let workers lease a paused queue's jobs again.")
@@ -49,13 +41,20 @@ def queue_resume(name: str, address: str, as_json: bool) -> None:
     """Resume the queue NAME: its ready jobs are leased again, at once (workers waiting on
     it are woken). Resuming a queue that is not paused changes nothing. Needs an admin
     token on a server with tokens."""
+    _set_paused(name, False, address, as_json)
 
-    async def resume(client: Client) -> bool:
-        return await client.queue_resume(name)
 
-    paused = call(address, resume)
+def _set_paused(name: str, paused: bool, address: str, as_json: bool) -> None:
+    """Pause or resume the queue ``name``, and say what it is now."""
+
+    async def set_paused(client: Client) -> bool:
+        return await (client.queue_pause(name) if paused else client.queue_resume(name))
+
+    now_paused = call(address, set_paused)
     if as_json:
-        print_json({"queue": name, "paused": paused})
+        print_json({"queue": name, "paused": now_paused})
+    elif now_paused:
+        click.echo(f"paused queue {name}: its jobs wait until `relay-trio queue resume {name}`")
     else:
         click.echo(f"resumed queue {name}")
 

@@ -166,8 +166,13 @@ def priority_text(priority: str) -> Text:
 
 def totals_by_state(stats: Stats) -> dict[str, int]:
     """Jobs per state over every queue (every state present, zeros included)."""
+    return sum_counts(stats.queues.values())
+
+
+def sum_counts(many: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Jobs per state summed over ``many`` queues' counts (every state present)."""
     totals = dict.fromkeys(STATES, 0)
-    for counts in stats.queues.values():
+    for counts in many:
         for state, count in counts.items():
             totals[state] = totals.get(state, 0) + count
     return totals
@@ -288,6 +293,19 @@ def tables_width(widths: Sequence[int], gap: int = GAP) -> int:
     return sum(widths) + gap * (len(widths) - 1)
 
 
+def queues_table(queue: int, headers: Sequence[str], widths: Sequence[int]) -> Table:
+    """The "Queues" table of ``stats`` and ``queue list``: a queue column ``queue`` wide,
+    then a right-aligned column per header (a state's in its colour, the total bold)."""
+    table = plain_table("Queues", gap=NUMBERS_GAP)
+    table.add_column("queue", width=queue, no_wrap=True)
+    for header, column in zip(headers, widths, strict=True):
+        table.add_column(
+            header, justify="right", width=column, no_wrap=True,
+            header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
+        )  # fmt: skip
+    return table
+
+
 # -- stats --------------------------------------------------------------------------------
 
 
@@ -378,13 +396,7 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
     )
     queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
 
-    table = plain_table("Queues", gap=NUMBERS_GAP)
-    table.add_column("queue", width=queue, no_wrap=True)
-    for header, column in zip(headers, widths, strict=True):
-        table.add_column(
-            header, justify="right", width=column, no_wrap=True,
-            header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
-        )  # fmt: skip
+    table = queues_table(queue, headers, widths)
     for name, row in zip(names, rows, strict=True):
         table.add_row(queue_cell(name, name in paused, queue), *row)
     if not names:
@@ -426,11 +438,7 @@ def queue_table(page: QueuePage) -> Fitted:
 
 def _queue_layout(page: QueuePage, width: int) -> RenderableType:
     queues = page.queues
-    totals = dict.fromkeys(STATES, 0)
-    for info in queues:
-        for state in STATES:
-            totals[state] += info.counts.get(state, 0)
-    states = shown_states(totals)  # (cancelled: while the page has some)
+    states = shown_states(sum_counts(info.counts for info in queues))  # (cancelled: if any)
     rows = []
     for info in queues:
         counts = info.counts
@@ -444,13 +452,7 @@ def _queue_layout(page: QueuePage, width: int) -> RenderableType:
     labels = [info.queue for info in queues] + ["queue"] if queues else ["no queues yet"]
     queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
 
-    table = plain_table("Queues", gap=NUMBERS_GAP)
-    table.add_column("queue", width=queue, no_wrap=True)
-    for header, column in zip(headers, widths, strict=True):
-        table.add_column(
-            header, justify="right", width=column, no_wrap=True,
-            header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
-        )  # fmt: skip
+    table = queues_table(queue, headers, widths)
     for info, row in zip(queues, rows, strict=True):
         table.add_row(cut_middle(info.queue, queue), *row)
     if not queues:

@@ -358,26 +358,17 @@ CANCEL_DEFAULT_STATES = ("pending", "ready", "retrying")
 
 
 @attrs.frozen
-class Cancel:
+class Cancel(DeadSelect):
     """``cancel``, an extension: ``{job_id}``, one job; or ``{queue, all: true, states?}``,
-    every job of a queue in those states (default: those that have not started)."""
+    every job of a queue in those states (default: those that have not started). Chosen
+    as the dead letters' requests are (``DeadSelect``), with the states beside."""
 
-    job_id: str | None = None
-    queue: str | None = None
-    all: bool = False
     states: list[str] | None = None
 
     def check(self, limits: Limits) -> None:
-        if self.job_id is not None:
-            if self.queue is not None or self.all or self.states is not None:
-                raise _bad("job_id", "give job_id, or queue with all: true, not both")
-            check_text("job_id", self.job_id, limits.max_id_bytes)
-            return
-        if self.queue is None:
-            raise _bad("job_id", "required (or queue with all: true)")
-        check_queue("queue", self.queue)
-        if not self.all:
-            raise _bad("all", "must be true to act on a whole queue")
+        if self.job_id is not None and self.states is not None:
+            raise _bad("job_id", "give job_id, or queue with all: true, not both")
+        super().check(limits)
         if self.states is not None:
             if not 1 <= len(self.states) <= len(CANCEL_STATES):
                 raise _bad(

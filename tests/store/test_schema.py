@@ -386,7 +386,7 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     """The store as the code before schema version 5 ran it: no queue_settings to read."""
 
     def no_paused_queues(store: SqliteStore) -> None:
-        store._paused, store._paused_changes = frozenset(), {}
+        store._paused, store._paused_touched = frozenset(), set()
 
     old_code.setattr(SqliteStore, "_load_paused", no_paused_queues)
 

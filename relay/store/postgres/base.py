@@ -107,7 +107,7 @@ class PostgresBase(CountsBook):
         # reads the table itself), and the open transaction's pauses and resumes, added
         # by its commit (settings.py).
         self._paused_known: set[str] = set()
-        self._paused_changes: dict[str, bool] = {}
+        self._paused_touched: set[str] = set()  # queues paused or resumed in the transaction
         self.load_counts()
 
     def load_counts(self) -> None:
@@ -146,7 +146,7 @@ class PostgresBase(CountsBook):
         self._begin_pending = False
         self._moves.clear()
         self._deleted_from.clear()
-        self._paused_changes.clear()
+        self._paused_touched.clear()
         self._publish()
         self.changes = Changes()
 
@@ -238,16 +238,16 @@ class PostgresBase(CountsBook):
             self._touched.add(queue)
             for state in STATES:
                 known.pop((queue, state), None)
-        if self._paused_changes:
+        if self._paused_touched:
             # What this transaction leaves, read back: a command undone by its savepoint
             # (a batch refused, run again item by item) left its change in the dict only.
-            touched = list(self._paused_changes)
+            touched = list(self._paused_touched)
             rows = self._db.execute(
                 "SELECT queue FROM queue_settings WHERE paused AND queue = ANY(%s)", (touched,)
             )
             self._paused_known.difference_update(touched)
             self._paused_known.update(queue for (queue,) in rows)
-            self._paused_changes.clear()
+            self._paused_touched.clear()
             self.view.publish_paused(frozenset(self._paused_known))
         self._publish()
 
@@ -264,7 +264,7 @@ class PostgresBase(CountsBook):
         self._undo_transaction()
         self._moves.clear()
         self._deleted_from.clear()
-        self._paused_changes.clear()
+        self._paused_touched.clear()
         self._publish()
 
     def _on_its_own(

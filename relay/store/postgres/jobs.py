@@ -106,6 +106,19 @@ _TAKE_ATTEMPTS = 3
 _MOVE_UNIQUE = "UPDATE unique_keys SET job_id = %s, unique_for = %s WHERE queue = %s AND key = %s"
 
 
+def _duplicate(
+    key: tuple[str, str],
+    fresh: dict[tuple[str, str], int],
+    committed: dict[tuple[str, str], SubmitResult],
+) -> SubmitResult | tuple[int, bool] | None:
+    """A submit's answer as a duplicate of the job that has ``key`` (idempotency or unique,
+    per its maps): an earlier job of this batch (its index, and True), a committed job (its
+    answer), or None."""
+    if key in fresh:
+        return fresh[key], True
+    return committed.get(key)
+
+
 class Jobs(PostgresBase):
     """Submit: part of ``PostgresStore``."""
 
@@ -146,29 +159,22 @@ class Jobs(PostgresBase):
         fresh_uniques: dict[tuple[str, str], int] = {}
         per_queue: dict[tuple[str, str], int] = {}
         for spec in specs:
-            key = None
+            key = unique_key = None
             if spec.idempotency_key is not None:
                 key = (spec.queue, encode_text(spec.idempotency_key))
-                if key in fresh:
-                    answers.append((fresh[key], True))
-                    continue
-                seen = live.get(key)
-                if seen is not None:
-                    answers.append(seen)
-                    continue
-            unique_key = None
             if spec.unique_key is not None:
                 unique_key = (spec.queue, encode_text(spec.unique_key))
-                if unique_key in fresh_uniques:
-                    answers.append((fresh_uniques[unique_key], True))
-                    continue
-                seen = held.get(unique_key)
-                if seen is not None:
-                    answers.append(seen)
-                    continue
-                fresh_uniques[unique_key] = len(new)
+            # The idempotency key first, then the unique key (docs/protocol.md, submit).
+            seen = (key and _duplicate(key, fresh, live)) or (
+                unique_key and _duplicate(unique_key, fresh_uniques, held)
+            )
+            if seen:
+                answers.append(seen)
+                continue
             if key is not None:
                 fresh[key] = len(new)
+            if unique_key is not None:
+                fresh_uniques[unique_key] = len(new)
             answers.append((len(new), False))
             new.append(spec)
             new_keys.append(key)

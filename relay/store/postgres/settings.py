@@ -55,7 +55,7 @@ class Settings(PostgresBase):
             ready = self._counts([queue]).get((queue, READY), 0)
             if ready > 0:
                 self.changes.made_ready(queue, ready)
-        self._paused_changes[queue] = paused
+        self._paused_touched.add(queue)
         return paused
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:

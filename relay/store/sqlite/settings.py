@@ -33,15 +33,15 @@ _PAGE = "SELECT queue, paused FROM queue_settings WHERE queue > ? ORDER BY queue
 class SqliteSettings(SqliteBase):
     """Pause, resume, and the settings' pages: part of ``SqliteStore``."""
 
-    # The queues paused, as committed; and the open transaction's changes to it, applied
-    # by its commit (``_settle_paused``), dropped by its rollback.
+    # The queues paused, as committed; and the queues the open transaction paused or
+    # resumed, read again by its commit (``_settle_paused``), forgotten by its rollback.
     _paused: frozenset[str]
-    _paused_changes: dict[str, bool]
+    _paused_touched: set[str]
 
     def _load_paused(self) -> None:
         rows = self._db.execute("SELECT queue FROM queue_settings WHERE paused")
         self._paused = frozenset(queue for (queue,) in rows)
-        self._paused_changes = {}
+        self._paused_touched = set()
         self.view.publish_paused(self._paused)
 
     def _settle_paused(self, committed: bool) -> None:
@@ -50,16 +50,15 @@ class SqliteSettings(SqliteBase):
         table, for the queues the transaction touched: a command undone by its savepoint
         (a batch the disk refused, run again item by item: relay/store/passes.py) left
         its change here but not there."""
-        changes, self._paused_changes = self._paused_changes, {}
-        if not committed or not changes:
+        touched, self._paused_touched = list(self._paused_touched), set()
+        if not committed or not touched:
             return
-        touched = list(changes)
         rows = self._db.execute(
             "SELECT queue FROM queue_settings WHERE paused AND queue IN "
             f"({', '.join('?' * len(touched))})",
             touched,
         )
-        paused = (self._paused - changes.keys()) | {queue for (queue,) in rows}
+        paused = self._paused.difference(touched) | {queue for (queue,) in rows}
         self._paused = frozenset(paused)
         self.view.publish_paused(self._paused)
 
@@ -82,7 +81,7 @@ class SqliteSettings(SqliteBase):
             ready = self._counts.get((queue, READY), 0)
             if ready:
                 self.changes.made_ready(queue, ready)
-        self._paused_changes[queue] = paused
+        self._paused_touched.add(queue)
         if self._journal is None:  # outside a transaction: the statement has committed
             self._settle_paused(True)
         return paused
