@@ -215,6 +215,8 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
     for n, row in enumerate(rows):
         table.add_row(views.queue_cell(row.name, row.paused, queue),
                       *(cells[n] for cells in columns.values()))  # fmt: skip
+    table.caption = views.paused_caption([row.name for row in rows if row.paused], queue)
+    table.caption_justify = "left"
     return table
 
 

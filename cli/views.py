@@ -330,12 +330,25 @@ PAUSED_MARK = " paused"
 
 def queue_cell(name: str, paused: bool, width: int) -> Text:
     """A queue's cell in a column ``width`` wide: its name (cut in the middle if need be),
-    and PAUSED_MARK after it if it is paused."""
+    and PAUSED_MARK after it if it is paused. The name goes first: without room for both,
+    a paused queue's name is shown in the mark's colour and ``paused_caption`` names it."""
     if not paused:
         return Text(cut_middle(name, width))
-    text = Text(cut_middle(name, max(width - len(PAUSED_MARK), 3)))
+    if len(name) + len(PAUSED_MARK) > width:
+        return Text(cut_middle(name, width), style="bold yellow")
+    text = Text(name)
     text.append(PAUSED_MARK, style="bold yellow")
     return text
+
+
+def paused_caption(paused: Sequence[str], width: int) -> Text | None:
+    """Under a table of queues: the paused ones whose cells (``width`` wide) had no room for
+    PAUSED_MARK (``queue_cell``), by name, a few at most; None if there are none."""
+    unmarked = [name for name in paused if len(name) + len(PAUSED_MARK) > width]
+    if not unmarked:
+        return None
+    more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
+    return Text(f"paused (yellow): {', '.join(unmarked[:3])}{more}", style="table.caption")
 
 
 def marked(name: str, paused: bool) -> str:
@@ -404,6 +417,9 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
     table.add_section()
     table.add_row(Text("total", style="bold"), *total_row, style="bold")
     notes = [Text(caption, style="table.caption")]
+    unmarked = paused_caption([name for name in names if name in paused], queue)
+    if unmarked is not None:
+        notes.append(unmarked)
     if stats.next_cursor is not None and stats.total_queues is not None:
         # (the server answers a page of queues by name: the total is of those shown)
         notes.append(Text(

@@ -262,7 +262,9 @@ def test_top_marks_a_paused_queue(width):
     assert row(lines, "mail ").startswith("mail paused ")
     assert "7" in row(lines, "mail ").split()
     assert "paused" not in row(lines, "sms ")
-    assert row(lines, "run-eu").split()[1] == "paused"  # the name cut, never the mark
+    long_row = next(line for line in lines if line.startswith("billing"))
+    if f"{QUEUE_40} paused" not in long_row:  # no room for the mark: named under the table
+        assert "paused" not in long_row and f"paused (yellow): {QUEUE_40}" in map(str.strip, lines)
     view.stats(queues, ServerInfo("0.1.0", 1_000, 1), {})
     assert "paused" not in "\n".join(lines_of(view.render(), width))
 
