@@ -33,8 +33,10 @@ import orjson
 from relay.client.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
 from relay.client.replies import (
     JobView,
+    QueueConfig,
     QueuePage,
     Stats,
+    config_fields,
     stats_reply,
     structure_reply,
     submit_result,
@@ -329,14 +331,27 @@ class BlockingClient:
         """As ``Client.queue_resume``: False (not paused)."""
         return self.request("queue_resume", queue=queue)["paused"]
 
-    def queue_list(self, *, limit: int | None = None, cursor: str | None = None) -> QueuePage:
+    def queue_list(
+        self,
+        *,
+        limit: int | None = None,
+        cursor: str | None = None,
+        queues: Sequence[str] | None = None,
+    ) -> QueuePage:
         """As ``Client.queue_list``: a page of queues with their settings and counts."""
         fields: dict[str, Any] = {}
         if limit is not None:
             fields["limit"] = limit
         if cursor is not None:
             fields["cursor"] = cursor
+        if queues is not None:
+            fields["queues"] = list(queues)
         return structure_reply(self.request("queue_list", **fields), QueuePage)
+
+    def queue_config(self, queue: str, **settings: Any) -> QueueConfig:
+        """As ``Client.queue_config``: set (None: clear) some of a queue's settings."""
+        reply = self.request("queue_config", **config_fields(queue, settings))
+        return structure_reply(reply, QueueConfig)
 
     def cancel(self, job_id: str) -> JobState:
         """As ``Client.cancel``: the state the job was in."""

@@ -39,10 +39,12 @@ from relay.client.replies import (
     Hello,
     JobView,
     LeasedJob,
+    QueueConfig,
     QueueInfo,
     QueuePage,
     ServerInfo,
     Stats,
+    config_fields,
     stats_reply,
     structure_reply,
     submit_result,
@@ -337,12 +339,29 @@ class Client:
         (not paused)."""
         return (await self._call("queue_resume", queue=queue))["paused"]
 
-    async def queue_list(self, *, limit: int | None = None, cursor: str | None = None) -> QueuePage:
+    async def queue_list(
+        self,
+        *,
+        limit: int | None = None,
+        cursor: str | None = None,
+        queues: Sequence[str] | None = None,
+    ) -> QueuePage:
         """A page of at most ``limit`` queues by name (the server's default and most:
         1,000), those with jobs or settings, after ``cursor`` (the ``next_cursor`` of the
-        page before): each with ``paused`` and its jobs per state."""
-        reply = await self._call("queue_list", limit=limit, cursor=cursor)
+        page before); or the ``queues`` named, with or without jobs: each with its
+        settings and its jobs per state."""
+        named = None if queues is None else list(queues)
+        reply = await self._call("queue_list", limit=limit, cursor=cursor, queues=named)
         return structure_reply(reply, QueuePage)
+
+    async def queue_config(self, queue: str, **settings: Any) -> QueueConfig:
+        """Set some of ``queue``'s settings (role admin), each a keyword of
+        ``QUEUE_SETTINGS``: ``max_leased=5``, ``rate={"limit": 100, "period_ms": 1000}``,
+        ``default_timeout_ms``, ``default_retries``, ``default_backoff`` (as ``submit``'s),
+        ``paused``; None clears one, one not given stays. Returns them all; with none
+        given, reads them. An extension: an older server raises ``UnknownOp``."""
+        reply = await self._transport.request("queue_config", config_fields(queue, settings))
+        return structure_reply(reply, QueueConfig)
 
     async def cancel(self, job_id: str) -> JobState:
         """Cancel one job that has not finished (an extension op); return the state it was
@@ -452,6 +471,7 @@ __all__ = [
     "DeadPage",
     "JobView",
     "LeasedJob",
+    "QueueConfig",
     "QueueInfo",
     "QueuePage",
     "ServerInfo",

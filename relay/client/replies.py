@@ -86,12 +86,36 @@ class DeadPage:
 
 
 @attrs.frozen
-class QueueInfo:
-    """A queue as ``queue_list`` shows it: its settings and its jobs per state."""
+class QueueConfig:
+    """A queue's settings, as ``queue_config`` answers them (None: not set). ``rate`` is
+    ``{"limit": N, "period_ms": M}``, ``default_backoff`` as ``submit`` takes it."""
 
     queue: str
-    paused: bool
-    counts: dict[str, int]
+    paused: bool = False
+    max_leased: int | None = None
+    rate: dict[str, int] | None = None
+    default_timeout_ms: int | None = None
+    default_retries: int | None = None
+    default_backoff: dict[str, Any] | None = None
+
+
+# What ``queue_config`` may set (each None to clear it).
+QUEUE_SETTINGS = tuple(f.name for f in attrs.fields(QueueConfig))[1:]
+
+
+def config_fields(queue: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A ``queue_config`` request's fields: None stays (it clears the setting)."""
+    unknown = sorted(settings.keys() - set(QUEUE_SETTINGS))
+    if unknown:
+        raise TypeError(f"not a queue setting: {', '.join(unknown)}; see QUEUE_SETTINGS")
+    return {"queue": queue, **settings}
+
+
+@attrs.frozen
+class QueueInfo(QueueConfig):
+    """A queue as ``queue_list`` shows it: its settings and its jobs per state."""
+
+    counts: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.frozen

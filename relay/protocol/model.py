@@ -114,6 +114,15 @@ class Backoff:
 DEFAULT_BACKOFF = Backoff()
 
 
+@attrs.frozen
+class Rate:
+    """At most ``limit`` leases of a queue per window of ``period_ms``: a window opens with
+    the first lease after the previous one closed (a queue's setting: relay/store/claims.py)."""
+
+    limit: int
+    period_ms: int
+
+
 class SubmitSpec(NamedTuple):
     """One job to create. ``payload`` is its JSON text, already validated and size-checked.
 

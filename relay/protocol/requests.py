@@ -22,11 +22,13 @@ from relay.protocol.model import (
     WIRE_PRIORITIES,
     Backoff,
     JobState,
+    Rate,
     SubmitSpec,
     job_id_keys,
     parse_job_id,
 )
 from relay.protocol.wire import (
+    DAY_MS,
     DEFAULT_DEAD_LIST,
     DEFAULT_LEASE_MS,
     DEFAULT_RETRIES,
@@ -432,6 +434,70 @@ class QueueResume(QueuePause):
     pass
 
 
+# The bounds of a queue's settings (``queue_config``): a queue's jobs leased at once; a
+# rate's leases per window and the window's length (a day at most).
+MAX_LEASED_LIMIT = 1_000_000
+MAX_RATE_LIMIT = 1_000_000
+MAX_RATE_PERIOD_MS = DAY_MS
+# A setting's field, absent (unchanged), as told from null (cleared).
+UNSET: Any = attrs.make_class("Unset", [], repr_ns=None)()
+
+
+@attrs.frozen
+class WireRate:
+    limit: int
+    period_ms: int
+
+
+@attrs.frozen
+class QueueConfig:
+    """``queue_config`` (an extension): set some of a queue's settings, clear others (null),
+    leave the rest; with none given, read them."""
+
+    queue: str
+    paused: bool = UNSET
+    max_leased: int | None = UNSET
+    rate: WireRate | None = UNSET
+    default_timeout_ms: int | None = UNSET
+    default_retries: int | None = UNSET
+    default_backoff: WireBackoff | None = UNSET
+
+    def check(self, limits: Limits) -> None:
+        self.changes(limits)
+
+    def changes(self, limits: Limits) -> dict[str, Any]:
+        """Check every field given; return them as the store takes them (SETTING_FIELDS
+        of relay/store/base.py: a rate and a backoff as their models)."""
+        check_queue("queue", self.queue)
+        changes: dict[str, Any] = {}
+        for field in attrs.fields(QueueConfig)[1:]:
+            value = getattr(self, field.name)
+            if value is UNSET:
+                continue
+            if value is not None:
+                value = self._checked(field.name, value, limits)
+            elif field.name == "paused":
+                raise _bad("paused", "must be true or false")
+            changes[field.name] = value
+        return changes
+
+    @staticmethod
+    def _checked(name: str, value: Any, limits: Limits) -> Any:
+        if name == "max_leased":
+            check_range(name, value, 1, MAX_LEASED_LIMIT)
+        elif name == "rate":
+            check_range("rate.limit", value.limit, 1, MAX_RATE_LIMIT)
+            check_range("rate.period_ms", value.period_ms, 1, MAX_RATE_PERIOD_MS)
+            return Rate(value.limit, value.period_ms)
+        elif name == "default_timeout_ms":
+            check_range(name, value, 1, limits.max_timeout_ms)
+        elif name == "default_retries":
+            check_range(name, value, 0, limits.max_retries)
+        elif name == "default_backoff":
+            return value.to_model(name, limits)
+        return value
+
+
 # Queues per queue_list reply at most, and by default: as a stats page.
 QUEUE_LIST_PAGE = STATS_PAGE
 
@@ -439,10 +505,12 @@ QUEUE_LIST_PAGE = STATS_PAGE
 @attrs.frozen
 class QueueList:
     """``queue_list`` (an extension): a page of at most ``limit`` queues that hold jobs or
-    have settings, by name, after the queue named ``cursor``."""
+    have settings, by name, after the queue named ``cursor``; or the ``queues`` named (each
+    listed, with or without jobs or settings)."""
 
     cursor: str | None = None
     limit: int = QUEUE_LIST_PAGE
+    queues: list[str] | None = None
 
     def check(self, limits: Limits) -> None:
         check_range("limit", self.limit, 1, QUEUE_LIST_PAGE)
@@ -451,6 +519,13 @@ class QueueList:
                 check_queue("cursor", self.cursor)
             except BadRequest:
                 raise _bad("cursor", "not a cursor returned by queue_list") from None
+        if self.queues is not None:
+            if not 1 <= len(self.queues) <= QUEUE_LIST_PAGE:
+                raise _bad("queues", f"1 to {QUEUE_LIST_PAGE} queue names")
+            if self.cursor is not None:
+                raise _bad("cursor", "not with queues: the queues named are one page")
+            for i, queue in enumerate(self.queues):
+                check_queue(f"queues[{i}]", queue)
 
 
 REQUEST_TYPES: dict[str, type] = {
@@ -476,4 +551,5 @@ REQUEST_TYPES: dict[str, type] = {
     "queue_pause": QueuePause,
     "queue_resume": QueueResume,
     "queue_list": QueueList,
+    "queue_config": QueueConfig,
 }

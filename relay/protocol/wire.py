@@ -20,6 +20,7 @@ from relay.protocol.model import (
     PRIORITY_INT_BY_WIRE,
     QUEUE_NAME_RE,
     WIRE_PRIORITIES,
+    Backoff,
     ErrorEntry,
     JobInfo,
     Lease,
@@ -302,6 +303,18 @@ def _error_fields(entry: ErrorEntry) -> dict[str, Any]:
     if entry.traceback is not None:
         fields["traceback"] = entry.traceback
     return fields
+
+
+def backoff_fields(backoff: Backoff) -> dict[str, Any]:
+    """A backoff as ``submit`` takes it."""
+    if backoff.kind == "fixed":
+        return {"kind": "fixed", "delay_ms": backoff.base_ms}
+    return {
+        "kind": backoff.kind,
+        "base_ms": backoff.base_ms,
+        "max_ms": backoff.max_ms,
+        "jitter": backoff.jitter,
+    }
 
 
 def job_fields(job: JobInfo) -> dict[str, Any]:

@@ -14,9 +14,10 @@ relay/store/counts.py. Nothing here touches a database.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import orjson
@@ -31,7 +32,16 @@ from relay.protocol.errors import (
     TooManyQueues,
     Unauthorized,
 )
-from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitResult, SubmitSpec
+from relay.protocol.model import (
+    Backoff,
+    FailOutcome,
+    JobInfo,
+    JobState,
+    Lease,
+    Rate,
+    SubmitResult,
+    SubmitSpec,
+)
 from relay.store.view import QueueView
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
@@ -67,17 +77,84 @@ SETTINGS_PAGE = 1000
 
 def too_many_settings(held: int) -> TooManyQueues:
     return TooManyQueues(
-        f"{held} queues have settings (max {MAX_QUEUE_SETTINGS}); resume paused queues "
-        "that need it no longer"
+        f"{held} queues have settings (max {MAX_QUEUE_SETTINGS}); clear the settings of "
+        "queues that need them no longer (resume them, set their limits and defaults to null)"
     )
 
 
 @attrs.frozen
 class QueueSettings:
-    """A queue's settings, as kept in queue_settings (the defaults for a queue with none)."""
+    """A queue's settings, as kept in queue_settings (the defaults for a queue with none).
+
+    None is "not set": no limit, and a submit's own value or the protocol's default."""
 
     queue: str
     paused: bool = False
+    # At most this many jobs of the queue leased at once, over every server.
+    max_leased: int | None = None
+    rate: Rate | None = None
+    # What a submit to the queue gets for a field it leaves out (taken at submit: a job
+    # keeps what it was made with).
+    default_timeout_ms: int | None = None
+    default_retries: int | None = None
+    default_backoff: Backoff | None = None
+
+    @property
+    def limited(self) -> bool:
+        """A claim must count against this queue's limits."""
+        return self.max_leased is not None or self.rate is not None
+
+    @property
+    def is_default(self) -> bool:
+        """Nothing set: the queue's row says nothing (it is deleted)."""
+        return self == QueueSettings(self.queue)
+
+    def to_row(self) -> tuple:
+        """As the columns SETTINGS_COLUMNS name (the rate window is the store's own)."""
+        backoff = self.default_backoff
+        return (
+            self.queue,
+            self.paused,
+            self.max_leased,
+            None if self.rate is None else self.rate.limit,
+            None if self.rate is None else self.rate.period_ms,
+            self.default_timeout_ms,
+            self.default_retries,
+            None if backoff is None else json.dumps(attrs.astuple(backoff)),
+        )
+
+    @classmethod
+    def from_row(cls, row: Sequence) -> QueueSettings:
+        queue, paused, max_leased, rate_limit, rate_period, timeout, retries, backoff = row
+        return cls(
+            queue,
+            bool(paused),
+            max_leased,
+            None if rate_limit is None else Rate(rate_limit, rate_period),
+            timeout,
+            retries,
+            None if backoff is None else Backoff(*json.loads(backoff)),
+        )
+
+    def loosens(self, old: QueueSettings) -> bool:
+        """Whether a claim may take from the queue what it could not with ``old``: resumed,
+        or a limit changed (raised, removed, or a new window: a change wakes to look)."""
+        return (old.paused and not self.paused) or (
+            old.limited and (old.max_leased, old.rate) != (self.max_leased, self.rate)
+        )
+
+    def changed(self, changes: Mapping[str, Any]) -> QueueSettings:
+        """These settings with ``changes`` (field -> value; None clears) applied."""
+        return attrs.evolve(self, **changes)
+
+
+# The settings' columns of queue_settings, in ``QueueSettings.to_row``'s order.
+SETTINGS_COLUMNS = (
+    "queue, paused, max_leased, rate_limit, rate_period_ms, default_timeout_ms, "
+    "default_retries, default_backoff"
+)
+# What ``queue_config`` may change: QueueSettings' fields but the queue.
+SETTING_FIELDS = tuple(f.name for f in attrs.fields(QueueSettings))[1:]
 
 
 # The arguments of one claim: queues, worker id, count, lease ms, reply budget in bytes.
@@ -420,6 +497,12 @@ class Store(Protocol):
     def queue_pause(self, queue: str, paused: bool, now: int) -> bool:
         """Pause (no claim leases from it) or resume ``queue``, idempotent, whether or not
         it holds jobs; return ``paused``. Resuming a paused queue reports its ready jobs as
+        made ready (parked leases wake). Raises ``TooManyQueues`` past MAX_QUEUE_SETTINGS."""
+
+    def queue_config(self, queue: str, changes: Mapping[str, Any], now: int) -> QueueSettings:
+        """Change ``queue``'s settings (``changes``: SETTING_FIELDS -> value, None clears
+        one) and return them all; no changes reads them. Whatever loosens what a claim
+        may take (a resume, a limit raised or removed) reports the queue's ready jobs as
         made ready (parked leases wake). Raises ``TooManyQueues`` past MAX_QUEUE_SETTINGS."""
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:

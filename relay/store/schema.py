@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -172,6 +172,22 @@ def _v6_cancelled(db: sqlite_utils.Database) -> None:
     )
 
 
+def _v7_queue_limits(db: sqlite_utils.Database) -> None:
+    # A queue's limits (leased at once; leases per window, with the window's state: when
+    # it opened and how many it gave) and the defaults a submit to it gets. NULL: not set.
+    for column in (
+        "max_leased INTEGER",
+        "rate_limit INTEGER",
+        "rate_period_ms INTEGER",
+        "rate_window_start INTEGER",
+        "rate_window_count INTEGER NOT NULL DEFAULT 0",
+        "default_timeout_ms INTEGER",
+        "default_retries INTEGER",
+        "default_backoff TEXT",
+    ):
+        db.execute(f"ALTER TABLE queue_settings ADD COLUMN {column}")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -180,6 +196,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     4: _v4_execution_timeouts,
     5: _v5_queue_settings,
     6: _v6_cancelled,
+    7: _v7_queue_limits,
 }
 
 

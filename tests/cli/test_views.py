@@ -300,9 +300,9 @@ def test_stats_table_marks_a_paused_queue_and_keeps_its_counts(width):
 def test_queue_table_shows_each_queue_paused_or_not_with_its_counts(width):
     page = QueuePage(
         queues=[
-            QueueInfo(QUEUE_40, True, counts(ready=3, dead=1)),
-            QueueInfo("email", False, counts(pending=1, ready=12_345_678, succeeded=5)),
-            QueueInfo("later", True, counts()),
+            QueueInfo(QUEUE_40, True, counts=counts(ready=3, dead=1)),
+            QueueInfo("email", False, counts=counts(pending=1, ready=12_345_678, succeeded=5)),
+            QueueInfo("later", True, counts=counts()),
         ],
         next_cursor=None,
     )
@@ -324,7 +324,7 @@ def test_queue_table_shows_each_queue_paused_or_not_with_its_counts(width):
 @pytest.mark.parametrize("width", [80, 120])
 def test_queue_table_shows_cancelled_jobs_while_a_queue_has_some(width):
     page = QueuePage(
-        queues=[QueueInfo("email", False, counts(ready=2, cancelled=3))], next_cursor=None
+        queues=[QueueInfo("email", False, counts=counts(ready=2, cancelled=3))], next_cursor=None
     )
     lines = lines_of(views.queue_table(page), width)
     assert lines[1].split() == ["queue", "paused", *views.STATES, "total"]
@@ -333,7 +333,7 @@ def test_queue_table_shows_cancelled_jobs_while_a_queue_has_some(width):
 
 
 def test_queue_table_says_where_the_next_page_begins_and_when_there_is_none():
-    page = QueuePage(queues=[QueueInfo("a", False, counts(ready=1))], next_cursor="a")
+    page = QueuePage(queues=[QueueInfo("a", False, counts=counts(ready=1))], next_cursor="a")
     text = "\n".join(lines_of(views.queue_table(page), 80))
     assert "next page: --cursor a" in text
     empty = "\n".join(lines_of(views.queue_table(QueuePage(queues=[], next_cursor=None)), 80))

@@ -408,7 +408,7 @@ async def test_a_paused_queue_is_listed_and_leases_nothing_until_resumed(client)
     assert await client.lease(["pq"], "w") == []
     page = await client.queue_list(limit=1)
     assert isinstance(page, QueuePage) and page.next_cursor == "later"
-    assert page.queues == [QueueInfo("later", True, dict.fromkeys(map(str, JobState), 0))]
+    assert page.queues == [QueueInfo("later", True, counts=dict.fromkeys(map(str, JobState), 0))]
     rest = await client.queue_list(cursor=page.next_cursor)
     assert [(q.queue, q.paused, q.counts["ready"]) for q in rest.queues] == [("pq", True, 1)]
     assert rest.next_cursor is None

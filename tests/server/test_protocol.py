@@ -1096,6 +1096,77 @@ async def test_queue_list_pages_the_queues_with_jobs_or_settings_by_name(client)
         assert name in error["message"]
 
 
+# -- queue_config (an extension) ------------------------------------------------------------
+
+NO_SETTINGS = {
+    "paused": False,
+    "max_leased": None,
+    "rate": None,
+    "default_timeout_ms": None,
+    "default_retries": None,
+    "default_backoff": None,
+}
+
+
+async def test_queue_config_sets_clears_and_keeps_each_setting_and_queue_list_shows_them(client):
+    reply = await client.ok("queue_config", queue="qc")  # nothing given: a read
+    fields = {k: v for k, v in reply.items() if k not in ("id", "ok")}
+    assert fields == {"queue": "qc", **NO_SETTINGS}
+    reply = await client.ok(
+        "queue_config", queue="qc", max_leased=3, rate={"limit": 10, "period_ms": 1000},
+        default_backoff={"kind": "fixed", "delay_ms": 500}, default_retries=0,
+    )  # fmt: skip
+    want = {
+        **NO_SETTINGS, "max_leased": 3, "rate": {"limit": 10, "period_ms": 1000},
+        "default_backoff": {"kind": "fixed", "delay_ms": 500}, "default_retries": 0,
+    }  # fmt: skip
+    assert {k: reply[k] for k in NO_SETTINGS} == want
+    # A setting not given stays; null clears one.
+    reply = await client.ok("queue_config", queue="qc", max_leased=None, default_timeout_ms=60_000)
+    want = {**want, "max_leased": None, "default_timeout_ms": 60_000}
+    assert {k: reply[k] for k in NO_SETTINGS} == want
+    [listed] = (await client.ok("queue_list"))["queues"]
+    assert listed == {"queue": "qc", **want, "counts": dict.fromkeys(STATES, 0)}
+    # Named queues are listed whether or not they have jobs or settings.
+    named = await client.ok("queue_list", queues=["zz", "qc"])
+    assert [q["queue"] for q in named["queues"]] == ["qc", "zz"]
+    assert {k: named["queues"][1][k] for k in NO_SETTINGS} == NO_SETTINGS
+    assert named["next_cursor"] is None
+    # Every setting cleared: the queue has none, and a page no longer lists it.
+    await client.ok(
+        "queue_config", queue="qc", rate=None, default_backoff=None, default_retries=None,
+        default_timeout_ms=None,
+    )  # fmt: skip
+    assert (await client.ok("queue_list"))["queues"] == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"max_leased": 0}, "max_leased"),
+        ({"max_leased": "3"}, "max_leased"),
+        ({"rate": {"limit": 0, "period_ms": 1000}}, "rate.limit"),
+        ({"rate": {"limit": 5}}, "rate.period_ms"),
+        ({"rate": {"limit": 5, "period_ms": 86_400_001}}, "rate.period_ms"),
+        ({"default_timeout_ms": 0}, "default_timeout_ms"),
+        ({"default_retries": -1}, "default_retries"),
+        ({"default_backoff": {"kind": "linear"}}, "default_backoff.kind"),
+        ({"paused": None}, "paused"),
+        ({"queue": "bad queue!"}, "queue"),
+    ],
+)
+async def test_queue_config_refuses_a_bad_setting_naming_it_and_changes_nothing(
+    client, fields, name
+):
+    await client.ok("queue_config", queue="qc", max_leased=2)
+    error = assert_error(
+        await client.request("queue_config", **{"queue": "qc", **fields}), "bad_request"
+    )
+    assert name in error["message"]
+    reply = await client.ok("queue_config", queue="qc")
+    assert {k: reply[k] for k in NO_SETTINGS} == {**NO_SETTINGS, "max_leased": 2}
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 BAD = "bad queue!"

@@ -16,6 +16,7 @@ from psycopg.conninfo import make_conninfo
 
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 from relay.protocol.model import ErrorEntry, SubmitSpec, parse_job_id
+from relay.store.base import QueueSettings
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import schema as schema_module
@@ -73,6 +74,12 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     )
     assert "queue_settings" not in candidates
     old_code.setattr(leases_sql, "_CANDIDATES", candidates)
+
+
+def before_queue_limits(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 8 ran it: queue_settings has no limits'
+    or defaults' columns to read."""
+    old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
 
 
 def execute(url: str, *statements: str) -> None:
@@ -368,3 +375,29 @@ def test_connections_find_a_silent_peer_dead_unless_the_url_says_otherwise():
     params = conninfo_to_dict(connection_info(given, "relay-trio"))
     assert (params["keepalives_idle"], params["application_name"]) == ("60", "mine")
     assert params["connect_timeout"] == "3" and params["tcp_user_timeout"] == "30000"
+
+
+def test_a_version_7_schema_migrates_to_queue_limits_and_keeps_its_settings(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 7)
+        before_queue_limits(old_code)
+        store = PostgresStore.open(url)
+        [job] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("INSERT INTO queue_settings VALUES ('paused.q', true, %s)", (T0,))
+        assert conn.execute(
+            "SELECT value FROM relay_meta WHERE key = 'schema_version'"
+        ).fetchone() == ("7",)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        assert store.queue_settings(None, 10) == [QueueSettings("paused.q", paused=True)]
+        assert store.view.paused == frozenset({"paused.q"})
+        limited = store.queue_config("q", {"max_leased": 1, "default_retries": 2}, T0 + 1)
+        assert limited == QueueSettings("q", max_leased=1, default_retries=2)
+        assert store.job_inspect(job.job_id).state == "ready"
+    finally:
+        store.close()

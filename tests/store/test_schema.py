@@ -23,7 +23,7 @@ from relay.protocol.errors import (
 )
 from relay.protocol.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec, parse_job_id
 from relay.store import schema
-from relay.store.base import StoreConfig
+from relay.store.base import QueueSettings, StoreConfig
 from relay.store.schema import (
     APPLICATION_ID,
     MIGRATIONS,
@@ -385,10 +385,11 @@ def test_sqlite_header_followed_by_garbage_is_refused_unchanged(tmp_path: Path) 
 def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     """The store as the code before schema version 5 ran it: no queue_settings to read."""
 
-    def no_paused_queues(store: SqliteStore) -> None:
-        store._paused, store._paused_touched = frozenset(), set()
+    def no_settings(store: SqliteStore) -> None:
+        store._settings, store._settings_touched = {}, set()
+        store._derive_settings()
 
-    old_code.setattr(SqliteStore, "_load_paused", no_paused_queues)
+    old_code.setattr(SqliteStore, "_load_settings", no_settings)
 
 
 def test_there_is_a_migration_for_every_version() -> None:
@@ -478,6 +479,37 @@ def test_a_version_4_file_migrates_to_queue_settings_and_keeps_its_jobs(
     store = SqliteStore.open(path)
     try:
         assert store.view.paused == frozenset({"q"})
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_6_file_migrates_to_queue_limits_and_keeps_its_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 6)
+        before_queue_settings(old_code)
+        store = SqliteStore.open(path)
+        job = store.jobs_submit([spec()], T0)[0].job_id
+        store._db.execute("INSERT INTO queue_settings VALUES ('paused.q', 1, ?)", (T0,))
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 6
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(queue_settings)")]
+    assert columns == ["queue", "paused", "updated_at"]
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert store.queue_settings(None, 10) == [QueueSettings("paused.q", paused=True)]
+        assert store.view.paused == frozenset({"paused.q"})
+        # The new columns take a queue's limits and defaults from now on.
+        limited = store.queue_config("q", {"max_leased": 1, "default_retries": 2}, T0 + 1)
+        assert limited == QueueSettings("q", max_leased=1, default_retries=2)
+        assert store.job_inspect(job).state == JobState.READY
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION

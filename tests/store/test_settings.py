@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from relay.protocol.errors import TooManyQueues
-from relay.protocol.model import JobState, SubmitSpec
+from relay.protocol.model import Backoff, JobState, Rate, SubmitSpec
 from relay.store import base
 from relay.store.base import QueueSettings
 from tests.conftest import T0
@@ -201,7 +201,47 @@ def test_a_full_page_of_queues_says_that_more_follow(store: Store) -> None:
     for name in names:
         store.queue_pause(name, True, T0)
     store.commit()
-    queues, cursor = ops.QUEUE_LIST.run(store, T0, (None, base.SETTINGS_PAGE))
+    queues, cursor = ops.QUEUE_LIST.run(store, T0, (None, base.SETTINGS_PAGE, None))
     assert [q["queue"] for q in queues] == names[:-1] and cursor == names[-2]
-    queues, cursor = ops.QUEUE_LIST.run(store, T0, (cursor, base.SETTINGS_PAGE))
+    queues, cursor = ops.QUEUE_LIST.run(store, T0, (cursor, base.SETTINGS_PAGE, None))
     assert [q["queue"] for q in queues] == names[-1:] and cursor is None
+
+
+# -- queue_config: every setting -------------------------------------------------------------
+
+FULL = {
+    "max_leased": 3,
+    "rate": Rate(10, 1_000),
+    "default_timeout_ms": 60_000,
+    "default_retries": 0,
+    "default_backoff": Backoff.fixed(500),
+}
+
+
+def test_queue_config_sets_clears_and_keeps_settings_and_they_survive_reopening(
+    stores: Stores,
+) -> None:
+    store = stores.open("a")
+    assert store.queue_config("q", {}, T0) == QueueSettings("q")  # a read: nothing set
+    assert store.queue_settings(None, 10) == []
+    assert store.queue_config("q", FULL, T0) == QueueSettings("q", **FULL)
+    changed = store.queue_config("q", {"max_leased": None, "paused": True}, T0 + 1)
+    assert changed == QueueSettings("q", **{**FULL, "max_leased": None}, paused=True)
+    store.close()
+    store = stores.open("a")
+    assert store.queue_settings(None, 10) == [changed]
+    assert store.queue_config("q", {}, T0 + 2) == changed
+    assert store.view.paused == frozenset({"q"})
+    # Every setting cleared: the queue has none, and its row is gone.
+    cleared = dict.fromkeys(FULL, None)
+    assert store.queue_config("q", {**cleared, "paused": False}, T0 + 3) == QueueSettings("q")
+    assert store.queue_settings(None, 10) == []
+
+
+def test_queue_config_rolled_back_changes_nothing(store: Store) -> None:
+    store.queue_config("q", {"max_leased": 2}, T0)
+    store.begin()
+    store.queue_config("q", {**FULL, "paused": True}, T0 + 1)
+    store.rollback()
+    assert store.queue_settings(None, 10) == [QueueSettings("q", max_leased=2)]
+    assert store.view.paused == frozenset()

@@ -156,7 +156,13 @@ class AdminHandlers:
         # No reservation: a page of at most QUEUE_LIST_PAGE queues, each a few hundred
         # bytes, as a stats page is.
         r = self._typed(fields, "queue_list")
-        self._queue(connection, (ops.QUEUE_LIST, connection, rid, started, (r.cursor, r.limit)))
+        args = (r.cursor, r.limit, r.queues)
+        self._queue(connection, (ops.QUEUE_LIST, connection, rid, started, args))
+
+    def _queue_config(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        r = self._typed(fields, "queue_config")
+        args = (r.queue, r.changes(self.limits))
+        self._queue(connection, (ops.QUEUE_CONFIG, connection, rid, started, args))
 
     def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "watch")

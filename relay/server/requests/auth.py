@@ -81,6 +81,7 @@ OP_ROLES: dict[str, Role] = {
     "queue_pause": Role.ADMIN,
     "queue_resume": Role.ADMIN,
     "queue_list": Role.PRODUCER,
+    "queue_config": Role.ADMIN,
     # (an extension) A producer may cancel one job that has not started; a leased job, or
     # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
     "cancel": Role.PRODUCER,

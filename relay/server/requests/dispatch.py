@@ -127,6 +127,7 @@ class Dispatcher(AdminHandlers):
             "queue_pause": self._queue_pause,
             "queue_resume": self._queue_resume,
             "queue_list": self._queue_list,
+            "queue_config": self._queue_config,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

@@ -22,7 +22,7 @@ from relay.protocol.errors import RelayError
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import READY, REPLY_OVERHEAD_BYTES, Store
+from relay.store.base import READY, REPLY_OVERHEAD_BYTES, QueueSettings, Store
 from relay.store.items import Item
 from relay.store.view import STATES
 from relay.util.log import event
@@ -373,29 +373,55 @@ class _QueuePause(RequestOp):
         return {"queue": args[0], "paused": outcome}
 
 
-class _QueueList(RequestOp):
-    """``queue_list``: args is (cursor, limit). The queues that hold jobs (the store's
-    view, as committed) or have settings (read in this transaction), merged by name."""
+def settings_fields(settings: QueueSettings) -> dict[str, Any]:
+    """A queue's settings as ``queue_config`` and ``queue_list`` answer them (null: not set)."""
+    rate, backoff = settings.rate, settings.default_backoff
+    return {
+        "queue": settings.queue,
+        "paused": settings.paused,
+        "max_leased": settings.max_leased,
+        "rate": None if rate is None else {"limit": rate.limit, "period_ms": rate.period_ms},
+        "default_timeout_ms": settings.default_timeout_ms,
+        "default_retries": settings.default_retries,
+        "default_backoff": None if backoff is None else wire.backoff_fields(backoff),
+    }
 
-    def run(self, store: Store, now: int, args: tuple[str | None, int]) -> Any:
-        after, limit = args
-        settings = {s.queue: s for s in store.queue_settings(after, limit + 1)}
-        counted, _ = store.view.page(after, limit + 1)
-        entries = {queue: entry for queue, entry in counted if entry is not None}
-        names = sorted(settings.keys() | entries.keys())
-        more = len(names) > limit
-        names = names[:limit]
+
+class _QueueConfig(RequestOp):
+    """``queue_config``: args is (queue, changes)."""
+
+    def run(self, store: Store, now: int, args: tuple[str, dict[str, Any]]) -> Any:
+        return store.queue_config(args[0], args[1], now)
+
+    def fields(self, outcome: QueueSettings, args: Any) -> dict[str, Any]:
+        return settings_fields(outcome)
+
+
+class _QueueList(RequestOp):
+    """``queue_list``: args is (cursor, limit, queues). The queues that hold jobs (the
+    store's view, as committed) or have settings (read in this transaction), merged by
+    name; or the queues named, each with its settings and counts."""
+
+    def run(self, store: Store, now: int, args: tuple[str | None, int, list[str] | None]) -> Any:
+        after, limit, named = args
+        if named is not None:
+            names = sorted(set(named))
+            settings = {q: store.queue_config(q, {}, now) for q in names}
+            entries = {q: store.view.get(q) for q in names}
+            more = False
+        else:
+            settings = {s.queue: s for s in store.queue_settings(after, limit + 1)}
+            counted, _ = store.view.page(after, limit + 1)
+            entries = {queue: entry for queue, entry in counted if entry is not None}
+            names = sorted(settings.keys() | entries.keys())
+            more = len(names) > limit
+            names = names[:limit]
         queues = []
         for queue in names:
             entry = entries.get(queue) or (0,) * len(STATES)
-            setting = settings.get(queue)
-            queues.append(
-                {
-                    "queue": queue,
-                    "paused": setting is not None and setting.paused,
-                    "counts": dict(zip(STATES, entry[: len(STATES)], strict=True)),
-                }
-            )
+            fields = settings_fields(settings.get(queue) or QueueSettings(queue))
+            fields["counts"] = dict(zip(STATES, entry[: len(STATES)], strict=True))
+            queues.append(fields)
         return queues, names[-1] if more else None
 
     def fields(self, outcome: tuple[list, str | None], args: Any) -> dict[str, Any]:
@@ -440,3 +466,4 @@ WATCH = _Watch("watch")
 QUEUE_PAUSE = _QueuePause("queue_pause")
 QUEUE_RESUME = _QueuePause("queue_resume")
 QUEUE_LIST = _QueueList("queue_list")
+QUEUE_CONFIG = _QueueConfig("queue_config")

@@ -60,6 +60,17 @@ _ROWS_PER_QUEUE = 4
 _MIN_PAGE_ROWS = 6 * COUNT_SLOTS + 1
 # Of these queues, the ones that still hold jobs.
 _HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
+# The queues with a setting a server keeps in mind, (queue, paused, limited): those named
+# after %s up to %s (None: to the end), or those in a list.
+_MARKS = (
+    "SELECT queue, paused, (max_leased IS NOT NULL OR rate_limit IS NOT NULL) "
+    "FROM queue_settings WHERE "
+)
+_MARKED = (
+    _MARKS + "(paused OR max_leased IS NOT NULL OR rate_limit IS NOT NULL) "
+    "AND queue > %s AND (%s::text IS NULL OR queue <= %s)"
+)
+_MARKS_OF = _MARKS + "queue = ANY(%s)"
 
 
 class PostgresBase(CountsBook):
@@ -103,11 +114,13 @@ class PostgresBase(CountsBook):
         self.changes = Changes()
         # Whether transitions append to ``changes.events``; the writer sets it per batch.
         self.recording = False
-        # The queues paused, as this server knows them (for stats and /metrics: a claim
-        # reads the table itself), and the open transaction's pauses and resumes, added
-        # by its commit (settings.py).
+        # The queues paused, and those with a limit, as this server knows them (for stats
+        # and /metrics, and whom a lease's end wakes: a claim reads the table itself), and
+        # the queues whose settings the open transaction changed, read by its commit
+        # (settings.py).
         self._paused_known: set[str] = set()
-        self._paused_touched: set[str] = set()  # queues paused or resumed in the transaction
+        self._limited_known: set[str] = set()
+        self._settings_touched: set[str] = set()
         self.load_counts()
 
     def load_counts(self) -> None:
@@ -122,10 +135,17 @@ class PostgresBase(CountsBook):
         self._load_paused()
 
     def _load_paused(self) -> None:
-        """Read which queues are paused (every server's word) into ``view``."""
-        paused = self._db.execute("SELECT queue FROM queue_settings WHERE paused").fetchall()
-        self._paused_known = {queue for (queue,) in paused}
+        """Read which queues are paused or limited (every server's word); publish the
+        paused to ``view``."""
+        self._paused_known, self._limited_known = set(), set()
+        self._know_settings(self._db.execute(_MARKED, ("", None, None)).fetchall())
         self.view.publish_paused(frozenset(self._paused_known))
+
+    def _know_settings(self, rows: list[tuple[str, bool, bool]]) -> None:
+        """Take (queue, paused, limited) rows as what is known of their queues."""
+        for queue, paused, limited in rows:
+            (self._paused_known.add if paused else self._paused_known.discard)(queue)
+            (self._limited_known.add if limited else self._limited_known.discard)(queue)
 
     @property
     def broken(self) -> bool:
@@ -146,7 +166,7 @@ class PostgresBase(CountsBook):
         self._begin_pending = False
         self._moves.clear()
         self._deleted_from.clear()
-        self._paused_touched.clear()
+        self._settings_touched.clear()
         self._publish()
         self.changes = Changes()
 
@@ -238,16 +258,14 @@ class PostgresBase(CountsBook):
             self._touched.add(queue)
             for state in STATES:
                 known.pop((queue, state), None)
-        if self._paused_touched:
+        if self._settings_touched:
             # What this transaction leaves, read back: a command undone by its savepoint
-            # (a batch refused, run again item by item) left its change in the dict only.
-            touched = list(self._paused_touched)
-            rows = self._db.execute(
-                "SELECT queue FROM queue_settings WHERE paused AND queue = ANY(%s)", (touched,)
-            )
-            self._paused_known.difference_update(touched)
-            self._paused_known.update(queue for (queue,) in rows)
-            self._paused_touched.clear()
+            # (a batch refused, run again item by item) left its change in the set only.
+            touched = list(self._settings_touched)
+            rows = self._db.execute(_MARKS_OF, (touched,)).fetchall()
+            marked = {row[0] for row in rows}
+            self._know_settings(rows + [(q, False, False) for q in touched if q not in marked])
+            self._settings_touched.clear()
             self.view.publish_paused(frozenset(self._paused_known))
         self._publish()
 
@@ -264,7 +282,7 @@ class PostgresBase(CountsBook):
         self._undo_transaction()
         self._moves.clear()
         self._deleted_from.clear()
-        self._paused_touched.clear()
+        self._settings_touched.clear()
         self._publish()
 
     def _on_its_own(
@@ -376,17 +394,14 @@ class PostgresBase(CountsBook):
     def _refresh_paused(self, after: str | None, last: str | None) -> None:
         """What is known of the paused queues named after ``after`` up to ``last`` (None:
         to the end), read again: other servers' pauses and resumes reach stats so."""
-        rows = self._read(
-            "SELECT queue FROM queue_settings WHERE paused AND queue > %s "
-            "AND (%s::text IS NULL OR queue <= %s)",
-            (after or "", last, last),
-        ).fetchall()
+        rows = self._read(_MARKED, (after or "", last, last)).fetchall()
         low = after or ""
-        known = {q for q in self._paused_known if not (q > low and (last is None or q <= last))}
-        known.update(queue for (queue,) in rows)
-        if known != self._paused_known:
-            self._paused_known = known
-            self.view.publish_paused(frozenset(known))
+        before = frozenset(self._paused_known)
+        for known in (self._paused_known, self._limited_known):
+            known.difference_update([q for q in known if q > low and (last is None or q <= last)])
+        self._know_settings(rows)
+        if before != self._paused_known:
+            self.view.publish_paused(frozenset(self._paused_known))
 
     def recount(self) -> None:
         """Nothing to do: the counts are rows, written in the same transactions as the jobs

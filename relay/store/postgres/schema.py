@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -200,6 +200,18 @@ def _v7_cancelled(conn: psycopg.Connection) -> None:
     )
 
 
+def _v8_queue_limits(conn: psycopg.Connection) -> None:
+    # As SQLite's version 7: a queue's limits, its rate window, and its submit defaults.
+    conn.execute(
+        "ALTER TABLE queue_settings ADD COLUMN max_leased bigint, "
+        "ADD COLUMN rate_limit bigint, ADD COLUMN rate_period_ms bigint, "
+        "ADD COLUMN rate_window_start bigint, "
+        "ADD COLUMN rate_window_count bigint NOT NULL DEFAULT 0, "
+        "ADD COLUMN default_timeout_ms bigint, ADD COLUMN default_retries integer, "
+        "ADD COLUMN default_backoff text"
+    )
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -209,6 +221,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     5: _v5_execution_timeouts,
     6: _v6_queue_settings,
     7: _v7_cancelled,
+    8: _v8_queue_limits,
 }
 
 

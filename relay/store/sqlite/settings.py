@@ -1,93 +1,114 @@
-"""Queue settings as SQLite: pause and resume a queue, and read the settings a page at a
-time.
+"""Queue settings as SQLite: pause and resume a queue, its limits and submit defaults
+(``queue_config``), and the settings read a page at a time.
 
-One server owns the file, so the set of paused queues is kept in memory (``_paused``):
-loaded when the store opens, changed only once the transaction that changed the table
-has committed (``_settle_paused``), so it never holds what was rolled back. A claim then
-filters its queues against it, and pays one truth test when no queue is paused
-(leases.py).
+One server owns the file, so the settings are kept in memory (``_settings``, and what a
+claim needs of them: ``_paused``, ``_limited``): loaded when the store opens, changed only
+once the transaction that changed the table has committed (``_settle_settings``), so they
+never hold what was rolled back. A claim filters its queues against them, and pays one
+truth test each when no queue is paused or limited (leases.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from relay.store.base import (
     MAX_QUEUE_SETTINGS,
     READY,
+    SETTINGS_COLUMNS,
     SETTINGS_PAGE,
     QueueSettings,
     too_many_settings,
 )
 from relay.store.sqlite.sql import SqliteBase
 
-_PAUSE = (
-    "INSERT INTO queue_settings (queue, paused, updated_at) VALUES (?1, 1, ?2) "
-    "ON CONFLICT (queue) DO UPDATE SET paused = 1, updated_at = ?2"
+# (The rate window's columns keep their values: a window open stays open.)
+_UPSERT = (
+    f"INSERT INTO queue_settings ({SETTINGS_COLUMNS}, updated_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?9) ON CONFLICT (queue) DO UPDATE SET "
+    "paused = excluded.paused, max_leased = excluded.max_leased, "
+    "rate_limit = excluded.rate_limit, rate_period_ms = excluded.rate_period_ms, "
+    "default_timeout_ms = excluded.default_timeout_ms, "
+    "default_retries = excluded.default_retries, "
+    "default_backoff = excluded.default_backoff, updated_at = ?9"
 )
-_RESUME = "UPDATE queue_settings SET paused = 0, updated_at = ?2 WHERE queue = ?1 AND paused"
-# A row left with only defaults says nothing: deleted, so the rows stay the queues set
-# otherwise (later settings add their defaults to this condition).
-_DROP_DEFAULTS = "DELETE FROM queue_settings WHERE queue = ? AND NOT paused"
-_PAGE = "SELECT queue, paused FROM queue_settings WHERE queue > ? ORDER BY queue LIMIT ?"
+_ROW = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue = ?"
+_PAGE = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue > ? ORDER BY queue LIMIT ?"
 
 
 class SqliteSettings(SqliteBase):
-    """Pause, resume, and the settings' pages: part of ``SqliteStore``."""
+    """Pause, resume, limits, defaults, and the settings' pages: part of ``SqliteStore``."""
 
-    # The queues paused, as committed; and the queues the open transaction paused or
-    # resumed, read again by its commit (``_settle_paused``), forgotten by its rollback.
+    # Every queue's settings, as committed (the queues without a row have none); the
+    # queues paused and those with a limit among them; and the queues the open
+    # transaction changed, read again by its commit, forgotten by its rollback.
+    _settings: dict[str, QueueSettings]
     _paused: frozenset[str]
-    _paused_touched: set[str]
+    _limited: frozenset[str]
+    _settings_touched: set[str]
 
-    def _load_paused(self) -> None:
-        rows = self._db.execute("SELECT queue FROM queue_settings WHERE paused")
-        self._paused = frozenset(queue for (queue,) in rows)
-        self._paused_touched = set()
+    def _load_settings(self) -> None:
+        rows = self._db.execute(f"SELECT {SETTINGS_COLUMNS} FROM queue_settings").fetchall()
+        self._settings = {row[0]: QueueSettings.from_row(row) for row in rows}
+        self._settings_touched = set()
+        self._derive_settings()
+
+    def _derive_settings(self) -> None:
+        values = self._settings.values()
+        self._paused = frozenset(s.queue for s in values if s.paused)
+        self._limited = frozenset(s.queue for s in values if s.limited)
         self.view.publish_paused(self._paused)
 
-    def _settle_paused(self, committed: bool) -> None:
-        """After a commit (``committed``) or a rollback: the transaction's pauses and
-        resumes take effect, or are forgotten. What took effect is read back from the
-        table, for the queues the transaction touched: a command undone by its savepoint
-        (a batch the disk refused, run again item by item: relay/store/passes.py) left
-        its change here but not there."""
-        touched, self._paused_touched = list(self._paused_touched), set()
+    def _settle_settings(self, committed: bool) -> None:
+        """After a commit (``committed``) or a rollback: the transaction's setting changes
+        take effect, or are forgotten. What took effect is read back from the table, for
+        the queues the transaction touched: a command undone by its savepoint (a batch the
+        disk refused, run again item by item: relay/store/passes.py) left its change here
+        but not there."""
+        touched, self._settings_touched = list(self._settings_touched), set()
         if not committed or not touched:
             return
-        rows = self._db.execute(
-            "SELECT queue FROM queue_settings WHERE paused AND queue IN "
-            f"({', '.join('?' * len(touched))})",
-            touched,
-        )
-        paused = self._paused.difference(touched) | {queue for (queue,) in rows}
-        self._paused = frozenset(paused)
-        self.view.publish_paused(self._paused)
+        for queue in touched:
+            row = self._db.execute(_ROW, (queue,)).fetchone()
+            if row is None:
+                self._settings.pop(queue, None)
+            else:
+                self._settings[queue] = QueueSettings.from_row(row)
+        self._derive_settings()
 
     def queue_pause(self, queue: str, paused: bool, now: int) -> bool:
         """Pause or resume ``queue`` (see ``Store.queue_pause``)."""
-        row = self._db.execute(
-            "SELECT paused FROM queue_settings WHERE queue = ?", (queue,)
-        ).fetchone()
-        if paused:
+        return self.queue_config(queue, {"paused": paused}, now).paused
+
+    def queue_config(self, queue: str, changes: Mapping[str, Any], now: int) -> QueueSettings:
+        """Change ``queue``'s settings, return them all (see ``Store.queue_config``)."""
+        row = self._db.execute(_ROW, (queue,)).fetchone()
+        old = QueueSettings(queue) if row is None else QueueSettings.from_row(row)
+        new = old.changed(changes)
+        if new == old:
+            return old
+        if new.is_default:
+            self._db.execute("DELETE FROM queue_settings WHERE queue = ?", (queue,))
+        else:
             if row is None:
                 (held,) = self._db.execute("SELECT count(*) FROM queue_settings").fetchone()
                 if held >= MAX_QUEUE_SETTINGS:
                     raise too_many_settings(held)
-            self._db.execute(_PAUSE, (queue, now))
-        elif row is not None and row[0]:
-            self._db.execute(_RESUME, (queue, now))
-            self._db.execute(_DROP_DEFAULTS, (queue,))
-            # Its ready jobs are claimable again: as if made ready now, so that leases
+            self._db.execute(_UPSERT, (*new.to_row(), now))
+        if new.loosens(old):
+            # Its ready jobs may be claimable again: as if made ready now, so that leases
             # parked on it wake (relay/server/requests/longpoll.py).
             ready = self._counts.get((queue, READY), 0)
             if ready:
                 self.changes.made_ready(queue, ready)
-        self._paused_touched.add(queue)
+        self._settings_touched.add(queue)
         if self._journal is None:  # outside a transaction: the statement has committed
-            self._settle_paused(True)
-        return paused
+            self._settle_settings(True)
+        return new
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
         """The settings of up to ``limit`` queues after ``after`` (see ``Store``)."""
         limit = max(0, min(limit, SETTINGS_PAGE + 1))  # (a page, and whether more follow)
         rows = self._db.execute(_PAGE, (after or "", limit))
-        return [QueueSettings(queue, bool(paused)) for queue, paused in rows]
+        return [QueueSettings.from_row(row) for row in rows]

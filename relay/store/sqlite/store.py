@@ -68,7 +68,7 @@ class SqliteStore(
         self._counts = Counter()
         self._load_counts()
         self._publish_all(())
-        self._load_paused()
+        self._load_settings()
         self._held = {}  # the leases granted (SqliteBase, sql.py)
         self.changes = Changes()
         # Whether transitions append to ``changes.events``. Off, they cost one check of
@@ -125,7 +125,7 @@ class SqliteStore(
     def commit(self) -> Changes:
         """Commit; return what changed and start collecting afresh."""
         self._db.execute("COMMIT")
-        self._settle_paused(True)
+        self._settle_settings(True)
         journal, self._journal = self._journal, None
         if journal:
             self._forget_empty(journal)
@@ -140,7 +140,7 @@ class SqliteStore(
         # generator never goes back); none was committed or answered, so none needs
         # remembering across a restart.
         self._undo_transaction()
-        self._settle_paused(False)
+        self._settle_settings(False)
         self._publish()
         self.changes = Changes()
 

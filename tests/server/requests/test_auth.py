@@ -151,6 +151,7 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "queue_pause": lambda token: {"queue": "q"},
     "queue_resume": lambda token: {"queue": "q"},
     "queue_list": lambda token: {},
+    "queue_config": lambda token: {"queue": "q", "max_leased": 5},
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
@@ -159,13 +160,15 @@ PRODUCER_OPS = {
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
 }  # fmt: skip
-ADMIN_OPS = WORKER_OPS | {"dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume"}
+ADMIN_OPS = WORKER_OPS | {
+    "dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume", "queue_config"
+}  # fmt: skip
 ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 22
+    assert len(REQUESTS) == 23
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))

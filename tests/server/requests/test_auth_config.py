@@ -194,7 +194,15 @@ def test_roles_and_the_op_they_need():
             Role.WORKER,
         ),
         **dict.fromkeys(
-            ("dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume"), Role.ADMIN
+            (
+                "dead_list",
+                "dead_retry",
+                "dead_purge",
+                "queue_pause",
+                "queue_resume",
+                "queue_config",
+            ),
+            Role.ADMIN,
         ),
     }
     assert dict(OP_ROLES) == expected
