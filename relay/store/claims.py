@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import operator
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 
-from relay.protocol.model import TIMEOUT_GRACE_MS, effective_priority
-from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs
+from relay.protocol.model import TIMEOUT_GRACE_MS, Rate, effective_priority
+from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs, QueueSettings
+
+# A queue without a limit's room.
+MAX_ROOM = 2**62
 
 # Oldest ready time first, then lowest id.
 _BY_AGE = operator.itemgetter(2, 0)
@@ -28,7 +31,7 @@ Fetch = Callable[[tuple[str, ...], int], list]
 
 
 def choose(
-    claims: Sequence[ClaimArgs], now: int, fetch: Fetch
+    claims: Sequence[ClaimArgs], now: int, fetch: Fetch, room: dict[str, int] | None = None
 ) -> tuple[list[list[int]], dict[int, Sequence]]:
     """The ids each claim leases (by position), and each chosen id's candidate row.
 
@@ -36,7 +39,12 @@ def choose(
     (among the claims that ask for at least one job), the claims of a group in the order
     given; each takes the best jobs the ones before it left: highest effective priority
     (aging, at ``now``), then oldest ready time, then lowest id, up to its count or until
-    its payloads reach its byte budget (always at least one job)."""
+    its payloads reach its byte budget (always at least one job).
+
+    ``room``, if given, is how many jobs each limited queue may still lease (a queue not
+    in it: any number): a candidate of a queue without room is passed over, and each job
+    taken uses one. ``fetch`` may add to it (PostgreSQL learns which queues are limited
+    from the candidates)."""
     chosen: list[list[int]] = [[] for _ in claims]
     found: dict[int, Sequence] = {}
     taken_from: dict[str, int] = {}  # queue -> jobs taken by earlier groups
@@ -60,6 +68,8 @@ def choose(
             else:
                 candidates.sort(key=lambda c: (-effective_priority(c[1], c[2], now), c[2], c[0]))
         available = (c for c in candidates if c[0] not in found)
+        if room:  # (a limited queue's candidates beyond its room are passed over)
+            available = _within(available, room)
         for i in members:
             count, max_bytes = claims[i][2], claims[i][4]
             mine, size = chosen[i], 0
@@ -72,6 +82,46 @@ def choose(
                 if len(mine) == count or (max_bytes is not None and size >= max_bytes):
                     break
     return chosen, found
+
+
+def _within(candidates: Iterator[Sequence], room: dict[str, int]) -> Iterator[Sequence]:
+    """The candidates a limited queue has room for (taking one uses it)."""
+    for candidate in candidates:
+        queue = candidate[4]
+        left = room.get(queue)
+        if left is None:
+            yield candidate
+        elif left > 0:
+            room[queue] = left - 1
+            yield candidate
+
+
+def room_for(settings: QueueSettings, leased: int, window: tuple[int | None, int], now: int) -> int:
+    """How many jobs a limited queue may lease now: ``leased`` of it are, and its rate
+    window (when it opened, leases in it) is ``window``. A window lasts its period from
+    its first lease; once it has passed, the next lease opens a new one."""
+    room = MAX_ROOM
+    if settings.max_leased is not None:
+        room = max(0, settings.max_leased - leased)
+    rate = settings.rate
+    if rate is not None:
+        start, count = window
+        if start is not None and now < start + rate.period_ms:
+            room = min(room, max(0, rate.limit - count))
+        else:
+            room = min(room, rate.limit)
+    return room
+
+
+def window_after(
+    rate: Rate, window: tuple[int | None, int], now: int, leased: int
+) -> tuple[int, int]:
+    """A rate window after ``leased`` more leases at ``now``: the same one if it is open,
+    else a new one opened now."""
+    start, count = window
+    if start is not None and now < start + rate.period_ms:
+        return start, count + leased
+    return now, leased
 
 
 def without_paused(claims: Sequence[ClaimArgs], paused: AbstractSet[str]) -> list[ClaimArgs]:
@@ -116,3 +166,27 @@ def grant(
                 if key in deadlines and deadlines[key] < expires_at:
                     mine[n] = (key, token, worker, deadlines[key])
     return granted
+
+
+class RateWaits:
+    """The rate-limited queues a claim found with a full window and ready jobs left: when
+    each window closes, and how many jobs the next may lease. Nothing wakes a lease parked
+    on such a queue but time, so the promoter's pass (``due``, at ``next_at``) reports
+    them as made ready then. In memory: a restart forgets them, and the parked leases
+    with them."""
+
+    def __init__(self) -> None:
+        self._waits: dict[str, tuple[int, int]] = {}
+
+    def hold(self, queue: str, until: int, jobs: int) -> None:
+        self._waits[queue] = (until, jobs)
+
+    def next_at(self) -> int | None:
+        return min([until for until, _ in self._waits.values()], default=None)
+
+    def due(self, now: int) -> list[tuple[str, int]]:
+        """The queues whose window has closed by ``now``, forgotten: (queue, jobs)."""
+        done = [(q, jobs) for q, (until, jobs) in self._waits.items() if until <= now]
+        for queue, _ in done:
+            del self._waits[queue]
+        return done

@@ -1140,6 +1140,43 @@ async def test_queue_config_sets_clears_and_keeps_each_setting_and_queue_list_sh
     assert (await client.ok("queue_list"))["queues"] == []
 
 
+async def test_max_leased_holds_a_queue_to_its_limit_and_a_freed_slot_wakes_a_parked_lease(
+    server, client
+):
+    async with connected(server) as admin:
+        await admin.ok("queue_config", queue="lim", max_leased=1)
+        first, second = await submit(admin, "lim"), await submit(admin, "lim")
+        held = await lease_one(admin, "lim")
+        assert held["job_id"] == first
+        assert (await admin.ok("lease", queues=["lim"], worker_id=W, count=5))["jobs"] == []
+        request_id = await client.send("lease", queues=["lim"], worker_id=W, wait_ms=30_000)
+        await writer_barrier(client)  # (the lease has found the queue full and parked)
+        with trio.move_on_after(0.3):
+            early = await client.read()
+            pytest.fail(f"a lease was answered while its queue was at its limit: {early!r}")
+        await admin.ok("ack", job_id=first, worker_id=W, token=held["token"])
+        with trio.fail_after(5):
+            reply = await client.read()
+    assert reply["id"] == request_id
+    assert [j["job_id"] for j in reply["jobs"]] == [second]
+
+
+async def test_a_rate_limited_queue_leases_its_limit_per_window_and_wakes_at_its_end(
+    server, client
+):
+    async with connected(server) as admin:
+        await admin.ok("queue_config", queue="rl", rate={"limit": 2, "period_ms": 400})
+        jobs = [await submit(admin, "rl") for _ in range(3)]
+        reply = await admin.ok("lease", queues=["rl"], worker_id=W, count=5)
+        assert [j["job_id"] for j in reply["jobs"]] == jobs[:2]
+        opened = trio.current_time()
+        reply = await client.ok("lease", queues=["rl"], worker_id=W, count=5, wait_ms=10_000)
+        waited = trio.current_time() - opened
+    # Parked until the window closed, then woken by the promoter's pass: not at wait_ms.
+    assert [j["job_id"] for j in reply["jobs"]] == jobs[2:]
+    assert 0.3 <= waited < 5, waited
+
+
 @pytest.mark.parametrize(
     ("fields", "name"),
     [

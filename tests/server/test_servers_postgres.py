@@ -302,3 +302,83 @@ async def test_stats_through_any_server_show_the_same_counts(db_url):
                 if all(counts == expected for counts in seen):
                     break
                 await trio.sleep(REFRESH_INTERVAL_S / 5)
+
+
+async def _drain(
+    group: list[ServerProcess], queue: str, jobs: int, workers_per_server: int, hold_s: float
+) -> list[tuple[float, float, int]]:
+    """Workers on every server lease ``queue``'s jobs (two at a time, long-polling), hold
+    each ``hold_s`` and ack it, until ``jobs`` are acked. Returns, per job: when its worker
+    got it and when it was done with it (trio time, one clock for all), and its grant by the
+    server's clock (its ``lease_expires_at`` less the lease's length)."""
+    held: list[tuple[float, float, int]] = []
+    done = trio.Event()
+
+    async def work(server: ServerProcess, worker: str) -> None:
+        client = await server.connect()
+        while not done.is_set():
+            reply = await client.ok(
+                "lease", queues=[queue], worker_id=worker, count=2, wait_ms=300,
+                lease_ms=LONG_LEASE_MS,
+            )  # fmt: skip
+            for job in reply["jobs"]:
+                got = trio.current_time()
+                await trio.sleep(hold_s)
+                held.append((got, trio.current_time(), job["lease_expires_at"] - LONG_LEASE_MS))
+                await client.ok("ack", job_id=job["job_id"], worker_id=worker, token=job["token"])
+            if len(held) >= jobs:
+                done.set()
+        await client.aclose()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for s, server in enumerate(group):
+                for w in range(workers_per_server):
+                    nursery.start_soon(work, server, f"w{s}.{w}")
+    assert len(held) == jobs
+    return held
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (one that ends as another starts: not both)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+async def test_max_leased_is_never_exceeded_across_servers(db_url):
+    queue, limit, jobs = "limited.conc", 3, 60
+    async with servers(db_url) as group:
+        a = await group[0].connect()
+        await a.ok("queue_config", queue=queue, max_leased=limit)
+        await a.ok(
+            "submit_batch", jobs=[{"queue": queue, "payload": {"n": n}} for n in range(jobs)]
+        )
+        held = await _drain(group, queue, jobs, workers_per_server=4, hold_s=0.02)
+        # Each worker's time with a job lies within the job's lease on the server (it got
+        # the job after the grant and let go before its ack): those intervals overlap no
+        # more than the leases did.
+        assert most_at_once([(got, let_go) for got, let_go, _ in held]) == limit
+        reply = await a.ok("queue_list", queues=[queue])
+        assert reply["queues"][0]["counts"]["succeeded"] == jobs
+
+
+async def test_a_rate_limit_holds_across_servers(db_url):
+    queue, limit, period_ms, jobs = "limited.rate", 5, 500, 20
+    async with servers(db_url) as group:
+        a = await group[0].connect()
+        await a.ok("queue_config", queue=queue, rate={"limit": limit, "period_ms": period_ms})
+        await a.ok(
+            "submit_batch", jobs=[{"queue": queue, "payload": {"n": n}} for n in range(jobs)]
+        )
+        held = await _drain(group, queue, jobs, workers_per_server=4, hold_s=0)
+    grants = sorted(granted for _, _, granted in held)
+    # A window holds at most `limit` leases and the next opens a period after it: any
+    # 2 * limit + 1 leases in a row span three windows, so more than a period (less the
+    # few ms by which servers' clocks, read as each batch starts, may disagree).
+    spans = [grants[i + 2 * limit] - grants[i] for i in range(len(grants) - 2 * limit)]
+    assert min(spans) >= period_ms - 50, spans
+    assert grants[-1] - grants[0] >= (jobs // limit - 1) * period_ms - 50

@@ -68,8 +68,8 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     its claims' candidates taken from every queue asked."""
     old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
     candidates = re.sub(
-        r"FROM \(SELECT u\.queue .*?\) AS q ",
-        "FROM unnest(%s::text[]) AS q(queue) ",
+        r"FROM \(SELECT u\.queue, .*?\) AS q ",
+        "FROM (SELECT queue, false AS limited FROM unnest(%s::text[]) AS u(queue)) AS q ",
         leases_sql._CANDIDATES,
     )
     assert "queue_settings" not in candidates

@@ -16,7 +16,8 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from relay.store.base import READY, Changes, StoreConfig
+from relay.store import claims as claims_
+from relay.store.base import LEASED, READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 from relay.store.postgres import notify
 from relay.store.postgres.schema import open_connection
@@ -121,6 +122,8 @@ class PostgresBase(CountsBook):
         self._paused_known: set[str] = set()
         self._limited_known: set[str] = set()
         self._settings_touched: set[str] = set()
+        # The rate-limited queues a claim left with a full window and ready jobs.
+        self._rate_waits = claims_.RateWaits()
         self.load_counts()
 
     def load_counts(self) -> None:
@@ -306,6 +309,10 @@ class PostgresBase(CountsBook):
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
         if src is not None:
             self._bump(self._moves, (queue, src), -n)
+            if src == LEASED and dst != READY and queue in self._limited_known:
+                # A limited queue's lease ended: a lease parked on it, on any server (by
+                # the commit's notification), may take its place.
+                self.changes.made_ready(queue, n)
         if dst == READY:
             self.changes.made_ready(queue, n)
         if dst is not None:

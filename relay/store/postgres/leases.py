@@ -30,8 +30,10 @@ from relay.store.base import (
     LEASED,
     READY,
     RETRYING,
+    SETTINGS_COLUMNS,
     SUCCEEDED,
     ClaimArgs,
+    QueueSettings,
     check_lease,
 )
 from relay.store.postgres.base import PostgresBase
@@ -41,15 +43,31 @@ from relay.store.postgres.sql import atomic, encode_text
 # servers have locked: the only candidates, since within a class the oldest job has both
 # the earliest ready time and the most aging. Each class is an index scan of jobs_ready.
 # A queue paused (a row of queue_settings, committed when the statement starts, by any
-# server) is left out before its jobs are looked at: one primary-key probe per queue asked.
+# server) is left out before its jobs are looked at: one primary-key probe per queue asked,
+# which also says whether the queue has a limit (each row's last field).
 _CANDIDATES = (
-    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms "
-    "FROM (SELECT u.queue FROM unnest(%s::text[]) AS u(queue) WHERE NOT EXISTS "
-    "(SELECT 1 FROM queue_settings s WHERE s.queue = u.queue AND s.paused)) AS q "
+    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms, q.limited "
+    "FROM (SELECT u.queue, "
+    "coalesce(s.max_leased IS NOT NULL OR s.rate_limit IS NOT NULL, false) AS limited "
+    "FROM unnest(%s::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
+    "WHERE s.paused IS NOT TRUE) AS q "
     "CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
     "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
     "timeout_ms FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
     "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
+)
+# The limited queues among those asked, locked in name order (two servers lock them in the
+# same order), with their rate windows: a claim that meets a limited queue's candidate
+# takes these locks once, for every limited queue it asks for, and holds them to its end,
+# so the claims of limited queues take turns across servers, each counting the leases of
+# those before it (the counts it reads next are committed with them).
+_LOCK_LIMITS = (
+    f"SELECT {SETTINGS_COLUMNS}, rate_window_start, rate_window_count FROM queue_settings "
+    "WHERE queue = ANY(%s) AND (max_leased IS NOT NULL OR rate_limit IS NOT NULL) "
+    "ORDER BY queue FOR UPDATE"
+)
+_SET_WINDOW = (
+    "UPDATE queue_settings SET rate_window_start = %s, rate_window_count = %s WHERE queue = %s"
 )
 # A job with an execution timeout gets its attempt's deadline (its expiry is already no
 # later than that: claims.grant).
@@ -121,10 +139,25 @@ class Leases(PostgresBase):
         and other servers skip them meanwhile.
         """
 
-        def fetch(queues: tuple[str, ...], wanted: int) -> list:
-            return self._read(_CANDIDATES, (list(queues), wanted)).fetchall()
+        room: dict[str, int] = {}  # (filled once a limited queue's candidate is met)
+        limited: dict[str, tuple[QueueSettings, tuple[int | None, int]]] | None = None
+        seen: dict[str, set[int]] = {}  # limited queue -> its candidates (some stay ready?)
 
-        chosen, found = claims_.choose(claims, now, fetch)
+        def fetch(queues: tuple[str, ...], wanted: int) -> list:
+            nonlocal limited
+            rows = self._read(_CANDIDATES, (list(queues), wanted)).fetchall()
+            if any([row[6] for row in rows]):
+                if limited is None:
+                    asked = sorted({q for claim in claims for q in claim[0]})
+                    limited = self._lock_limits(asked, now, room)
+                for row in rows:
+                    if row[4] in room:
+                        seen.setdefault(row[4], set()).add(row[0])
+            return rows
+
+        chosen, found = claims_.choose(claims, now, fetch, room)
+        if limited is not None:
+            self._claimed_limited(limited, found, seen, now)
         if not found:
             return [[] for _ in claims]
         # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 5.
@@ -148,7 +181,7 @@ class Leases(PostgresBase):
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, priority, _, _, queue, timeout = found[key]
+                _, priority, _, _, queue, timeout, _limited = found[key]
                 attempt, max_attempts, payload = leased[key]
                 leases.append(
                     Lease(
@@ -172,6 +205,50 @@ class Leases(PostgresBase):
                 for lease in leases
             ]
         return results
+
+    def _lock_limits(
+        self, queues: list[str], now: int, room: dict[str, int]
+    ) -> dict[str, tuple[QueueSettings, tuple[int | None, int]]]:
+        """Lock the settings of the limited ``queues``; put in ``room`` how many jobs each
+        may lease now (its limit less its jobs leased, over every server and with this
+        transaction's claims; its rate window's room). Returns each one's settings and
+        window."""
+        limited = {
+            row[0]: (QueueSettings.from_row(row[:8]), (row[8], row[9]))
+            for row in self._read(_LOCK_LIMITS, (queues,)).fetchall()
+        }
+        counts = self._counts(list(limited)) if limited else {}
+        for queue, (settings, window) in limited.items():
+            leased = counts.get((queue, LEASED), 0)
+            room[queue] = claims_.room_for(settings, leased, window, now)
+        return limited
+
+    def _claimed_limited(
+        self,
+        limited: dict[str, tuple[QueueSettings, tuple[int | None, int]]],
+        found: dict[int, Sequence],
+        seen: dict[str, set[int]],
+        now: int,
+    ) -> None:
+        """After a claim that locked ``limited`` queues and leased ``found``: each rate
+        window counts its leases; one left full while some of its queue's candidates
+        (``seen``) stayed ready waits for its end (as in SQLite)."""
+        leased: dict[str, int] = {}
+        for candidate in found.values():
+            leased[candidate[4]] = leased.get(candidate[4], 0) + 1
+        for queue, (settings, window) in limited.items():
+            rate = settings.rate
+            if rate is None:
+                continue
+            n = leased.get(queue, 0)
+            if n:
+                window = claims_.window_after(rate, window, now, n)
+                self._write(_SET_WINDOW, (*window, queue))
+            unleased = len(seen.get(queue, ())) > n
+            if unleased and window[0] is not None and window[1] >= rate.limit:
+                until = window[0] + rate.period_ms
+                self._rate_waits.hold(queue, until, rate.limit)
+                self.changes.due(until)
 
     def _held_lease(
         self, job_id: str, worker_id: str, token: str, now: int, operation: str

@@ -82,6 +82,10 @@ class Maintenance(PostgresBase):
         if self.recording:
             for key, queue, state, attempt, _run_at in rows:
                 self._record(key, queue, state, "ready", attempt, now)
+        # Rate windows closed: the leases parked on their queues, on every server (by the
+        # commit's notification), may take jobs again.
+        for queue, jobs in self._rate_waits.due(now):
+            self.changes.made_ready(queue, jobs)
         return len(rows)
 
     @atomic
@@ -125,11 +129,13 @@ class Maintenance(PostgresBase):
         return 0
 
     def next_due_at(self) -> int | None:
-        """The earliest due time of a pending or retrying job (the start of jobs_due)."""
+        """The earliest due time of a pending or retrying job (the start of jobs_due), or
+        end of a full rate window that ready jobs wait for."""
         row = self._read(
             "SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')"
         ).fetchone()
-        return None if row is None else row[0]
+        due, window = None if row is None else row[0], self._rate_waits.next_at()
+        return window if due is None or (window is not None and window < due) else due
 
     def next_expiry_at(self) -> int | None:
         """The earliest expiry of a held lease (the start of jobs_leased)."""

@@ -127,8 +127,13 @@ class SqliteLeases(SqliteBase):
 
         if self._paused:  # (none paused: this one test is all a claim pays for pausing)
             claims = claims_.without_paused(claims, self._paused)
-        chosen, found = claims_.choose(claims, now, fetch)
+        room = None
+        if self._limited:  # (likewise for limits)
+            room = self._claim_room(claims, now)
+        chosen, found = claims_.choose(claims, now, fetch, room)
         if not found:
+            if room is not None:
+                self._claimed_limited({}, now)
             return [[] for _ in claims]
         # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 8.
         granted = claims_.grant(claims, chosen, now, found, 8)
@@ -163,6 +168,8 @@ class SqliteLeases(SqliteBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
+        if room is not None:
+            self._claimed_limited(per_queue, now)
         if self.recording:  # in the order of the update: claim by claim
             self.changes.events += [
                 (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")

@@ -80,6 +80,9 @@ class SqliteMaintenance(SqliteBase):
         if recording:
             for key, queue, state, attempt in rows:
                 self._record(key, queue, state, "ready", attempt, now)
+        # Rate windows closed: the leases parked on their queues may take jobs again.
+        for queue, jobs in self._rate_waits.due(now):
+            self.changes.made_ready(queue, jobs)
         return len(rows)
 
     def leases_reap_expired(self, now: int, limit: int) -> list[Reaped]:
@@ -145,10 +148,13 @@ class SqliteMaintenance(SqliteBase):
         return len(rows)
 
     def next_due_at(self) -> int | None:
-        """The earliest due time of a pending or retrying job."""
-        return self._db.execute(
+        """The earliest due time of a pending or retrying job, or end of a full rate
+        window that ready jobs wait for."""
+        due = self._db.execute(
             "SELECT min(run_at) FROM jobs WHERE state IN ('pending', 'retrying')"
         ).fetchone()[0]
+        window = self._rate_waits.next_at()
+        return window if due is None or (window is not None and window < due) else due
 
     def next_expiry_at(self) -> int | None:
         """The earliest expiry of a held lease."""

@@ -10,14 +10,17 @@ truth test each when no queue is paused or limited (leases.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from relay.store import claims as claims_
 from relay.store.base import (
+    LEASED,
     MAX_QUEUE_SETTINGS,
     READY,
     SETTINGS_COLUMNS,
     SETTINGS_PAGE,
+    ClaimArgs,
     QueueSettings,
     too_many_settings,
 )
@@ -34,6 +37,10 @@ _UPSERT = (
     "default_backoff = excluded.default_backoff, updated_at = ?9"
 )
 _ROW = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue = ?"
+_WINDOW = "SELECT rate_window_start, rate_window_count FROM queue_settings WHERE queue = ?"
+_SET_WINDOW = (
+    "UPDATE queue_settings SET rate_window_start = ?, rate_window_count = ? WHERE queue = ?"
+)
 _PAGE = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue > ? ORDER BY queue LIMIT ?"
 
 
@@ -47,11 +54,16 @@ class SqliteSettings(SqliteBase):
     _paused: frozenset[str]
     _limited: frozenset[str]
     _settings_touched: set[str]
+    # The rate-limited queues a claim left with ready jobs and a full window; the rate
+    # windows the claim being made read (queue -> (opened at, leases in it)).
+    _rate_waits: claims_.RateWaits
+    _windows: dict[str, tuple[int | None, int]]
 
     def _load_settings(self) -> None:
         rows = self._db.execute(f"SELECT {SETTINGS_COLUMNS} FROM queue_settings").fetchall()
         self._settings = {row[0]: QueueSettings.from_row(row) for row in rows}
         self._settings_touched = set()
+        self._rate_waits = claims_.RateWaits()
         self._derive_settings()
 
     def _derive_settings(self) -> None:
@@ -76,6 +88,42 @@ class SqliteSettings(SqliteBase):
             else:
                 self._settings[queue] = QueueSettings.from_row(row)
         self._derive_settings()
+
+    def _claim_room(self, claims: Sequence[ClaimArgs], now: int) -> dict[str, int] | None:
+        """How many jobs each limited queue the claims ask for may lease (None: none is
+        limited): its limit less its jobs leased now (the counts in memory, this
+        transaction's claims included), and its rate window's room (read from its row,
+        kept in ``_windows`` for ``_claimed_limited``)."""
+        limited = {q for claim in claims for q in claim[0] if q in self._limited}
+        if not limited:
+            return None
+        room, self._windows = {}, {}
+        for queue in limited:
+            settings = self._settings[queue]
+            window: tuple[int | None, int] = (None, 0)
+            if settings.rate is not None:
+                window = self._db.execute(_WINDOW, (queue,)).fetchone() or window
+                self._windows[queue] = window
+            leased = self._counts.get((queue, LEASED), 0)
+            room[queue] = claims_.room_for(settings, leased, window, now)
+        return room
+
+    def _claimed_limited(self, leased: dict[str, int], now: int) -> None:
+        """After a claim that had room in limited queues and leased ``leased`` jobs per
+        queue: each rate window counts its leases; one left full with ready jobs waits for
+        its end."""
+        for queue, window in self._windows.items():
+            rate = self._settings[queue].rate
+            assert rate is not None
+            n = leased.get(queue, 0)
+            if n:
+                window = claims_.window_after(rate, window, now, n)
+                self._db.execute(_SET_WINDOW, (*window, queue))
+            ready = self._counts.get((queue, READY), 0)
+            if ready and window[0] is not None and window[1] >= rate.limit:
+                until = window[0] + rate.period_ms
+                self._rate_waits.hold(queue, until, min(ready, rate.limit))
+                self.changes.due(until)
 
     def queue_pause(self, queue: str, paused: bool, now: int) -> bool:
         """Pause or resume ``queue`` (see ``Store.queue_pause``)."""

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from relay.protocol.model import JobIdGenerator, Priority
-from relay.store.base import READY, Changes, StoreConfig
+from relay.store.base import LEASED, READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 
 _PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
@@ -151,10 +151,21 @@ class SqliteBase(CountsBook):
     # (their tokens were never sent); a rolled-back ack, fail or release forgets a lease
     # still held (its ack then reads its row).
     _held: dict[str, tuple[int, str, str, int, str, int]]
+    # The queues with a concurrency or rate limit, as committed (settings.py).
+    _limited: frozenset[str] = frozenset()
 
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:
         if src is not None:
             self._bump(self._counts, (queue, src), -n)
+            # A limited queue's lease ended: a parked lease may take its place.
+            if (
+                src == LEASED
+                and self._limited
+                and queue in self._limited
+                and dst != READY
+                and self._counts.get((queue, READY), 0) > 0
+            ):
+                self.changes.made_ready(queue, n)
         if dst == READY:
             self.changes.made_ready(queue, n)
         if dst is not None:
