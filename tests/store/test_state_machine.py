@@ -185,6 +185,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.full_promotes = 0
         self.full_promote_at: int | None = None
         self.paused: set[str] = set()  # queues no claim takes from
+        self.max_leased: dict[str, int] = {}  # queues with a concurrency limit
 
     def teardown(self) -> None:
         self.store.close()
@@ -453,15 +454,28 @@ class StoreMachine(RuleBasedStateMachine):
         # A paused queue's ready jobs stay where they are: the others' are the candidates.
         open_queues = [queue for queue in queues if queue not in self.paused]
         candidates = sorted(self.ready_jobs(open_queues), key=self.rank)
+        # A limited queue may lease its limit less its jobs leased now.
+        room = {
+            q: max(0, self.max_leased[q] - sum(j.state is LEASED and j.queue == q
+                                               for j in self.jobs.values()))
+            for q in open_queues if q in self.max_leased
+        }  # fmt: skip
         leases = self.store.jobs_claim(queues, worker, count, lease_ms, self.now)
-        assert len(leases) == min(count, len(candidates))
-        # Best effective priority first, then the earliest ready time; among jobs equal in
-        # both, the contract does not say which goes first.
-        expected_ranks = [self.rank(j) for j in candidates[: len(leases)]]
+        takeable = sum(min(room.get(q, UNLIMITED), len(self.ready_jobs([q]))) for q in open_queues)
+        assert len(leases) == min(count, takeable)
         for lease in leases:
             job = self.jobs.get(lease.job_id)
             assert job is not None and job.state is READY and job.queue in open_queues
-        assert [self.rank(self.jobs[lease.job_id]) for lease in leases] == expected_ranks
+        if not room:
+            # Best effective priority first, then the earliest ready time; among jobs
+            # equal in both, the contract does not say which goes first.
+            expected_ranks = [self.rank(j) for j in candidates[: len(leases)]]
+            assert [self.rank(self.jobs[lease.job_id]) for lease in leases] == expected_ranks
+        for queue in open_queues:
+            # Within a queue, its best jobs; a limited queue no more than its room.
+            mine = [self.rank(self.jobs[lease.job_id]) for lease in leases if lease.queue == queue]
+            assert len(mine) <= room.get(queue, UNLIMITED)
+            assert mine == [self.rank(j) for j in candidates if j.queue == queue][: len(mine)]
         assert len({lease.job_id for lease in leases}) == len(leases)
         for lease in leases:
             job = self.jobs[lease.job_id]
@@ -663,6 +677,24 @@ class StoreMachine(RuleBasedStateMachine):
         (self.paused.add if paused else self.paused.discard)(queue)
         assert (self.all_rows(), self.store.queue_stats()) == before
         assert self.store.view.paused == self.paused
+
+    @rule(queue=st.sampled_from(QUEUES), limit=st.sampled_from([None, 1, 2]))
+    def limit_leased(self, queue: str, limit: int | None) -> None:
+        # It changes no job; a limit raised or removed wakes as many parked leases as the
+        # queue has ready jobs.
+        before = self.all_rows(), self.store.queue_stats()
+        self.store.take_changes()
+        settings = self.store.queue_config(queue, {"max_leased": limit}, self.now)
+        assert (settings.max_leased, settings.paused) == (limit, queue in self.paused)
+        woken = self.store.take_changes().ready_counts
+        ready = len(self.ready_jobs([queue]))
+        loosened = queue in self.max_leased and self.max_leased[queue] != limit
+        assert woken == ({queue: ready} if loosened and ready else {})
+        if limit is None:
+            self.max_leased.pop(queue, None)
+        else:
+            self.max_leased[queue] = limit
+        assert (self.all_rows(), self.store.queue_stats()) == before
 
     @precondition(lambda self: any(j.state is LEASED for j in self.jobs.values()))
     @rule()
