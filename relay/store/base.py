@@ -505,6 +505,9 @@ class Store(Protocol):
         may take (a resume, a limit raised or removed) reports the queue's ready jobs as
         made ready (parked leases wake). Raises ``TooManyQueues`` past MAX_QUEUE_SETTINGS."""
 
+    def queue_settings_of(self, queues: Sequence[str]) -> list[QueueSettings]:
+        """The settings of those of ``queues`` that have any: one statement."""
+
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
         """The settings of up to ``limit`` (at most SETTINGS_PAGE + 1, so that a page of
         SETTINGS_PAGE can tell whether another follows) queues that have any,

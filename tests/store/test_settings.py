@@ -245,3 +245,13 @@ def test_queue_config_rolled_back_changes_nothing(store: Store) -> None:
     store.rollback()
     assert store.queue_settings(None, 10) == [QueueSettings("q", max_leased=2)]
     assert store.view.paused == frozenset()
+
+
+def test_the_settings_of_named_queues_are_read_at_once(store: Store) -> None:
+    store.queue_config("a", {"max_leased": 2}, T0)
+    store.queue_config("c", {"paused": True}, T0)
+    assert sorted(store.queue_settings_of(["c", "b", "a"]), key=lambda s: s.queue) == [
+        QueueSettings("a", max_leased=2),
+        QueueSettings("c", paused=True),
+    ]
+    assert store.queue_settings_of([]) == []

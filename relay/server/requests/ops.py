@@ -406,7 +406,7 @@ class _QueueList(RequestOp):
         after, limit, named = args
         if named is not None:
             names = sorted(set(named))
-            settings = {q: store.queue_config(q, {}, now) for q in names}
+            settings = {s.queue: s for s in store.queue_settings_of(names)}
             entries = {q: store.view.get(q) for q in names}
             more = False
         else:

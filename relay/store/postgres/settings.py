@@ -11,7 +11,7 @@ whom a lease's end wakes: its own commits, and the pages ``counts_refresh`` read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relay.store.base import (
@@ -38,6 +38,7 @@ _UPSERT = (
 # Locks the row: two servers changing one queue's settings at once take turns, and each
 # changes what the other left.
 _ROW = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue = %s FOR UPDATE"
+_OF = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue = ANY(%s)"
 _PAGE = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue > %s ORDER BY queue LIMIT %s"
 
 
@@ -72,6 +73,11 @@ class Settings(PostgresBase):
                 self.changes.made_ready(queue, ready)
         self._settings_touched.add(queue)
         return new
+
+    def queue_settings_of(self, queues: Sequence[str]) -> list[QueueSettings]:
+        """The settings of those of ``queues`` that have any (see ``Store``)."""
+        rows = self._read(_OF, (list(queues),)).fetchall()
+        return [QueueSettings.from_row(row) for row in rows]
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
         """The settings of up to ``limit`` queues after ``after`` (see ``Store``)."""

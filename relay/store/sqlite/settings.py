@@ -10,6 +10,7 @@ truth test each when no queue is paused or limited (leases.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,9 @@ _ROW = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue = ?"
 _WINDOW = "SELECT rate_window_start, rate_window_count FROM queue_settings WHERE queue = ?"
 _SET_WINDOW = (
     "UPDATE queue_settings SET rate_window_start = ?, rate_window_count = ? WHERE queue = ?"
+)
+_OF = (
+    f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue IN (SELECT value FROM json_each(?))"
 )
 _PAGE = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue > ? ORDER BY queue LIMIT ?"
 
@@ -154,6 +158,11 @@ class SqliteSettings(SqliteBase):
         if self._journal is None:  # outside a transaction: the statement has committed
             self._settle_settings(True)
         return new
+
+    def queue_settings_of(self, queues: Sequence[str]) -> list[QueueSettings]:
+        """The settings of those of ``queues`` that have any (see ``Store``)."""
+        rows = self._db.execute(_OF, (json.dumps(list(queues)),))
+        return [QueueSettings.from_row(row) for row in rows]
 
     def queue_settings(self, after: str | None, limit: int) -> list[QueueSettings]:
         """The settings of up to ``limit`` queues after ``after`` (see ``Store``)."""
