@@ -124,6 +124,15 @@ def window_after(
     return now, leased
 
 
+def full_until(rate: Rate, window: tuple[int | None, int], now: int) -> int | None:
+    """When a rate window that is open at ``now`` and full closes; None if it is not both
+    (a window closed is no wait: the next lease opens a new one)."""
+    start, count = window
+    if start is None or count < rate.limit or now >= start + rate.period_ms:
+        return None
+    return start + rate.period_ms
+
+
 def without_paused(claims: Sequence[ClaimArgs], paused: AbstractSet[str]) -> list[ClaimArgs]:
     """``claims`` with the ``paused`` queues left out of each (a claim left with none asks
     for nothing: ``choose`` skips it)."""

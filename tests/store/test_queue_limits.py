@@ -6,12 +6,14 @@ its pass reports the queue. Durable, and (PostgreSQL) held across servers."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from relay.protocol.model import Rate, SubmitSpec
 from relay.store.base import QueueSettings
 from tests.conftest import T0
-from tests.store.conformance import Store, Stores
+from tests.store.conformance import Store, Stores, postgres_only
 
 LEASE_MS = 30_000
 
@@ -138,3 +140,68 @@ def test_a_limited_claim_rolled_back_leaves_the_window_as_it_was(store: Store) -
     assert len(claim(store, ["q"], 5, T0)) == 2
     store.rollback()
     assert len(claim(store, ["q"], 5, T0 + 1)) == 2
+
+
+def test_a_closed_full_window_is_no_due_time_while_max_leased_holds_the_queue(
+    store: Store,
+) -> None:
+    # The window (T0 .. T0 + 1000) filled and closed; the one lease is still held. A claim
+    # that leases nothing (max_leased) must not make the window's past end a due time,
+    # or the promoter would wake at once, report the queue, wake the parked lease, and
+    # its claim would do it again, as fast as the writer runs.
+    submit(store, n=3)
+    store.queue_config("q", {"max_leased": 1, "rate": Rate(1, 1_000)}, T0)
+    [_held] = claim(store, ["q"], 5, T0)
+    assert store.take_changes().next_due_at == T0 + 1_000  # (full, open, jobs waiting)
+    store.jobs_promote_due(T0 + 1_000, 100)  # the promoter, at the window's end
+    store.take_changes()
+    for now in (T0 + 5_000, T0 + 5_001):
+        assert claim(store, ["q"], 5, now) == []
+        assert store.take_changes().next_due_at is None
+        assert store.next_due_at() is None
+        store.jobs_promote_due(now, 100)
+        assert store.take_changes().ready_counts == {}
+
+
+def _claims(queue: str, n: int) -> list:
+    return [((queue,), "w", 1, LEASE_MS, None) for _ in range(n)]
+
+
+@postgres_only
+def test_a_claim_never_waits_for_a_limited_queue_another_server_holds(stores: Stores) -> None:
+    # Two servers' transactions, each claiming both limited queues in pieces in the other
+    # order, and one cancelling a ready job the other's claim may hold: none waits for
+    # the other (a wait here deadlocked, or stalled the writer with no time limit).
+    a, b = stores.open("shared"), stores.open("shared")
+    a.jobs_submit([SubmitSpec(q, f'{{"n": {i}}}') for q in ("q1", "q2") for i in range(10)], T0)
+    for queue in ("q1", "q2"):
+        a.queue_config(queue, {"max_leased": 100}, T0)
+    a.begin()
+    b.begin()
+    a.jobs_claim_many(_claims("q2", 2), T0 + 1)  # A holds q2's limits
+    b.jobs_claim_many(_claims("q1", 2), T0 + 1)  # B holds q1's
+    with trio_fail_after(5):
+        # Each finds the other's queue held: it takes nothing from it, and does not wait.
+        assert a.jobs_claim_many(_claims("q1", 1), T0 + 1) == [[]]
+        assert b.jobs_claim_many(_claims("q2", 1), T0 + 1) == [[]]
+    b.take_changes()
+    b.commit()
+    a.commit()
+    # A claim that leaves a limited queue with room and ready jobs reports it, so that a
+    # lease parked on another server (which found the queue held) wakes.
+    a.take_changes()
+    [leased] = a.jobs_claim_many([(("q1", "q2"), "w", 1, LEASE_MS, None)], T0 + 2)
+    assert [lease.queue for lease in leased] == ["q1"]
+    assert a.take_changes().ready_counts == {"q2": 1}
+
+
+class trio_fail_after:  # (a plain timer: the stores are synchronous)
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.monotonic() - self.started
+        assert elapsed < self.seconds, f"a claim waited {elapsed:.1f} s"

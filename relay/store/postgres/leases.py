@@ -56,15 +56,17 @@ _CANDIDATES = (
     "timeout_ms FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
     "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
 )
-# The limited queues among those asked, locked in name order (two servers lock them in the
-# same order), with their rate windows: a claim that meets a limited queue's candidate
-# takes these locks once, for every limited queue it asks for, and holds them to its end,
-# so the claims of limited queues take turns across servers, each counting the leases of
-# those before it (the counts it reads next are committed with them).
+# The limited queues among those asked, locked, with their rate windows; skipping those
+# another transaction holds: a claim never waits for a lock (so never deadlocks and never
+# stalls its writer), and takes nothing this time from a limited queue it could not lock.
+# A claim that meets a limited queue's candidate takes these locks, for every limited
+# queue it asks for, and holds them to its end, so the claims of a limited queue take
+# turns across servers, each counting the leases of those before it (the counts it reads
+# next are committed with them).
 _LOCK_LIMITS = (
     f"SELECT {SETTINGS_COLUMNS}, rate_window_start, rate_window_count FROM queue_settings "
     "WHERE queue = ANY(%s) AND (max_leased IS NOT NULL OR rate_limit IS NOT NULL) "
-    "ORDER BY queue FOR UPDATE"
+    "ORDER BY queue FOR UPDATE SKIP LOCKED"
 )
 _SET_WINDOW = (
     "UPDATE queue_settings SET rate_window_start = %s, rate_window_count = %s WHERE queue = %s"
@@ -151,13 +153,17 @@ class Leases(PostgresBase):
                     asked = sorted({q for claim in claims for q in claim[0]})
                     limited = self._lock_limits(asked, now, room)
                 for row in rows:
+                    if row[6] and row[4] not in room:
+                        # Limited, but not locked here: another server's claim (or
+                        # setting) holds it now, or it was limited after the lock.
+                        room[row[4]] = 0
                     if row[4] in room:
                         seen.setdefault(row[4], set()).add(row[0])
             return rows
 
         chosen, found = claims_.choose(claims, now, fetch, room)
         if limited is not None:
-            self._claimed_limited(limited, found, seen, now)
+            self._claimed_limited(limited, found, seen, room, now)
         if not found:
             return [[] for _ in claims]
         # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 5.
@@ -228,26 +234,31 @@ class Leases(PostgresBase):
         limited: dict[str, tuple[QueueSettings, tuple[int | None, int]]],
         found: dict[int, Sequence],
         seen: dict[str, set[int]],
+        room: dict[str, int],
         now: int,
     ) -> None:
         """After a claim that locked ``limited`` queues and leased ``found``: each rate
-        window counts its leases; one left full while some of its queue's candidates
-        (``seen``) stayed ready waits for its end (as in SQLite)."""
+        window counts its leases; one left full (and open) while some of its queue's
+        candidates (``seen``) stayed ready waits for its end (as in SQLite). A queue left
+        with room and candidates is reported as having ready jobs: a claim on another
+        server that found it locked (and leased none of it) may be parked on it."""
         leased: dict[str, int] = {}
         for candidate in found.values():
             leased[candidate[4]] = leased.get(candidate[4], 0) + 1
         for queue, (settings, window) in limited.items():
+            n = leased.get(queue, 0)
+            unleased = len(seen.get(queue, ())) - n
+            if unleased > 0 and room.get(queue, 0) > 0:
+                self.changes.made_ready(queue, min(unleased, room[queue]))
             rate = settings.rate
             if rate is None:
                 continue
-            n = leased.get(queue, 0)
             if n:
                 window = claims_.window_after(rate, window, now, n)
                 self._write(_SET_WINDOW, (*window, queue))
-            unleased = len(seen.get(queue, ())) > n
-            if unleased and window[0] is not None and window[1] >= rate.limit:
-                until = window[0] + rate.period_ms
-                self._rate_waits.hold(queue, until, rate.limit)
+            until = claims_.full_until(rate, window, now)
+            if unleased > 0 and until is not None:
+                self._rate_waits.hold(queue, until, min(unleased, rate.limit))
                 self.changes.due(until)
 
     def _held_lease(

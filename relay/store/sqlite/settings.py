@@ -114,8 +114,8 @@ class SqliteSettings(SqliteBase):
 
     def _claimed_limited(self, leased: dict[str, int], now: int) -> None:
         """After a claim that had room in limited queues and leased ``leased`` jobs per
-        queue: each rate window counts its leases; one left full with ready jobs waits for
-        its end."""
+        queue: each rate window counts its leases; one left full (and open) with ready jobs
+        waits for its end."""
         for queue, window in self._windows.items():
             rate = self._settings[queue].rate
             assert rate is not None
@@ -124,8 +124,8 @@ class SqliteSettings(SqliteBase):
                 window = claims_.window_after(rate, window, now, n)
                 self._db.execute(_SET_WINDOW, (*window, queue))
             ready = self._counts.get((queue, READY), 0)
-            if ready and window[0] is not None and window[1] >= rate.limit:
-                until = window[0] + rate.period_ms
+            until = claims_.full_until(rate, window, now)
+            if ready and until is not None:
                 self._rate_waits.hold(queue, until, min(ready, rate.limit))
                 self.changes.due(until)
 
