@@ -471,6 +471,26 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "limit": int_field(1, 1000),
         },
     ),
+    (
+        "queue_config",
+        {
+            "queue": Field("str", queue_names, required=True, bad=bad_queue_names),
+            "paused": Field("bool", st.booleans()),
+            "max_leased": int_field(1, 1_000_000, nullable=True),
+            "rate": Field(
+                "object",
+                st.fixed_dictionaries(
+                    {"limit": in_range(1, 1_000_000), "period_ms": in_range(1, 86_400_000)}
+                ),
+                nullable=True,
+                bad=st.sampled_from([{"limit": 0, "period_ms": 1000}, {"limit": 5},
+                                     {"limit": 5, "period_ms": 86_400_001}, {}]),
+            ),
+            "default_timeout_ms": int_field(1, LIMITS.max_timeout_ms, nullable=True),
+            "default_retries": int_field(0, LIMITS.max_retries, nullable=True),
+            "default_backoff": Field("object", backoffs, nullable=True, bad=bad_backoffs),
+        },
+    ),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 
