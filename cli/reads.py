@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import click
 import orjson
 
-from relay.client.client import open_client
-from relay.protocol.errors import ConnectionLost
+from relay.client.client import Client, Stats, open_client
+from relay.protocol.errors import BadRequest, ConnectionLost, UnknownOp
 from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
@@ -26,6 +28,8 @@ from relay_cli.options import (
 )
 
 STATE_NAMES = [str(state) for state in JobState]
+# Queues per queue_list request at most (the server's page: relay/protocol/requests.py).
+QUEUE_LIST_PAGE = 1000
 
 
 @click.command(
@@ -104,12 +108,35 @@ def top(full: bool, address: str) -> None:
     "many more there are.",
 )  # fmt: skip
 def stats(address: str, as_json: bool, queues: tuple[str, ...]) -> None:
-    """Jobs per queue and state, and the server's version, uptime and connections."""
+    """Jobs per queue and state, and the server's version, uptime and connections; a queue
+    paused or with a limit (`queue set`) is marked so."""
     only = list(queues) or None
-    result = call(address, lambda client: client.stats(oldest_ready=True, queues=only))
+
+    async def asking(client: Client) -> tuple[Stats, frozenset[str]]:
+        result = await client.stats(oldest_ready=True, queues=only)
+        if as_json:
+            return result, frozenset()
+        return result, await limited_queues(client, result.queues) or frozenset()
+
+    result, limited = call(address, asking)
     if as_json:
         data = converter.unstructure(result)
         data["queues"] = dict(sorted(data["queues"].items()))
         print_json(data)
     else:
-        console().print(views.stats_table(result))
+        console().print(views.stats_table(result, limited))
+
+
+async def limited_queues(client: Client, queues: Iterable[str]) -> frozenset[str] | None:
+    """Of ``queues`` (a stats page: 1,000 at most), those with a limit (max_leased or rate).
+    A stats reply does not say, so this is one ``queue_list`` of those names (one request,
+    its reply the size of the stats'): ``stats`` and ``top`` ask it with each stats, and
+    only where there are queues. None from a server without ``queue_list {queues}``."""
+    names = sorted(queues)[:QUEUE_LIST_PAGE]
+    if not names:
+        return frozenset()
+    try:
+        page = await client.queue_list(queues=names)
+    except (UnknownOp, BadRequest):  # (a server from before queue settings)
+        return None
+    return frozenset(q.queue for q in page.queues if q.max_leased is not None or q.rate)

@@ -324,36 +324,53 @@ def short_number(n: int) -> str:
     return str(n)
 
 
-# After a paused queue's name, in the tables of queues (stats, top, queue list).
+# After a paused queue's name, in the tables of queues (stats, top); after a queue's with
+# a limit (max_leased or rate: ``queue set``), LIMITED_MARK.
 PAUSED_MARK = " paused"
+LIMITED_MARK = " limited"
+PAUSED_STYLE = "bold yellow"
+LIMITED_STYLE = "cyan"
 
 
-def queue_cell(name: str, paused: bool, width: int) -> Text:
+def queue_cell(name: str, paused: bool, width: int, limited: bool = False) -> Text:
     """A queue's cell in a column ``width`` wide: its name (cut in the middle if need be),
-    and PAUSED_MARK after it if it is paused. The name goes first: without room for both,
-    a paused queue's name is shown in the mark's colour and ``paused_caption`` names it."""
-    if not paused:
+    and PAUSED_MARK after it if it is paused, LIMITED_MARK if it has a limit. The name goes
+    first: without room for it and its marks, it is shown in the colour of its first mark
+    and ``paused_caption`` names it."""
+    if not (paused or limited):
         return Text(cut_middle(name, width))
-    if len(name) + len(PAUSED_MARK) > width:
-        return Text(cut_middle(name, width), style="bold yellow")
+    if len(marked(name, paused, limited)) > width:
+        return Text(cut_middle(name, width), style=PAUSED_STYLE if paused else LIMITED_STYLE)
     text = Text(name)
-    text.append(PAUSED_MARK, style="bold yellow")
+    if paused:
+        text.append(PAUSED_MARK, style=PAUSED_STYLE)
+    if limited:
+        text.append(LIMITED_MARK, style=LIMITED_STYLE)
     return text
 
 
-def paused_caption(paused: Sequence[str], width: int) -> Text | None:
-    """Under a table of queues: the paused ones whose cells (``width`` wide) had no room for
-    PAUSED_MARK (``queue_cell``), by name, a few at most; None if there are none."""
-    unmarked = [name for name in paused if len(name) + len(PAUSED_MARK) > width]
-    if not unmarked:
+def paused_caption(paused: Sequence[str], width: int, limited: Sequence[str] = ()) -> Text | None:
+    """Under a table of queues: the paused ones, and those with a limit, whose cells
+    (``width`` wide) had no room for their marks (``queue_cell``), by name, a few of each at
+    most; None if there are none."""
+    is_paused, is_limited = set(paused), set(limited)
+    parts = []
+    for names, label in ((paused, "paused (yellow)"), (limited, "limited (cyan)")):
+        unmarked = [name for name in names if len(marked(name, name in is_paused,
+                                                         name in is_limited)) > width]  # fmt: skip
+        if label.startswith("limited"):  # (a paused one is in yellow: named as paused)
+            unmarked = [name for name in unmarked if name not in is_paused]
+        if unmarked:
+            more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
+            parts.append(f"{label}: {', '.join(unmarked[:3])}{more}")
+    if not parts:
         return None
-    more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
-    return Text(f"paused (yellow): {', '.join(unmarked[:3])}{more}", style="table.caption")
+    return Text(" · ".join(parts), style="table.caption")
 
 
-def marked(name: str, paused: bool) -> str:
+def marked(name: str, paused: bool, limited: bool = False) -> str:
     """A queue's name as its cell shows it whole: for the width of the queue column."""
-    return name + PAUSED_MARK if paused else name
+    return name + (PAUSED_MARK if paused else "") + (LIMITED_MARK if limited else "")
 
 
 def count_text(count: int, state: str | None = None) -> Text:
@@ -365,7 +382,7 @@ def count_text(count: int, state: str | None = None) -> Text:
 OLDEST_READY = "oldest\nready"  # how long a queue's oldest ready job has waited
 
 
-def stats_table(stats: Stats) -> Fitted:
+def stats_table(stats: Stats, limited: Iterable[str] = ()) -> Fitted:
     """Queues (rows, sorted by name) by states (columns), a total per queue, how long its
     oldest ready job has waited, and a totals row; the server's version, uptime and
     connections below.
@@ -375,11 +392,16 @@ def stats_table(stats: Stats) -> Fitted:
     at most), so at 80 columns a queue name of 17 to 21 characters is whole (at 100, 37 to
     41; at 120, 57 to 61); a longer one is cut in the middle (``cut_middle``), to
     QUEUE_MIN at the least.
+
+    A paused queue's name is marked so (``queue_cell``), and one in ``limited`` (it has a
+    max_leased or a rate: a stats reply does not say, ``relay-trio stats`` asks
+    ``queue_list`` for the page's queues) too; where the marks would cut the name, the name
+    is coloured and a line under the table names it (``paused_caption``).
     """
-    return Fitted(functools.partial(_stats_layout, stats))
+    return Fitted(functools.partial(_stats_layout, stats, frozenset(limited)))
 
 
-def _stats_layout(stats: Stats, width: int) -> RenderableType:
+def _stats_layout(stats: Stats, limited: frozenset[str], width: int) -> RenderableType:
     server = stats.server
     connections = f"{server.connections} connection" + ("" if server.connections == 1 else "s")
     uptime = format_duration(server.uptime_ms)
@@ -405,19 +427,22 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
               for i, header in enumerate(headers)]  # fmt: skip
     widths[-1] += 1  # "1d 02h" has a space: one more before it, so it reads as one value
     labels = (
-        [*(marked(n, n in paused) for n in names), "queue", "total"] if names else ["no jobs yet"]
+        [*(marked(n, n in paused, n in limited) for n in names), "queue", "total"]
+        if names
+        else ["no jobs yet"]
     )
     queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
 
     table = queues_table(queue, headers, widths)
     for name, row in zip(names, rows, strict=True):
-        table.add_row(queue_cell(name, name in paused, queue), *row)
+        table.add_row(queue_cell(name, name in paused, queue, name in limited), *row)
     if not names:
         table.add_row(Text("no jobs yet", style="dim"), *("" for _ in headers))
     table.add_section()
     table.add_row(Text("total", style="bold"), *total_row, style="bold")
     notes = [Text(caption, style="table.caption")]
-    unmarked = paused_caption([name for name in names if name in paused], queue)
+    unmarked = paused_caption([name for name in names if name in paused], queue,
+                              [name for name in names if name in limited])  # fmt: skip
     if unmarked is not None:
         notes.append(unmarked)
     if stats.next_cursor is not None and stats.total_queues is not None:

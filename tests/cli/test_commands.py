@@ -278,6 +278,10 @@ async def test_queue_set_changes_some_settings_and_show_and_list_show_them(addre
     assert lines[1].split()[:4] == ["queue", "paused", "limits", "defaults"], lines
     assert row_of(lines, "email").split()[:6] == ["email", "-", "max", "5", "30s", "·"]
     assert "0 retries · exp:1s:5m" in row_of(lines, "email")
+    # stats marks a queue with a limit (asking queue_list); its --json is the stats reply.
+    stats = await relay_trio("stats", address=address)
+    assert "email limited" in stats.stdout, stats
+    assert "limited" not in (await relay_trio("stats", "--json", address=address)).stdout
 
 
 async def test_queue_set_refuses_no_setting_and_bad_values_in_one_line(address, client):

@@ -301,6 +301,34 @@ def test_stats_table_marks_a_paused_queue_and_keeps_its_counts(width):
     assert "paused" not in "\n".join(lines_of(views.stats_table(stats(email=counts())), width))
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_marks_a_queue_with_a_limit_and_keeps_its_counts(width):
+    s = attrs.evolve(
+        stats(email=counts(ready=10), sms=counts(), **{QUEUE_40: counts(ready=2, dead=1)}),
+        paused=["email", QUEUE_40],
+    )
+    lines = lines_of(views.stats_table(s, ["email", "sms", QUEUE_40]), width)
+    email = row(lines, "email")
+    assert email.startswith("email paused limited ")  # room for both marks
+    assert [w for w in email.split() if w.isdigit()] == ["0", "10", "0", "0", "0", "0", "10"]
+    assert row(lines, "sms").startswith("sms limited ")
+    long_row = next(line for line in lines if line.startswith("billing"))
+    if width >= 120:
+        assert long_row.startswith(f"{QUEUE_40} paused limited ")
+    else:  # no room for the marks: the name first, named under the table as paused
+        assert "paused" not in long_row and "limited" not in long_row
+        assert f"paused (yellow): {QUEUE_40}" in lines
+    # Not limited: no mark.
+    assert "limited" not in "\n".join(lines_of(views.stats_table(s), width))
+
+
+def test_a_limited_queue_whose_mark_has_no_room_is_named_under_the_table():
+    s = stats(**{QUEUE_40: counts(ready=2)})
+    lines = lines_of(views.stats_table(s, [QUEUE_40]), 80)
+    assert "limited" not in next(line for line in lines if line.startswith("billing"))
+    assert f"limited (cyan): {QUEUE_40}" in lines
+
+
 # -- queue list ---------------------------------------------------------------------------
 
 
