@@ -5,11 +5,13 @@ queue, ``list`` the queues with their settings and counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import click
 
 from relay.client.client import Client, QueueConfig, QueueInfo, QueuePage
+from relay.protocol.errors import BadRequest, UnknownOp
 from relay_cli import views
 from relay_cli.calls import call, console, print_json
 from relay_cli.options import (
@@ -24,6 +26,8 @@ from relay_cli.options import (
     parse_rate,
 )
 
+# Queues per queue_list request at most (the server's page: relay/protocol/requests.py).
+QUEUE_LIST_PAGE = 1000
 # What clears a setting of ``queue set``.
 CLEAR = "none"
 
@@ -191,3 +195,18 @@ def queue_list(limit: int | None, cursor: str | None, address: str, as_json: boo
         print_json(page)
         return
     console().print(views.queue_table(page))
+
+
+async def limited_queues(client: Client, queues: Iterable[str]) -> frozenset[str] | None:
+    """Of ``queues`` (a stats page: 1,000 at most), those with a limit (max_leased or rate).
+    A stats reply does not say, so this is one ``queue_list`` of those names (one request,
+    its reply the size of the stats'): ``stats`` and ``top`` ask it with each stats, and
+    only where there are queues. None from a server without ``queue_list {queues}``."""
+    names = sorted(queues)[:QUEUE_LIST_PAGE]
+    if not names:
+        return frozenset()
+    try:
+        page = await client.queue_list(queues=names)
+    except (UnknownOp, BadRequest):  # (a server from before queue settings)
+        return None
+    return frozenset(q.queue for q in page.queues if q.max_leased is not None or q.rate)

@@ -4,13 +4,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import click
 import orjson
 
 from relay.client.client import Client, Stats, open_client
-from relay.protocol.errors import BadRequest, ConnectionLost, UnknownOp
+from relay.protocol.errors import ConnectionLost
 from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
@@ -26,10 +24,9 @@ from relay_cli.options import (
     client_token,
     json_option,
 )
+from relay_cli.queue import limited_queues
 
 STATE_NAMES = [str(state) for state in JobState]
-# Queues per queue_list request at most (the server's page: relay/protocol/requests.py).
-QUEUE_LIST_PAGE = 1000
 
 
 @click.command(
@@ -125,18 +122,3 @@ def stats(address: str, as_json: bool, queues: tuple[str, ...]) -> None:
         print_json(data)
     else:
         console().print(views.stats_table(result, limited))
-
-
-async def limited_queues(client: Client, queues: Iterable[str]) -> frozenset[str] | None:
-    """Of ``queues`` (a stats page: 1,000 at most), those with a limit (max_leased or rate).
-    A stats reply does not say, so this is one ``queue_list`` of those names (one request,
-    its reply the size of the stats'): ``stats`` and ``top`` ask it with each stats, and
-    only where there are queues. None from a server without ``queue_list {queues}``."""
-    names = sorted(queues)[:QUEUE_LIST_PAGE]
-    if not names:
-        return frozenset()
-    try:
-        page = await client.queue_list(queues=names)
-    except (UnknownOp, BadRequest):  # (a server from before queue settings)
-        return None
-    return frozenset(q.queue for q in page.queues if q.max_leased is not None or q.rate)

@@ -32,7 +32,7 @@ from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.errors import _leaves, _reason
 from relay_cli.ids import server_short_ids
-from relay_cli.reads import limited_queues
+from relay_cli.queue import limited_queues
 
 RATE_WINDOW_S = 10.0  # rates are per second over this many seconds
 STATS_EVERY_S = 1.0
