@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "inspect": ("relay_cli.reads", "inspect_command", "Show one job, its attempts and errors."),
     "stats": ("relay_cli.reads", "stats", "Jobs per queue and state."),
     "dead": ("relay_cli.dead", "dead", "List, retry or purge dead jobs."),
-    "queue": ("relay_cli.queue", "queue", "Pause, resume or list queues."),
+    "queue": ("relay_cli.queue", "queue", "Pause, resume, set, show or list queues."),
     "cancel": ("relay_cli.cancel", "cancel", "Cancel a job, or a queue's jobs."),
     "watch": ("relay_cli.reads", "watch", "Print job events as JSON lines."),
     "top": ("relay_cli.reads", "top", "A live view of the queues."),

@@ -180,3 +180,59 @@ def abbreviated(job_id: str) -> bool:
     """Whether a JOB argument (``check_job``) is shorter than a whole id: then the command
     asks for the one job whose id begins with it (``inspect`` with ``prefix``)."""
     return parse_job_id(job_id) is None
+
+
+# -- durations, rates and backoffs (``submit --backoff``, ``queue set``) -------------------
+
+# A duration's units, in milliseconds; a number without one is milliseconds, as the wire's
+# ``*_ms`` fields (and ``submit --backoff fixed:500``) have always been.
+DURATION_UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+DURATION_FORMS = "a number and ms, s, m, h or d (1500ms, 30s, 5m); a bare number is ms"
+RATE_FORMS = "LIMIT/PERIOD: 100/s, 10/1m, 5/500ms"
+BACKOFF_FORMS = "fixed:DELAY or exp:BASE:MAX[:nojitter] (durations: fixed:10s, exp:1s:5m)"
+
+
+def parse_duration(text: str) -> int:
+    """ "1500ms", "30s", "1.5s", "5m", "2h", "1d" or "500" (ms) as whole milliseconds.
+    Raises ValueError on anything else, and on a part of a millisecond."""
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = DURATION_UNITS.get(text[len(number) :] or "ms")
+    if unit is None or not number or not number.replace(".", "", 1).isdigit():
+        raise ValueError(f"{text!r}: expected {DURATION_FORMS}")
+    whole, _, fraction = number.partition(".")
+    ms = int(whole or 0) * unit + int(fraction or 0) * unit // 10 ** len(fraction)
+    if int(fraction or 0) * unit % 10 ** len(fraction):
+        raise ValueError(f"{text!r}: not a whole number of milliseconds")
+    return ms
+
+
+def parse_rate(text: str) -> dict[str, int]:
+    """ "LIMIT/PERIOD" (``100/s``, ``10/1m``, ``5/500ms``: a period's unit alone is one of
+    it) as the wire's ``{"limit", "period_ms"}``. Raises ValueError on anything else."""
+    limit, sep, period = text.partition("/")
+    if not sep or not limit.isdigit():
+        raise ValueError(f"{text!r}: expected {RATE_FORMS}")
+    try:
+        period_ms = parse_duration("1" + period if period in DURATION_UNITS else period)
+    except ValueError:
+        raise ValueError(f"{text!r}: expected {RATE_FORMS}") from None
+    return {"limit": int(limit), "period_ms": period_ms}
+
+
+def parse_backoff(text: str) -> dict[str, Any]:
+    """ "fixed:DELAY" or "exp:BASE:MAX[:nojitter]" (each a duration, ``parse_duration``:
+    "fixed:500" is 500 ms, "exp:1s:5m") as the wire's backoff object."""
+    kind, *parts = text.split(":")
+    jitter = True
+    if kind in ("exp", "exponential") and parts and parts[-1] in ("jitter", "nojitter"):
+        jitter = parts.pop() == "jitter"
+    try:
+        numbers = [parse_duration(part) for part in parts]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}") from None
+    if kind == "fixed" and len(numbers) == 1:
+        return {"kind": "fixed", "delay_ms": numbers[0]}
+    if kind in ("exp", "exponential") and len(numbers) == 2:
+        base, top = numbers
+        return {"kind": "exponential", "base_ms": base, "max_ms": top, "jitter": jitter}
+    raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")

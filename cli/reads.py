@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 import orjson
 
-from relay.client.client import open_client
+from relay.client.client import Client, Stats, open_client
 from relay.protocol.errors import ConnectionLost
 from relay.protocol.model import JobState
 from relay_cli import views
@@ -24,6 +24,7 @@ from relay_cli.options import (
     client_token,
     json_option,
 )
+from relay_cli.queue import limited_queues
 
 STATE_NAMES = [str(state) for state in JobState]
 
@@ -104,12 +105,20 @@ def top(full: bool, address: str) -> None:
     "many more there are.",
 )  # fmt: skip
 def stats(address: str, as_json: bool, queues: tuple[str, ...]) -> None:
-    """Jobs per queue and state, and the server's version, uptime and connections."""
+    """Jobs per queue and state, and the server's version, uptime and connections; a queue
+    paused or with a limit (`queue set`) is marked so."""
     only = list(queues) or None
-    result = call(address, lambda client: client.stats(oldest_ready=True, queues=only))
+
+    async def asking(client: Client) -> tuple[Stats, frozenset[str]]:
+        result = await client.stats(oldest_ready=True, queues=only)
+        if as_json:
+            return result, frozenset()
+        return result, await limited_queues(client, result.queues) or frozenset()
+
+    result, limited = call(address, asking)
     if as_json:
         data = converter.unstructure(result)
         data["queues"] = dict(sorted(data["queues"].items()))
         print_json(data)
     else:
-        console().print(views.stats_table(result))
+        console().print(views.stats_table(result, limited))

@@ -11,7 +11,7 @@ import orjson
 
 from relay.protocol.model import UNIQUE_FOR, WIRE_PRIORITIES
 from relay_cli.calls import call, print_json
-from relay_cli.options import address_option, json_option
+from relay_cli.options import BACKOFF_FORMS, address_option, json_option, parse_backoff
 
 
 def _payload_option(ctx: click.Context, param: click.Parameter, value: str) -> Any:
@@ -22,25 +22,6 @@ def _payload_option(ctx: click.Context, param: click.Parameter, value: str) -> A
         return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}") from None
-
-
-BACKOFF_FORMS = "fixed:MS or exp:BASE:MAX[:nojitter]"
-
-
-def parse_backoff(text: str) -> dict[str, Any]:
-    """ "fixed:MS" or "exp:BASE:MAX[:nojitter]" as the wire's backoff object."""
-    kind, *numbers = text.split(":")
-    jitter = True
-    if kind in ("exp", "exponential") and numbers and numbers[-1] in ("jitter", "nojitter"):
-        jitter = numbers.pop() == "jitter"
-    if not all(n.isdigit() for n in numbers):
-        raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")
-    if kind == "fixed" and len(numbers) == 1:
-        return {"kind": "fixed", "delay_ms": int(numbers[0])}
-    if kind in ("exp", "exponential") and len(numbers) == 2:
-        base, top = map(int, numbers)
-        return {"kind": "exponential", "base_ms": base, "max_ms": top, "jitter": jitter}
-    raise click.BadParameter(f"{text!r}: expected {BACKOFF_FORMS}")
 
 
 def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | None):
@@ -63,7 +44,7 @@ def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | Non
 )
 @click.option(
     "--backoff", callback=_backoff_option, metavar="SPEC",
-    help=f"Wait between retries: {BACKOFF_FORMS} (default exp:1000:300000).",
+    help=f"Wait between retries: {BACKOFF_FORMS}; default exp:1s:5m.",
 )  # fmt: skip
 @click.option("--idempotency-key", metavar="KEY", help="Submit at most once per queue and key.")
 @click.option(

@@ -32,6 +32,7 @@ from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.errors import _leaves, _reason
 from relay_cli.ids import server_short_ids
+from relay_cli.queue import limited_queues
 
 RATE_WINDOW_S = 10.0  # rates are per second over this many seconds
 STATS_EVERY_S = 1.0
@@ -56,7 +57,9 @@ class TopView:
 
     Drawn as two tables, one line per row, at the width of the terminal:
 
-    - per queue: the jobs in each state, how long its oldest ready job has waited, and
+    - per queue (its name marked "paused" and "limited" as ``views.queue_cell`` marks
+      them: which have a limit, ``limits``, from a queue_list after each stats): the
+      jobs in each state, how long its oldest ready job has waited, and
       the jobs submitted, succeeded and failed per second ("sub/s", "ok/s", "fail/s").
       The pending and succeeded counts are left out where they would cut a queue name:
       at 80 columns, a name longer than 3 to 9 characters (as the counts and rates have
@@ -88,6 +91,7 @@ class TopView:
         self.status = "connecting"
         self.total_queues: int | None = None  # more queues than the stats page listed
         self.paused: frozenset[str] = frozenset()  # the stats page's paused queues
+        self.limited: frozenset[str] = frozenset()  # and those with a limit (``limits``)
 
     def stats(
         self,
@@ -102,6 +106,10 @@ class TopView:
         self.queues, self.server, self.oldest_ready_ms = queues, server, oldest_ready_ms
         self.total_queues = total_queues
         self.paused = frozenset(paused)
+
+    def limits(self, limited: Iterable[str]) -> None:
+        """The stats page's queues that have a limit (max_leased or rate), marked so."""
+        self.limited = frozenset(limited)
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
@@ -149,7 +157,7 @@ class TopView:
         rates = self.rates()
         rows = [
             _QueueRow(name, dict(self.queues.get(name, {})), self.oldest_ready_ms.get(name),
-                      rates.get(name, {}), name in self.paused)
+                      rates.get(name, {}), name in self.paused, name in self.limited)
             for name in sorted(set(self.queues) | set(rates))
         ]  # fmt: skip
         status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
@@ -172,6 +180,7 @@ class _QueueRow(NamedTuple):
     oldest_ready_ms: int | None
     rates: dict[str, float]
     paused: bool = False
+    limited: bool = False
 
 
 def _layout(
@@ -198,7 +207,7 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
     widths = {header: views.column_width(header, cells) for header, cells in columns.items()}
     widths[views.OLDEST_READY] += 1  # "2m 03s" has a space: one more before it
 
-    names = ["queue", *(views.marked(row.name, row.paused) for row in rows)]
+    names = ["queue", *(views.marked(row.name, row.paused, row.limited) for row in rows)]
     longest = max(map(len, names))
     if longest > width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP):
         for state in OPTIONAL_STATES:
@@ -213,9 +222,10 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
         table.add_column(header, justify="right", width=column, no_wrap=True,
                          header_style=views.STATE_STYLES.get(header, ""))  # fmt: skip
     for n, row in enumerate(rows):
-        table.add_row(views.queue_cell(row.name, row.paused, queue),
+        table.add_row(views.queue_cell(row.name, row.paused, queue, row.limited),
                       *(cells[n] for cells in columns.values()))  # fmt: skip
-    table.caption = views.paused_caption([row.name for row in rows if row.paused], queue)
+    table.caption = views.paused_caption([row.name for row in rows if row.paused], queue,
+                                         [row.name for row in rows if row.limited])  # fmt: skip
     table.caption_justify = "left"
     return table
 
@@ -344,11 +354,21 @@ async def _follow(client: Client, view: TopView) -> None:
         asking = short is not None
         return short or {}
 
+    # Which queues have a limit: a stats reply does not say, so one queue_list of the stats
+    # page's queues follows each stats (one request a STATS_EVERY_S, its reply the size of
+    # the stats'); no more once the server says it has no queue_list {queues}.
+    asking_limits = True
+
     async def poll_stats() -> None:
+        nonlocal asking_limits
         while True:
             stats = await client.stats(oldest_ready=True)
             more = stats.total_queues if stats.next_cursor is not None else None
             view.stats(stats.queues, stats.server, stats.oldest_ready_ms or {}, more, stats.paused)
+            if asking_limits:
+                limited = await limited_queues(client, stats.queues)
+                asking_limits = limited is not None
+                view.limits(limited or ())
             view.shorten(await short_ids(view.failure_ids()))
             await trio.sleep(STATS_EVERY_S)
 

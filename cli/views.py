@@ -36,7 +36,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from relay.client.client import DeadPage, JobView, QueuePage, Stats
+from relay.client.client import DeadPage, JobView, QueueConfig, QueueInfo, QueuePage, Stats
 from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
@@ -324,36 +324,53 @@ def short_number(n: int) -> str:
     return str(n)
 
 
-# After a paused queue's name, in the tables of queues (stats, top, queue list).
+# After a paused queue's name, in the tables of queues (stats, top); after a queue's with
+# a limit (max_leased or rate: ``queue set``), LIMITED_MARK.
 PAUSED_MARK = " paused"
+LIMITED_MARK = " limited"
+PAUSED_STYLE = "bold yellow"
+LIMITED_STYLE = "cyan"
 
 
-def queue_cell(name: str, paused: bool, width: int) -> Text:
+def queue_cell(name: str, paused: bool, width: int, limited: bool = False) -> Text:
     """A queue's cell in a column ``width`` wide: its name (cut in the middle if need be),
-    and PAUSED_MARK after it if it is paused. The name goes first: without room for both,
-    a paused queue's name is shown in the mark's colour and ``paused_caption`` names it."""
-    if not paused:
+    and PAUSED_MARK after it if it is paused, LIMITED_MARK if it has a limit. The name goes
+    first: without room for it and its marks, it is shown in the colour of its first mark
+    and ``paused_caption`` names it."""
+    if not (paused or limited):
         return Text(cut_middle(name, width))
-    if len(name) + len(PAUSED_MARK) > width:
-        return Text(cut_middle(name, width), style="bold yellow")
+    if len(marked(name, paused, limited)) > width:
+        return Text(cut_middle(name, width), style=PAUSED_STYLE if paused else LIMITED_STYLE)
     text = Text(name)
-    text.append(PAUSED_MARK, style="bold yellow")
+    if paused:
+        text.append(PAUSED_MARK, style=PAUSED_STYLE)
+    if limited:
+        text.append(LIMITED_MARK, style=LIMITED_STYLE)
     return text
 
 
-def paused_caption(paused: Sequence[str], width: int) -> Text | None:
-    """Under a table of queues: the paused ones whose cells (``width`` wide) had no room for
-    PAUSED_MARK (``queue_cell``), by name, a few at most; None if there are none."""
-    unmarked = [name for name in paused if len(name) + len(PAUSED_MARK) > width]
-    if not unmarked:
+def paused_caption(paused: Sequence[str], width: int, limited: Sequence[str] = ()) -> Text | None:
+    """Under a table of queues: the paused ones, and those with a limit, whose cells
+    (``width`` wide) had no room for their marks (``queue_cell``), by name, a few of each at
+    most; None if there are none."""
+    is_paused, is_limited = set(paused), set(limited)
+    parts = []
+    for names, label in ((paused, "paused (yellow)"), (limited, "limited (cyan)")):
+        unmarked = [name for name in names if len(marked(name, name in is_paused,
+                                                         name in is_limited)) > width]  # fmt: skip
+        if label.startswith("limited"):  # (a paused one is in yellow: named as paused)
+            unmarked = [name for name in unmarked if name not in is_paused]
+        if unmarked:
+            more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
+            parts.append(f"{label}: {', '.join(unmarked[:3])}{more}")
+    if not parts:
         return None
-    more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
-    return Text(f"paused (yellow): {', '.join(unmarked[:3])}{more}", style="table.caption")
+    return Text(" · ".join(parts), style="table.caption")
 
 
-def marked(name: str, paused: bool) -> str:
+def marked(name: str, paused: bool, limited: bool = False) -> str:
     """A queue's name as its cell shows it whole: for the width of the queue column."""
-    return name + PAUSED_MARK if paused else name
+    return name + (PAUSED_MARK if paused else "") + (LIMITED_MARK if limited else "")
 
 
 def count_text(count: int, state: str | None = None) -> Text:
@@ -365,7 +382,7 @@ def count_text(count: int, state: str | None = None) -> Text:
 OLDEST_READY = "oldest\nready"  # how long a queue's oldest ready job has waited
 
 
-def stats_table(stats: Stats) -> Fitted:
+def stats_table(stats: Stats, limited: Iterable[str] = ()) -> Fitted:
     """Queues (rows, sorted by name) by states (columns), a total per queue, how long its
     oldest ready job has waited, and a totals row; the server's version, uptime and
     connections below.
@@ -375,11 +392,16 @@ def stats_table(stats: Stats) -> Fitted:
     at most), so at 80 columns a queue name of 17 to 21 characters is whole (at 100, 37 to
     41; at 120, 57 to 61); a longer one is cut in the middle (``cut_middle``), to
     QUEUE_MIN at the least.
+
+    A paused queue's name is marked so (``queue_cell``), and one in ``limited`` (it has a
+    max_leased or a rate: a stats reply does not say, ``relay-trio stats`` asks
+    ``queue_list`` for the page's queues) too; where the marks would cut the name, the name
+    is coloured and a line under the table names it (``paused_caption``).
     """
-    return Fitted(functools.partial(_stats_layout, stats))
+    return Fitted(functools.partial(_stats_layout, stats, frozenset(limited)))
 
 
-def _stats_layout(stats: Stats, width: int) -> RenderableType:
+def _stats_layout(stats: Stats, limited: frozenset[str], width: int) -> RenderableType:
     server = stats.server
     connections = f"{server.connections} connection" + ("" if server.connections == 1 else "s")
     uptime = format_duration(server.uptime_ms)
@@ -405,19 +427,22 @@ def _stats_layout(stats: Stats, width: int) -> RenderableType:
               for i, header in enumerate(headers)]  # fmt: skip
     widths[-1] += 1  # "1d 02h" has a space: one more before it, so it reads as one value
     labels = (
-        [*(marked(n, n in paused) for n in names), "queue", "total"] if names else ["no jobs yet"]
+        [*(marked(n, n in paused, n in limited) for n in names), "queue", "total"]
+        if names
+        else ["no jobs yet"]
     )
     queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
 
     table = queues_table(queue, headers, widths)
     for name, row in zip(names, rows, strict=True):
-        table.add_row(queue_cell(name, name in paused, queue), *row)
+        table.add_row(queue_cell(name, name in paused, queue, name in limited), *row)
     if not names:
         table.add_row(Text("no jobs yet", style="dim"), *("" for _ in headers))
     table.add_section()
     table.add_row(Text("total", style="bold"), *total_row, style="bold")
     notes = [Text(caption, style="table.caption")]
-    unmarked = paused_caption([name for name in names if name in paused], queue)
+    unmarked = paused_caption([name for name in names if name in paused], queue,
+                              [name for name in names if name in limited])  # fmt: skip
     if unmarked is not None:
         notes.append(unmarked)
     if stats.next_cursor is not None and stats.total_queues is not None:
@@ -441,20 +466,36 @@ def failed_at(job: JobView) -> int | None:
 
 def queue_table(page: QueuePage) -> Fitted:
     """``relay-trio queue list``: one row per queue (those with jobs or settings, by
-    name), whether it is paused, its jobs in each state and their total; below it, the
-    option that gives the next page, if there is one. The cancelled column is shown only
-    while a queue of the page has cancelled jobs (``SHOWN_IF_ANY``), as in ``stats``.
+    name), whether it is paused, its limits and defaults (``limits_text``,
+    ``defaults_text``; each column only while a queue of the page has some), its jobs in
+    each state and their total; below it, the option that gives the next page, if there is
+    one. The cancelled column is shown only while a queue of the page has cancelled jobs
+    (``SHOWN_IF_ANY``), as in ``stats``.
 
     The numbers take about as much room as the stats table's (a count is six cells at
-    most, "paused" six): at 80 columns a queue name of about 20 characters is whole, at
-    120 about 60; a longer one is cut in the middle (``cut_middle``), to QUEUE_MIN at the
-    least."""
+    most, "paused" six): without settings, at 80 columns a queue name of about 20
+    characters is whole, at 120 about 60; a longer one is cut in the middle
+    (``cut_middle``), to QUEUE_MIN at the least. The settings' columns come out of the
+    queue names' room while it keeps SETTINGS_ROOM (or the longest name, if shorter):
+    where it would not, the defaults' column goes first, then the limits', and a line
+    under the table says where to see them (``queue show``)."""
     return Fitted(functools.partial(_queue_layout, page))
+
+
+# The queue names' room (or the longest name's, if shorter) that the settings' columns of
+# ``queue list`` leave at least: at 80 columns, a page with limits keeps its limits column
+# and names of 20 characters whole.
+SETTINGS_ROOM = 20
 
 
 def _queue_layout(page: QueuePage, width: int) -> RenderableType:
     queues = page.queues
     states = shown_states(sum_counts(info.counts for info in queues))  # (cancelled: if any)
+    settings: dict[str, list[Text]] = {}
+    for header, shown in (("limits", limits_text), ("defaults", defaults_text)):
+        cells = [shown(info) for info in queues]
+        if any(cells):
+            settings[header] = [cell or Text("-", style="dim") for cell in cells]
     rows = []
     for info in queues:
         counts = info.counts
@@ -466,17 +507,159 @@ def _queue_layout(page: QueuePage, width: int) -> RenderableType:
     headers = ["paused", *states, "total"]
     widths = [column_width(header, [row[i] for row in rows]) for i, header in enumerate(headers)]
     labels = [info.queue for info in queues] + ["queue"] if queues else ["no queues yet"]
-    queue = queue_width(labels, width - tables_width([0, *widths], NUMBERS_GAP))
+    wanted = min(max(map(len, labels)), SETTINGS_ROOM)
+    hidden = []
+    for header in ("defaults", "limits"):
+        shown = [column_width(h, cells) for h, cells in settings.items()]
+        if header in settings and width - tables_width([0, *widths, *shown], NUMBERS_GAP) < wanted:
+            del settings[header]
+            hidden.insert(0, header)
+    shown = [column_width(h, cells) for h, cells in settings.items()]
+    queue = queue_width(labels, width - tables_width([0, *widths, *shown], NUMBERS_GAP))
 
-    table = queues_table(queue, headers, widths)
-    for info, row in zip(queues, rows, strict=True):
-        table.add_row(cut_middle(info.queue, queue), *row)
+    table = plain_table("Queues", gap=NUMBERS_GAP)
+    table.add_column("queue", width=queue, no_wrap=True)
+    table.add_column("paused", width=widths[0], no_wrap=True, justify="right")
+    for header, column in zip(settings, shown, strict=True):
+        table.add_column(header, width=column, no_wrap=True)
+    for header, column in zip(headers[1:], widths[1:], strict=True):
+        table.add_column(
+            header, justify="right", width=column, no_wrap=True,
+            header_style=STATE_STYLES.get(header, ""), style="bold" if header == "total" else "",
+        )  # fmt: skip
+    for n, (info, row) in enumerate(zip(queues, rows, strict=True)):
+        table.add_row(cut_middle(info.queue, queue), row[0],
+                      *(cells[n] for cells in settings.values()), *row[1:])  # fmt: skip
     if not queues:
-        table.add_row(Text("no queues yet", style="dim"), *("" for _ in headers))
-    if page.next_cursor is None:
-        return table
-    more = Text(f"next page: --cursor {page.next_cursor}", style="table.caption")
-    return Group(table, more)
+        table.add_row(Text("no queues yet", style="dim"), *("" for _ in [*headers, *settings]))
+    notes: list[RenderableType] = [table]
+    if hidden:
+        notes.append(Text(f"{' and '.join(hidden)}: relay-trio queue show NAME (or wider)",
+                          style="table.caption"))  # fmt: skip
+    if page.next_cursor is not None:
+        notes.append(Text(f"next page: --cursor {page.next_cursor}", style="table.caption"))
+    return notes[0] if len(notes) == 1 else Group(*notes)
+
+
+# -- a queue's settings -------------------------------------------------------------------
+
+
+def compact_duration(ms: int) -> str:
+    """A duration as ``relay-trio queue set`` takes it: in the largest unit it is a whole
+    number of ("90s", "5m", "1500ms", "2h", "1d")."""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def rate_text(rate: Mapping[str, int]) -> str:
+    """A rate as ``--rate`` takes it: "100/s", "10/m", "5/500ms", "100/90s"."""
+    period = compact_duration(rate["period_ms"])
+    return f"{rate['limit']}/{period.removeprefix('1') if period[1:2].isalpha() else period}"
+
+
+def backoff_text(backoff: Mapping[str, Any]) -> str:
+    """A backoff as ``--default-backoff`` (and ``submit --backoff``) takes it: "fixed:10s",
+    "exp:1s:5m", "exp:1s:5m:nojitter"."""
+    if backoff.get("kind") == "fixed":
+        return f"fixed:{compact_duration(backoff['delay_ms'])}"
+    text = f"exp:{compact_duration(backoff['base_ms'])}:{compact_duration(backoff['max_ms'])}"
+    return text if backoff.get("jitter", True) else text + ":nojitter"
+
+
+def limits_text(config: QueueConfig) -> Text:
+    """A queue's limits in a few cells ("max 5 · 100/s"), empty if it has none."""
+    parts = []
+    if config.max_leased is not None:
+        parts.append(f"max {config.max_leased}")
+    if config.rate is not None:
+        parts.append(rate_text(config.rate))
+    return Text(" · ".join(parts), style="cyan")
+
+
+def defaults_text(config: QueueConfig) -> Text:
+    """A queue's submit defaults in a few cells ("30s · 3 retries · exp:1s:5m"), empty if
+    it has none."""
+    parts = []
+    if config.default_timeout_ms is not None:
+        parts.append(compact_duration(config.default_timeout_ms))
+    if config.default_retries is not None:
+        parts.append(f"{config.default_retries} retr" + ("y" if config.default_retries == 1
+                                                          else "ies"))  # fmt: skip
+    if config.default_backoff is not None:
+        parts.append(backoff_text(config.default_backoff))
+    return Text(" · ".join(parts))
+
+
+def _setting(value: str | None, unset: str) -> Text:
+    if value is None:
+        return Text(f"- ({unset})", style="dim")
+    return Text(value)
+
+
+def queue_panel(config: QueueConfig) -> Fitted:
+    """``relay-trio queue show`` (a ``QueueInfo``: with its jobs per state below) and
+    ``queue set`` (the settings the change left): each setting as ``queue set`` takes it,
+    and what applies where it is not set. At most 80 cells wide (the jobs' table takes
+    about 60); the queue name in the title, cut in the middle if need be (``--json`` has
+    it whole)."""
+    return Fitted(functools.partial(_queue_panel_layout, config))
+
+
+def _queue_panel_layout(config: QueueConfig, width: int) -> RenderableType:
+    fields = Table.grid(padding=(0, 2))
+    fields.add_column(style="bold", no_wrap=True)
+    fields.add_column(overflow="fold")
+    fields.add_row("paused", Text("yes: no worker leases its jobs", style="bold yellow")
+                   if config.paused else Text("no"))  # fmt: skip
+    fields.add_row(
+        "max leased",
+        _setting(
+            None if config.max_leased is None else f"{config.max_leased} jobs at once", "no limit"
+        ),
+    )
+    fields.add_row(
+        "rate",
+        _setting(None if config.rate is None else f"{rate_text(config.rate)} (leases)", "no limit"),
+    )
+    timeout = config.default_timeout_ms
+    fields.add_row(
+        "default timeout",
+        _setting(None if timeout is None else compact_duration(timeout), "the submit's, else none"),
+    )
+    retries = config.default_retries
+    fields.add_row(
+        "default retries",
+        _setting(None if retries is None else str(retries), "the submit's, else 3"),
+    )
+    backoff = config.default_backoff
+    fields.add_row(
+        "default backoff",
+        _setting(
+            None if backoff is None else backoff_text(backoff), "the submit's, else exp:1s:5m"
+        ),
+    )
+    parts: list[RenderableType] = [fields]
+    if isinstance(config, QueueInfo):
+        counts = config.counts
+        states = shown_states(counts)
+        cells = [count_text(counts.get(state, 0), state) for state in states]
+        cells.append(Text(short_number(sum(counts.get(state, 0) for state in STATES))))
+        jobs = plain_table(gap=NUMBERS_GAP)
+        for header in [*states, "total"]:
+            jobs.add_column(header, justify="right", no_wrap=True,
+                            header_style=STATE_STYLES.get(header, ""))  # fmt: skip
+        jobs.add_row(*cells)
+        parts += [Text(), jobs]
+    return Panel(
+        Group(*parts),
+        title=Text(cut_middle(config.queue, min(width, 80) - 6), style="bold"),
+        title_align="left",
+        border_style="yellow" if config.paused else "",
+        width=min(width, 80),
+        expand=False,
+    )
 
 
 def dead_table(

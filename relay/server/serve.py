@@ -63,6 +63,7 @@ from relay.server.http.dashboard import Dashboard
 from relay.server.http.metrics import (
     MetricsSnapshot,
     serve_metrics,
+    snapshot_limits,
     snapshot_paused,
     snapshot_queues,
 )
@@ -146,6 +147,7 @@ async def serve(
             # From the store's view (no query, no turn in the writer): bounded by
             # metrics_max_queues however many queues there are.
             queues, events = snapshot_queues(core.view, config.metrics_max_queues)
+            max_leased, rate_limit = snapshot_limits(core.view, queues, config.metrics_max_queues)
             return MetricsSnapshot(
                 queues=queues,
                 events=events,
@@ -158,6 +160,8 @@ async def serve(
                 commit_seconds=w.commit_seconds,
                 store_errors=w.store_errors,
                 paused=snapshot_paused(core.view, queues, config.metrics_max_queues),
+                max_leased=max_leased,
+                rate_limit=rate_limit,
             )
 
         async with trio.open_nursery() as transports:

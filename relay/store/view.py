@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from relay.protocol.model import JobState
+from relay.protocol.model import JobState, Rate
 
 # Events counted per queue for metrics (relay_jobs_<event>_total, relay_leases_expired_total).
 EVENTS = ("submitted", "leased", "acked", "failed", "retried", "dead", "expired", "cancelled")
@@ -35,6 +35,8 @@ ENTRY_FIELDS = len(STATES) + len(EVENTS)
 READ_ATTEMPTS = 4
 
 Entry = tuple[int, ...]  # STATES counts, then EVENTS totals
+# A queue's limits: its max_leased and its rate (either None: not set; not both).
+Limits = tuple[int | None, Rate | None]
 
 # A queue's counts as a stats reply gives them, ``"name":{"pending":0,...}``, made as it is
 # published (queue names need no JSON escaping: [A-Za-z0-9._:-]): a page of 1,000 queues is
@@ -65,6 +67,9 @@ class QueueView:
         # The queues paused as of the last commit (held jobs or not): one frozenset,
         # replaced whole by the writer thread (``publish_paused``).
         self.paused: frozenset[str] = frozenset()
+        # The queues with a limit as of the last commit -> their limits (for /metrics):
+        # one mapping, replaced whole with ``paused``, at most MAX_QUEUE_SETTINGS long.
+        self.limits: Mapping[str, Limits] = {}
 
     # -- the writer thread ------------------------------------------------------------------
 
@@ -94,9 +99,14 @@ class QueueView:
         finally:
             self.version += 1
 
-    def publish_paused(self, paused: frozenset[str]) -> None:
-        """Set the queues paused (all of them, as committed)."""
+    def publish_paused(
+        self, paused: frozenset[str], limits: Mapping[str, Limits] | None = None
+    ) -> None:
+        """Set the queues paused (all of them, as committed), and with ``limits`` the
+        queues that have a limit (all of them) with their limits."""
         self.paused = paused
+        if limits is not None:
+            self.limits = limits
 
     def names_between(self, after: str | None, last: str | None) -> list[str]:
         """The queues named after ``after`` (None: from the first) up to ``last``

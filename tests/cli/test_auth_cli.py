@@ -172,6 +172,18 @@ async def test_queue_pause_needs_an_admin_token_and_queue_list_a_producers(addre
     ]  # fmt: skip
 
 
+async def test_queue_set_needs_an_admin_token_and_queue_show_a_producers(address, admin):
+    refused, shown, changed = await run_all(
+        (("queue", "set", "jobs", "--max-leased", "2"), env_with(address, WORKER)),
+        (("queue", "show", "jobs", "--json"), env_with(address, PRODUCER)),
+        (("queue", "set", "other", "--max-leased", "3", "--json"), env_with(address, ADMIN)),
+    )
+    assert_one_line_error(refused, "unauthorized", "admin")
+    assert shown.json()["queue"] == "jobs" and shown.json()["max_leased"] is None
+    assert changed.json()["max_leased"] == 3
+    assert (await admin.queue_config("jobs")).max_leased is None  # (refused: unchanged)
+
+
 # -- the server command -----------------------------------------------------------------------
 
 

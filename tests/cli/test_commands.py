@@ -232,6 +232,77 @@ async def test_queue_commands_refuse_a_bad_name_or_page_in_one_line(address, cli
     assert (await client.queue_list()).queues == []  # nothing was paused
 
 
+def row_of(lines: list[str], queue: str) -> str:
+    return next(line for line in lines if line.startswith(queue + " "))
+
+
+async def test_queue_set_changes_some_settings_and_show_and_list_show_them(address, client):
+    await client.submit("email", {"n": 1})
+    done = await relay_trio("queue", "set", "email", "--max-leased", "5", "--rate", "100/s",
+                            "--default-timeout", "30s", "--default-backoff", "exp:1s:5m",
+                            address=address)  # fmt: skip
+    assert done.code == 0 and done.stderr == "", done
+    assert "5 jobs at once" in done.stdout and "100/s" in done.stdout, done.stdout
+    assert "30s" in done.stdout and "exp:1s:5m" in done.stdout
+    config = await client.queue_config("email")
+    assert (config.max_leased, config.rate, config.default_timeout_ms) == (
+        5, {"limit": 100, "period_ms": 1000}, 30_000,
+    )  # fmt: skip
+    assert config.default_backoff == {
+        "kind": "exponential", "base_ms": 1000, "max_ms": 300_000, "jitter": True,
+    }  # fmt: skip
+
+    # Only what is given changes; none clears.
+    cleared = await relay_trio("queue", "set", "email", "--rate", "none", "--default-retries",
+                               "0", "--json", address=address)  # fmt: skip
+    assert cleared.code == 0, cleared
+    as_json = cleared.json()
+    assert as_json["rate"] is None and as_json["default_retries"] == 0
+    assert as_json["max_leased"] == 5 and as_json["default_timeout_ms"] == 30_000
+
+    shown = await relay_trio("queue", "show", "email", address=address)
+    assert shown.code == 0, shown
+    assert "email" in shown.stdout and "5 jobs at once" in shown.stdout
+    assert "- (no limit)" in shown.stdout  # the rate, cleared
+    counts = shown.stdout.splitlines()
+    header = next(i for i, line in enumerate(counts) if "pending" in line)
+    assert counts[header + 2].split()[1:4] == ["0", "1", "0"]  # (the panel's border first)
+    info = (await relay_trio("queue", "show", "email", "--json", address=address)).json()
+    assert info["counts"]["ready"] == 1 and info["max_leased"] == 5
+    # A queue without jobs or settings is shown with none.
+    empty = (await relay_trio("queue", "show", "nothing", "--json", address=address)).json()
+    assert empty["max_leased"] is None and sum(empty["counts"].values()) == 0
+
+    table = await relay_trio("queue", "list", address=address)
+    lines = table.stdout.splitlines()
+    assert lines[1].split()[:4] == ["queue", "paused", "limits", "defaults"], lines
+    assert row_of(lines, "email").split()[:6] == ["email", "-", "max", "5", "30s", "·"]
+    assert "0 retries · exp:1s:5m" in row_of(lines, "email")
+    # stats marks a queue with a limit (asking queue_list); its --json is the stats reply.
+    stats = await relay_trio("stats", address=address)
+    assert "email limited" in stats.stdout, stats
+    assert "limited" not in (await relay_trio("stats", "--json", address=address)).stdout
+
+
+async def test_queue_set_refuses_no_setting_and_bad_values_in_one_line(address, client):
+    assert_one_line_error(
+        await relay_trio("queue", "set", "email", address=address), "--max-leased", code=2
+    )
+    for option, value in (
+        ("--rate", "100"),
+        ("--max-leased", "0"),
+        ("--default-timeout", "5x"),
+        ("--default-backoff", "linear:1s"),
+        ("--default-retries", "-1"),
+    ):
+        result = await relay_trio("queue", "set", "email", option, value, address=address)
+        assert_one_line_error(result, option, code=2)
+    # What only the server checks: bad_request naming the field, exit 2.
+    result = await relay_trio("queue", "set", "email", "--rate", "1/2d", address=address)
+    assert_one_line_error(result, "bad_request", "rate.period_ms", code=2)
+    assert (await client.queue_list()).queues == []  # nothing was set
+
+
 # -- dead letters -------------------------------------------------------------------------
 
 
@@ -534,7 +605,7 @@ async def test_errors_are_one_line_with_a_non_zero_exit(address, nursery):
     assert_one_line_error(results["bad json on stdin"], "--payload", "not valid JSON", code=2)
     assert_one_line_error(results["unknown job"], "not_found", "job_0000000000000001")
     assert_one_line_error(results["bad priority"], "--priority", "urgent", code=2)
-    assert_one_line_error(results["bad backoff"], "--backoff", "fixed:MS", code=2)
+    assert_one_line_error(results["bad backoff"], "--backoff", "fixed:DELAY", code=2)
     assert_one_line_error(results["bad address"], "--address", "HOST:PORT", code=2)
     # The same mistake, the same exit code: a usage error, whoever finds it.
     assert_one_line_error(results["server refuses"], "bad_request", "queue", code=2)

@@ -140,10 +140,13 @@ async def test_ctrl_c_ends_the_demo_with_130_and_no_traceback():
         assert_interrupted(await running.interrupt(), running)
 
 
-ONE_SHOTS = [["stats"], ["inspect", "job_0000000000000001"], ["dead", "list"]]
+ONE_SHOTS = [["stats"], ["inspect", "job_0000000000000001"], ["dead", "list"],
+             ["queue", "set", "q", "--max-leased", "1"], ["queue", "show", "q"]]  # fmt: skip
 
 
-@pytest.mark.parametrize("args", ONE_SHOTS, ids=["stats", "inspect", "dead list"])
+@pytest.mark.parametrize(
+    "args", ONE_SHOTS, ids=["stats", "inspect", "dead list", "queue set", "queue show"]
+)
 async def test_ctrl_c_ends_a_one_shot_command_waiting_for_its_server(args):
     async with silent_server() as (address, accepted), command(*args, env=cli_env(address)) as c:
 

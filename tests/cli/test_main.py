@@ -13,6 +13,7 @@ from relay import LeasedJob, PermanentError
 from relay.protocol.errors import ConnectionLost, JobNotFound, NotADatabase
 from relay_cli.demo import DemoFailure, demo_counts, demo_handler, demo_jobs
 from relay_cli.errors import _explain
+from relay_cli.options import parse_duration, parse_rate
 from relay_cli.server import SPARE_FILES, raise_open_files_limit
 from relay_cli.submit import parse_backoff
 from relay_cli.work import load_handler
@@ -25,11 +26,41 @@ def test_parse_backoff_forms():
     }  # fmt: skip
     assert parse_backoff("exp:100:5000:nojitter")["jitter"] is False
     assert parse_backoff("exponential:1:2:jitter")["jitter"] is True
+    # Durations with their unit; a bare number stays milliseconds.
+    assert parse_backoff("fixed:10s") == {"kind": "fixed", "delay_ms": 10_000}
+    assert parse_backoff("exp:1s:5m:nojitter") == {
+        "kind": "exponential", "base_ms": 1000, "max_ms": 300_000, "jitter": False,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "ms"),
+    [("1500ms", 1500), ("500", 500), ("30s", 30_000), ("1.5s", 1500), ("5m", 300_000),
+     ("2h", 7_200_000), ("1d", 86_400_000), ("0", 0)],
+)  # fmt: skip
+def test_parse_duration_takes_a_number_and_a_unit(text, ms):
+    assert parse_duration(text) == ms
+
+
+@pytest.mark.parametrize("text", ["", "s", "1x", "1.5ms", "-1s", "1 s", "1.2.3s", "5mm"])
+def test_parse_duration_refuses_other_forms(text):
+    with pytest.raises(ValueError, match=repr(text).replace(".", r"\.")):
+        parse_duration(text)
+
+
+def test_parse_rate_takes_a_limit_per_period():
+    assert parse_rate("100/s") == {"limit": 100, "period_ms": 1000}
+    assert parse_rate("100/1s") == {"limit": 100, "period_ms": 1000}
+    assert parse_rate("10/1m") == {"limit": 10, "period_ms": 60_000}
+    assert parse_rate("5/500ms") == {"limit": 5, "period_ms": 500}
+    for text in ("100", "/s", "x/s", "10/", "10/1x", "1.5/s"):
+        with pytest.raises(ValueError, match="LIMIT/PERIOD"):
+            parse_rate(text)
 
 
 @pytest.mark.parametrize("text", ["fixed", "fixed:x", "fixed:1:2", "exp:1", "linear:5", ""])
 def test_parse_backoff_refuses_other_forms(text):
-    with pytest.raises(click.BadParameter, match="fixed:MS or exp:BASE:MAX"):
+    with pytest.raises(click.BadParameter, match="fixed:DELAY or exp:BASE:MAX"):
         parse_backoff(text)
 
 

@@ -269,6 +269,41 @@ def test_top_marks_a_paused_queue(width):
     assert "paused" not in "\n".join(lines_of(view.render(), width))
 
 
+@pytest.mark.parametrize("width", [80, 200])
+def test_top_marks_a_queue_with_a_limit(width):
+    view = TopView(clock=lambda: 0.0)
+    zeros = dict.fromkeys(views.STATES, 0)
+    queues = {"mail": {**zeros, "ready": 7}, "sms": zeros, QUEUE_40: zeros}
+    view.stats(queues, ServerInfo("0.1.0", 1_000, 1), {}, None, ["mail"])
+    view.limits(["mail", QUEUE_40])
+    lines = lines_of(view.render(), width)
+    assert row(lines, "mail ").startswith("mail paused limited ")
+    assert "7" in row(lines, "mail ").split()
+    assert "limited" not in row(lines, "sms ")
+    long_row = next(line for line in lines if line.startswith("billing"))
+    if f"{QUEUE_40} limited" not in long_row:  # no room for the mark: named under the table
+        assert f"limited (cyan): {QUEUE_40}" in map(str.strip, lines)
+    view.limits([])
+    assert "limited" not in "\n".join(lines_of(view.render(), width))
+
+
+async def test_top_learns_which_queues_have_a_limit_from_queue_list(server):
+    view = TopView(clock=lambda: 0.0)
+    host, port = server.handle.address
+    async with relay.open_client(f"{host}:{port}") as client, trio.open_nursery() as nursery:
+        await client.submit("capped", {})
+        await client.submit("free", {})
+        await client.queue_config("capped", rate={"limit": 5, "period_ms": 1000})
+        nursery.start_soon(_follow, client, view)
+        with trio.fail_after(BOUND_S):
+            while "capped" not in view.limited:  # noqa: ASYNC110 (with its stats)
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    lines = lines_of(view.render(), 80)
+    assert row(lines, "capped ").startswith("capped limited ")
+    assert "limited" not in row(lines, "free ")
+
+
 async def test_top_learns_which_queues_are_paused_from_stats(server):
     view = TopView(clock=lambda: 0.0)
     host, port = server.handle.address

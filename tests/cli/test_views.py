@@ -13,7 +13,15 @@ from hypothesis import given, strategies
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
-from relay.client.client import DeadPage, JobView, QueueInfo, QueuePage, ServerInfo, Stats
+from relay.client.client import (
+    DeadPage,
+    JobView,
+    QueueConfig,
+    QueueInfo,
+    QueuePage,
+    ServerInfo,
+    Stats,
+)
 from relay.protocol.model import ID_SEQ_BITS, ErrorEntry, JobState, format_job_id
 from relay_cli import views
 from tests.conftest import T0  # 2026-01-01T00:00:00Z
@@ -293,6 +301,34 @@ def test_stats_table_marks_a_paused_queue_and_keeps_its_counts(width):
     assert "paused" not in "\n".join(lines_of(views.stats_table(stats(email=counts())), width))
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats_table_marks_a_queue_with_a_limit_and_keeps_its_counts(width):
+    s = attrs.evolve(
+        stats(email=counts(ready=10), sms=counts(), **{QUEUE_40: counts(ready=2, dead=1)}),
+        paused=["email", QUEUE_40],
+    )
+    lines = lines_of(views.stats_table(s, ["email", "sms", QUEUE_40]), width)
+    email = row(lines, "email")
+    assert email.startswith("email paused limited ")  # room for both marks
+    assert [w for w in email.split() if w.isdigit()] == ["0", "10", "0", "0", "0", "0", "10"]
+    assert row(lines, "sms").startswith("sms limited ")
+    long_row = next(line for line in lines if line.startswith("billing"))
+    if width >= 120:
+        assert long_row.startswith(f"{QUEUE_40} paused limited ")
+    else:  # no room for the marks: the name first, named under the table as paused
+        assert "paused" not in long_row and "limited" not in long_row
+        assert f"paused (yellow): {QUEUE_40}" in lines
+    # Not limited: no mark.
+    assert "limited" not in "\n".join(lines_of(views.stats_table(s), width))
+
+
+def test_a_limited_queue_whose_mark_has_no_room_is_named_under_the_table():
+    s = stats(**{QUEUE_40: counts(ready=2)})
+    lines = lines_of(views.stats_table(s, [QUEUE_40]), 80)
+    assert "limited" not in next(line for line in lines if line.startswith("billing"))
+    assert f"limited (cyan): {QUEUE_40}" in lines
+
+
 # -- queue list ---------------------------------------------------------------------------
 
 
@@ -330,6 +366,81 @@ def test_queue_table_shows_cancelled_jobs_while_a_queue_has_some(width):
     assert lines[1].split() == ["queue", "paused", *views.STATES, "total"]
     assert row(lines, "email").split() == ["email", "-", "0", "2", "0", "0", "0", "0", "3", "5"]
     assert all(len(line) <= width for line in lines)
+
+
+BACKOFF = {"kind": "exponential", "base_ms": 1000, "max_ms": 300_000, "jitter": True}
+EMAIL = QueueInfo("email", False, 5, {"limit": 100, "period_ms": 1000}, 30_000, 3, BACKOFF,
+                  counts=counts(ready=4, leased=5, dead=2))  # fmt: skip
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_queue_table_shows_limits_and_defaults_while_the_names_keep_room(width):
+    later = QueueInfo("later", False, rate={"limit": 10, "period_ms": 60_000}, counts=counts())
+    page = QueuePage(queues=[EMAIL, later], next_cursor=None)
+    lines = lines_of(views.queue_table(page), width)
+    text = "\n".join(lines)
+    if width == 80:  # the defaults' column goes first: the names keep their room
+        assert lines[1].split()[:4] == ["queue", "paused", "limits", "pending"]
+        assert row(lines, "email").split()[:6] == ["email", "-", "max", "5", "·", "100/s"]
+        assert "defaults: relay-trio queue show NAME" in text
+    else:
+        assert lines[1].split()[:4] == ["queue", "paused", "limits", "defaults"]
+        assert "max 5 · 100/s 30s · 3 retries · exp:1s:5m" in row(lines, "email")
+        assert row(lines, "later").split()[:4] == ["later", "-", "10/m", "-"]
+        assert "queue show" not in text
+    # With a long name, at 80 columns both go; the counts stay.
+    page = QueuePage(queues=[EMAIL, attrs.evolve(later, queue=QUEUE_40)], next_cursor=None)
+    lines = lines_of(views.queue_table(page), width)
+    if width == 80:
+        assert lines[1].split() == ["queue", "paused", *views.STATES[:-1], "total"]
+        assert "limits and defaults: relay-trio queue show NAME" in "\n".join(lines)
+    else:
+        cells = row(lines, QUEUE_40[:10]).split()
+        assert cells[1:4] == ["-", "10/m", "-"]
+        assert len(cells[0]) >= views.SETTINGS_ROOM and (width < 200 or cells[0] == QUEUE_40)
+    # Without settings, no settings' columns.
+    plain = QueuePage(queues=[QueueInfo("a", False, counts=counts(ready=1))], next_cursor=None)
+    assert "limits" not in "\n".join(lines_of(views.queue_table(plain), width))
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_queue_panel_shows_each_setting_as_queue_set_takes_it_and_the_counts(width):
+    lines = lines_of(views.queue_panel(EMAIL), width)
+    assert all(cell_len(line) <= 80 for line in lines)
+    assert lines[0].startswith("╭─ email ")
+    text = "\n".join(lines)
+    for shown in ("5 jobs at once", "100/s (leases)", "default timeout  30s",
+                  "default retries  3", "default backoff  exp:1s:5m"):  # fmt: skip
+        assert shown in text, (shown, text)
+    counts_row = lines[-2].strip("│ ").split()
+    assert counts_row == ["0", "4", "5", "0", "0", "2", "11"]
+    # Nothing set: what applies instead; no counts for ``queue set``'s answer.
+    bare = "\n".join(lines_of(views.queue_panel(QueueConfig(QUEUE_128, True)), width))
+    assert "- (no limit)" in bare and "- (the submit's, else 3)" in bare
+    assert "yes: no worker leases its jobs" in bare and "pending" not in bare
+    assert "…" in bare.splitlines()[0]  # a long name, cut in the title
+
+
+@pytest.mark.parametrize(
+    ("rate", "text"),
+    [((100, 1000), "100/s"), ((10, 60_000), "10/m"), ((5, 500), "5/500ms"), ((1, 90_000), "1/90s"),
+     ((3, 7_200_000), "3/2h"), ((2, 1), "2/ms"), ((7, 10_000), "7/10s")],
+)  # fmt: skip
+def test_a_rate_is_shown_as_queue_set_takes_it(rate, text):
+    from relay_cli.options import parse_rate
+
+    shown = views.rate_text({"limit": rate[0], "period_ms": rate[1]})
+    assert shown == text
+    assert parse_rate(shown) == {"limit": rate[0], "period_ms": rate[1]}
+
+
+def test_a_backoff_is_shown_as_queue_set_takes_it():
+    from relay_cli.options import parse_backoff
+
+    for backoff in (BACKOFF, {**BACKOFF, "jitter": False, "base_ms": 1500},
+                    {"kind": "fixed", "delay_ms": 10_000}):  # fmt: skip
+        assert parse_backoff(views.backoff_text(backoff)) == backoff
+    assert views.backoff_text(BACKOFF) == "exp:1s:5m"
 
 
 def test_queue_table_says_where_the_next_page_begins_and_when_there_is_none():

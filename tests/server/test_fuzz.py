@@ -455,8 +455,9 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "queues": list_field(queue_names, bad_queue_names | wrong_value("str", False), 256,
                                  nullable=True),
             "states": list_field(
-                st.sampled_from(["pending", "ready", "leased", "retrying", "succeeded", "dead"]),
-                st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 6,
+                st.sampled_from(["pending", "ready", "leased", "retrying", "succeeded", "dead",
+                                 "cancelled"]),
+                st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 7,
                 nullable=True,
             ),
         },

@@ -371,6 +371,27 @@ async def test_the_paused_gauge_follows_pause_and_resume(server: RunningServer, 
     assert 'relay_queue_paused{queue="empty"}' not in samples
 
 
+async def test_the_limit_gauges_follow_queue_config(server: RunningServer, client):
+    await submit(client, "m")
+    await client.ok("queue_config", queue="m", max_leased=4, rate={"limit": 5, "period_ms": 500})
+    await client.ok("queue_config", queue="empty", max_leased=2)  # (no jobs)
+    text, samples = await scrape(server)
+    assert re.search(r"^# TYPE relay_queue_max_leased gauge$", text, re.M)
+    assert re.search(r"^# TYPE relay_queue_rate_limit gauge$", text, re.M)
+    limits = {
+        k: v for k, v in samples.items() if k.startswith(("relay_queue_max", "relay_queue_rate"))
+    }
+    assert limits == {
+        'relay_queue_max_leased{queue="empty"}': 2.0,
+        'relay_queue_max_leased{queue="m"}': 4.0,
+        'relay_queue_rate_limit{queue="m"}': 10.0,
+    }
+    await client.ok("queue_config", queue="m", max_leased=None, rate=None)
+    samples = (await scrape(server))[1]
+    assert 'relay_queue_max_leased{queue="m"}' not in samples
+    assert 'relay_queue_rate_limit{queue="m"}' not in samples
+
+
 async def test_metrics_endpoint_healthz_and_unknown_path(server: RunningServer):
     assert server.handle.metrics_address is not None
     status, _ = await http_get(server.handle.metrics_address, "/healthz")

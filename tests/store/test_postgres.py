@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 
 from relay.protocol.errors import LeaseExpired, QueueFull, StaleToken
 from relay.protocol.model import ID_MAX as MAX_JOB_KEY
-from relay.protocol.model import Backoff, JobState, SubmitSpec
+from relay.protocol.model import Backoff, JobState, Rate, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import cancel as cancel_sql
@@ -615,3 +615,17 @@ def test_a_server_learns_of_another_servers_pause_as_it_refreshes_its_counts(ser
     a.queue_pause("q", False, T0)
     b.counts_refresh(None, 100)
     assert b.view.paused == frozenset()
+
+
+def test_a_server_learns_of_another_servers_limits_as_it_refreshes_its_counts(servers):
+    a, b = servers(), servers()
+    a.jobs_submit(specs(1), T0)
+    a.queue_config("q", {"max_leased": 3, "rate": Rate(10, 1000)}, T0)
+    a.queue_config("later", {"max_leased": 1}, T0)  # (no jobs)
+    assert b.view.limits == {}
+    assert b.counts_refresh(None, 100) is None
+    assert b.view.limits == {"later": (1, None), "q": (3, Rate(10, 1000))}
+    a.queue_config("q", {"max_leased": None, "rate": None}, T0)
+    b.counts_refresh(None, 100)
+    assert b.view.limits == {"later": (1, None)}
+    assert servers().view.limits == {"later": (1, None)}  # (as a server opens)

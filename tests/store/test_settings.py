@@ -131,6 +131,23 @@ def test_the_view_says_which_queues_are_paused_after_commit(store: Store) -> Non
     assert store.view.page_json(None, 10)[3] == []
 
 
+def test_the_view_has_the_limits_of_the_queues_that_have_one_after_commit(store: Store) -> None:
+    store.begin()
+    store.queue_config("a", {"max_leased": 5, "default_retries": 2}, T0)
+    store.queue_config("b", {"rate": Rate(100, 1000)}, T0)
+    store.queue_config("c", {"default_timeout_ms": 10}, T0)  # (no limit: not there)
+    assert store.view.limits == {}  # (not before the commit)
+    store.commit()
+    assert store.view.limits == {"a": (5, None), "b": (None, Rate(100, 1000))}
+    store.queue_config("a", {"max_leased": None, "rate": Rate(1, 60_000)}, T0 + 1)
+    store.queue_config("b", {"rate": None}, T0 + 1)
+    assert store.view.limits == {"a": (None, Rate(1, 60_000))}
+    store.begin()
+    store.queue_config("a", {"rate": None}, T0 + 2)
+    store.rollback()
+    assert store.view.limits == {"a": (None, Rate(1, 60_000))}
+
+
 def test_a_pause_rolled_back_changes_nothing(store: Store) -> None:
     job = submit(store, "q")
     store.begin()

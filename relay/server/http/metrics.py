@@ -78,6 +78,10 @@ class MetricsSnapshot:
     store_errors: dict[str, int] = attrs.Factory(dict)
     # queue -> 1 if paused, else 0 (``snapshot_paused``)
     paused: dict[str, int] = attrs.Factory(dict)
+    # queue -> its max_leased, and its rate in leases per second, for the queues that have
+    # one (``snapshot_limits``)
+    max_leased: dict[str, int] = attrs.Factory(dict)
+    rate_limit: dict[str, float] = attrs.Factory(dict)
 
 
 def snapshot_queues(
@@ -125,6 +129,30 @@ def snapshot_paused(
     if others or OTHER_QUEUES in queues:
         series[OTHER_QUEUES] = others
     return series
+
+
+def snapshot_limits(
+    view: QueueView, queues: dict[str, dict[str, int]], max_queues: int
+) -> tuple[dict[str, int], dict[str, float]]:
+    """``relay_queue_max_leased``'s and ``relay_queue_rate_limit``'s series (leases per
+    second: the rate's limit over its period): the queues ``snapshot_queues`` shows on their
+    own that have the limit, and those without jobs that have one while the queues with a
+    series stay at most ``max_queues`` (the first by name). No ``OTHER_QUEUES`` series: a sum
+    of other queues' limits means nothing. Read from the view (``QueueView.limits``, at most
+    MAX_QUEUE_SETTINGS queues), without a query."""
+    limits = view.limits
+    named = [queue for queue in queues if queue != OTHER_QUEUES and queue in limits]
+    room = max(0, max_queues - len(queues.keys() - {OTHER_QUEUES}))
+    named += sorted(limits.keys() - queues.keys())[:room]
+    max_leased: dict[str, int] = {}
+    rate_limit: dict[str, float] = {}
+    for queue in named:
+        most, rate = limits[queue]
+        if most is not None:
+            max_leased[queue] = most
+        if rate is not None:
+            rate_limit[queue] = rate.limit * 1000 / rate.period_ms
+    return max_leased, rate_limit
 
 
 class RenderCache:
@@ -230,6 +258,22 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
         "queue_pause.\n# TYPE relay_queue_paused gauge\n"
     )
     lines += [f'relay_queue_paused{{queue="{q}"}} {n}\n' for q, n in sorted(s.paused.items())]
+    lines.append(
+        "# HELP relay_queue_max_leased At most this many of the queue's jobs leased at once "
+        "(queue_config max_leased), for the queues that have one.\n"
+        "# TYPE relay_queue_max_leased gauge\n"
+    )
+    lines += [
+        f'relay_queue_max_leased{{queue="{q}"}} {n}\n' for q, n in sorted(s.max_leased.items())
+    ]
+    lines.append(
+        "# HELP relay_queue_rate_limit Leases per second the queue's rate allows (queue_config "
+        "rate: limit / period), for the queues that have one.\n"
+        "# TYPE relay_queue_rate_limit gauge\n"
+    )
+    lines += [
+        f'relay_queue_rate_limit{{queue="{q}"}} {v!r}\n' for q, v in sorted(s.rate_limit.items())
+    ]
     return "".join(lines).encode()
 
 

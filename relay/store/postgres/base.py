@@ -16,12 +16,13 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from relay.protocol.model import Rate
 from relay.store import claims as claims_
 from relay.store.base import LEASED, READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 from relay.store.postgres import notify
 from relay.store.postgres.schema import open_connection
-from relay.store.view import STATES, Entry
+from relay.store.view import STATES, Entry, Limits
 
 # How many rows of job_counts each (queue, state) may be spread over: a store adds its
 # counts to the rows of one slot, picked at random when it opens. With a handful of
@@ -61,11 +62,12 @@ _ROWS_PER_QUEUE = 4
 _MIN_PAGE_ROWS = 6 * COUNT_SLOTS + 1
 # Of these queues, the ones that still hold jobs.
 _HOLDING = "SELECT queue FROM job_counts WHERE queue = ANY(%s) GROUP BY queue HAVING sum(n) <> 0"
-# The queues with a setting a server keeps in mind, (queue, paused, limited): those named
+# The queues with a setting a server keeps in mind, (queue, paused, limited, max_leased,
+# rate_limit, rate_period_ms): those named
 # after %s up to %s (None: to the end), or those in a list.
 _MARKS = (
-    "SELECT queue, paused, (max_leased IS NOT NULL OR rate_limit IS NOT NULL) "
-    "FROM queue_settings WHERE "
+    "SELECT queue, paused, (max_leased IS NOT NULL OR rate_limit IS NOT NULL), "
+    "max_leased, rate_limit, rate_period_ms FROM queue_settings WHERE "
 )
 _MARKED = (
     _MARKS + "(paused OR max_leased IS NOT NULL OR rate_limit IS NOT NULL) "
@@ -121,6 +123,7 @@ class PostgresBase(CountsBook):
         # (settings.py).
         self._paused_known: set[str] = set()
         self._limited_known: set[str] = set()
+        self._limits_known: dict[str, Limits] = {}  # (for /metrics: view.limits)
         self._settings_touched: set[str] = set()
         # The rate-limited queues a claim left with a full window and ready jobs.
         self._rate_waits = claims_.RateWaits()
@@ -140,15 +143,25 @@ class PostgresBase(CountsBook):
     def _load_paused(self) -> None:
         """Read which queues are paused or limited (every server's word); publish the
         paused to ``view``."""
-        self._paused_known, self._limited_known = set(), set()
+        self._paused_known, self._limited_known, self._limits_known = set(), set(), {}
         self._know_settings(self._db.execute(_MARKED, ("", None, None)).fetchall())
-        self.view.publish_paused(frozenset(self._paused_known))
+        self._publish_settings()
 
-    def _know_settings(self, rows: list[tuple[str, bool, bool]]) -> None:
-        """Take (queue, paused, limited) rows as what is known of their queues."""
-        for queue, paused, limited in rows:
+    def _publish_settings(self) -> None:
+        self.view.publish_paused(frozenset(self._paused_known), dict(self._limits_known))
+
+    def _know_settings(self, rows: list[tuple]) -> None:
+        """Take (queue, paused, limited[, max_leased, rate_limit, rate_period_ms]) rows
+        as what is known of their queues."""
+        for queue, paused, limited, *limits in rows:
             (self._paused_known.add if paused else self._paused_known.discard)(queue)
             (self._limited_known.add if limited else self._limited_known.discard)(queue)
+            if limited:
+                max_leased, rate_limit, period_ms = limits
+                rate = None if rate_limit is None else Rate(rate_limit, period_ms)
+                self._limits_known[queue] = (max_leased, rate)
+            else:
+                self._limits_known.pop(queue, None)
 
     @property
     def broken(self) -> bool:
@@ -269,7 +282,7 @@ class PostgresBase(CountsBook):
             marked = {row[0] for row in rows}
             self._know_settings(rows + [(q, False, False) for q in touched if q not in marked])
             self._settings_touched.clear()
-            self.view.publish_paused(frozenset(self._paused_known))
+            self._publish_settings()
         self._publish()
 
     def rollback(self) -> None:
@@ -403,12 +416,14 @@ class PostgresBase(CountsBook):
         to the end), read again: other servers' pauses and resumes reach stats so."""
         rows = self._read(_MARKED, (after or "", last, last)).fetchall()
         low = after or ""
-        before = frozenset(self._paused_known)
+        before = frozenset(self._paused_known), dict(self._limits_known)
         for known in (self._paused_known, self._limited_known):
             known.difference_update([q for q in known if q > low and (last is None or q <= last)])
+        for queue in [q for q in self._limits_known if q > low and (last is None or q <= last)]:
+            del self._limits_known[queue]
         self._know_settings(rows)
-        if before != self._paused_known:
-            self.view.publish_paused(frozenset(self._paused_known))
+        if before != (self._paused_known, self._limits_known):
+            self._publish_settings()
 
     def recount(self) -> None:
         """Nothing to do: the counts are rows, written in the same transactions as the jobs

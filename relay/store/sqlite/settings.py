@@ -74,7 +74,8 @@ class SqliteSettings(SqliteBase):
         values = self._settings.values()
         self._paused = frozenset(s.queue for s in values if s.paused)
         self._limited = frozenset(s.queue for s in values if s.limited)
-        self.view.publish_paused(self._paused)
+        limits = {s.queue: (s.max_leased, s.rate) for s in values if s.limited}
+        self.view.publish_paused(self._paused, limits)
 
     def _settle_settings(self, committed: bool) -> None:
         """After a commit (``committed``) or a rollback: the transaction's setting changes

@@ -123,7 +123,7 @@ async def test_page_policy_allows_its_own_script_and_style_and_its_websocket_onl
     assert policy["default-src"] == ["'none'"] and policy["frame-ancestors"] == ["'none'"]
     # Self-contained: nothing to load from anywhere, and a size one can read.
     assert not re.search(rb"\b(src|href)=", body) and b"@import" not in body
-    assert body.count(b"\n") < 550 and b'data-auth="none"' in body
+    assert body.count(b"\n") < 720 and b'data-auth="none"' in body  # (550 before queue settings)
 
 
 async def test_page_says_wss_when_the_server_has_tls(tmp_path, tls_files):
@@ -625,3 +625,94 @@ async def test_dashboard_offers_no_pause_to_a_worker(tmp_path, browser):
         await shows_paused(browser, {"email": [True, ""]})
         await see(browser, click("#forget"), "forget")
         await see(browser, status_is("token"), "the token form again")
+
+
+# Per queue row: its settings cell's two lines (limits, defaults).
+SETTINGS_JS = """
+const out = {};
+for (const row of document.querySelectorAll("#queues tbody tr")) {
+  const cell = row.querySelector("td[data-settings]");
+  out[row.dataset.queue] = [cell.querySelector(".limits").textContent,
+                            cell.querySelector(".defaults").textContent];
+}
+return out;
+"""
+
+
+def fill(values: dict[str, str]) -> Callable[[Any], bool]:
+    """A condition that types ``values`` into the settings form's fields and saves."""
+
+    def act(driver: Any) -> bool:
+        form = driver.find_element(By.ID, "settings-form")
+        for name, text in values.items():
+            field = form.find_element(By.NAME, name)
+            field.clear()
+            field.send_keys(text)
+        driver.find_element(By.ID, "settings-save").click()
+        return True
+
+    return act
+
+
+async def test_dashboard_shows_queue_settings_and_lets_an_admin_change_them(server, browser):
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        await client.submit("email", {"n": 0})
+        await client.submit("reports", {"n": 0})
+        await client.queue_config("reports", max_leased=5, rate={"limit": 100, "period_ms": 1000},
+                                  default_retries=1)  # fmt: skip
+        await open_page(browser, server)
+        await see(browser, status_is("connected"), "connected")
+        expected = {"email": ["", ""], "reports": ["max 5 · 100/s", "1 retry"]}
+        await see(browser, lambda d: d.execute_script(SETTINGS_JS) == expected,
+                  f"the settings {expected}", MOVE_S)  # fmt: skip
+
+        # The form opens with the queue's settings, in queue set's forms.
+        await see(browser, click('#queues button[data-edit="reports"]'), "settings of reports")
+        shown = await on_page(lambda: {
+            name: browser.find_element(By.NAME, name).get_attribute("value")
+            for name in ("max_leased", "rate", "default_retries", "default_timeout_ms")
+        })  # fmt: skip
+        assert shown == {"max_leased": "5", "rate": "100/s", "default_retries": "1",
+                         "default_timeout_ms": ""}  # fmt: skip
+        # A bad value is refused on the page; nothing is sent.
+        await see(browser, fill({"rate": "100"}), "a bad rate")
+        note = await see(browser, lambda d: d.find_element(By.ID, "settings-note").text, "a note")
+        assert "LIMIT/PERIOD" in note
+        # Saved: set, cleared (empty), kept.
+        await see(browser, fill({"rate": "", "default_timeout_ms": "30s",
+                                 "default_backoff": "exp:1s:5m"}), "save")  # fmt: skip
+        expected["reports"] = ["max 5", "30s · 1 retry · exp:1s:5m"]
+        await see(browser, lambda d: d.execute_script(SETTINGS_JS) == expected,
+                  f"the settings {expected}", MOVE_S)  # fmt: skip
+        config = await client.queue_config("reports")
+        assert (config.max_leased, config.rate, config.default_timeout_ms) == (5, None, 30_000)
+        assert config.default_backoff == {
+            "kind": "exponential", "base_ms": 1000, "max_ms": 300_000, "jitter": True,
+        }  # fmt: skip
+        # The server's refusal is shown, one line.
+        await see(browser, click('#queues button[data-edit="email"]'), "settings of email")
+        await see(browser, fill({"rate": "1/2d"}), "a period too long")
+        note = await see(browser, lambda d: d.find_element(By.ID, "settings-note").text, "a note")
+        assert "rate.period_ms" in note
+        assert (await client.queue_config("email")).rate is None
+    assert await on_page(no_console_errors, browser) == []
+
+
+async def test_dashboard_offers_no_settings_form_to_a_worker(tmp_path, browser):
+    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
+        return await start_server(nursery, db, tokens=TOKENS)
+
+    async with (
+        serving(start, str(tmp_path / "relay.db")) as server,
+        relay.open_client("{}:{}".format(*server.handle.address), token=ADMIN) as client,
+    ):
+        await client.submit("email", {"n": 0})
+        await client.queue_config("email", max_leased=2)
+        await open_page(browser, server)
+        await see(browser, say_token(WORKER), "the form")
+        await see(browser, status_is("connected"), "connected as worker")
+        await see(browser, lambda d: d.execute_script(SETTINGS_JS) == {"email": ["max 2", ""]},
+                  "the settings, shown to a worker", MOVE_S)  # fmt: skip
+        buttons = await on_page(browser.find_elements, By.CSS_SELECTOR, "button[data-edit]")
+        assert buttons and not any([await on_page(b.is_displayed) for b in buttons])

@@ -3,17 +3,22 @@ parser: the per-queue families are formatted by hand, so their text must parse."
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay.protocol.errors import ShuttingDown
+from relay.protocol.model import Rate
 from relay.server.http.metrics import (
     EVENT_METRICS,
     MetricsSnapshot,
     RenderCache,
     render,
+    snapshot_limits,
     snapshot_paused,
     snapshot_queues,
 )
@@ -144,3 +149,41 @@ def test_a_paused_queue_has_its_gauge_at_one_and_the_others_at_zero():
     gauge = families["relay_queue_paused"]
     assert gauge.type == "gauge"
     assert {s.labels["queue"]: s.value for s in gauge.samples} == {"a": 0, "b": 1, "_other": 2}
+
+
+def test_a_queue_with_a_limit_has_its_gauges_and_the_others_none():
+    view = QueueView()
+    width = len(VIEW_STATES) + len(EVENTS)
+    view.publish([(name, (1,) * width) for name in ("a", "b", "c", "d")])
+    view.publish_paused(frozenset(), {
+        "b": (5, None), "d": (None, Rate(10, 60_000)), "c": (2, Rate(100, 1000)),
+        "empty": (7, None),  # (no jobs)
+    })  # fmt: skip
+    queues, _ = snapshot_queues(view, 10)
+    max_leased, rate_limit = snapshot_limits(view, queues, 10)
+    assert max_leased == {"b": 5, "c": 2, "empty": 7}
+    assert rate_limit == {"c": 100.0, "d": pytest.approx(1 / 6)}
+    # At most max_queues queues with series; no _other (a sum of limits means nothing).
+    queues, _ = snapshot_queues(view, 2)
+    assert snapshot_limits(view, queues, 2) == ({"b": 5}, {})
+    queues, _ = snapshot_queues(view, 3)
+    max_leased, rate_limit = snapshot_limits(view, queues, 3)
+    histogram = Histogram((0.1,)).snapshot()
+    snapshot = MetricsSnapshot(
+        queues=queues, events={}, connections=0, durations={}, batch_sizes=histogram,
+        commit_seconds=histogram, max_leased=max_leased, rate_limit=rate_limit,
+    )  # fmt: skip
+    text = render(snapshot).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["relay_queue_max_leased"].type == "gauge"
+    assert {s.labels["queue"]: s.value for s in families["relay_queue_max_leased"].samples} == {
+        "b": 5, "c": 2,
+    }  # fmt: skip
+    assert {s.labels["queue"]: s.value for s in families["relay_queue_rate_limit"].samples} == {
+        "c": 100.0,
+    }  # fmt: skip
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # (the exposition's lint, where it is installed)
+        done = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                              capture_output=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
