@@ -30,6 +30,8 @@ class LeasedJob:
     token: str
     lease_expires_at: int
     timeout_ms: int | None = None  # the job's execution timeout: the handler's time
+    # The slot (UTC ms) of the schedule that submitted the job; None for any other job.
+    scheduled_for: int | None = None
 
 
 @attrs.frozen
@@ -54,6 +56,7 @@ class JobView:
     idempotency_key: str | None = None
     finished_at: int | None = None
     timeout_ms: int | None = None
+    scheduled_for: int | None = None  # the slot of the schedule that submitted it
 
 
 @attrs.frozen

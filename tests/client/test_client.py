@@ -611,6 +611,7 @@ def test_every_wire_code_has_a_class():
         "bad_request", "frame_too_large", "unknown_op", "not_found", "stale_token",
         "lease_expired", "invalid_state", "overloaded", "shutting_down", "unauthorized",
         "internal", "queue_full", "unavailable", "too_many_queues", "cancelled",
+        "too_many_schedules",
     }  # fmt: skip
     assert set(ERRORS_BY_CODE) == codes
     assert ERRORS_BY_CODE["shutting_down"] is ShuttingDown
