@@ -67,6 +67,9 @@ class Limits:
     # sent before it loses some (relay/server/requests/watch.py). Advertised by hello.
     max_watchers: int = 64
     max_watch_buffer: int = 4096
+    # Schedules may have a seconds field (six fields: more often than once a minute) only
+    # if the operator allows it (--allow-second-schedules). Not advertised.
+    allow_second_schedules: bool = False
 
     def advertised(self) -> dict[str, int]:
         return {

@@ -11,6 +11,7 @@ The task tree (every task has one owner; read top to bottom)::
             ├── run_promoter                  pending/retrying -> ready when due
             ├── run_reaper                    expired leases -> ready or dead
             ├── run_pruner                    succeeded, cancelled jobs past retention, old keys
+            ├── run_scheduler                 schedules' due slots -> jobs, once each
             └── ChangeFeed.run                (PostgreSQL) other servers' commits as wake-ups
         └── transports nursery                cancelled at the end of the grace period
             ├── Listener.serve                TCP accept loop (own cancel scope:

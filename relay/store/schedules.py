@@ -17,9 +17,6 @@ from relay.store.base import ScheduleInfo, ScheduleSpec
 # A slot at most this late is not missed: a server that wakes for it a little late (a
 # busy writer, a restart within the minute) runs it whatever the catch-up policy.
 LATE_GRACE_MS = 60_000
-# Due schedules one pass takes per transaction (relay/server/services/schedules.py runs
-# passes until fewer come back); each may create up to its catch_up_max jobs.
-RUN_LIMIT = 100
 
 # The columns of a schedule's row, in the order ``schedule_info`` reads them.
 COLUMNS = (

@@ -186,6 +186,7 @@ def test_roles_and_the_op_they_need():
                 "stats",
                 "queue_list",
                 "cancel",
+                "schedule_list",
             ),
             Role.PRODUCER,
         ),
@@ -194,7 +195,18 @@ def test_roles_and_the_op_they_need():
             Role.WORKER,
         ),
         **dict.fromkeys(
-            ("dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume"), Role.ADMIN
+            (
+                "dead_list",
+                "dead_retry",
+                "dead_purge",
+                "queue_pause",
+                "queue_resume",
+                "schedule_put",
+                "schedule_delete",
+                "schedule_pause",
+                "schedule_resume",
+            ),
+            Role.ADMIN,
         ),
     }
     assert dict(OP_ROLES) == expected
