@@ -63,9 +63,11 @@ from relay.server.core import Core, ServerConfig, describe_db, open_core
 from relay.server.http.dashboard import Dashboard
 from relay.server.http.metrics import (
     MetricsSnapshot,
+    schedule_ages,
     serve_metrics,
     snapshot_paused,
     snapshot_queues,
+    snapshot_schedule_runs,
 )
 from relay.server.requests.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.requests.dispatch import VERSION
@@ -159,6 +161,10 @@ async def serve(
                 commit_seconds=w.commit_seconds,
                 store_errors=w.store_errors,
                 paused=snapshot_paused(core.view, queues, config.metrics_max_queues),
+                schedule_runs=snapshot_schedule_runs(
+                    core.scheduler.statistics().runs, config.metrics_max_queues
+                ),
+                schedule_ages_ms=await schedule_ages(core.writer, config.metrics_max_queues),
             )
 
         async with trio.open_nursery() as transports:

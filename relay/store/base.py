@@ -572,3 +572,7 @@ class Store(Protocol):
 
     def next_schedule_at(self) -> int | None:
         """The earliest next slot of a schedule not paused, or None."""
+
+    def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
+        """(name, last slot passed or None) of the first ``limit`` schedules by name (for
+        /metrics: no payloads read)."""

@@ -375,6 +375,12 @@ class RunSchedules:
 
 
 @attrs.frozen
-class NextScheduleAt:
+class ScheduleAges:
+    """(name -> ms since its last slot passed, now) of the first ``limit`` schedules by
+    name that have passed one: /metrics' relay_schedule_last_run_age_seconds."""
+
+    limit: int
+
     def apply(self, store: Store, now: int) -> Any:
-        return store.next_schedule_at()
+        slots = store.schedule_last_slots(self.limit)
+        return {name: now - slot for name, slot in slots if slot is not None}

@@ -147,3 +147,16 @@ async def test_seconds_need_the_servers_option(tmp_path):
             )
         finally:
             await c.aclose()
+
+
+async def test_metrics_count_a_schedules_runs_and_the_age_of_its_last_slot(server, client):
+    from tests.server.test_lifecycle import scrape
+
+    await client.ok("schedule_put", name="tick", cron="* * * * * *", queue="ticks", payload=1)
+    await client.ok("schedule_put", name="never", cron="0 0 1 1 *", queue="q", payload=1)
+    with trio.fail_after(10):
+        await client.ok("lease", queues=["ticks"], worker_id="w", wait_ms=5_000)
+    _text, samples = await scrape(server)
+    assert samples['relay_schedule_runs_total{schedule="tick"}'] >= 1
+    assert 0 <= samples['relay_schedule_last_run_age_seconds{schedule="tick"}'] < 10
+    assert 'relay_schedule_last_run_age_seconds{schedule="never"}' not in samples

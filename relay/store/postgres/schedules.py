@@ -154,6 +154,13 @@ class Schedules(PostgresBase):
             self.changes.schedule(next_at)
         return runs
 
+    def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
+        """(name, last slot) of the first ``limit`` schedules (see ``Store``)."""
+        rows = self._read(
+            "SELECT name, last_slot FROM schedules ORDER BY name LIMIT %s", (max(0, limit),)
+        ).fetchall()
+        return [(name, slot) for name, slot in rows]
+
     def next_schedule_at(self) -> int | None:
         """The earliest next slot of a schedule not paused (one index scan)."""
         row = self._read("SELECT min(next_at) FROM schedules WHERE NOT paused").fetchone()

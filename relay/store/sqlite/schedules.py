@@ -132,6 +132,13 @@ class SqliteSchedules(SqliteBase):
             self.changes.schedule(next_at)
         return runs
 
+    def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
+        """(name, last slot) of the first ``limit`` schedules (see ``Store``)."""
+        rows = self._db.execute(
+            "SELECT name, last_slot FROM schedules ORDER BY name LIMIT ?", (max(0, limit),)
+        )
+        return [(name, slot) for name, slot in rows]
+
     def next_schedule_at(self) -> int | None:
         """The earliest next slot of a schedule not paused (one seek of schedules_due)."""
         row = self._db.execute(
