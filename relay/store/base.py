@@ -322,8 +322,8 @@ class Store(Protocol):
     each call commits on its own, which is what the synchronous unit tests do.
 
     Every method that refuses (a ``RelayError``: ``JobNotFound``, ``StaleToken``,
-    ``LeaseExpired``, ``Cancelled``, ``InvalidState``, ``Unauthorized``, ``QueueFull``) does
-    so before it writes anything,
+    ``LeaseExpired``, ``Cancelled``, ``InvalidState``, ``Unauthorized``, ``QueueFull``,
+    ``ScheduleNotFound``, ``TooManySchedules``) does so before it writes anything,
     so a refused call never leaves a partial change behind, even without a savepoint; the
     writer checks this with ``write_mark``. Job ids that do not parse are ``JobNotFound``.
     """
@@ -566,8 +566,9 @@ class Store(Protocol):
 
     def schedules_run_due(self, now: int, limit: int) -> list[ScheduleRun]:
         """For up to ``limit`` schedules whose next slot is at or before ``now`` (not
-        paused): create the job of each slot its catch-up policy runs, and move its next
-        slot past ``now``, in this transaction: a slot is submitted once or not at all.
+        paused; none more once RUN_JOBS jobs are made): create the job of each slot its
+        catch-up policy runs, and move its next slot past ``now``, in this transaction: a
+        slot is submitted once or not at all.
         On PostgreSQL a schedule another server is running is skipped (``SKIP LOCKED``)."""
 
     def next_schedule_at(self) -> int | None:

@@ -18,6 +18,12 @@ from relay.store.base import ScheduleInfo, ScheduleSpec
 # busy writer, a restart within the minute) runs it whatever the catch-up policy.
 LATE_GRACE_MS = 60_000
 
+# Jobs one call of ``schedules_run_due`` creates at most, give or take one schedule's
+# catch-up (CATCH_UP_MAX): it takes no further schedule once it has made this many, so one
+# transaction stays a few milliseconds however many schedules catch up at once; the
+# schedules left are still due, and the scheduler's next pass takes them.
+RUN_JOBS = 1000
+
 # The columns of a schedule's row, in the order ``schedule_info`` reads them.
 COLUMNS = (
     "name, cron, timezone, queue, payload, priority, max_attempts, backoff_kind, "

@@ -160,3 +160,19 @@ async def test_metrics_count_a_schedules_runs_and_the_age_of_its_last_slot(serve
     assert samples['relay_schedule_runs_total{schedule="tick"}'] >= 1
     assert 0 <= samples['relay_schedule_last_run_age_seconds{schedule="tick"}'] < 10
     assert 'relay_schedule_last_run_age_seconds{schedule="never"}' not in samples
+
+
+async def test_a_list_page_stops_once_its_payloads_reach_the_reply_bound(tmp_path):
+    async with custom_server(tmp_path) as server:
+        c = await server.connect()
+        try:
+            big = "x" * 250_000  # under max_payload_bytes; four and more pass 1 MiB
+            for i in range(6):
+                await c.ok("schedule_put", name=f"s{i}", cron="@daily", queue="q", payload=big)
+            page = await c.ok("schedule_list")
+            assert [s["name"] for s in page["schedules"]] == [f"s{i}" for i in range(5)]
+            assert page["next_cursor"] == "s4"
+            rest = await c.ok("schedule_list", cursor="s4")
+            assert [s["name"] for s in rest["schedules"]] == ["s5"] and rest["next_cursor"] is None
+        finally:
+            await c.aclose()

@@ -201,3 +201,21 @@ def test_several_servers_racing_submit_each_slot_once(stores: Stores) -> None:
         servers[0], "SELECT scheduled_for, count(*) FROM jobs GROUP BY scheduled_for ORDER BY 1"
     )
     assert got == [(T + m * MINUTE, 20) for m in range(5)]
+
+
+def test_one_call_stops_taking_schedules_once_it_made_its_jobs(store: Store, monkeypatch) -> None:
+    from relay.store.postgres import schedules as pg_schedules
+    from relay.store.sqlite import schedules as sqlite_schedules
+
+    for module in (pg_schedules, sqlite_schedules):
+        monkeypatch.setattr(module, "RUN_JOBS", 4)
+    for name in ("a", "b", "c"):
+        store.schedule_put(spec(name, cron="* * * * *", catch_up="all"), T + 1)
+    now = T + 5 * MINUTE  # five slots due for each
+    first = store.schedules_run_due(now, 10)
+    assert [(r.name, r.slot) for r in first] == [("a", T + m * MINUTE) for m in range(1, 6)]
+    assert store.next_schedule_at() == T + MINUTE  # b and c are still due
+    second = store.schedules_run_due(now, 10)
+    assert {r.name for r in second} == {"b"}
+    assert {r.name for r in store.schedules_run_due(now, 10)} == {"c"}
+    assert store.schedules_run_due(now, 10) == []

@@ -38,9 +38,10 @@ MAX_SLEEP_MS = 30_000
 # Due schedules one pass takes per transaction (each may create up to its catch_up_max
 # jobs): one transaction stays short, and others' requests run in between.
 RUN_LIMIT = 100
-# Passes of RUN_LIMIT schedules in one wake-up at most (100,000 slots' schedules); past
-# it, the loop looks again after BUSY_RETRY_MS. So it does when a due schedule is held
-# by another server's pass (PostgreSQL, SKIP LOCKED): it is done within milliseconds.
+# Passes in one wake-up at most (each of RUN_LIMIT schedules, or about RUN_JOBS jobs:
+# relay/store/schedules.py); past it, the loop looks again after BUSY_RETRY_MS. So it
+# does when a due schedule is held by another server's pass (PostgreSQL, SKIP LOCKED):
+# that one is done within milliseconds.
 MAX_PASSES = 1000
 BUSY_RETRY_MS = 100
 # Schedules whose runs the scheduler counts for /metrics (by name): as many as may exist

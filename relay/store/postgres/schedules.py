@@ -25,6 +25,7 @@ from relay.store.schedules import (
     LAST_JOB,
     LAST_SLOT,
     NEXT_AT,
+    RUN_JOBS,
     due_slots,
     first_slot,
     schedule_info,
@@ -126,6 +127,8 @@ class Schedules(PostgresBase):
         (see ``Store``)."""
         runs: list[ScheduleRun] = []
         for row in self._read(_DUE, (now, limit)).fetchall():
+            if len(runs) >= RUN_JOBS:  # the rest wait for the next pass (still due)
+                break
             spec = schedule_spec(row)
             slots, next_at = due_slots(spec, row[NEXT_AT], now)
             # The compare-and-set first: if it moved nothing, another server ran these

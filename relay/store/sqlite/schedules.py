@@ -22,6 +22,7 @@ from relay.store.schedules import (
     LAST_JOB,
     LAST_SLOT,
     NEXT_AT,
+    RUN_JOBS,
     due_slots,
     first_slot,
     schedule_info,
@@ -115,6 +116,8 @@ class SqliteSchedules(SqliteBase):
         """Submit the due slots of up to ``limit`` schedules (see ``Store``)."""
         runs: list[ScheduleRun] = []
         for row in self._db.execute(_DUE, (now, limit)).fetchall():
+            if len(runs) >= RUN_JOBS:  # the rest wait for the next pass (still due)
+                break
             spec = schedule_spec(row)
             slots, next_at = due_slots(spec, row[NEXT_AT], now)
             last_slot, last_job = row[LAST_SLOT], row[LAST_JOB]
