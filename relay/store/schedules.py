@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from relay.protocol import cron
+from relay.protocol.errors import RelayError
 from relay.protocol.model import Backoff, format_job_id
 from relay.store.base import ScheduleInfo, ScheduleSpec
 
@@ -71,6 +72,21 @@ def first_slot(spec: ScheduleSpec, now: int, last_slot: int | None) -> int | Non
     after ``now``, and after the last slot it ran (a slot is never run twice)."""
     after = now - 1 if last_slot is None else max(now - 1, last_slot)
     return cron.next_slot(spec.cron, spec.timezone, after)
+
+
+def due_slots_or_none(
+    spec: ScheduleSpec, next_at: int, now: int
+) -> tuple[list[int], int | None, str | None]:
+    """``due_slots``, and None; or, for a schedule whose slots cannot be computed any more
+    (its zone gone from the system's time zone data, a row edited by hand): no slot, no
+    next slot (it stops, and ``schedule_list`` shows it so) and the reason. One broken
+    schedule must not keep the others from running."""
+    try:
+        slots, following = due_slots(spec, next_at, now)
+    except (RelayError, ValueError) as exc:
+        reason = exc.message if isinstance(exc, RelayError) else str(exc)
+        return [], None, f"its slots cannot be computed ({reason}); put it again"
+    return slots, following, None
 
 
 def due_slots(spec: ScheduleSpec, next_at: int, now: int) -> tuple[list[int], int | None]:

@@ -219,3 +219,17 @@ def test_one_call_stops_taking_schedules_once_it_made_its_jobs(store: Store, mon
     assert {r.name for r in second} == {"b"}
     assert {r.name for r in store.schedules_run_due(now, 10)} == {"c"}
     assert store.schedules_run_due(now, 10) == []
+
+
+def test_a_schedule_whose_slots_cannot_be_computed_stops_and_the_others_run(store: Store):
+    store.schedule_put(spec("broken", cron="* * * * *"), T)
+    store.schedule_put(spec("fine", cron="* * * * *"), T)
+    # Its zone gone from the time zone data (or the row edited by hand).
+    rows(store, "UPDATE schedules SET timezone = 'Gone/Away' WHERE name = 'broken' RETURNING name")
+    runs = store.schedules_run_due(T + MINUTE, 10)
+    by_name = {run.name: run for run in runs}
+    assert by_name["fine"].job_id is not None
+    assert by_name["broken"].job_id is None and "put it again" in (by_name["broken"].error or "")
+    info = {i.spec.name: i for i in store.schedule_list(None, 10)}
+    assert info["broken"].next_at is None and info["fine"].next_at == T + 2 * MINUTE
+    assert store.next_schedule_at() == T + 2 * MINUTE

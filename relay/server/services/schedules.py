@@ -112,8 +112,8 @@ async def run_schedules_once(
             else:
                 event(log, logging.WARNING, "schedule.refused", schedule=run.name,
                       queue=run.queue, slot=run.slot, error=run.error,
-                      message=f"schedule {run.name}: the job of slot {run.slot} was "
-                      f"refused ({run.error}); its next slot runs as usual")  # fmt: skip
+                      message=f"schedule {run.name}: slot {run.slot} submitted no job: "
+                      f"{run.error}")  # fmt: skip
         if scheduler is not None:
             scheduler.count(batch)
         if next_at is None or next_at > now:

@@ -23,7 +23,7 @@ from relay.store.schedules import (
     LAST_SLOT,
     NEXT_AT,
     RUN_JOBS,
-    due_slots,
+    due_slots_or_none,
     first_slot,
     schedule_info,
     schedule_spec,
@@ -119,7 +119,9 @@ class SqliteSchedules(SqliteBase):
             if len(runs) >= RUN_JOBS:  # the rest wait for the next pass (still due)
                 break
             spec = schedule_spec(row)
-            slots, next_at = due_slots(spec, row[NEXT_AT], now)
+            slots, next_at, broken = due_slots_or_none(spec, row[NEXT_AT], now)
+            if broken is not None:
+                runs.append(ScheduleRun(spec.name, spec.queue, row[NEXT_AT], None, broken))
             last_slot, last_job = row[LAST_SLOT], row[LAST_JOB]
             for slot in slots:
                 try:
