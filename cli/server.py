@@ -102,6 +102,16 @@ _LIMITS = wire.Limits()
     "create one more answers too_many_queues.",
 )  # fmt: skip
 @_limit(
+    "max_schedules", _DEFAULT["max_schedules"],
+    "Cron schedules that may exist at once; a schedule put that would make one more "
+    "answers too_many_schedules.",
+)  # fmt: skip
+@click.option(
+    "--allow-second-schedules", is_flag=True,
+    help="Accept cron schedules with a seconds field (six fields: more often than once a "
+    "minute); without it, a schedule runs at most once a minute.",
+)  # fmt: skip
+@_limit(
     "metrics_max_queues", _DEFAULT["metrics_max_queues"],
     "Queues (the first by name) with their own series on /metrics; the others are summed "
     'into queue="_other".',
@@ -177,6 +187,7 @@ def server(
     insecure: bool,
     tls_cert: str | None,
     tls_key: str | None,
+    allow_second_schedules: bool,
     **numbers: int,
 ) -> None:
     """Run the server until SIGINT or SIGTERM (a second one exits at once).
@@ -205,7 +216,10 @@ def server(
     if ws_address != "off":
         ws_host, ws_port = parse_address(ws_address, "--ws-address")
     limit_fields = {f.name for f in attrs.fields(wire.Limits)}
-    limits = wire.Limits(**{k: v for k, v in numbers.items() if k in limit_fields})
+    limits = wire.Limits(
+        **{k: v for k, v in numbers.items() if k in limit_fields},
+        allow_second_schedules=allow_second_schedules,
+    )
     raise_open_files_limit(limits.max_connections)
     config = ServerConfig(
         db=db,

@@ -36,7 +36,17 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from relay.client.client import DeadPage, JobView, QueueConfig, QueueInfo, QueuePage, Stats
+from relay.client.client import (
+    DeadPage,
+    JobView,
+    QueueConfig,
+    QueueInfo,
+    QueuePage,
+    ScheduleInfo,
+    SchedulePage,
+    Stats,
+)
+from relay.protocol.cron import zone
 from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
@@ -660,6 +670,112 @@ def _queue_panel_layout(config: QueueConfig, width: int) -> RenderableType:
         width=min(width, 80),
         expand=False,
     )
+
+
+# -- schedules ----------------------------------------------------------------------------
+
+# From this width on, the schedule table also shows each one's queue and catch-up policy.
+SCHEDULE_WIDE = 120
+
+
+def _slot_text(ms: int, tz: str, seconds: bool) -> tuple[str, str]:
+    """A slot as its zone's local time (with the zone's abbreviation) and as UTC."""
+    shown = "%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M"
+    at = dt.datetime.fromtimestamp(ms / 1000, dt.UTC)
+    local = at.astimezone(zone(tz))
+    return f"{local:{shown}} {local.tzname()}", f"{at:{shown}} UTC"
+
+
+def next_run_line(info: ScheduleInfo) -> str:
+    """A schedule's next run in one line: its local time, and UTC when that differs."""
+    if info.paused:
+        return "none: paused"
+    if info.next_at is None:
+        return "none: the expression has no slot left"
+    local, utc = _slot_text(info.next_at, info.timezone, len(info.cron.split()) == 6)
+    return local if local.endswith(" UTC") else f"{local} ({utc})"
+
+
+def schedule_table(page: SchedulePage, *, short: Mapping[str, str] | None = None) -> Fitted:
+    """``relay-trio schedule list``: one row per schedule, by name: its expression and zone,
+    its next run in the zone's local time and in UTC (two lines), its last job (the id as
+    ``short`` gives it, see ``short_ids``) and that job's state now.
+
+    At 80 columns the next run takes 20 cells ("2026-03-02 04:00 CET" over "2026-03-02
+    03:00 UTC"), a short id 11 to 20, and the expression gets the rest but QUEUE_MIN (12)
+    for the name: an expression of 20 characters is whole, and a name of 14. From
+    SCHEDULE_WIDE (120) on, the queue (up to 30 characters) and the catch-up policy have
+    columns too, and the name and the expression share about 40. A name or an expression
+    too long for its room is cut in the middle."""
+    return Fitted(functools.partial(_schedule_layout, page, short))
+
+
+def _schedule_layout(
+    page: SchedulePage, short: Mapping[str, str] | None, width: int
+) -> RenderableType:
+    schedules = page.schedules
+    wide = width >= SCHEDULE_WIDE
+    ids = short_ids((s.last_job_id for s in schedules if s.last_job_id), short)
+    nexts, lasts = [], []
+    for info in schedules:
+        if info.paused:
+            nexts.append(Text("paused", style="bold yellow"))
+        elif info.next_at is None:
+            nexts.append(Text("never", style="dim"))
+        else:
+            local, utc = _slot_text(info.next_at, info.timezone, len(info.cron.split()) == 6)
+            text = Text(local)
+            text.append("\n" + utc, style="dim")
+            nexts.append(text)
+        if info.last_job_id is None:
+            lasts.append(Text("-", style="dim"))
+        else:
+            text = Text(ids[info.last_job_id] + "\n")
+            text.append_text(
+                state_text(info.last_job_state)
+                if info.last_job_state
+                else Text("pruned", style="dim")
+            )
+            lasts.append(text)
+    crons = [f"{s.cron}\n{s.timezone}" for s in schedules]
+    headers = ["schedule", "cron", "next run", "last job"]
+    extra = [[s.queue for s in schedules], [s.catch_up for s in schedules]] if wide else []
+    extra_headers = ["queue", "catch-up"] if wide else []
+    fixed = [column_width(headers[2], [_widest_line(t) for t in nexts] or ["never"]),
+             column_width(headers[3], [_widest_line(t) for t in lasts])]  # fmt: skip
+    extra_widths = [
+        min(column_width(h, cells), 30) for h, cells in zip(extra_headers, extra, strict=True)
+    ]
+    room = width - tables_width([0, 0, *fixed, *extra_widths])
+    longest_cron = column_width("cron", [_widest_line(Text(cron)) for cron in crons])
+    # The expression whole first (a name cut in the middle still reads), QUEUE_MIN to
+    # the name at least; then the name takes what is left.
+    cron_width = max(9, min(longest_cron, room - QUEUE_MIN))
+    name_width = queue_width([headers[0], *(s.name for s in schedules)], room - cron_width)
+
+    table = plain_table("Schedules")
+    table.add_column(headers[0], width=name_width, no_wrap=True)
+    table.add_column(headers[1], width=cron_width, no_wrap=True)
+    for header, w in zip(extra_headers, extra_widths, strict=True):
+        table.add_column(header, width=w, no_wrap=True)
+    table.add_column(headers[2], width=fixed[0], no_wrap=True)
+    table.add_column(headers[3], width=fixed[1], no_wrap=True)
+    for n, info in enumerate(schedules):
+        cells = [cut_middle(info.name, name_width),
+                 Text(cut_middle(info.cron, cron_width) + "\n", style="bold").append(
+                     cut_middle(info.timezone, cron_width), style="dim")]  # fmt: skip
+        cells += [cut_middle(column[n], w) for column, w in zip(extra, extra_widths, strict=True)]
+        table.add_row(*cells, nexts[n], lasts[n])
+    if not schedules:
+        table.add_row(Text("no schedules yet", style="dim"), *("" for _ in range(3 + len(extra))))
+    if page.next_cursor is None:
+        return table
+    return Group(table, Text(f"next page: --cursor {page.next_cursor}", style="table.caption"))
+
+
+def _widest_line(text: Text) -> str:
+    """The widest of a cell's lines: what its column needs."""
+    return max(text.plain.split("\n"), key=cell_len)
 
 
 def dead_table(

@@ -30,11 +30,19 @@ from typing import Any
 
 import orjson
 
-from relay.client.client import DEFAULT_ADDRESS, UNAVAILABLE_CAP_S, UNAVAILABLE_FIRST_S, job_fields
+from relay.client.client import (
+    DEFAULT_ADDRESS,
+    UNAVAILABLE_CAP_S,
+    UNAVAILABLE_FIRST_S,
+    job_fields,
+    schedule_fields,
+)
 from relay.client.replies import (
     JobView,
     QueueConfig,
     QueuePage,
+    ScheduleInfo,
+    SchedulePage,
     Stats,
     config_fields,
     stats_reply,
@@ -352,6 +360,35 @@ class BlockingClient:
         """As ``Client.queue_config``: set (None: clear) some of a queue's settings."""
         reply = self.request("queue_config", **config_fields(queue, settings))
         return structure_reply(reply, QueueConfig)
+
+    def schedule_put(
+        self, name: str, cron: str, queue: str, payload: Any, **optional: Any
+    ) -> ScheduleInfo:
+        """As ``Client.schedule_put`` (the same keyword arguments)."""
+        fields = schedule_fields(name, cron, queue, payload, **optional)
+        return structure_reply(self.request("schedule_put", **fields)["schedule"], ScheduleInfo)
+
+    def schedule_delete(self, name: str) -> None:
+        """As ``Client.schedule_delete``."""
+        self.request("schedule_delete", name=name)
+
+    def schedule_pause(self, name: str) -> ScheduleInfo:
+        """As ``Client.schedule_pause``."""
+        return structure_reply(self.request("schedule_pause", name=name)["schedule"], ScheduleInfo)
+
+    def schedule_resume(self, name: str) -> ScheduleInfo:
+        """As ``Client.schedule_resume``."""
+        reply = self.request("schedule_resume", name=name)
+        return structure_reply(reply["schedule"], ScheduleInfo)
+
+    def schedule_list(self, *, limit: int | None = None, cursor: str | None = None) -> SchedulePage:
+        """As ``Client.schedule_list``."""
+        fields: dict[str, Any] = {}
+        if limit is not None:
+            fields["limit"] = limit
+        if cursor is not None:
+            fields["cursor"] = cursor
+        return structure_reply(self.request("schedule_list", **fields), SchedulePage)
 
     def cancel(self, job_id: str) -> JobState:
         """As ``Client.cancel``: the state the job was in."""

@@ -30,6 +30,8 @@ class LeasedJob:
     token: str
     lease_expires_at: int
     timeout_ms: int | None = None  # the job's execution timeout: the handler's time
+    # The slot (UTC ms) of the schedule that submitted the job; None for any other job.
+    scheduled_for: int | None = None
 
 
 @attrs.frozen
@@ -54,6 +56,7 @@ class JobView:
     idempotency_key: str | None = None
     finished_at: int | None = None
     timeout_ms: int | None = None
+    scheduled_for: int | None = None  # the slot of the schedule that submitted it
 
 
 @attrs.frozen
@@ -121,6 +124,38 @@ class QueueInfo(QueueConfig):
 @attrs.frozen
 class QueuePage:
     queues: list[QueueInfo]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class ScheduleInfo:
+    """A schedule as ``schedule_put`` and ``schedule_list`` show it: its definition, its
+    next slot (UTC ms; None: none left), the last slot it passed, its last job and that
+    job's state now (None once pruned). See docs/protocol.md, Schedules."""
+
+    name: str
+    cron: str
+    timezone: str
+    queue: str
+    payload: Any
+    priority: str
+    retries: int
+    backoff: dict[str, Any]
+    catch_up: str
+    catch_up_max: int
+    paused: bool
+    next_at: int | None
+    created_at: int
+    updated_at: int
+    last_slot: int | None = None
+    last_job_id: str | None = None
+    last_job_state: str | None = None
+    timeout_ms: int | None = None
+
+
+@attrs.frozen
+class SchedulePage:
+    schedules: list[ScheduleInfo]
     next_cursor: str | None
 
 

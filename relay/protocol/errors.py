@@ -7,6 +7,7 @@ The tree:
       FrameTooLarge                 frame_too_large  closed
       UnknownOp                     unknown_op   stays open
       JobNotFound                   not_found
+        ScheduleNotFound            not_found    (extension: no schedule of that name)
       StaleToken                    stale_token
       LeaseExpired                  lease_expired
       InvalidState                  invalid_state
@@ -19,6 +20,8 @@ The tree:
       QueueFull                     queue_full   (extension: a queue at its max depth)
         TooManyQueues               too_many_queues  (extension: a submit would create
                                                  a queue past the server's max_queues)
+      TooManySchedules              too_many_schedules  (extension: a schedule_put would
+                                                 create one past --max-schedules)
       Unavailable                   unavailable  (extension: not committed, the store
                                                  cannot write now: disk full, I/O error)
       ConnectionLost                (client side: the connection dropped mid-request)
@@ -85,6 +88,17 @@ class JobNotFound(RelayError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id}")
         self.job_id = job_id
+
+
+class ScheduleNotFound(JobNotFound):
+    """No schedule has this name (``schedule_delete``, ``schedule_pause``...). The wire's
+    ``not_found``: a client sees a ``JobNotFound`` (``NotFound``) with this message."""
+
+    name: str | None = None
+
+    def __init__(self, name: str) -> None:
+        RelayError.__init__(self, f"no schedule {name}")
+        self.name = name
 
 
 class StaleToken(RelayError):
@@ -174,6 +188,13 @@ class TooManyQueues(QueueFull):
     code = "too_many_queues"
 
 
+class TooManySchedules(RelayError):
+    """A ``schedule_put`` would create a schedule while the server holds its maximum
+    (``--max-schedules``): delete schedules no longer needed first."""
+
+    code = "too_many_schedules"
+
+
 class Unavailable(RelayError):
     """The store could not commit (disk full, an I/O error): nothing of the request was
     kept, and the server stays up. Safe to retry later."""
@@ -251,7 +272,7 @@ ERRORS_BY_CODE: dict[str, type[RelayError]] = {
     for cls in (
         BadRequest, FrameTooLarge, UnknownOp, JobNotFound, StaleToken, LeaseExpired,
         InvalidState, Cancelled, Overloaded, ShuttingDown, Unauthorized, InternalError, QueueFull,
-        TooManyQueues, Unavailable,
+        TooManyQueues, TooManySchedules, Unavailable,
     )
 }  # fmt: skip
 

@@ -192,6 +192,8 @@ class Lease(NamedTuple):
     token: str
     lease_expires_at: int
     timeout_ms: int | None = None  # the job's execution timeout, if it has one
+    # The slot of the schedule that created the job (UTC ms), if one did.
+    scheduled_for: int | None = None
 
 
 @attrs.frozen
@@ -237,6 +239,7 @@ class JobInfo:
     idempotency_key: str | None = None
     finished_at: int | None = None
     timeout_ms: int | None = None
+    scheduled_for: int | None = None  # the slot of the schedule that created it (UTC ms)
 
 
 class JobIdGenerator:

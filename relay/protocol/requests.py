@@ -12,12 +12,14 @@ from typing import Any
 
 import attrs
 
+from relay.protocol import cron
 from relay.protocol.errors import BadRequest
 from relay.protocol.model import (
     DEFAULT_BACKOFF,
     ID_ABBREV_MIN,
     ID_HEX_DIGITS,
     PRIORITY_INT_BY_WIRE,
+    QUEUE_NAME_RE,
     UNIQUE_FOR,
     WIRE_PRIORITIES,
     Backoff,
@@ -528,6 +530,103 @@ class QueueList:
                 check_queue(f"queues[{i}]", queue)
 
 
+# A schedule's catch-up policies (see relay/store/schedules.py) and their bound.
+CATCH_UP = ("latest", "none", "all")
+CATCH_UP_MAX = 1000
+DEFAULT_CATCH_UP_MAX = 100
+# Schedules per schedule_list reply at most, and by default.
+SCHEDULE_LIST_PAGE = 1000
+
+
+def check_schedule_name(field: str, name: str) -> None:
+    if not isinstance(name, str) or not QUEUE_NAME_RE.fullmatch(name):
+        raise _bad(field, "a schedule name is 1-128 characters of [A-Za-z0-9._:-]")
+
+
+@attrs.frozen
+class SchedulePut:
+    """``schedule_put`` (an extension): create or replace the schedule ``name``."""
+
+    name: str
+    cron: str
+    queue: str
+    payload: Any
+    priority: str = "normal"
+    retries: int = DEFAULT_RETRIES
+    backoff: WireBackoff | None = None
+    timeout_ms: int | None = None
+    timezone: str = "UTC"
+    catch_up: str = "latest"
+    catch_up_max: int = DEFAULT_CATCH_UP_MAX
+
+    def check(self, limits: Limits) -> None:
+        self.to_fields(limits)
+
+    def to_fields(self, limits: Limits) -> dict[str, Any]:
+        """Every field checked, as the store's ``ScheduleSpec`` takes them (the cron
+        expression normalized: relay/protocol/cron.py)."""
+        check_schedule_name("name", self.name)
+        expr = cron.normalize_cron(self.cron, allow_seconds=limits.allow_second_schedules)
+        cron.zone(self.timezone)
+        check_queue("queue", self.queue)
+        payload = encode_json_value("payload", self.payload, limits.max_payload_bytes)
+        if self.priority not in WIRE_PRIORITIES:
+            raise _bad("priority", f"must be one of {', '.join(WIRE_PRIORITIES)}")
+        check_range("retries", self.retries, 0, limits.max_retries)
+        if self.timeout_ms is not None:
+            check_range("timeout_ms", self.timeout_ms, 1, limits.max_timeout_ms)
+        if self.catch_up not in CATCH_UP:
+            raise _bad("catch_up", 'must be "latest", "none" or "all"')
+        check_range("catch_up_max", self.catch_up_max, 1, CATCH_UP_MAX)
+        backoff = (
+            DEFAULT_BACKOFF if self.backoff is None else self.backoff.to_model("backoff", limits)
+        )
+        return {
+            "name": self.name, "cron": expr, "timezone": self.timezone, "queue": self.queue,
+            "payload": payload, "priority": PRIORITY_INT_BY_WIRE[self.priority],
+            "max_attempts": self.retries + 1, "backoff": backoff, "timeout_ms": self.timeout_ms,
+            "catch_up": self.catch_up, "catch_up_max": self.catch_up_max,
+        }  # fmt: skip
+
+
+@attrs.frozen
+class ScheduleDelete:
+    """``schedule_delete``, ``schedule_pause``, ``schedule_resume`` (extensions): one
+    schedule, by name."""
+
+    name: str
+
+    def check(self, limits: Limits) -> None:
+        check_schedule_name("name", self.name)
+
+
+@attrs.frozen
+class SchedulePause(ScheduleDelete):
+    pass
+
+
+@attrs.frozen
+class ScheduleResume(ScheduleDelete):
+    pass
+
+
+@attrs.frozen
+class ScheduleList:
+    """``schedule_list`` (an extension): a page of at most ``limit`` schedules by name,
+    after the schedule named ``cursor``."""
+
+    cursor: str | None = None
+    limit: int = SCHEDULE_LIST_PAGE
+
+    def check(self, limits: Limits) -> None:
+        check_range("limit", self.limit, 1, SCHEDULE_LIST_PAGE)
+        if self.cursor is not None:
+            try:
+                check_schedule_name("cursor", self.cursor)
+            except BadRequest:
+                raise _bad("cursor", "not a cursor returned by schedule_list") from None
+
+
 REQUEST_TYPES: dict[str, type] = {
     "hello": Hello,
     "ping": Ping,
@@ -552,4 +651,9 @@ REQUEST_TYPES: dict[str, type] = {
     "queue_resume": QueueResume,
     "queue_list": QueueList,
     "queue_config": QueueConfig,
+    "schedule_put": SchedulePut,
+    "schedule_delete": ScheduleDelete,
+    "schedule_pause": SchedulePause,
+    "schedule_resume": ScheduleResume,
+    "schedule_list": ScheduleList,
 }

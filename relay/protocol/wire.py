@@ -68,6 +68,9 @@ class Limits:
     # sent before it loses some (relay/server/requests/watch.py). Advertised by hello.
     max_watchers: int = 64
     max_watch_buffer: int = 4096
+    # Schedules may have a seconds field (six fields: more often than once a minute) only
+    # if the operator allows it (--allow-second-schedules). Not advertised.
+    allow_second_schedules: bool = False
 
     def advertised(self) -> dict[str, int]:
         return {
@@ -282,7 +285,9 @@ def encode_error(request_id: Any, error: RelayError) -> bytes:
 
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
-    job_id, queue, payload, priority, attempt, max_attempts, token, expires_at, timeout = lease
+    job_id, queue, payload, priority, attempt, max_attempts, token, expires_at, timeout, slot = (
+        lease
+    )
     fields = {
         "job_id": job_id,
         "queue": queue,
@@ -295,6 +300,8 @@ def lease_fields(lease: Lease) -> dict[str, Any]:
     }
     if timeout is not None:
         fields["timeout_ms"] = timeout
+    if slot is not None:
+        fields["scheduled_for"] = slot
     return fields
 
 
@@ -339,6 +346,7 @@ def job_fields(job: JobInfo) -> dict[str, Any]:
         "idempotency_key": job.idempotency_key,
         "finished_at": job.finished_at,
         "timeout_ms": job.timeout_ms,
+        "scheduled_for": job.scheduled_for,
     }
     fields.update((k, v) for k, v in optional.items() if v is not None)
     return fields

@@ -36,7 +36,8 @@ from relay.server.services.maintenance import (
     run_pruner,
     run_reaper,
 )
-from relay.store.base import Changes, Store, StoreConfig
+from relay.server.services.schedules import Scheduler, run_scheduler
+from relay.store.base import DEFAULT_MAX_SCHEDULES, Changes, Store, StoreConfig
 from relay.store.view import QueueView
 from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
 from relay.util.nursery import open_service_nursery
@@ -83,6 +84,9 @@ class ServerConfig:
     # Queues that may hold jobs at once: a submit that would create one more answers
     # too_many_queues (relay/store/counts.py). None: unbounded.
     max_queues: int | None = DEFAULT_MAX_QUEUES
+    # Schedules that may exist at once: a schedule_put of a new one past it answers
+    # too_many_schedules. (Seconds in a schedule: ``limits.allow_second_schedules``.)
+    max_schedules: int = DEFAULT_MAX_SCHEDULES
     # /metrics: per-queue series for this many queues (by name), the others summed into
     # queue="_other"; one rendering serves every scrape for this long
     # (relay/server/http/metrics.py).
@@ -122,6 +126,7 @@ class ServerConfig:
             max_depth=self.max_queue_depth,
             queue_depths=dict(self.queue_depths),
             max_queues=self.max_queues,
+            max_schedules=self.max_schedules,
         )
 
 
@@ -133,6 +138,7 @@ class Core:
     watchers: Watchers
     nursery: trio.Nursery  # the services nursery: for tasks that live as long as the core
     view: QueueView  # the store's counts per queue, as of the last commit (any thread reads)
+    scheduler: Scheduler  # the schedules' service: its statistics for /metrics
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop leasing, answer parked long-polls, and wait (at most ``timeout_s``) for the
@@ -184,7 +190,7 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
     """Open the store, start the writer (which recovers leases) and the time-driven services.
 
     Owns: the writer thread (through ``open_writer``) and a services nursery with the
-    long-poll hub, promoter, reaper and pruner (and, on PostgreSQL, the feed of the other
+    long-poll hub, promoter, reaper, pruner and scheduler (and, on PostgreSQL, the feed of the other
     servers' commits, relay/server/services/feed.py). Leaving the block cancels the services,
     then stops the writer (commit, checkpoint, close). Raises StoreError if the database
     is refused. Exceptions of the body come out as they are, not in a group.
@@ -203,8 +209,9 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
         limits = config.limits
         longpolls = LongPolls(writer, PARKED_PER_CONNECTION * limits.max_connections)
         promoter, reaper = Alarm(), Alarm()
+        scheduler = Scheduler()
         wakes = CommitListener(longpolls.on_commit, longpolls.wants)
-        writer.commit_listeners += [wakes, commit_listener(promoter, reaper)]
+        writer.commit_listeners += [wakes, commit_listener(promoter, reaper), scheduler.listener()]
         watchers = Watchers(writer, limits.max_watchers, limits.max_watch_buffer)
         writer.commit_listeners.append(CommitListener(watchers.on_commit, _has_events))
         dispatcher = Dispatcher(
@@ -215,10 +222,12 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
             await services.start(run_promoter, writer, promoter, config.clock)
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
+            await services.start(run_scheduler, writer, scheduler, config.clock)
             if is_postgres_url(config.db):  # other servers may commit too: follow them
                 from relay.server.services.feed import ChangeFeed
 
-                others = [longpolls.on_commit, commit_listener(promoter, reaper)]
+                others = [longpolls.on_commit, commit_listener(promoter, reaper),
+                          scheduler.listener()]  # fmt: skip
 
                 def deliver(changes: Changes) -> None:
                     for listener in others:
@@ -228,8 +237,9 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
                     longpolls.wake_all()
                     promoter.notify(0)
                     reaper.notify(0)
+                    scheduler.alarm.notify(0)
 
                 feed = ChangeFeed(store.url, store.origin, deliver, recheck)
                 await services.start(feed.run)
                 await services.start(run_counts_refresher, writer)
-            yield Core(writer, dispatcher, longpolls, watchers, services, store.view)
+            yield Core(writer, dispatcher, longpolls, watchers, services, store.view, scheduler)

@@ -11,6 +11,7 @@ The task tree (every task has one owner; read top to bottom)::
             ├── run_promoter                  pending/retrying -> ready when due
             ├── run_reaper                    expired leases -> ready or dead
             ├── run_pruner                    succeeded, cancelled jobs past retention, old keys
+            ├── run_scheduler                 schedules' due slots -> jobs, once each
             └── ChangeFeed.run                (PostgreSQL) other servers' commits as wake-ups
         └── transports nursery                cancelled at the end of the grace period
             ├── Listener.serve                TCP accept loop (own cancel scope:
@@ -62,10 +63,12 @@ from relay.server.core import Core, ServerConfig, describe_db, open_core
 from relay.server.http.dashboard import Dashboard
 from relay.server.http.metrics import (
     MetricsSnapshot,
+    schedule_ages,
     serve_metrics,
     snapshot_limits,
     snapshot_paused,
     snapshot_queues,
+    snapshot_schedule_runs,
 )
 from relay.server.requests.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.requests.dispatch import VERSION
@@ -162,6 +165,10 @@ async def serve(
                 paused=snapshot_paused(core.view, queues, config.metrics_max_queues),
                 max_leased=max_leased,
                 rate_limit=rate_limit,
+                schedule_runs=snapshot_schedule_runs(
+                    core.scheduler.statistics().runs, config.metrics_max_queues
+                ),
+                schedule_ages_ms=await schedule_ages(core.writer, config.metrics_max_queues),
             )
 
         async with trio.open_nursery() as transports:

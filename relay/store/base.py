@@ -30,9 +30,11 @@ from relay.protocol.errors import (
     RelayError,
     StaleToken,
     TooManyQueues,
+    TooManySchedules,
     Unauthorized,
 )
 from relay.protocol.model import (
+    DEFAULT_BACKOFF,
     Backoff,
     FailOutcome,
     JobInfo,
@@ -157,6 +159,77 @@ SETTINGS_COLUMNS = (
 SETTING_FIELDS = tuple(f.name for f in attrs.fields(QueueSettings))[1:]
 
 
+# Schedules a store holds at most by default (``StoreConfig.max_schedules``,
+# --max-schedules): each is a row and, when due, a few milliseconds of the writer's time.
+DEFAULT_MAX_SCHEDULES = 1000
+# A page of schedules at most (``schedule_list`` reads one more: whether more follow).
+SCHEDULES_PAGE = 1000
+# What a schedule does with the slots that passed while no server ran it (or while the
+# queue refused): run the latest once (the default), none, or all of them, the latest
+# ``catch_up_max`` at most.
+CATCH_UP = ("latest", "none", "all")
+CATCH_UP_MAX = 1000
+
+
+@attrs.frozen
+class ScheduleSpec:
+    """A schedule as ``schedule_put`` takes it: its name, a normalized cron expression
+    (relay/protocol/cron.py), an IANA zone, the job each slot submits, the catch-up policy."""
+
+    name: str
+    cron: str
+    timezone: str
+    queue: str
+    payload: str  # JSON text, checked and size-bounded as a submit's
+    priority: int = 1
+    max_attempts: int = 4
+    backoff: Backoff = DEFAULT_BACKOFF
+    timeout_ms: int | None = None
+    catch_up: str = "latest"
+    catch_up_max: int = 100
+
+    def job(self) -> SubmitSpec:
+        """The job one slot submits: ready at once."""
+        return SubmitSpec(
+            self.queue, self.payload, self.priority, max_attempts=self.max_attempts,
+            backoff=self.backoff, timeout_ms=self.timeout_ms,
+        )  # fmt: skip
+
+
+@attrs.frozen
+class ScheduleInfo:
+    """A schedule and where it stands: its next slot (None: none ever again), the last slot
+    it submitted, that slot's job and the job's state now (None once the job is pruned)."""
+
+    spec: ScheduleSpec
+    paused: bool
+    next_at: int | None
+    last_slot: int | None
+    last_job_id: str | None
+    last_job_state: str | None
+    created_at: int
+    updated_at: int
+
+
+@attrs.frozen
+class ScheduleRun:
+    """One slot a schedule submitted (``schedules_run_due``): its job, or the refusal that
+    kept it from being created (``error``: a full queue; the slot is passed all the same)."""
+
+    name: str
+    queue: str
+    slot: int
+    job_id: str | None
+    error: str | None = None
+
+
+def too_many_schedules(held: int, most: int) -> TooManySchedules:
+    return TooManySchedules(
+        f"{held} schedules exist (max {most}, --max-schedules); delete schedules that are "
+        "no longer needed"
+    )
+
+
 # The arguments of one claim: queues, worker id, count, lease ms, reply budget in bytes.
 ClaimArgs = tuple[Sequence[str], str, int, int, int | None]
 
@@ -178,6 +251,9 @@ class StoreConfig:
     # included) before a submit that would create one more is refused with TooManyQueues
     # (None: unbounded). Checked in memory (relay/store/counts.py).
     max_queues: int | None = None
+    # Schedules that may exist at once: a schedule_put of a new one past it is refused
+    # with TooManySchedules.
+    max_schedules: int = DEFAULT_MAX_SCHEDULES
 
     def depth_limit(self, queue: str) -> int | None:
         return self.queue_depths.get(queue, self.max_depth)
@@ -218,6 +294,8 @@ class Changes:
     # lease expiry: the promoter and the reaper sleep until these if they are sooner.
     next_due_at: int | None = None
     next_expiry_at: int | None = None
+    # The earliest next slot of a schedule put or resumed: the scheduler sleeps until it.
+    next_schedule_at: int | None = None
     # Every state change of a job, in the order made, while the store is ``recording``
     # (for ``watch``); else empty.
     events: list[JobEvent] = attrs.Factory(list)
@@ -233,6 +311,10 @@ class Changes:
     def expiry(self, at: int) -> None:
         if self.next_expiry_at is None or at < self.next_expiry_at:
             self.next_expiry_at = at
+
+    def schedule(self, at: int | None) -> None:
+        if at is not None and (self.next_schedule_at is None or at < self.next_schedule_at):
+            self.next_schedule_at = at
 
 
 def check_cancel(job_id: str, row: tuple | None, leased_ok: bool) -> tuple[str, str, int]:
@@ -309,8 +391,8 @@ class Store(Protocol):
     each call commits on its own, which is what the synchronous unit tests do.
 
     Every method that refuses (a ``RelayError``: ``JobNotFound``, ``StaleToken``,
-    ``LeaseExpired``, ``Cancelled``, ``InvalidState``, ``Unauthorized``, ``QueueFull``) does
-    so before it writes anything,
+    ``LeaseExpired``, ``Cancelled``, ``InvalidState``, ``Unauthorized``, ``QueueFull``,
+    ``ScheduleNotFound``, ``TooManySchedules``) does so before it writes anything,
     so a refused call never leaves a partial change behind, even without a savepoint; the
     writer checks this with ``write_mark``. Job ids that do not parse are ``JobNotFound``.
     """
@@ -539,3 +621,37 @@ class Store(Protocol):
     def job_cancel_queue(self, queue: str, states: Sequence[str], now: int, limit: int) -> int:
         """Cancel up to ``limit`` jobs of ``queue`` in ``states`` (of ``CANCELLABLE``);
         return how many (call again while it returns ``limit``)."""
+
+    # -- schedules ---------------------------------------------------------------------------
+
+    def schedule_put(self, spec: ScheduleSpec, now: int) -> ScheduleInfo:
+        """Create the schedule ``spec.name``, or replace its definition (keeping its last
+        slot and job, its pause and its creation time); its next slot is the first after
+        ``now`` (and after its last slot). Raises ``TooManySchedules`` for a new one past
+        ``config.max_schedules``."""
+
+    def schedule_delete(self, name: str) -> None:
+        """Delete a schedule (its jobs stay); raises ``ScheduleNotFound``."""
+
+    def schedule_pause(self, name: str, paused: bool, now: int) -> ScheduleInfo:
+        """Pause a schedule (no slot runs), or resume it from its first slot after ``now``
+        (the slots it missed while paused are not caught up); idempotent. Raises
+        ``ScheduleNotFound``."""
+
+    def schedule_list(self, after: str | None, limit: int) -> list[ScheduleInfo]:
+        """Up to ``limit`` (at most SCHEDULES_PAGE + 1) schedules named after ``after``, by
+        name, each with its last job's state: one range read and a seek per job."""
+
+    def schedules_run_due(self, now: int, limit: int) -> list[ScheduleRun]:
+        """For up to ``limit`` schedules whose next slot is at or before ``now`` (not
+        paused; none more once RUN_JOBS jobs are made): create the job of each slot its
+        catch-up policy runs, and move its next slot past ``now``, in this transaction: a
+        slot is submitted once or not at all.
+        On PostgreSQL a schedule another server is running is skipped (``SKIP LOCKED``)."""
+
+    def next_schedule_at(self) -> int | None:
+        """The earliest next slot of a schedule not paused, or None."""
+
+    def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
+        """(name, last slot passed or None) of the first ``limit`` schedules by name (for
+        /metrics: no payloads read)."""

@@ -359,3 +359,28 @@ class JobCancelQueue:
 
     def apply(self, store: Store, now: int) -> Any:
         return store.job_cancel_queue(self.queue, self.states, now, self.limit)
+
+
+@attrs.frozen
+class RunSchedules:
+    """Submit the due slots of up to ``limit`` schedules (``Store.schedules_run_due``);
+    answers (the runs, the earliest next slot of any schedule afterwards, the ``now`` it
+    ran at), so that the scheduler knows whether more are due and when to wake."""
+
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        runs = store.schedules_run_due(now, self.limit)
+        return runs, store.next_schedule_at(), now
+
+
+@attrs.frozen
+class ScheduleAges:
+    """(name -> ms since its last slot passed, now) of the first ``limit`` schedules by
+    name that have passed one: /metrics' relay_schedule_last_run_age_seconds."""
+
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        slots = store.schedule_last_slots(self.limit)
+        return {name: now - slot for name, slot in slots if slot is not None}

@@ -22,7 +22,7 @@ from relay.store.base import info_size
 JOB_COLUMNS = (
     "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
     "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at, "
-    "timeout_ms"
+    "timeout_ms, scheduled_for"
 )
 
 
@@ -88,6 +88,7 @@ def job_info(
         idempotency_key=text(row[14]),
         finished_at=row[15],
         timeout_ms=row[16],
+        scheduled_for=row[17],
     )
 
 

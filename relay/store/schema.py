@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -188,6 +188,27 @@ def _v7_queue_limits(db: sqlite_utils.Database) -> None:
         db.execute(f"ALTER TABLE queue_settings ADD COLUMN {column}")
 
 
+def _v8_schedules(db: sqlite_utils.Database) -> None:
+    # Cron schedules (relay/protocol/cron.py): each with its job's template, its catch-up
+    # policy, and where it stands: ``next_at``, its next slot (NULL: none ever again),
+    # and the last slot it submitted with that job. A slot's job is created in the same
+    # transaction that moves ``next_at`` past it, so a slot is never submitted twice.
+    # A job a schedule created carries its slot (``jobs.scheduled_for``; NULL for any
+    # other job): a nullable column, which rewrites no row.
+    db.execute(
+        "CREATE TABLE schedules (name TEXT PRIMARY KEY, cron TEXT NOT NULL, "
+        "timezone TEXT NOT NULL, queue TEXT NOT NULL, payload TEXT NOT NULL, "
+        "priority INTEGER NOT NULL, max_attempts INTEGER NOT NULL, "
+        "backoff_kind TEXT NOT NULL, backoff_base_ms INTEGER NOT NULL, "
+        "backoff_max_ms INTEGER NOT NULL, backoff_jitter INTEGER NOT NULL, "
+        "timeout_ms INTEGER, catch_up TEXT NOT NULL, catch_up_max INTEGER NOT NULL, "
+        "paused INTEGER NOT NULL DEFAULT 0, next_at INTEGER, last_slot INTEGER, "
+        "last_job_id INTEGER, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL) STRICT"
+    )
+    db.execute("CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused")
+    db.execute("ALTER TABLE jobs ADD COLUMN scheduled_for INTEGER")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -197,6 +218,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     5: _v5_queue_settings,
     6: _v6_cancelled,
     7: _v7_queue_limits,
+    8: _v8_schedules,
 }
 
 

@@ -184,6 +184,20 @@ async def test_queue_set_needs_an_admin_token_and_queue_show_a_producers(address
     assert (await admin.queue_config("jobs")).max_leased is None  # (refused: unchanged)
 
 
+async def test_schedule_put_needs_an_admin_token_and_schedule_list_a_producers(address, admin):
+    await admin.schedule_put("nightly", "@daily", "jobs", {"n": 1})
+    refused, listed, put = await run_all(
+        (("schedule", "put", "x", "@hourly", "--queue", "q", "--payload", "1"),
+         env_with(address, WORKER)),
+        (("schedule", "list", "--json"), env_with(address, PRODUCER)),
+        (("schedule", "pause", "nightly", "--json"), env_with(address, ADMIN)),
+    )  # fmt: skip
+    assert_one_line_error(refused, "unauthorized", "admin")
+    assert "nightly" in [s["name"] for s in listed.json()["schedules"]]
+    assert put.json()["paused"] is True
+    assert [s.name for s in (await admin.schedule_list()).schedules] == ["nightly"]
+
+
 # -- the server command -----------------------------------------------------------------------
 
 

@@ -373,3 +373,14 @@ async def test_first_call_to_a_closed_port_fails_without_hanging(tmp_path):
     with pytest.raises((OSError, ConnectionLost)):
         await call(client.stats)
     client.close()
+
+
+async def test_put_list_pause_and_delete_a_schedule(bclient):
+    info = await call(bclient.schedule_put, "bs", "*/5 * * * *", "q", {"n": 1}, priority="high")
+    assert (info.name, info.priority, info.paused) == ("bs", "high", False)
+    assert (await call(bclient.schedule_pause, "bs")).paused is True
+    assert (await call(bclient.schedule_resume, "bs")).paused is False
+    page = await call(bclient.schedule_list, limit=5)
+    assert [s.name for s in page.schedules] == ["bs"] and page.next_cursor is None
+    await call(bclient.schedule_delete, "bs")
+    assert (await call(bclient.schedule_list)).schedules == []

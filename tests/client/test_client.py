@@ -611,6 +611,7 @@ def test_every_wire_code_has_a_class():
         "bad_request", "frame_too_large", "unknown_op", "not_found", "stale_token",
         "lease_expired", "invalid_state", "overloaded", "shutting_down", "unauthorized",
         "internal", "queue_full", "unavailable", "too_many_queues", "cancelled",
+        "too_many_schedules",
     }  # fmt: skip
     assert set(ERRORS_BY_CODE) == codes
     assert ERRORS_BY_CODE["shutting_down"] is ShuttingDown
@@ -1248,3 +1249,35 @@ async def test_ack_batch_in_flight_is_resent_and_answers_as_before(proxied, lose
     assert view.state == JobState.SUCCEEDED and view.result == {"r": 1}
     assert (await direct.inspect(other.job_id)).state == JobState.LEASED
     assert client._transport.connections == 2
+
+
+async def test_schedules_put_list_pause_resume_delete_and_their_jobs_slot(tmp_path):
+    from relay import NotFound, ScheduleInfo, SchedulePage
+    from relay.protocol.wire import Limits
+
+    async with trio.open_nursery() as nursery:
+        server = await start_server(
+            nursery, str(tmp_path / "relay.db"), limits=Limits(allow_second_schedules=True)
+        )
+        async with open_client(server.address) as client:
+            info = await client.schedule_put(
+                "nightly", "@daily", "reports", {"r": 1}, timezone="Europe/Berlin",
+                retries=1, catch_up="all", catch_up_max=5,
+            )  # fmt: skip
+            assert isinstance(info, ScheduleInfo)
+            assert (info.cron, info.timezone, info.retries, info.catch_up) == (
+                "0 0 * * *", "Europe/Berlin", 1, "all",
+            )  # fmt: skip
+            assert (await client.schedule_pause("nightly")).paused is True
+            assert (await client.schedule_resume("nightly")).paused is False
+            await client.schedule_put("tick", "* * * * * *", "ticks", 7)
+            page = await client.schedule_list(limit=1)
+            assert isinstance(page, SchedulePage) and page.next_cursor == "nightly"
+            assert [s.name for s in page.schedules] == ["nightly"]
+            [job] = await client.lease(["ticks"], "w", wait_ms=5_000)
+            assert job.payload == 7 and job.scheduled_for is not None
+            assert (await client.inspect(job.job_id)).scheduled_for == job.scheduled_for
+            await client.schedule_delete("tick")
+            with pytest.raises(NotFound):
+                await client.schedule_delete("tick")
+        nursery.cancel_scope.cancel()

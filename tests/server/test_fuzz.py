@@ -378,6 +378,32 @@ CANCEL_QUEUE = {
     ),
 }  # fmt: skip
 
+# A schedule: names as queue names; five fields (the fuzzed server allows no seconds).
+SCHEDULE_ONE = {"name": Field("str", queue_names, required=True, bad=bad_queue_names)}
+SCHEDULE_PUT = {
+    **SCHEDULE_ONE,
+    "cron": Field(
+        "str", st.sampled_from(["* * * * *", "@daily", "0 3 * * MON-FRI", "*/15 9-17 * * *"]),
+        required=True,
+        bad=st.sampled_from(["", "61 * * * *", "* * *", "@reboot", "* * * * * *", "0 0 30 2 *"]),
+    ),
+    "queue": SUBMIT["queue"],
+    "payload": SUBMIT["payload"],
+    "priority": SUBMIT["priority"],
+    "retries": SUBMIT["retries"],
+    "backoff": SUBMIT["backoff"],
+    "timeout_ms": int_field(1, LIMITS.max_timeout_ms, nullable=True),
+    "timezone": Field(
+        "str", st.sampled_from(["UTC", "Europe/Berlin", "America/New_York"]),
+        bad=st.sampled_from(["", "Mars/Base", "Europe/", "../etc/passwd"]),
+    ),
+    "catch_up": Field(
+        "str", st.sampled_from(["latest", "none", "all"]),
+        bad=st.sampled_from(["", "ALL", "some", "latest "]),
+    ),
+    "catch_up_max": int_field(1, 1000),
+}  # fmt: skip
+
 # (op, its fields); the dead letter ops come in their two forms.
 OPS: list[tuple[str, dict[str, Field]]] = [
     (
@@ -455,8 +481,9 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "queues": list_field(queue_names, bad_queue_names | wrong_value("str", False), 256,
                                  nullable=True),
             "states": list_field(
-                st.sampled_from(["pending", "ready", "leased", "retrying", "succeeded", "dead",
-                                 "cancelled"]),
+                st.sampled_from(
+                    ["pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"]
+                ),
                 st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 7,
                 nullable=True,
             ),
@@ -490,6 +517,17 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "default_timeout_ms": int_field(1, LIMITS.max_timeout_ms, nullable=True),
             "default_retries": int_field(0, LIMITS.max_retries, nullable=True),
             "default_backoff": Field("object", backoffs, nullable=True, bad=bad_backoffs),
+        },
+    ),
+    ("schedule_put", SCHEDULE_PUT),
+    ("schedule_delete", SCHEDULE_ONE),
+    ("schedule_pause", SCHEDULE_ONE),
+    ("schedule_resume", SCHEDULE_ONE),
+    (
+        "schedule_list",
+        {
+            "cursor": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            "limit": int_field(1, 1000),
         },
     ),
 ]  # fmt: skip

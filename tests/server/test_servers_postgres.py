@@ -37,12 +37,15 @@ def db_url() -> Iterator[str]:
 
 
 @asynccontextmanager
-async def servers(db_url: str, n: int = SERVERS) -> AsyncIterator[list[ServerProcess]]:
-    """``n`` servers on ``db_url``, started together; killed (SIGKILL) on the way out."""
+async def servers(
+    db_url: str, n: int = SERVERS, extra: tuple[str, ...] = ()
+) -> AsyncIterator[list[ServerProcess]]:
+    """``n`` servers on ``db_url`` (with the options ``extra``), started together; killed
+    (SIGKILL) on the way out."""
     command = [
         str(RELAY), "server", "--db", db_url, "--address", "127.0.0.1:0",
         "--metrics-address", "127.0.0.1:0", "--ws-address", "off",
-        "--shutdown-timeout-ms", "2000",
+        "--shutdown-timeout-ms", "2000", *extra,
     ]  # fmt: skip
     started: list[ServerProcess] = []
     async with trio.open_nursery() as nursery:

@@ -26,3 +26,13 @@ def test_a_notification_without_counts_counts_one_job_per_queue():
     assert heard.ready_counts == {"a": 2, "b": 1, "c": 1}
     heard = notify.parse('{"o": "old", "q": ["a"], "n": {"a": 5}}', "new")
     assert isinstance(heard, Changes) and heard.ready_counts == {"a": 1}
+
+
+def test_a_schedules_next_slot_alone_is_notified_and_read_back():
+    changes = Changes()
+    changes.schedule(1_234)
+    text = notify.payload("me", changes)
+    assert text is not None
+    back = notify.parse(text, "other")
+    assert isinstance(back, Changes) and back.next_schedule_at == 1_234
+    assert notify.payload("me", Changes()) is None

@@ -74,12 +74,21 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     )
     assert "queue_settings" not in candidates
     old_code.setattr(leases_sql, "_CANDIDATES", candidates)
+    before_schedules(old_code)
+
+
+def before_schedules(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 9 ran it: a claim reads no slot."""
+    claim = leases_sql._CLAIM.replace("jobs.scheduled_for", "NULL::bigint")
+    assert claim != leases_sql._CLAIM
+    old_code.setattr(leases_sql, "_CLAIM", claim)
 
 
 def before_queue_limits(old_code: pytest.MonkeyPatch) -> None:
     """The store as the code before schema version 8 ran it: queue_settings has no limits'
-    or defaults' columns to read."""
+    or defaults' columns to read (nor, as before version 9, a job's slot)."""
     old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
+    before_schedules(old_code)
 
 
 def execute(url: str, *statements: str) -> None:
@@ -399,5 +408,33 @@ def test_a_version_7_schema_migrates_to_queue_limits_and_keeps_its_settings(url,
         limited = store.queue_config("q", {"max_leased": 1, "default_retries": 2}, T0 + 1)
         assert limited == QueueSettings("q", max_leased=1, default_retries=2)
         assert store.job_inspect(job.job_id).state == "ready"
+    finally:
+        store.close()
+
+
+def test_a_version_8_schema_migrates_to_schedules_and_keeps_its_jobs(url, monkeypatch):
+    from relay.store.base import ScheduleSpec
+
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 8)
+        before_schedules(old_code)
+        store = PostgresStore.open(url)
+        [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('schedules')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        assert store.job_inspect(old.job_id).scheduled_for is None
+        store.schedule_put(ScheduleSpec("s", "* * * * *", "UTC", "q", "1"), T0)
+        [run] = store.schedules_run_due(T0, 10)
+        leases = store.jobs_claim(["q"], "w1", 2, 60_000, T0)
+        assert {lease.job_id: lease.scheduled_for for lease in leases} == {
+            old.job_id: None,
+            run.job_id: T0,
+        }
     finally:
         store.close()

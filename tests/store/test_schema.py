@@ -32,6 +32,7 @@ from relay.store.schema import (
     open_database,
 )
 from relay.store.sqlite import SqliteStore
+from relay.store.sqlite import leases as sqlite_leases
 from tests.conftest import T0
 
 # PRAGMA synchronous answers a number: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
@@ -383,13 +384,28 @@ def test_sqlite_header_followed_by_garbage_is_refused_unchanged(tmp_path: Path) 
 
 
 def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
-    """The store as the code before schema version 5 ran it: no queue_settings to read."""
+    """The store as the code before schema version 5 ran it: no queue_settings to read
+    (nor, as before version 8, a job's slot: ``before_schedules``)."""
 
     def no_settings(store: SqliteStore) -> None:
         store._settings, store._settings_touched = {}, set()
         store._derive_settings()
 
     old_code.setattr(SqliteStore, "_load_settings", no_settings)
+    before_schedules(old_code)
+
+
+def before_schedules(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 8 ran it: a claim reads no slot."""
+    current = sqlite_leases._claim_candidates_sql
+
+    def candidates(queue_count: int, inline: bool) -> str:
+        sql = current(queue_count, inline)
+        return sql.replace(
+            "timeout_ms, scheduled_for FROM", "timeout_ms, NULL AS scheduled_for FROM"
+        )
+
+    old_code.setattr(sqlite_leases, "_claim_candidates_sql", candidates)
 
 
 def test_there_is_a_migration_for_every_version() -> None:
@@ -814,3 +830,37 @@ def test_a_version_3_file_migrates_to_execution_timeouts_and_keeps_its_jobs(
         }
     finally:
         store.close()
+
+
+def test_a_version_7_file_migrates_to_schedules_and_keeps_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.store.base import ScheduleSpec
+
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 7)
+        before_schedules(old_code)
+        store = SqliteStore.open(path)
+        [old] = store.jobs_submit([spec()], T0)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 7
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
+    assert "schedules" not in tables
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert store.job_inspect(old.job_id).scheduled_for is None
+        store.schedule_put(ScheduleSpec("s", "* * * * *", "UTC", "q", "1"), T0)
+        [run] = store.schedules_run_due(T0, 10)
+        leases = store.jobs_claim(["q"], "w1", 2, 60_000, T0)
+        assert {lease.job_id: lease.scheduled_for for lease in leases} == {
+            old.job_id: None,
+            run.job_id: T0,
+        }
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION

@@ -1596,3 +1596,25 @@ async def test_refused_leases_are_asked_again_less_and_less_often(autojump_clock
     waits = [r.fields["retry_in_s"] for r in caplog.records if r.getMessage() and
              getattr(r, "event", "") == "worker.lease_failed"]  # fmt: skip
     assert waits[:6] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
+
+
+async def test_a_handler_sees_the_slot_of_the_schedule_that_submitted_its_job():
+    seen: list[int | None] = []
+    both = trio.Event()  # a scheduled job and a plain one seen
+    async with open_local(limits=Limits(allow_second_schedules=True)) as queue:
+        await queue.schedule_put("tick", "* * * * * *", "ticks", {"n": 1})
+        await queue.submit("ticks", {"n": 2})  # no schedule's: no slot
+
+        async def handler(job):
+            seen.append(job.scheduled_for)
+            if None in seen and any(slot is not None for slot in seen):
+                both.set()
+
+        worker = Worker(queue, queues=["ticks"], handler=handler, shutdown_timeout=1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run)
+            with trio.fail_after(10):
+                await both.wait()
+            worker.stop()
+    slots = [slot for slot in seen if slot is not None]
+    assert slots and all(slot % 1000 == 0 for slot in slots)

@@ -34,8 +34,10 @@ from relay.server.connections.listener import peer_name
 from relay.server.http.admission import HEAD_TIMEOUT_S, serve_http
 from relay.server.http.dashboard import CONTENT_TYPE as PAGE_TYPE
 from relay.server.http.dashboard import Dashboard
+from relay.store import commands as cmd
 from relay.store.view import EVENTS, QueueView
 from relay.store.view import STATES as VIEW_STATES
+from relay.store.writer import Writer
 from relay.util.histogram import HistogramSnapshot
 from relay.util.log import event
 
@@ -82,6 +84,31 @@ class MetricsSnapshot:
     # one (``snapshot_limits``)
     max_leased: dict[str, int] = attrs.Factory(dict)
     rate_limit: dict[str, float] = attrs.Factory(dict)
+    # Slots this server's scheduler passed, per schedule (``snapshot_schedule_runs``), and
+    # per schedule the ms since its last slot was passed by any server (the store's).
+    schedule_runs: dict[str, int] = attrs.Factory(dict)
+    schedule_ages_ms: dict[str, int] = attrs.Factory(dict)
+
+
+async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
+    """``relay_schedule_last_run_age_seconds``'s series: a read of the first ``max_series``
+    schedules' last slots (name and slot, no payload: an index range), one turn in the
+    writer per rendering. Empty while the store cannot answer (a scrape still answers)."""
+    try:
+        return await writer.execute(cmd.ScheduleAges(max_series))
+    except RelayError:
+        return {}
+
+
+def snapshot_schedule_runs(runs: dict[str, int], max_series: int) -> dict[str, int]:
+    """``relay_schedule_runs_total``'s series: the first ``max_series`` schedules by name,
+    the others summed as ``OTHER_QUEUES``, as the per-queue series are."""
+    names = sorted(runs)
+    series = {name: runs[name] for name in names[:max_series] if name != OTHER_QUEUES}
+    rest = sum(runs[name] for name in names if name not in series)
+    if rest:
+        series[OTHER_QUEUES] = rest
+    return series
 
 
 def snapshot_queues(
@@ -273,6 +300,23 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
     )
     lines += [
         f'relay_queue_rate_limit{{queue="{q}"}} {v!r}\n' for q, v in sorted(s.rate_limit.items())
+    ]
+    # Schedule names are queue names' characters too: no escaping.
+    lines.append(
+        "# HELP relay_schedule_runs_total Slots of the schedule this server passed (a job "
+        "submitted, or refused by its queue).\n# TYPE relay_schedule_runs_total counter\n"
+    )
+    lines += [
+        f'relay_schedule_runs_total{{schedule="{n}"}} {v}\n'
+        for n, v in sorted(s.schedule_runs.items())
+    ]
+    lines.append(
+        "# HELP relay_schedule_last_run_age_seconds Seconds since the schedule's last slot "
+        "was passed, by any server.\n# TYPE relay_schedule_last_run_age_seconds gauge\n"
+    )
+    lines += [
+        f'relay_schedule_last_run_age_seconds{{schedule="{n}"}} {max(0, ms) / 1000}\n'
+        for n, ms in sorted(s.schedule_ages_ms.items())
     ]
     return "".join(lines).encode()
 

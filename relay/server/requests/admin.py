@@ -21,7 +21,7 @@ from relay.protocol.errors import RelayError, ShuttingDown, Unauthorized, Unknow
 from relay.server.requests import ops
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES
+from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
 from relay.store.items import Item
 
 if TYPE_CHECKING:
@@ -163,6 +163,41 @@ class AdminHandlers:
         r = self._typed(fields, "queue_config")
         args = (r.queue, r.changes(self.limits))
         self._queue(connection, (ops.QUEUE_CONFIG, connection, rid, started, args))
+
+    def _schedule_put(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: the reply is the request's own size or so (its payload, bounded
+        # by max_payload_bytes as a submit's), as a submit's is smaller than its request.
+        spec = ScheduleSpec(**self._typed(fields, "schedule_put").to_fields(self.limits))
+        self._queue(connection, (ops.SCHEDULE_PUT, connection, rid, started, spec))
+
+    def _schedule_delete(
+        self, connection: Connection, rid: Any, started: float, fields: dict
+    ) -> None:
+        name = self._typed(fields, "schedule_delete").name
+        self._queue(connection, (ops.SCHEDULE_DELETE, connection, rid, started, name))
+
+    def _schedule_pause(
+        self, connection: Connection, rid: Any, started: float, fields: dict
+    ) -> None:
+        name = self._typed(fields, "schedule_pause").name
+        self._queue(connection, (ops.SCHEDULE_PAUSE, connection, rid, started, (name, True)))
+
+    def _schedule_resume(
+        self, connection: Connection, rid: Any, started: float, fields: dict
+    ) -> None:
+        name = self._typed(fields, "schedule_resume").name
+        self._queue(connection, (ops.SCHEDULE_RESUME, connection, rid, started, (name, False)))
+
+    def _schedule_list(
+        self, connection: Connection, rid: Any, started: float, fields: dict
+    ) -> None:
+        # A page stops adding schedules once their payloads reach max_reply_bytes (at
+        # least one is given), and reserves that much and one payload, as dead_list does.
+        r = self._typed(fields, "schedule_list")
+        page = (r.cursor, r.limit, self.limits.max_reply_bytes)
+        args = ops.Reserving(page, self.limits.max_reply_bytes + self.limits.max_payload_bytes)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.SCHEDULE_LIST, connection, rid, started, args))
 
     def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "watch")

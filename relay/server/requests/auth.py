@@ -82,6 +82,13 @@ OP_ROLES: dict[str, Role] = {
     "queue_resume": Role.ADMIN,
     "queue_list": Role.PRODUCER,
     "queue_config": Role.ADMIN,
+    # Extensions: a schedule submits jobs on its own, for as long as it lasts: an admin's;
+    # the list shows what stats and inspect show.
+    "schedule_put": Role.ADMIN,
+    "schedule_delete": Role.ADMIN,
+    "schedule_pause": Role.ADMIN,
+    "schedule_resume": Role.ADMIN,
+    "schedule_list": Role.PRODUCER,
     # (an extension) A producer may cancel one job that has not started; a leased job, or
     # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
     "cancel": Role.PRODUCER,

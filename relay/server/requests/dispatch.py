@@ -128,6 +128,11 @@ class Dispatcher(AdminHandlers):
             "queue_resume": self._queue_resume,
             "queue_list": self._queue_list,
             "queue_config": self._queue_config,
+            "schedule_put": self._schedule_put,
+            "schedule_delete": self._schedule_delete,
+            "schedule_pause": self._schedule_pause,
+            "schedule_resume": self._schedule_resume,
+            "schedule_list": self._schedule_list,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

@@ -22,7 +22,14 @@ from relay.protocol.errors import RelayError
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import READY, REPLY_OVERHEAD_BYTES, QueueSettings, Store
+from relay.store.base import (
+    READY,
+    REPLY_OVERHEAD_BYTES,
+    QueueSettings,
+    ScheduleInfo,
+    ScheduleSpec,
+    Store,
+)
 from relay.store.items import Item
 from relay.store.view import STATES
 from relay.util.log import event
@@ -439,6 +446,93 @@ class _Cancel(RequestOp):
         return {"job_id": args[0], "state": "cancelled", "was": str(outcome)}
 
 
+def schedule_fields(info: ScheduleInfo) -> dict[str, Any]:
+    """A schedule as ``schedule_put`` and ``schedule_list`` answer it (docs/protocol.md)."""
+    spec, b = info.spec, info.spec.backoff
+    backoff: dict[str, Any] = (
+        {"kind": "fixed", "delay_ms": b.base_ms}
+        if b.kind == "fixed"
+        else {"kind": b.kind, "base_ms": b.base_ms, "max_ms": b.max_ms, "jitter": b.jitter}
+    )
+    fields: dict[str, Any] = {
+        "name": spec.name,
+        "cron": spec.cron,
+        "timezone": spec.timezone,
+        "queue": spec.queue,
+        "payload": orjson.Fragment(spec.payload),
+        "priority": wire.WIRE_PRIORITIES[spec.priority],
+        "retries": spec.max_attempts - 1,
+        "backoff": backoff,
+        "catch_up": spec.catch_up,
+        "catch_up_max": spec.catch_up_max,
+        "paused": info.paused,
+        "next_at": info.next_at,
+        "last_slot": info.last_slot,
+        "last_job_id": info.last_job_id,
+        "last_job_state": info.last_job_state,
+        "created_at": info.created_at,
+        "updated_at": info.updated_at,
+    }
+    if spec.timeout_ms is not None:
+        fields["timeout_ms"] = spec.timeout_ms
+    return fields
+
+
+class _SchedulePut(RequestOp):
+    """``schedule_put``: args is the ``ScheduleSpec``."""
+
+    def run(self, store: Store, now: int, args: ScheduleSpec) -> Any:
+        return store.schedule_put(args, now)
+
+    def fields(self, outcome: ScheduleInfo, args: Any) -> dict[str, Any]:
+        return {"schedule": schedule_fields(outcome)}
+
+
+class _ScheduleDelete(RequestOp):
+    """``schedule_delete``: args is the name."""
+
+    def run(self, store: Store, now: int, args: str) -> Any:
+        return store.schedule_delete(args)
+
+    def fields(self, outcome: None, args: str) -> dict[str, Any]:
+        return {"name": args, "deleted": True}
+
+
+class _SchedulePause(RequestOp):
+    """``schedule_pause`` / ``schedule_resume``: args is (name, paused)."""
+
+    def run(self, store: Store, now: int, args: tuple[str, bool]) -> Any:
+        return store.schedule_pause(args[0], args[1], now)
+
+    def fields(self, outcome: ScheduleInfo, args: Any) -> dict[str, Any]:
+        return {"schedule": schedule_fields(outcome)}
+
+
+class _ScheduleList(RequestOp):
+    """``schedule_list``: args is a Reserving of (cursor, limit, max_bytes): a page stops
+    once its payloads reach max_bytes (at least one schedule is given)."""
+
+    reserves = True
+
+    def run(self, store: Store, now: int, args: Reserving) -> Any:
+        after, limit, max_bytes = args.args
+        page = store.schedule_list(after, limit + 1)
+        more = len(page) > limit
+        page, size = page[:limit], 0
+        for n, info in enumerate(page):
+            size += len(info.spec.payload.encode()) + REPLY_OVERHEAD_BYTES
+            if size >= max_bytes and n + 1 < len(page):
+                page, more = page[: n + 1], True
+                break
+        return page, page[-1].spec.name if more else None
+
+    def fields(self, outcome: tuple[list, str | None], args: Any) -> dict[str, Any]:
+        return {
+            "schedules": [schedule_fields(info) for info in outcome[0]],
+            "next_cursor": outcome[1],
+        }
+
+
 class _Watch(RequestOp):
     """``watch``: nothing to run; its reply comes after a commit made while recording
     (relay/server/requests/watch.py)."""
@@ -467,3 +561,8 @@ QUEUE_PAUSE = _QueuePause("queue_pause")
 QUEUE_RESUME = _QueuePause("queue_resume")
 QUEUE_LIST = _QueueList("queue_list")
 QUEUE_CONFIG = _QueueConfig("queue_config")
+SCHEDULE_PUT = _SchedulePut("schedule_put")
+SCHEDULE_DELETE = _ScheduleDelete("schedule_delete")
+SCHEDULE_PAUSE = _SchedulePause("schedule_pause")
+SCHEDULE_RESUME = _SchedulePause("schedule_resume")
+SCHEDULE_LIST = _ScheduleList("schedule_list")

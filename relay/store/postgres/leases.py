@@ -79,7 +79,7 @@ _CLAIM = (
     f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
     "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
     "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id "
-    "RETURNING jobs.id, jobs.attempt, jobs.max_attempts, jobs.payload"
+    "RETURNING jobs.id, jobs.attempt, jobs.max_attempts, jobs.payload, jobs.scheduled_for"
 )
 
 # The columns ``check_lease`` reads, in its order.
@@ -170,8 +170,8 @@ class Leases(PostgresBase):
         granted = claims_.grant(claims, chosen, now, found, 5)
         updates = [update for mine in granted for update in mine]
         leased = {
-            key: (attempt, max_attempts, payload)
-            for key, attempt, max_attempts, payload in self._write(
+            key: (attempt, max_attempts, payload, slot)
+            for key, attempt, max_attempts, payload, slot in self._write(
                 _CLAIM,
                 (
                     now,
@@ -188,11 +188,11 @@ class Leases(PostgresBase):
             leases = []
             for key, token, _worker, expires_at in mine:
                 _, priority, _, _, queue, timeout, _limited = found[key]
-                attempt, max_attempts, payload = leased[key]
+                attempt, max_attempts, payload, slot = leased[key]
                 leases.append(
                     Lease(
                         f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
-                        token, expires_at, timeout,
+                        token, expires_at, timeout, slot,
                     )
                 )  # fmt: skip
                 if timeout is not None:

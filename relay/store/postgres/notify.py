@@ -1,11 +1,11 @@
 """Commits as notifications, for the other servers: what a commit sends, and how a
 notification reads back. Never imports trio (the listening side is relay/server/services/feed.py).
 
-A commit that makes jobs ready, or sets an earlier due time or lease expiry, also sends
-one notification (``payload``) on ``CHANNEL``, in the same transaction: PostgreSQL delivers
-it when, and only if, the transaction commits. A notification is a hint, never a state:
-whoever it wakes claims or passes through its own writer as always, so one lost or
-repeated changes nothing but latency.
+A commit that makes jobs ready, or sets an earlier due time, lease expiry or schedule slot,
+also sends one notification (``payload``) on ``CHANNEL``, in the same transaction:
+PostgreSQL delivers it when, and only if, the transaction commits. A notification is a
+hint, never a state: whoever it wakes claims or passes through its own writer as always,
+so one lost or repeated changes nothing but latency.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ MAX_PAYLOAD = 7_900
 
 def payload(origin: str, changes: Changes) -> str | None:
     """The notification of a commit of ``changes`` (None: nothing anyone waits for)."""
-    if not changes.ready_queues and changes.next_due_at is None and changes.next_expiry_at is None:
+    if (
+        not changes.ready_queues
+        and changes.next_due_at is None
+        and changes.next_expiry_at is None
+        and changes.next_schedule_at is None
+    ):
         return None
     queues = sorted(changes.ready_queues)
     note: dict = {"o": origin, "q": queues}
@@ -33,6 +38,8 @@ def payload(origin: str, changes: Changes) -> str | None:
         note["d"] = changes.next_due_at
     if changes.next_expiry_at is not None:
         note["e"] = changes.next_expiry_at
+    if changes.next_schedule_at is not None:  # a schedule's next slot (put or resumed)
+        note["s"] = changes.next_schedule_at
     text = orjson.dumps(note).decode()
     if len(text.encode()) < MAX_PAYLOAD:
         return text
@@ -58,11 +65,13 @@ def parse(text: str, origin: str) -> Changes | bool | None:
             if isinstance(queue, str):
                 n = counts[i] if i < len(counts) else 1
                 changes.made_ready(queue, n if type(n) is int and n > 0 else 1)
-        due, expiry = note.get("d"), note.get("e")
+        due, expiry, slot = note.get("d"), note.get("e"), note.get("s")
         if isinstance(due, int):
             changes.due(due)
         if isinstance(expiry, int):
             changes.expiry(expiry)
+        if isinstance(slot, int):
+            changes.schedule(slot)
     except (orjson.JSONDecodeError, AttributeError, TypeError):
         return None
     return changes

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -61,6 +61,7 @@ TABLES = (
     "job_counts",
     "unique_keys",
     "queue_settings",
+    "schedules",
 )
 SEQUENCES = ("job_ids",)
 
@@ -212,6 +213,38 @@ def _v8_queue_limits(conn: psycopg.Connection) -> None:
     )
 
 
+def _v9_schedules(conn: psycopg.Connection) -> None:
+    # As SQLite's version 8: cron schedules, shared by every server. A server takes the
+    # due ones FOR UPDATE SKIP LOCKED and moves ``next_at`` past the slots it submits in
+    # the transaction that creates their jobs: no slot is submitted by two servers.
+    conn.execute(
+        """CREATE TABLE schedules (
+            name text PRIMARY KEY,
+            cron text NOT NULL,
+            timezone text NOT NULL,
+            queue text NOT NULL,
+            payload text NOT NULL,
+            priority integer NOT NULL,
+            max_attempts integer NOT NULL,
+            backoff_kind text NOT NULL,
+            backoff_base_ms bigint NOT NULL,
+            backoff_max_ms bigint NOT NULL,
+            backoff_jitter boolean NOT NULL,
+            timeout_ms bigint,
+            catch_up text NOT NULL CHECK (catch_up IN ('latest', 'none', 'all')),
+            catch_up_max integer NOT NULL,
+            paused boolean NOT NULL DEFAULT false,
+            next_at bigint,
+            last_slot bigint,
+            last_job_id bigint,
+            created_at bigint NOT NULL,
+            updated_at bigint NOT NULL
+        )"""
+    )
+    conn.execute("CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused")
+    conn.execute("ALTER TABLE jobs ADD COLUMN scheduled_for bigint")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -222,6 +255,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     6: _v6_queue_settings,
     7: _v7_cancelled,
     8: _v8_queue_limits,
+    9: _v9_schedules,
 }
 
 

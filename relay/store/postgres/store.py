@@ -38,11 +38,14 @@ from relay.store.postgres.jobs import Jobs
 from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
 from relay.store.postgres.reads import Reads
+from relay.store.postgres.schedules import Schedules
 from relay.store.postgres.schema import open_connection
 from relay.store.postgres.settings import Settings
 
 
-class PostgresStore(Jobs, Leases, Maintenance, DeadLetters, Cancel, Reads, Settings, PostgresBase):
+class PostgresStore(
+    Jobs, Leases, Maintenance, DeadLetters, Cancel, Reads, Settings, Schedules, PostgresBase
+):
     """The job store on one PostgreSQL connection, which it owns.
 
     Not thread-safe: exactly one thread (the writer) may call it.

@@ -149,12 +149,12 @@ class SqliteLeases(SqliteBase):
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, worker, expires_at in mine:
-                _, priority, _, _, queue, attempt, max_attempts, payload, timeout = found[key]
+                _, priority, _, _, queue, attempt, max_attempts, payload, timeout, slot = found[key]
                 job_id = f"job_{key:016x}"
                 leases.append(
                     _new_lease(Lease, (
                         job_id, queue, payload, priority, attempt + 1, max_attempts, token,
-                        expires_at, timeout,
+                        expires_at, timeout, slot,
                     ))
                 )  # fmt: skip
                 if timeout is not None:

@@ -104,13 +104,14 @@ def _claim_candidates_sql(queue_count: int, inline: bool) -> str:
     payload = f"CASE WHEN size <= {INLINE_PAYLOAD_BYTES} THEN payload END" if inline else "NULL"
     part = (
         "SELECT * FROM (SELECT id, priority, ready_at, length(CAST(payload AS BLOB)) AS size, "
-        "queue, attempt, max_attempts, payload, timeout_ms FROM jobs INDEXED BY jobs_ready "
+        "queue, attempt, max_attempts, payload, timeout_ms, scheduled_for FROM jobs "
+        "INDEXED BY jobs_ready "
         "WHERE state = 'ready' AND queue = ? AND priority = ? ORDER BY ready_at, id LIMIT ?)"
     )
     parts = " UNION ALL ".join([part] * (queue_count * len(_PRIORITIES_HIGH_FIRST)))
     return (
         "SELECT json_group_array(json_array(id, priority, ready_at, size, queue, attempt, "
-        f"max_attempts, {payload}, timeout_ms)) FROM ({parts})"
+        f"max_attempts, {payload}, timeout_ms, scheduled_for)) FROM ({parts})"
     )
 
 

@@ -5,7 +5,8 @@ Here: opening and closing, the transactions the writer runs (``begin``, ``comman
 concern: jobs.py (submit), leases.py (claim, renew, ack, fail, release), maintenance.py
 (promote, reap, recover, prune, next deadlines), dead.py (dead-letter retry and purge),
 cancel.py (cancel a job or a queue's), reads.py (inspect, dead list), settings.py (pause,
-resume, the queues' settings). Never imports trio; never reads the clock.
+resume, the queues' settings), schedules.py (cron schedules and their due slots). Never
+imports trio; never reads the clock.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from relay.store.sqlite.jobs import SqliteJobs
 from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
 from relay.store.sqlite.reads import SqliteReads
+from relay.store.sqlite.schedules import SqliteSchedules
 from relay.store.sqlite.settings import SqliteSettings
 from relay.store.view import EVENTS, STATES, Entry
 
@@ -37,6 +39,7 @@ class SqliteStore(
     SqliteCancel,
     SqliteReads,
     SqliteSettings,
+    SqliteSchedules,
 ):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).

@@ -123,7 +123,9 @@ async def test_page_policy_allows_its_own_script_and_style_and_its_websocket_onl
     assert policy["default-src"] == ["'none'"] and policy["frame-ancestors"] == ["'none'"]
     # Self-contained: nothing to load from anywhere, and a size one can read.
     assert not re.search(rb"\b(src|href)=", body) and b"@import" not in body
-    assert body.count(b"\n") < 720 and b'data-auth="none"' in body  # (550 before queue settings)
+    assert (
+        body.count(b"\n") < 780 and b'data-auth="none"' in body
+    )  # (550 before settings, schedules)
 
 
 async def test_page_says_wss_when_the_server_has_tls(tmp_path, tls_files):
@@ -716,3 +718,40 @@ async def test_dashboard_offers_no_settings_form_to_a_worker(tmp_path, browser):
                   "the settings, shown to a worker", MOVE_S)  # fmt: skip
         buttons = await on_page(browser.find_elements, By.CSS_SELECTOR, "button[data-edit]")
         assert buttons and not any([await on_page(b.is_displayed) for b in buttons])
+
+
+SCHEDULES_JS = """
+const out = {};
+for (const row of document.querySelectorAll("#schedules tbody tr[data-schedule]")) {
+  out[row.dataset.schedule] = [...row.cells].map((td) => td.textContent);
+}
+return out;
+"""
+
+
+async def test_dashboard_lists_schedules_with_next_runs_in_local_time_and_utc(server, browser):
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        info = await client.schedule_put(
+            "nightly", "30 2 * * *", "reports", {}, timezone="Europe/Berlin"
+        )
+        await client.schedule_put("hourly", "@hourly", "q", 1)
+        await client.schedule_pause("hourly")
+        await open_page(browser, server)
+        await see(browser, status_is("connected"), "connected")
+        shown = await see(browser, lambda d: d.execute_script(SCHEDULES_JS) or None,
+                          "the schedules", MOVE_S)  # fmt: skip
+    assert set(shown) == {"nightly", "hourly"}
+    name, cron, queue, local, utc, job, state = shown["nightly"]
+    assert (name, cron, queue, job, state) == (
+        "nightly", "30 2 * * * (Europe/Berlin)", "reports", "-", "-",
+    )  # fmt: skip
+    assert info.next_at is not None
+    import datetime as dt
+    from zoneinfo import ZoneInfo
+
+    at = dt.datetime.fromtimestamp(info.next_at / 1000, dt.UTC)
+    assert local.startswith(f"{at.astimezone(ZoneInfo('Europe/Berlin')):%Y-%m-%d %H:%M} ")
+    assert utc.startswith(f"{at:%Y-%m-%d %H:%M} ")
+    assert shown["hourly"][3] == "paused"
+    assert await on_page(no_console_errors, browser) == []

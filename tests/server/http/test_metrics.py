@@ -21,6 +21,7 @@ from relay.server.http.metrics import (
     snapshot_limits,
     snapshot_paused,
     snapshot_queues,
+    snapshot_schedule_runs,
 )
 from relay.store.view import EVENTS, QueueView
 from relay.store.view import STATES as VIEW_STATES
@@ -187,3 +188,24 @@ def test_a_queue_with_a_limit_has_its_gauges_and_the_others_none():
         done = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
                               capture_output=True, check=False)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_schedule_runs_are_bounded_as_queues_are_and_ages_render_in_seconds():
+    runs = {"a": 3, "b": 1, "c": 2, "d": 5}
+    assert snapshot_schedule_runs(runs, 10) == runs
+    assert snapshot_schedule_runs(runs, 2) == {"a": 3, "b": 1, "_other": 7}
+    histogram = Histogram((0.1,)).snapshot()
+    snapshot = MetricsSnapshot(
+        queues={}, events={}, connections=0, durations={}, batch_sizes=histogram,
+        commit_seconds=histogram, schedule_runs=snapshot_schedule_runs(runs, 2),
+        schedule_ages_ms={"a": 1_500, "b": 90_000},
+    )  # fmt: skip
+    families = {f.name: f for f in text_string_to_metric_families(render(snapshot).decode())}
+    counter = families["relay_schedule_runs"]
+    assert counter.type == "counter"
+    assert {s.labels["schedule"]: s.value for s in counter.samples} == {
+        "a": 3, "b": 1, "_other": 7,
+    }  # fmt: skip
+    gauge = families["relay_schedule_last_run_age_seconds"]
+    assert gauge.type == "gauge"
+    assert {s.labels["schedule"]: s.value for s in gauge.samples} == {"a": 1.5, "b": 90.0}

@@ -152,23 +152,29 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "queue_resume": lambda token: {"queue": "q"},
     "queue_list": lambda token: {},
     "queue_config": lambda token: {"queue": "q", "max_leased": 5},
+    "schedule_put": lambda token: {"name": "s", "cron": "@daily", "queue": "q", "payload": 1},
+    "schedule_delete": lambda token: {"name": "s"},
+    "schedule_pause": lambda token: {"name": "s"},
+    "schedule_resume": lambda token: {"name": "s"},
+    "schedule_list": lambda token: {},
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
-    "cancel",
+    "cancel", "schedule_list",
 }  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
 }  # fmt: skip
 ADMIN_OPS = WORKER_OPS | {
-    "dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume", "queue_config"
+    "dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume", "queue_config",
+    "schedule_put", "schedule_delete", "schedule_pause", "schedule_resume",
 }  # fmt: skip
 ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 23
+    assert len(REQUESTS) == 28
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))
