@@ -105,6 +105,15 @@ class QueueSettings:
         return self.max_leased is not None or self.rate is not None
 
     @property
+    def has_defaults(self) -> bool:
+        """A submit to this queue may get something of it (``with_defaults``)."""
+        return (
+            self.default_timeout_ms is not None
+            or self.default_retries is not None
+            or self.default_backoff is not None
+        )
+
+    @property
     def is_default(self) -> bool:
         """Nothing set: the queue's row says nothing (it is deleted)."""
         return self == QueueSettings(self.queue)
@@ -146,6 +155,20 @@ class QueueSettings:
     def changed(self, changes: Mapping[str, Any]) -> QueueSettings:
         """These settings with ``changes`` (field -> value; None clears) applied."""
         return attrs.evolve(self, **changes)
+
+
+def with_defaults(spec: SubmitSpec, settings: QueueSettings) -> SubmitSpec:
+    """``spec`` with each field it left out (None) that its queue has a default for set to
+    that default. What stays None is the protocol's default (DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_BACKOFF, no timeout), which the stores write as they write a plain job."""
+    attempts, backoff, timeout = spec.max_attempts, spec.backoff, spec.timeout_ms
+    if attempts is None and settings.default_retries is not None:
+        attempts = settings.default_retries + 1
+    if backoff is None:
+        backoff = settings.default_backoff
+    if timeout is None:
+        timeout = settings.default_timeout_ms
+    return spec._replace(max_attempts=attempts, backoff=backoff, timeout_ms=timeout)
 
 
 # The settings' columns of queue_settings, in ``QueueSettings.to_row``'s order.
@@ -373,8 +396,10 @@ class Store(Protocol):
         self, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False
     ) -> list[SubmitResult] | None:
         """Create jobs, all or none (``QueueFull`` over a depth limit); a (queue, key) seen
-        within the idempotency window answers the first job as a duplicate. ``alone``:
-        one self-committing statement, or None having written nothing."""
+        within the idempotency window answers the first job as a duplicate. A field a
+        spec leaves out (None) gets its queue's default as this transaction sees the
+        queue's settings, else the protocol's (``with_defaults``); the job keeps it.
+        ``alone``: one self-committing statement, or None having written nothing."""
 
     def jobs_claim(
         self,

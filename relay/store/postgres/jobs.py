@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from relay.protocol.errors import QueueFull
 from relay.protocol.model import (
     DEFAULT_BACKOFF,
+    DEFAULT_MAX_ATTEMPTS,
     ID_SEQ_BITS,
     JobState,
     SubmitResult,
@@ -42,26 +43,54 @@ _ID_LAG = ID_LAG_MS << ID_SEQ_BITS
 _NEXT_IDS = "SELECT nextval('job_ids') FROM generate_series(1, %s)"
 _CATCH_UP = "SELECT setval('job_ids', %s) FROM job_ids WHERE last_value < %s"
 
+# A field a submit left out (NULL in its arrays) gets its queue's default, read by the
+# insert itself (the settings as committed when the statement starts, or as this
+# transaction changed them), else the protocol's: no round trip more. A backoff is given
+# whole or left out whole; a queue's default_backoff is Backoff's four fields as JSON.
+_DEFAULTS = (
+    "LEFT JOIN (SELECT queue, default_retries + 1 AS attempts, default_timeout_ms, "
+    "default_backoff::jsonb AS b FROM queue_settings) s ON s.queue = t.queue"
+)
+
+
+def _with_defaults(given: bool) -> str:
+    """max_attempts and the four backoff columns: the submit's (``given``: its backoff
+    may be, as t.kind...; else none is), else the queue's default, else the protocol's."""
+    b = DEFAULT_BACKOFF
+    backoff = (
+        ("kind", "s.b ->> 0", f"'{b.kind}'"),
+        ("base_ms", "(s.b ->> 1)::bigint", b.base_ms),
+        ("max_ms", "(s.b ->> 2)::bigint", b.max_ms),
+        ("jitter", "(s.b ->> 3)::boolean", str(b.jitter).lower()),
+    )
+    columns = [f"coalesce(t.max_attempts, s.attempts, {DEFAULT_MAX_ATTEMPTS})"]
+    for name, default, protocols in backoff:
+        submits = f"t.{name}, " if given else ""
+        columns.append(f"coalesce({submits}{default}, {protocols})")
+    return ", ".join(columns)
+
+
+# Every job ready now, with no backoff, timeout or key of its own: five arrays.
 _INSERT_PLAIN = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
-    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at) "
-    "SELECT id, queue, 'ready', priority, payload, 0, max_attempts, "
-    f"'{DEFAULT_BACKOFF.kind}', {DEFAULT_BACKOFF.base_ms}, {DEFAULT_BACKOFF.max_ms}, "
-    f"{str(DEFAULT_BACKOFF.jitter).lower()}, %(now)s, %(now)s "
+    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
+    "timeout_ms) SELECT t.id, t.queue, 'ready', t.priority, t.payload, 0, "
+    f"{_with_defaults(False)}, %(now)s, %(now)s, s.default_timeout_ms "
     "FROM unnest(%(ids)s::bigint[], %(queues)s::text[], %(priorities)s::int[], "
     "%(payloads)s::text[], %(max_attempts)s::int[]) "
-    "AS t(id, queue, priority, payload, max_attempts)"
+    f"AS t(id, queue, priority, payload, max_attempts) {_DEFAULTS}"
 )
 _INSERT_JOBS = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
     "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
     "run_at, idempotency_key, timeout_ms) "
-    "SELECT id, queue, state, priority, payload, 0, max_attempts, kind, base_ms, max_ms, "
-    "jitter, %s, ready_at, run_at, key, timeout FROM unnest(%s::bigint[], %s::text[], "
+    f"SELECT t.id, t.queue, t.state, t.priority, t.payload, 0, {_with_defaults(True)}, "
+    "%s, t.ready_at, t.run_at, t.key, coalesce(t.timeout, s.default_timeout_ms) "
+    "FROM unnest(%s::bigint[], %s::text[], "
     "%s::text[], %s::int[], %s::text[], %s::int[], %s::text[], %s::bigint[], %s::bigint[], "
     "%s::boolean[], %s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS t(id, queue, "
     "state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, "
-    "key, timeout)"
+    f"key, timeout) {_DEFAULTS}"
 )
 # The keys among these that name a job within their window.
 _LIVE_KEYS = (
@@ -249,13 +278,14 @@ class Jobs(PostgresBase):
         return ids
 
     def _insert_jobs(self, specs: list[SubmitSpec], ids: list[int], now: int) -> list[JobState]:
-        """Insert one job per spec, with these ids; return their states."""
+        """Insert one job per spec, with these ids; return their states. What a spec left
+        out (None) the statement fills in (``_DEFAULTS``)."""
         plain = all(
             spec.idempotency_key is None
             and spec.timeout_ms is None
             and spec.run_at is None
             and not spec.delay_ms
-            and spec.backoff is DEFAULT_BACKOFF
+            and spec.backoff is None
             for spec in specs
         )
         if plain:  # the common batch: five arrays, not thirteen
@@ -295,10 +325,10 @@ class Jobs(PostgresBase):
                 [int(spec.priority) for spec in specs],
                 [spec.payload for spec in specs],
                 [spec.max_attempts for spec in specs],
-                [backoff.kind for backoff in backoffs],
-                [backoff.base_ms for backoff in backoffs],
-                [backoff.max_ms for backoff in backoffs],
-                [bool(backoff.jitter) for backoff in backoffs],
+                [None if backoff is None else backoff.kind for backoff in backoffs],
+                [None if backoff is None else backoff.base_ms for backoff in backoffs],
+                [None if backoff is None else backoff.max_ms for backoff in backoffs],
+                [None if backoff is None else bool(backoff.jitter) for backoff in backoffs],
                 ready_ats,
                 run_ats,
                 [

@@ -2,10 +2,11 @@
 (``queue_config``), and the settings read a page at a time.
 
 One server owns the file, so the settings are kept in memory (``_settings``, and what a
-claim needs of them: ``_paused``, ``_limited``): loaded when the store opens, changed only
-once the transaction that changed the table has committed (``_settle_settings``), so they
-never hold what was rolled back. A claim filters its queues against them, and pays one
-truth test each when no queue is paused or limited (leases.py).
+claim needs of them: ``_paused``, ``_limited``; what a submit needs: ``_defaults``):
+loaded when the store opens, changed only once the transaction that changed the table has
+committed (``_settle_settings``), so they never hold what was rolled back. A claim filters
+its queues against them, and pays one truth test each when no queue is paused or limited
+(leases.py); a submit pays one when no queue has defaults (jobs.py).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class SqliteSettings(SqliteBase):
     """Pause, resume, limits, defaults, and the settings' pages: part of ``SqliteStore``."""
 
     # Every queue's settings, as committed (the queues without a row have none); the
-    # queues paused and those with a limit among them; and the queues the open
-    # transaction changed, read again by its commit, forgotten by its rollback.
+    # queues paused, those with a limit, and those with submit defaults among them; and
+    # the queues the open transaction changed, read again by its commit, forgotten by its
+    # rollback.
     _settings: dict[str, QueueSettings]
     _paused: frozenset[str]
     _limited: frozenset[str]
+    _defaults: dict[str, QueueSettings]
     _settings_touched: set[str]
 
     def _load_settings(self) -> None:
@@ -58,6 +61,7 @@ class SqliteSettings(SqliteBase):
         values = self._settings.values()
         self._paused = frozenset(s.queue for s in values if s.paused)
         self._limited = frozenset(s.queue for s in values if s.limited)
+        self._defaults = {s.queue: s for s in values if s.has_defaults}
         self.view.publish_paused(self._paused)
 
     def _settle_settings(self, committed: bool) -> None:
