@@ -43,14 +43,26 @@ _ID_LAG = ID_LAG_MS << ID_SEQ_BITS
 _NEXT_IDS = "SELECT nextval('job_ids') FROM generate_series(1, %s)"
 _CATCH_UP = "SELECT setval('job_ids', %s) FROM job_ids WHERE last_value < %s"
 
-# A field a submit left out (NULL in its arrays) gets its queue's default, read by the
-# insert itself (the settings as committed when the statement starts, or as this
-# transaction changed them), else the protocol's: no round trip more. A backoff is given
-# whole or left out whole; a queue's default_backoff is Backoff's four fields as JSON.
-_DEFAULTS = (
-    "LEFT JOIN (SELECT queue, default_retries + 1 AS attempts, default_timeout_ms, "
-    "default_backoff::jsonb AS b FROM queue_settings) s ON s.queue = t.queue"
-)
+
+def _defaults(queues: str) -> str:
+    """The join that gives each job (``t``) its queue's settings (``s``), read by the
+    insert itself: a field a submit left out (NULL in its array) gets its queue's default
+    as committed when the statement starts (or as this transaction changed it), else the
+    protocol's, with no round trip more. A backoff is given whole or left out whole; a
+    queue's default_backoff is Backoff's four fields as JSON.
+
+    The rows are those of the batch's queues (``queues``, the placeholder of its queue
+    array) by one index scan. That array is read through a sub-select so that the planner
+    cannot count it: a prepared statement whose custom plans know the batch's size look
+    cheaper than its generic plan once queue_settings is large (hundreds of rows), and
+    PostgreSQL then plans it anew on every run (measured: +0.1 ms a submit with 10,000
+    queues' settings); this way the generic plan holds, one index scan whatever the size.
+    """
+    return (
+        "LEFT JOIN (SELECT queue, default_retries + 1 AS attempts, default_timeout_ms, "
+        "default_backoff::jsonb AS b FROM queue_settings "
+        f"WHERE queue = ANY((SELECT {queues}::text[])::text[])) s ON s.queue = t.queue"
+    )
 
 
 def _with_defaults(given: bool) -> str:
@@ -78,7 +90,7 @@ _INSERT_PLAIN = (
     f"{_with_defaults(False)}, %(now)s, %(now)s, s.default_timeout_ms "
     "FROM unnest(%(ids)s::bigint[], %(queues)s::text[], %(priorities)s::int[], "
     "%(payloads)s::text[], %(max_attempts)s::int[]) "
-    f"AS t(id, queue, priority, payload, max_attempts) {_DEFAULTS}"
+    f"AS t(id, queue, priority, payload, max_attempts) {_defaults('%(queues)s')}"
 )
 _INSERT_JOBS = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
@@ -90,7 +102,7 @@ _INSERT_JOBS = (
     "%s::text[], %s::int[], %s::text[], %s::int[], %s::text[], %s::bigint[], %s::bigint[], "
     "%s::boolean[], %s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS t(id, queue, "
     "state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, "
-    f"key, timeout) {_DEFAULTS}"
+    f"key, timeout) {_defaults('%s')}"
 )
 # The keys among these that name a job within their window.
 _LIVE_KEYS = (
@@ -315,12 +327,13 @@ class Jobs(PostgresBase):
                 ready_ats.append(now)
                 run_ats.append(spec.run_at)
         backoffs = [spec.backoff for spec in specs]
+        queues = [spec.queue for spec in specs]
         self._write(
             _INSERT_JOBS,
             (
                 now,
                 ids,
-                [spec.queue for spec in specs],
+                queues,
                 [state.value for state in states],
                 [int(spec.priority) for spec in specs],
                 [spec.payload for spec in specs],
@@ -336,6 +349,7 @@ class Jobs(PostgresBase):
                     for spec in specs
                 ],
                 [spec.timeout_ms for spec in specs],
+                queues,  # (the queues whose settings the join reads: _defaults)
             ),
         )
         return states

@@ -29,6 +29,7 @@ from relay.store.base import (
     SETTINGS_COLUMNS,
     UNFINISHED,
     QueueSettings,
+    SubmitDefaults,
     with_defaults,
 )
 from relay.store.sqlite.sql import (
@@ -97,7 +98,7 @@ class SqliteJobs(SqliteBase):
 
     # The queues with submit defaults, as committed, and the queues whose settings the
     # open transaction changed (settings.py).
-    _defaults: dict[str, QueueSettings]
+    _defaults: dict[str, SubmitDefaults]
     _settings_touched: set[str]
 
     # -- submit ----------------------------------------------------------------------------
@@ -289,15 +290,14 @@ class SqliteJobs(SqliteBase):
             defaults = dict(defaults)
             for queue in self._settings_touched:
                 row = self._db.execute(_SETTINGS_ROW, (queue,)).fetchone()
-                settings = None if row is None else QueueSettings.from_row(row)
-                if settings is not None and settings.has_defaults:
-                    defaults[queue] = settings
+                fill = None if row is None else QueueSettings.from_row(row).submit_defaults
+                if fill is not None:
+                    defaults[queue] = fill
                 else:
                     defaults.pop(queue, None)
         get = defaults.get
         return [
-            spec if (settings := get(spec[0])) is None else with_defaults(spec, settings)
-            for spec in specs
+            spec if (fill := get(spec[0])) is None else with_defaults(spec, fill) for spec in specs
         ]
 
     def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:

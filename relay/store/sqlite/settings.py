@@ -20,6 +20,7 @@ from relay.store.base import (
     SETTINGS_COLUMNS,
     SETTINGS_PAGE,
     QueueSettings,
+    SubmitDefaults,
     too_many_settings,
 )
 from relay.store.sqlite.sql import SqliteBase
@@ -48,7 +49,7 @@ class SqliteSettings(SqliteBase):
     _settings: dict[str, QueueSettings]
     _paused: frozenset[str]
     _limited: frozenset[str]
-    _defaults: dict[str, QueueSettings]
+    _defaults: dict[str, SubmitDefaults]
     _settings_touched: set[str]
 
     def _load_settings(self) -> None:
@@ -61,7 +62,9 @@ class SqliteSettings(SqliteBase):
         values = self._settings.values()
         self._paused = frozenset(s.queue for s in values if s.paused)
         self._limited = frozenset(s.queue for s in values if s.limited)
-        self._defaults = {s.queue: s for s in values if s.has_defaults}
+        self._defaults = {
+            s.queue: defaults for s in values if (defaults := s.submit_defaults) is not None
+        }
         self.view.publish_paused(self._paused)
 
     def _settle_settings(self, committed: bool) -> None:
