@@ -43,9 +43,9 @@ class SqliteSettings(SqliteBase):
     """Pause, resume, limits, defaults, and the settings' pages: part of ``SqliteStore``."""
 
     # Every queue's settings, as committed (the queues without a row have none); the
-    # queues paused, those with a limit, and those with submit defaults among them; and
-    # the queues the open transaction changed, read again by its commit, forgotten by its
-    # rollback.
+    # queues paused, those with a limit, and those with submit defaults among them (each
+    # with what a spec takes of them: base.SubmitDefaults); and the queues the open
+    # transaction changed, read again by its commit, forgotten by its rollback.
     _settings: dict[str, QueueSettings]
     _paused: frozenset[str]
     _limited: frozenset[str]
