@@ -99,6 +99,20 @@ async def test_every_call_works_locally(db):
         assert stats.server.connections == 0  # no sockets in embedded mode
 
 
+async def test_a_submit_gets_the_queues_defaults_for_what_it_leaves_out(db):
+    async with open_local(db) as queue:
+        await queue.queue_config("q", default_retries=0, default_timeout_ms=9_000)
+        left_out = await queue.submit("q", 1)
+        given = await queue.submit("q", 2, retries=2, timeout_ms=1_000)
+        [batched] = await queue.submit_batch([job_fields("q", 3)])
+        views = [await queue.inspect(r.job_id) for r in (left_out, given, batched)]
+        assert [(v.max_attempts, v.timeout_ms) for v in views] == [
+            (1, 9_000),
+            (3, 1_000),
+            (1, 9_000),
+        ]
+
+
 async def test_delayed_job_runs_when_due(db):
     ran = trio.Event()
 

@@ -112,6 +112,8 @@ class Backoff:
 
 
 DEFAULT_BACKOFF = Backoff()
+# A job's attempts when neither its submit nor its queue says: the first and 3 retries.
+DEFAULT_MAX_ATTEMPTS = 4
 
 
 @attrs.frozen
@@ -128,6 +130,11 @@ class SubmitSpec(NamedTuple):
 
     The due time is ``run_at`` if given, else now + ``delay_ms``; the store applies its own
     ``now`` so that the time is the server's, taken when the change is made.
+
+    ``max_attempts``, ``backoff`` and ``timeout_ms`` are None where the submit left them
+    out: the store resolves them when it makes the job, to its queue's default where one
+    is set (``QueueSettings``), else to the protocol's (DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_BACKOFF, no timeout); the job keeps what it got.
     """
 
     queue: str
@@ -135,14 +142,15 @@ class SubmitSpec(NamedTuple):
     priority: int = Priority.NORMAL
     delay_ms: int = 0
     run_at: int | None = None
-    max_attempts: int = 4
-    backoff: Backoff = DEFAULT_BACKOFF
+    max_attempts: int | None = None
+    backoff: Backoff | None = None
     idempotency_key: str | None = None
     # At most one job of the queue with this key while the holder is in ``unique_for``'s
     # scope (UNIQUE_FOR: "unfinished" or "queued"); checked when a job is submitted.
     unique_key: str | None = None
     unique_for: str = "unfinished"
-    # The longest one attempt may run (None: as long as its lease is renewed).
+    # The longest one attempt may run (None: the queue's default, else as long as its
+    # lease is renewed).
     timeout_ms: int | None = None
 
     def due_at(self, now: int) -> int:

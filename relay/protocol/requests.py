@@ -16,6 +16,7 @@ from relay.protocol import cron
 from relay.protocol.errors import BadRequest
 from relay.protocol.model import (
     DEFAULT_BACKOFF,
+    DEFAULT_MAX_ATTEMPTS,
     ID_ABBREV_MIN,
     ID_HEX_DIGITS,
     PRIORITY_INT_BY_WIRE,
@@ -33,7 +34,6 @@ from relay.protocol.wire import (
     DAY_MS,
     DEFAULT_DEAD_LIST,
     DEFAULT_LEASE_MS,
-    DEFAULT_RETRIES,
     STATS_PAGE,
     Limits,
     _bad,
@@ -97,7 +97,8 @@ class Submit:
     priority: str = "normal"
     delay_ms: int | None = None
     run_at: int | None = None
-    retries: int = DEFAULT_RETRIES
+    # Left out (None): the queue's default, else the protocol's (SubmitSpec).
+    retries: int | None = None
     backoff: WireBackoff | None = None
     idempotency_key: str | None = None
     unique_key: str | None = None
@@ -116,7 +117,8 @@ class Submit:
             check_range(prefix + "delay_ms", self.delay_ms, 0, limits.max_delay_ms)
         if self.run_at is not None:
             check_range(prefix + "run_at", self.run_at, 0, 2**53)
-        check_range(prefix + "retries", self.retries, 0, limits.max_retries)
+        if self.retries is not None:
+            check_range(prefix + "retries", self.retries, 0, limits.max_retries)
         if self.idempotency_key is not None:
             check_text(prefix + "idempotency_key", self.idempotency_key, limits.max_id_bytes)
         if self.unique_key is not None:
@@ -129,9 +131,7 @@ class Submit:
         if self.timeout_ms is not None:
             check_range(prefix + "timeout_ms", self.timeout_ms, 1, limits.max_timeout_ms)
         backoff = (
-            DEFAULT_BACKOFF
-            if self.backoff is None
-            else self.backoff.to_model(prefix + "backoff", limits)
+            None if self.backoff is None else self.backoff.to_model(prefix + "backoff", limits)
         )
         return SubmitSpec(
             queue=self.queue,
@@ -139,7 +139,7 @@ class Submit:
             priority=PRIORITY_INT_BY_WIRE[self.priority],
             delay_ms=self.delay_ms or 0,
             run_at=self.run_at,
-            max_attempts=self.retries + 1,
+            max_attempts=None if self.retries is None else self.retries + 1,
             backoff=backoff,
             idempotency_key=self.idempotency_key,
             unique_key=self.unique_key,
@@ -552,7 +552,7 @@ class SchedulePut:
     queue: str
     payload: Any
     priority: str = "normal"
-    retries: int = DEFAULT_RETRIES
+    retries: int = DEFAULT_MAX_ATTEMPTS - 1  # (a schedule's job keeps what it was put with)
     backoff: WireBackoff | None = None
     timeout_ms: int | None = None
     timezone: str = "UTC"

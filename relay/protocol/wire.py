@@ -16,7 +16,6 @@ import orjson
 
 from relay.protocol.errors import BadRequest, RelayError
 from relay.protocol.model import (
-    DEFAULT_BACKOFF,
     PRIORITY_INT_BY_WIRE,
     QUEUE_NAME_RE,
     WIRE_PRIORITIES,
@@ -94,7 +93,6 @@ class Limits:
 MAX_HELLO_BYTES = 4 * 1024
 
 DEFAULT_LEASE_MS = 30_000
-DEFAULT_RETRIES = 3
 DEFAULT_DEAD_LIST = 100
 # Queues per stats reply (an extension: stats pages by queue name), by default and at
 # most: 1,000 queues with the longest names are about 400 KB of reply, within
@@ -184,13 +182,15 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
         return None
     priority_name = get("priority", "normal")
     priority = PRIORITY_INT_BY_WIRE.get(priority_name) if type(priority_name) is str else None
-    retries = get("retries", DEFAULT_RETRIES)
+    attempts = get("retries")  # None: left out, for the store to resolve (SubmitSpec)
+    if attempts is not None:
+        if type(attempts) is not int or not 0 <= attempts <= limits.max_retries:
+            return None
+        attempts += 1
     delay_ms = get("delay_ms", 0)
     key = get("idempotency_key")
     if (
         priority is None
-        or type(retries) is not int
-        or not 0 <= retries <= limits.max_retries
         or type(delay_ms) is not int
         or not 0 <= delay_ms <= limits.max_delay_ms
         or (key is not None and not _short_text(key, limits.max_id_bytes))
@@ -204,8 +204,8 @@ def fast_submit_spec(job: dict[str, Any], limits: Limits) -> SubmitSpec | None:
     if len(payload) > limits.max_payload_bytes:
         return None
     return _new_spec(
-        SubmitSpec, (queue, payload.decode(), priority, delay_ms, None, retries + 1,
-                     DEFAULT_BACKOFF, key, None, UNFINISHED, None)
+        SubmitSpec, (queue, payload.decode(), priority, delay_ms, None,
+                     attempts, None, key, None, UNFINISHED, None)
     )  # fmt: skip
 
 

@@ -107,6 +107,18 @@ class QueueSettings:
         return self.max_leased is not None or self.rate is not None
 
     @property
+    def submit_defaults(self) -> SubmitDefaults | None:
+        """What a submit to this queue gets for the fields it leaves out (``with_defaults``),
+        or None if the queue has no default."""
+        retries = self.default_retries
+        defaults = (
+            None if retries is None else retries + 1,
+            self.default_backoff,
+            self.default_timeout_ms,
+        )
+        return None if defaults == (None, None, None) else defaults
+
+    @property
     def is_default(self) -> bool:
         """Nothing set: the queue's row says nothing (it is deleted)."""
         return self == QueueSettings(self.queue)
@@ -148,6 +160,28 @@ class QueueSettings:
     def changed(self, changes: Mapping[str, Any]) -> QueueSettings:
         """These settings with ``changes`` (field -> value; None clears) applied."""
         return attrs.evolve(self, **changes)
+
+
+# What a submit to a queue gets for the fields it leaves out: (max_attempts, backoff,
+# timeout_ms), each None where the queue has no default (``QueueSettings.submit_defaults``).
+SubmitDefaults = tuple[int | None, Backoff | None, int | None]
+
+
+def with_defaults(spec: SubmitSpec, defaults: SubmitDefaults) -> SubmitSpec:
+    """``spec`` with each field it left out (None) that its queue has a default for set to
+    that default. What stays None is the protocol's default (DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_BACKOFF, no timeout), which the stores write as they write a plain job.
+    (By position, as the fast parse makes a spec: this runs per job.)"""
+    s, (attempts, backoff, timeout) = spec, defaults
+    return _new_spec(
+        SubmitSpec, (s[0], s[1], s[2], s[3], s[4], attempts if s[5] is None else s[5],
+                     backoff if s[6] is None else s[6], s[7], s[8], s[9],
+                     timeout if s[10] is None else s[10])
+    )  # fmt: skip
+
+
+# A named tuple made from a tuple at once, every field given (relay/protocol/wire.py).
+_new_spec = tuple.__new__
 
 
 # The settings' columns of queue_settings, in ``QueueSettings.to_row``'s order.
@@ -455,8 +489,10 @@ class Store(Protocol):
         self, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False
     ) -> list[SubmitResult] | None:
         """Create jobs, all or none (``QueueFull`` over a depth limit); a (queue, key) seen
-        within the idempotency window answers the first job as a duplicate. ``alone``:
-        one self-committing statement, or None having written nothing."""
+        within the idempotency window answers the first job as a duplicate. A field a
+        spec leaves out (None) gets its queue's default as this transaction sees the
+        queue's settings, else the protocol's (``with_defaults``); the job keeps it.
+        ``alone``: one self-committing statement, or None having written nothing."""
 
     def jobs_claim(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import orjson
 import pytest
 from hypothesis import given
@@ -9,7 +10,14 @@ from hypothesis import strategies as st
 
 from relay.protocol import framing, parsing, requests, wire
 from relay.protocol.errors import BadRequest, UnknownOp
-from relay.protocol.model import JobInfo, JobState, Lease, Priority
+from relay.protocol.model import (
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_ATTEMPTS,
+    JobInfo,
+    JobState,
+    Lease,
+    Priority,
+)
 
 LIMITS = wire.Limits()
 
@@ -74,15 +82,29 @@ def test_submit_payload_round_trips_through_the_store_text(payload):
 
 def test_submit_defaults_match_the_contract():
     spec = parse(op="submit", queue="q", payload=1)
-    assert spec.max_attempts == 4  # retries 3
     assert spec.priority == Priority.NORMAL
-    assert (spec.backoff.kind, spec.backoff.base_ms, spec.backoff.max_ms, spec.backoff.jitter) == (
-        "exponential",
-        1000,
-        300000,
-        True,
-    )
     assert spec.delay_ms == 0 and spec.run_at is None
+    # Left to the store, which gives the queue's defaults, else the protocol's (retries 3,
+    # exponential 1000/300000 with jitter, no timeout: tests/store/test_queue_defaults.py).
+    assert (spec.max_attempts, spec.backoff, spec.timeout_ms) == (None, None, None)
+    assert (DEFAULT_MAX_ATTEMPTS, attrs.astuple(DEFAULT_BACKOFF)) == (
+        4,
+        ("exponential", 1000, 300000, True),
+    )
+
+
+@pytest.mark.parametrize("op", ["submit", "submit_batch"])
+def test_submit_fields_given_are_kept_also_when_they_are_the_protocols_defaults(op):
+    given = {"queue": "q", "payload": 1, "retries": 3, "backoff": {"kind": "exponential"}}
+    left_out = {"queue": "q", "payload": 1}
+    # Each on the fast path (plain) and the full one (run_at).
+    for fields, expected in ((given, (4, DEFAULT_BACKOFF)), (left_out, (None, None))):
+        for job in (fields, {**fields, "run_at": 5}):
+            if op == "submit":
+                spec = parse(op="submit", **job)
+            else:
+                [spec] = parse(op="submit_batch", jobs=[job])
+            assert (spec.max_attempts, spec.backoff) == expected
 
 
 @pytest.mark.parametrize(

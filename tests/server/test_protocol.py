@@ -1204,6 +1204,57 @@ async def test_queue_config_refuses_a_bad_setting_naming_it_and_changes_nothing(
     assert {k: reply[k] for k in NO_SETTINGS} == {**NO_SETTINGS, "max_leased": 2}
 
 
+async def test_a_submit_gets_its_queues_default_for_each_field_it_leaves_out(client):
+    defaults = {
+        "default_retries": 1,
+        "default_timeout_ms": 60_000,
+        "default_backoff": {"kind": "fixed", "delay_ms": 500},
+    }
+    await client.ok("queue_config", queue="qd", **defaults)
+    kept = ("max_attempts", "timeout_ms")
+    # A plain submit (the fast path most take), one the full path parses, and a batch.
+    plain = await submit(client, "qd", 1)
+    later = await submit(client, "qd", 1, run_at=now_ms() + 600_000, idempotency_key="k")
+    given = await submit(client, "qd", 1, retries=3, timeout_ms=1_000)
+    reply = await client.ok(
+        "submit_batch",
+        jobs=[
+            {"queue": "qd", "payload": 1},
+            {"queue": "other", "payload": 1},
+            {"queue": "qd", "payload": 1, "retries": 0},
+        ],
+    )
+    batch = [result["job_id"] for result in reply["results"]]
+    jobs = [await inspect(client, job_id) for job_id in [plain, later, given, *batch]]
+    assert [tuple(job.get(k) for k in kept) for job in jobs] == [
+        (2, 60_000),
+        (2, 60_000),
+        (4, 1_000),
+        (2, 60_000),
+        (4, None),
+        (1, 60_000),
+    ]
+    # Changed later: the jobs made before keep theirs.
+    await client.ok("queue_config", queue="qd", default_retries=None, default_timeout_ms=None)
+    assert [(await inspect(client, plain))[k] for k in kept] == [2, 60_000]
+    fresh = await inspect(client, await submit(client, "qd", 1))
+    assert (fresh["max_attempts"], fresh.get("timeout_ms")) == (4, None)
+
+
+async def test_a_lease_and_a_retry_follow_the_defaults_the_job_got(client):
+    await client.ok(
+        "queue_config", queue="qd", default_retries=2, default_timeout_ms=60_000,
+        default_backoff={"kind": "fixed", "delay_ms": 500},
+    )  # fmt: skip
+    job_id = await submit(client, "qd", 1)
+    job = await lease_one(client, "qd")
+    assert (job["job_id"], job["max_attempts"], job["timeout_ms"]) == (job_id, 3, 60_000)
+    before = now_ms()
+    reply = await client.ok("fail", job_id=job_id, worker_id=W, token=job["token"], error="x")
+    assert reply["state"] == "retrying"
+    assert before + 500 - 5 <= reply["retry_at"] <= now_ms() + 500 + 5
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 BAD = "bad queue!"

@@ -18,6 +18,7 @@ from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 from relay.protocol.model import ErrorEntry, SubmitSpec, parse_job_id
 from relay.store.base import QueueSettings
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import jobs as jobs_sql
 from relay.store.postgres import leases as leases_sql
 from relay.store.postgres import schema as schema_module
 from relay.store.postgres.schema import SCHEMA_VERSION, migrate
@@ -63,10 +64,24 @@ def catalog(url: str) -> list[tuple]:
         return [*relations, *meta]
 
 
+# A plain submit as the code before schema version 8 wrote it: no queue's defaults to
+# read, no timeout_ms column to write (version 5 adds it); a job's max_attempts left out
+# is the protocol's.
+PLAIN_SUBMIT_BEFORE_DEFAULTS = (
+    "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
+    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at) "
+    "SELECT id, queue, 'ready', priority, payload, 0, coalesce(max_attempts, 4), "
+    "'exponential', 1000, 300000, true, %(now)s, %(now)s "
+    "FROM unnest(%(ids)s::bigint[], %(queues)s::text[], %(priorities)s::int[], "
+    "%(payloads)s::text[], %(max_attempts)s::int[]) "
+    "AS t(id, queue, priority, payload, max_attempts)"
+)
+
+
 def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     """The store as the code before schema version 6 ran it: no queue_settings to read,
     its claims' candidates taken from every queue asked."""
-    old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
+    before_queue_limits(old_code)
     candidates = re.sub(
         r"FROM \(SELECT u\.queue, .*?\) AS q ",
         "FROM (SELECT queue, false AS limited FROM unnest(%s::text[]) AS u(queue)) AS q ",
@@ -74,7 +89,6 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
     )
     assert "queue_settings" not in candidates
     old_code.setattr(leases_sql, "_CANDIDATES", candidates)
-    before_schedules(old_code)
 
 
 def before_schedules(old_code: pytest.MonkeyPatch) -> None:
@@ -89,6 +103,7 @@ def before_queue_limits(old_code: pytest.MonkeyPatch) -> None:
     or defaults' columns to read (nor, as before version 9, a job's slot)."""
     old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
     before_schedules(old_code)
+    old_code.setattr(jobs_sql, "_INSERT_PLAIN", PLAIN_SUBMIT_BEFORE_DEFAULTS)
 
 
 def execute(url: str, *statements: str) -> None:

@@ -15,6 +15,7 @@ import orjson
 from relay.protocol.errors import QueueFull
 from relay.protocol.model import (
     DEFAULT_BACKOFF,
+    DEFAULT_MAX_ATTEMPTS,
     ID_SEQ_BITS,
     JobState,
     SubmitResult,
@@ -22,7 +23,15 @@ from relay.protocol.model import (
     format_job_id,
     unique_key_held,
 )
-from relay.store.base import PENDING, READY, UNFINISHED
+from relay.store.base import (
+    PENDING,
+    READY,
+    SETTINGS_COLUMNS,
+    UNFINISHED,
+    QueueSettings,
+    SubmitDefaults,
+    with_defaults,
+)
 from relay.store.sqlite.sql import (
     ALONE_PAYLOAD_CHARS,
     ALONE_ROWS,
@@ -64,6 +73,7 @@ _INSERT_KEYS = (
 _INSERT_UNIQUE = (
     "INSERT OR REPLACE INTO unique_keys (queue, key, job_id, unique_for) VALUES {values}"
 )
+_SETTINGS_ROW = f"SELECT {SETTINGS_COLUMNS} FROM queue_settings WHERE queue = ?"
 _UNIQUE_HOLDER = (
     "SELECT u.job_id, u.unique_for, j.state, j.attempt FROM unique_keys u "
     "JOIN jobs j ON j.id = u.job_id WHERE u.queue = ? AND u.key = ?"
@@ -71,19 +81,25 @@ _UNIQUE_HOLDER = (
 
 
 def _plain(spec: SubmitSpec) -> bool:
-    """Ready at once, with the default backoff and no key: one insert of seven values."""
+    """Ready at once, with the default backoff (None, once its queue's defaults are
+    applied: the protocol's), no timeout and no key: one insert of seven values."""
     return (
         spec.idempotency_key is None
         and spec.unique_key is None
         and spec.timeout_ms is None
         and spec.run_at is None
         and not spec.delay_ms
-        and spec.backoff is DEFAULT_BACKOFF
+        and (spec.backoff is None or spec.backoff is DEFAULT_BACKOFF)
     )
 
 
 class SqliteJobs(SqliteBase):
     """Submit: part of ``SqliteStore``."""
+
+    # The queues with submit defaults, as committed, and the queues whose settings the
+    # open transaction changed (settings.py).
+    _defaults: dict[str, SubmitDefaults]
+    _settings_touched: set[str]
 
     # -- submit ----------------------------------------------------------------------------
 
@@ -101,6 +117,9 @@ class SqliteJobs(SqliteBase):
         having written nothing. (The writer's group commit of plain submits: BEGIN and
         COMMIT are two statements more, each a wait for the GIL.)
         """
+        if self._defaults or self._settings_touched:  # (no queue has any: one test)
+            specs = self._with_defaults(specs)
+        # From here a spec's max_attempts and backoff left None are the protocol's.
         # (_plain, written out by position: this runs per job, and a named tuple's
         # attributes are descriptors, its unpacking an iteration, each dearer than an
         # index. SubmitSpec: queue 0, payload 1, priority 2, delay_ms 3, run_at 4,
@@ -108,7 +127,8 @@ class SqliteJobs(SqliteBase):
         # timeout_ms 10.)
         plain_only = all(
             [
-                s[7] is None and s[4] is None and not s[3] and s[6] is DEFAULT_BACKOFF
+                s[7] is None and s[4] is None and not s[3]
+                and (s[6] is None or s[6] is DEFAULT_BACKOFF)
                 and s[8] is None and s[10] is None
                 for s in specs
             ]
@@ -136,7 +156,9 @@ class SqliteJobs(SqliteBase):
         last_id = self._ids.last_id
         ready_queues = self.changes.ready_queues
         for spec in specs:
-            queue, _payload, _priority, delay_ms, run_at, _max, backoff, idempotency_key = spec[:8]
+            queue, _, _, delay_ms, run_at, attempts, backoff, idempotency_key = spec[:8]
+            if attempts is None:
+                attempts = DEFAULT_MAX_ATTEMPTS
             if idempotency_key is not None:
                 seen = fresh_keys.get((queue, idempotency_key))
                 if seen is None:
@@ -164,15 +186,16 @@ class SqliteJobs(SqliteBase):
                 state is READY
                 and run_at is None
                 and idempotency_key is None
-                and (backoff is DEFAULT_BACKOFF)
+                and (backoff is None or backoff is DEFAULT_BACKOFF)
                 and spec[10] is None
             ):  # (_plain, written out)
-                plain.append((key, queue, spec.priority, spec.payload, spec.max_attempts, now, now))
+                plain.append((key, queue, spec.priority, spec.payload, attempts, now, now))
             else:
+                if backoff is None:
+                    backoff = DEFAULT_BACKOFF
                 rows.append(
                     (
-                        key, queue, state.value, int(spec.priority), spec.payload,
-                        spec.max_attempts,
+                        key, queue, state.value, int(spec.priority), spec.payload, attempts,
                         backoff.kind, backoff.base_ms, backoff.max_ms, int(backoff.jitter),
                         now, ready_at, run_at, idempotency_key, spec[10],
                     )
@@ -226,15 +249,22 @@ class SqliteJobs(SqliteBase):
         # Consecutive ids, as JobIdGenerator.next_id would give them one by one.
         first = max(now << ID_SEQ_BITS, self._ids.last_id + 1)
         self._ids.last_id = first + len(specs) - 1
+        # (max_attempts left None: the protocol's; never 0, so ``or`` tells.)
         if len(specs) <= ONE_STATEMENT_ROWS or not alone:
-            rows = [(key, s[0], s[2], s[1], s[5], now, now) for key, s in enumerate(specs, first)]
+            rows = [
+                (key, s[0], s[2], s[1], s[5] or DEFAULT_MAX_ATTEMPTS, now, now)
+                for key, s in enumerate(specs, first)
+            ]
             _execute_rows(self._db, _INSERT_PLAIN_JOBS, _INSERT_PLAIN_ROW, rows)
         else:
             # Alone, with more rows than one VALUES statement takes: one json_each
             # statement, so that the batch is still one statement (a VALUES text per row
             # count would be prepared anew for each count, ~2 ms for 1,000 rows). Its JSON
             # is bounded by ALONE_ROWS and ALONE_PAYLOAD_CHARS.
-            rows = [(key, s[0], int(s[2]), s[1], s[5]) for key, s in enumerate(specs, first)]
+            rows = [
+                (key, s[0], int(s[2]), s[1], s[5] or DEFAULT_MAX_ATTEMPTS)
+                for key, s in enumerate(specs, first)
+            ]
             self._db.execute(_INSERT_PLAIN_JSON, (now, orjson.dumps(rows)))
         results = [
             _new_result(SubmitResult, (f"job_{key:016x}", READY, False))
@@ -250,6 +280,25 @@ class SqliteJobs(SqliteBase):
                 for spec, result in zip(specs, results, strict=True)
             ]
         return results
+
+    def _with_defaults(self, specs: Sequence[SubmitSpec]) -> list[SubmitSpec]:
+        """``specs`` with their queues' defaults (``with_defaults``), as this transaction
+        sees them: as committed (``_defaults``), but for the queues whose settings it
+        changed, read from the table. One dict lookup per spec of a queue without any."""
+        defaults = self._defaults
+        if self._settings_touched:
+            defaults = dict(defaults)
+            for queue in self._settings_touched:
+                row = self._db.execute(_SETTINGS_ROW, (queue,)).fetchone()
+                fill = None if row is None else QueueSettings.from_row(row).submit_defaults
+                if fill is not None:
+                    defaults[queue] = fill
+                else:
+                    defaults.pop(queue, None)
+        get = defaults.get
+        return [
+            spec if (fill := get(spec[0])) is None else with_defaults(spec, fill) for spec in specs
+        ]
 
     def _check_depth(self, per_queue: dict[tuple[str, str], int]) -> None:
         if self.config.max_depth is None and not self.config.queue_depths:

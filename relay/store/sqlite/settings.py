@@ -2,10 +2,11 @@
 (``queue_config``), and the settings read a page at a time.
 
 One server owns the file, so the settings are kept in memory (``_settings``, and what a
-claim needs of them: ``_paused``, ``_limited``): loaded when the store opens, changed only
-once the transaction that changed the table has committed (``_settle_settings``), so they
-never hold what was rolled back. A claim filters its queues against them, and pays one
-truth test each when no queue is paused or limited (leases.py).
+claim needs of them: ``_paused``, ``_limited``; what a submit needs: ``_defaults``):
+loaded when the store opens, changed only once the transaction that changed the table has
+committed (``_settle_settings``), so they never hold what was rolled back. A claim filters
+its queues against them, and pays one truth test each when no queue is paused or limited
+(leases.py); a submit pays one when no queue has defaults (jobs.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from relay.store.base import (
     SETTINGS_PAGE,
     ClaimArgs,
     QueueSettings,
+    SubmitDefaults,
     too_many_settings,
 )
 from relay.store.sqlite.sql import SqliteBase
@@ -52,11 +54,13 @@ class SqliteSettings(SqliteBase):
     """Pause, resume, limits, defaults, and the settings' pages: part of ``SqliteStore``."""
 
     # Every queue's settings, as committed (the queues without a row have none); the
-    # queues paused and those with a limit among them; and the queues the open
+    # queues paused, those with a limit, and those with submit defaults among them (each
+    # with what a spec takes of them: base.SubmitDefaults); and the queues the open
     # transaction changed, read again by its commit, forgotten by its rollback.
     _settings: dict[str, QueueSettings]
     _paused: frozenset[str]
     _limited: frozenset[str]
+    _defaults: dict[str, SubmitDefaults]
     _settings_touched: set[str]
     # The rate-limited queues a claim left with ready jobs and a full window; the rate
     # windows the claim being made read (queue -> (opened at, leases in it)).
@@ -74,6 +78,9 @@ class SqliteSettings(SqliteBase):
         values = self._settings.values()
         self._paused = frozenset(s.queue for s in values if s.paused)
         self._limited = frozenset(s.queue for s in values if s.limited)
+        self._defaults = {
+            s.queue: defaults for s in values if (defaults := s.submit_defaults) is not None
+        }
         limits = {s.queue: (s.max_leased, s.rate) for s in values if s.limited}
         self.view.publish_paused(self._paused, limits)
 
