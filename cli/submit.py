@@ -36,7 +36,9 @@ def _backoff_option(ctx: click.Context, param: click.Parameter, value: str | Non
 )  # fmt: skip
 @click.option("--priority", type=click.Choice(WIRE_PRIORITIES), help="Default: normal.")
 @click.option(
-    "--retries", type=click.IntRange(min=0), help="Retries after the first attempt (default 3)."
+    "--retries",
+    type=click.IntRange(min=0),
+    help="Retries after the first attempt (default: the queue's, else 3).",
 )
 @click.option("--delay-ms", type=click.IntRange(min=0), help="Run no sooner than this from now.")
 @click.option(
