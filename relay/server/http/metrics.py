@@ -280,44 +280,26 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
             f'relay_queue_jobs{{queue="{queue}",state="{state}"}} {counts.get(state, 0)}\n'
             for state in STATES
         ]
-    lines.append(
-        "# HELP relay_queue_paused Whether the queue is paused (1) or not (0): "
-        "queue_pause.\n# TYPE relay_queue_paused gauge\n"
-    )
-    lines += [f'relay_queue_paused{{queue="{q}"}} {n}\n' for q, n in sorted(s.paused.items())]
-    lines.append(
-        "# HELP relay_queue_max_leased At most this many of the queue's jobs leased at once "
-        "(queue_config max_leased), for the queues that have one.\n"
-        "# TYPE relay_queue_max_leased gauge\n"
-    )
-    lines += [
-        f'relay_queue_max_leased{{queue="{q}"}} {n}\n' for q, n in sorted(s.max_leased.items())
-    ]
-    lines.append(
-        "# HELP relay_queue_rate_limit Leases per second the queue's rate allows (queue_config "
-        "rate: limit / period), for the queues that have one.\n"
-        "# TYPE relay_queue_rate_limit gauge\n"
-    )
-    lines += [
-        f'relay_queue_rate_limit{{queue="{q}"}} {v!r}\n' for q, v in sorted(s.rate_limit.items())
-    ]
     # Schedule names are queue names' characters too: no escaping.
-    lines.append(
-        "# HELP relay_schedule_runs_total Slots of the schedule this server passed (a job "
-        "submitted, or refused by its queue).\n# TYPE relay_schedule_runs_total counter\n"
-    )
-    lines += [
-        f'relay_schedule_runs_total{{schedule="{n}"}} {v}\n'
-        for n, v in sorted(s.schedule_runs.items())
-    ]
-    lines.append(
-        "# HELP relay_schedule_last_run_age_seconds Seconds since the schedule's last slot "
-        "was passed, by any server.\n# TYPE relay_schedule_last_run_age_seconds gauge\n"
-    )
-    lines += [
-        f'relay_schedule_last_run_age_seconds{{schedule="{n}"}} {max(0, ms) / 1000}\n'
-        for n, ms in sorted(s.schedule_ages_ms.items())
-    ]
+    families = (
+        ("relay_queue_paused", "gauge", "queue", s.paused,
+         "Whether the queue is paused (1) or not (0): queue_pause."),
+        ("relay_queue_max_leased", "gauge", "queue", s.max_leased,
+         "At most this many of the queue's jobs leased at once (queue_config max_leased), "
+         "for the queues that have one."),
+        ("relay_queue_rate_limit", "gauge", "queue", s.rate_limit,
+         "Leases per second the queue's rate allows (queue_config rate: limit / period), "
+         "for the queues that have one."),
+        ("relay_schedule_runs_total", "counter", "schedule", s.schedule_runs,
+         "Slots of the schedule this server passed (a job submitted, or refused by its "
+         "queue)."),
+        ("relay_schedule_last_run_age_seconds", "gauge", "schedule",
+         {n: max(0, ms) / 1000 for n, ms in s.schedule_ages_ms.items()},
+         "Seconds since the schedule's last slot was passed, by any server."),
+    )  # fmt: skip
+    for metric, kind, label, series, text in families:
+        lines.append(f"# HELP {metric} {text}\n# TYPE {metric} {kind}\n")
+        lines += [f'{metric}{{{label}="{k}"}} {v}\n' for k, v in sorted(series.items())]
     return "".join(lines).encode()
 
 
