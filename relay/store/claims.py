@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 
 from relay.protocol.model import TIMEOUT_GRACE_MS, Rate, effective_priority
-from relay.store.base import REPLY_OVERHEAD_BYTES, TOKEN_BYTES, ClaimArgs, QueueSettings
+from relay.store.base import (
+    REPLY_OVERHEAD_BYTES,
+    TOKEN_BYTES,
+    Changes,
+    ClaimArgs,
+    QueueSettings,
+)
 
 # A queue without a limit's room.
 MAX_ROOM = 2**62
@@ -189,6 +195,26 @@ class RateWaits:
 
     def hold(self, queue: str, until: int, jobs: int) -> None:
         self._waits[queue] = (until, jobs)
+
+    def after_claim(
+        self,
+        queue: str,
+        rate: Rate,
+        window: tuple[int | None, int],
+        now: int,
+        leased: int,
+        waiting: int,
+        changes: Changes,
+    ) -> tuple[int, int] | None:
+        """A rate-limited queue's window after a claim that leased ``leased`` of its jobs
+        and left ``waiting`` ready: if that leaves it full (and open), the queue waits for
+        its end, a due time. Returns the window to write, or None if it did not change."""
+        after = window_after(rate, window, now, leased) if leased else window
+        until = full_until(rate, after, now)
+        if waiting > 0 and until is not None:
+            self.hold(queue, until, min(waiting, rate.limit))
+            changes.due(until)
+        return after if leased else None
 
     def next_at(self) -> int | None:
         return min([until for until, _ in self._waits.values()], default=None)

@@ -253,13 +253,11 @@ class Leases(PostgresBase):
             rate = settings.rate
             if rate is None:
                 continue
-            if n:
-                window = claims_.window_after(rate, window, now, n)
-                self._write(_SET_WINDOW, (*window, queue))
-            until = claims_.full_until(rate, window, now)
-            if unleased > 0 and until is not None:
-                self._rate_waits.hold(queue, until, min(unleased, rate.limit))
-                self.changes.due(until)
+            after = self._rate_waits.after_claim(
+                queue, rate, window, now, n, unleased, self.changes
+            )
+            if after is not None:
+                self._write(_SET_WINDOW, (*after, queue))
 
     def _held_lease(
         self, job_id: str, worker_id: str, token: str, now: int, operation: str

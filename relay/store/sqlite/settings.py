@@ -127,15 +127,11 @@ class SqliteSettings(SqliteBase):
         for queue, window in self._windows.items():
             rate = self._settings[queue].rate
             assert rate is not None
-            n = leased.get(queue, 0)
-            if n:
-                window = claims_.window_after(rate, window, now, n)
-                self._db.execute(_SET_WINDOW, (*window, queue))
             ready = self._counts.get((queue, READY), 0)
-            until = claims_.full_until(rate, window, now)
-            if ready and until is not None:
-                self._rate_waits.hold(queue, until, min(ready, rate.limit))
-                self.changes.due(until)
+            n = leased.get(queue, 0)
+            after = self._rate_waits.after_claim(queue, rate, window, now, n, ready, self.changes)
+            if after is not None:
+                self._db.execute(_SET_WINDOW, (*after, queue))
 
     def queue_pause(self, queue: str, paused: bool, now: int) -> bool:
         """Pause or resume ``queue`` (see ``Store.queue_pause``)."""
