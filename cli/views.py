@@ -705,8 +705,9 @@ def schedule_table(page: SchedulePage, *, short: Mapping[str, str] | None = None
     03:00 UTC"), a short id 11 to 20, and the expression gets the rest but QUEUE_MIN (12)
     for the name: an expression of 20 characters is whole, and a name of 14. From
     SCHEDULE_WIDE (120) on, the queue (up to 30 characters) and the catch-up policy have
-    columns too, and the name and the expression share about 40. A name or an expression
-    too long for its room is cut in the middle."""
+    columns too, and the name and the expression share about 40. An expression too long
+    for its room is cut in the middle; a name is folded onto more lines (it is what a user
+    types back). Below a narrow table, a line says where the queue and catch-up are."""
     return Fitted(functools.partial(_schedule_layout, page, short))
 
 
@@ -754,23 +755,28 @@ def _schedule_layout(
     name_width = queue_width([headers[0], *(s.name for s in schedules)], room - cron_width)
 
     table = plain_table("Schedules")
-    table.add_column(headers[0], width=name_width, no_wrap=True)
+    # A name is what `schedule pause NAME` takes back: folded onto more lines, never cut.
+    table.add_column(headers[0], width=name_width, overflow="fold")
     table.add_column(headers[1], width=cron_width, no_wrap=True)
     for header, w in zip(extra_headers, extra_widths, strict=True):
         table.add_column(header, width=w, no_wrap=True)
     table.add_column(headers[2], width=fixed[0], no_wrap=True)
     table.add_column(headers[3], width=fixed[1], no_wrap=True)
     for n, info in enumerate(schedules):
-        cells = [cut_middle(info.name, name_width),
+        cells = [info.name,
                  Text(cut_middle(info.cron, cron_width) + "\n", style="bold").append(
                      cut_middle(info.timezone, cron_width), style="dim")]  # fmt: skip
         cells += [cut_middle(column[n], w) for column, w in zip(extra, extra_widths, strict=True)]
         table.add_row(*cells, nexts[n], lasts[n])
     if not schedules:
         table.add_row(Text("no schedules yet", style="dim"), *("" for _ in range(3 + len(extra))))
-    if page.next_cursor is None:
-        return table
-    return Group(table, Text(f"next page: --cursor {page.next_cursor}", style="table.caption"))
+    notes = []
+    if schedules and not wide:
+        notes.append(Text(f"queues and catch-up: --json, or {SCHEDULE_WIDE} columns",
+                          style="table.caption"))  # fmt: skip
+    if page.next_cursor is not None:
+        notes.append(Text(f"next page: --cursor {page.next_cursor}", style="table.caption"))
+    return Group(table, *notes) if notes else table
 
 
 def _widest_line(text: Text) -> str:
