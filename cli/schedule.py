@@ -42,14 +42,17 @@ def schedule() -> None:
 )  # fmt: skip
 @click.option("--priority", type=click.Choice(WIRE_PRIORITIES), help="Default: normal.")
 @click.option(
-    "--retries", type=click.IntRange(min=0), help="Retries after the first attempt (default 3)."
-)
+    "--retries", type=click.IntRange(min=0),
+    help="Retries after the first attempt (default: the queue's at each slot, else 3).",
+)  # fmt: skip
 @click.option(
     "--backoff", callback=_backoff_option, metavar="SPEC",
-    help=f"Wait between retries: {BACKOFF_FORMS} (default exp:1000:300000).",
+    help=f"Wait between retries: {BACKOFF_FORMS} (default: the queue's at each slot, else "
+    "exp:1s:5m).",
 )  # fmt: skip
 @click.option("--timeout-ms", type=click.IntRange(min=1), metavar="MS",
-              help="Longest run of one attempt.")  # fmt: skip
+              help="Longest run of one attempt (default: the queue's at each slot, "
+              "else none).")  # fmt: skip
 @click.option(
     "--catch-up", type=click.Choice(CATCH_UP),
     help="Slots missed while no server ran: the latest once (default), none, or all of "

@@ -139,8 +139,8 @@ class ScheduleInfo:
     queue: str
     payload: Any
     priority: str
-    retries: int
-    backoff: dict[str, Any]
+    retries: int | None  # None (and backoff, timeout_ms): the queue's default at each slot
+    backoff: dict[str, Any] | None
     catch_up: str
     catch_up_max: int
     paused: bool

@@ -16,7 +16,6 @@ from relay.protocol import cron
 from relay.protocol.errors import BadRequest
 from relay.protocol.model import (
     DEFAULT_BACKOFF,
-    DEFAULT_MAX_ATTEMPTS,
     ID_ABBREV_MIN,
     ID_HEX_DIGITS,
     PRIORITY_INT_BY_WIRE,
@@ -552,7 +551,7 @@ class SchedulePut:
     queue: str
     payload: Any
     priority: str = "normal"
-    retries: int = DEFAULT_MAX_ATTEMPTS - 1  # (a schedule's job keeps what it was put with)
+    retries: int | None = None  # None (and backoff, timeout_ms): the queue's default
     backoff: WireBackoff | None = None
     timeout_ms: int | None = None
     timezone: str = "UTC"
@@ -572,19 +571,19 @@ class SchedulePut:
         payload = encode_json_value("payload", self.payload, limits.max_payload_bytes)
         if self.priority not in WIRE_PRIORITIES:
             raise _bad("priority", f"must be one of {', '.join(WIRE_PRIORITIES)}")
-        check_range("retries", self.retries, 0, limits.max_retries)
+        if self.retries is not None:
+            check_range("retries", self.retries, 0, limits.max_retries)
         if self.timeout_ms is not None:
             check_range("timeout_ms", self.timeout_ms, 1, limits.max_timeout_ms)
         if self.catch_up not in CATCH_UP:
             raise _bad("catch_up", 'must be "latest", "none" or "all"')
         check_range("catch_up_max", self.catch_up_max, 1, CATCH_UP_MAX)
-        backoff = (
-            DEFAULT_BACKOFF if self.backoff is None else self.backoff.to_model("backoff", limits)
-        )
+        backoff = None if self.backoff is None else self.backoff.to_model("backoff", limits)
         return {
             "name": self.name, "cron": expr, "timezone": self.timezone, "queue": self.queue,
             "payload": payload, "priority": PRIORITY_INT_BY_WIRE[self.priority],
-            "max_attempts": self.retries + 1, "backoff": backoff, "timeout_ms": self.timeout_ms,
+            "max_attempts": None if self.retries is None else self.retries + 1,
+            "backoff": backoff, "timeout_ms": self.timeout_ms,
             "catch_up": self.catch_up, "catch_up_max": self.catch_up_max,
         }  # fmt: skip
 

@@ -34,7 +34,6 @@ from relay.protocol.errors import (
     Unauthorized,
 )
 from relay.protocol.model import (
-    DEFAULT_BACKOFF,
     Backoff,
     FailOutcome,
     JobInfo,
@@ -216,8 +215,10 @@ class ScheduleSpec:
     queue: str
     payload: str  # JSON text, checked and size-bounded as a submit's
     priority: int = 1
-    max_attempts: int = 4
-    backoff: Backoff = DEFAULT_BACKOFF
+    # None: left out by ``schedule_put``, so each slot's job gets its queue's default at
+    # submit (``with_defaults``), else the protocol's, as a submit that leaves them out.
+    max_attempts: int | None = None
+    backoff: Backoff | None = None
     timeout_ms: int | None = None
     catch_up: str = "latest"
     catch_up_max: int = 100

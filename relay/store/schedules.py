@@ -37,10 +37,10 @@ NEXT_AT, LAST_SLOT, LAST_JOB = 15, 16, 17
 def spec_row(spec: ScheduleSpec) -> tuple:
     """The definition's columns, ``name`` to ``catch_up_max``, in COLUMNS' order."""
     b = spec.backoff
+    backoff = (None,) * 4 if b is None else (b.kind, b.base_ms, b.max_ms, bool(b.jitter))
     return (
         spec.name, spec.cron, spec.timezone, spec.queue, spec.payload, spec.priority,
-        spec.max_attempts, b.kind, b.base_ms, b.max_ms, bool(b.jitter), spec.timeout_ms,
-        spec.catch_up, spec.catch_up_max,
+        spec.max_attempts, *backoff, spec.timeout_ms, spec.catch_up, spec.catch_up_max,
     )  # fmt: skip
 
 
@@ -48,7 +48,8 @@ def schedule_spec(row: Sequence) -> ScheduleSpec:
     return ScheduleSpec(
         name=row[0], cron=row[1], timezone=row[2], queue=row[3], payload=row[4],
         priority=row[5], max_attempts=row[6],
-        backoff=Backoff(row[7], row[8], row[9], bool(row[10])), timeout_ms=row[11],
+        backoff=None if row[7] is None else Backoff(row[7], row[8], row[9], bool(row[10])),
+        timeout_ms=row[11],
         catch_up=row[12], catch_up_max=row[13],
     )  # fmt: skip
 

@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -209,6 +209,25 @@ def _v8_schedules(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN scheduled_for INTEGER")
 
 
+def _v9_schedule_defaults(db: sqlite_utils.Database) -> None:
+    # A schedule may leave its job's retries and backoff to the queue's defaults (NULL),
+    # as a submit may. SQLite cannot drop NOT NULL in place: the table (a few rows, one
+    # per schedule) is made again with its rows and its index.
+    db.execute(
+        "CREATE TABLE schedules_v9 (name TEXT PRIMARY KEY, cron TEXT NOT NULL, "
+        "timezone TEXT NOT NULL, queue TEXT NOT NULL, payload TEXT NOT NULL, "
+        "priority INTEGER NOT NULL, max_attempts INTEGER, backoff_kind TEXT, "
+        "backoff_base_ms INTEGER, backoff_max_ms INTEGER, backoff_jitter INTEGER, "
+        "timeout_ms INTEGER, catch_up TEXT NOT NULL, catch_up_max INTEGER NOT NULL, "
+        "paused INTEGER NOT NULL DEFAULT 0, next_at INTEGER, last_slot INTEGER, "
+        "last_job_id INTEGER, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL) STRICT"
+    )
+    db.execute("INSERT INTO schedules_v9 SELECT * FROM schedules")
+    db.execute("DROP TABLE schedules")
+    db.execute("ALTER TABLE schedules_v9 RENAME TO schedules")
+    db.execute("CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -219,6 +238,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     6: _v6_cancelled,
     7: _v7_queue_limits,
     8: _v8_schedules,
+    9: _v9_schedule_defaults,
 }
 
 

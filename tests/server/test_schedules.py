@@ -133,6 +133,27 @@ async def test_a_seconds_schedule_submits_jobs_leased_with_their_slot(client):
     assert "scheduled_for" not in plain
 
 
+async def test_a_schedule_leaves_what_it_does_not_give_to_the_queues_defaults(client):
+    """retries, backoff and timeout_ms left out: each slot's job gets its queue's defaults
+    as they are when the slot runs; given, the schedule's own."""
+    await client.ok("queue_config", queue="ticks", default_retries=7, default_timeout_ms=9000)
+    put = await client.ok("schedule_put", name="t", cron="* * * * * *", queue="ticks", payload=1)
+    assert put["schedule"]["retries"] is None and put["schedule"]["backoff"] is None
+    assert "timeout_ms" not in put["schedule"]
+    with trio.fail_after(10):
+        [job] = (await client.ok("lease", queues=["ticks"], worker_id="w", wait_ms=5_000))["jobs"]
+    assert (job["max_attempts"], job["timeout_ms"]) == (8, 9000)
+    await client.ok("schedule_put", name="t", cron="* * * * * *", queue="ticks", payload=1,
+                    retries=1)  # fmt: skip
+    with trio.fail_after(10):
+        while True:
+            reply = await client.ok("lease", queues=["ticks"], worker_id="w", wait_ms=5_000)
+            if reply["jobs"] and reply["jobs"][0]["max_attempts"] == 2:
+                break
+    [listed] = (await client.ok("schedule_list"))["schedules"]
+    assert listed["retries"] == 1 and listed["backoff"] is None
+
+
 async def test_seconds_need_the_servers_option(tmp_path):
     async with custom_server(tmp_path) as server:
         c = await server.connect()

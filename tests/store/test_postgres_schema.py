@@ -453,3 +453,32 @@ def test_a_version_8_schema_migrates_to_schedules_and_keeps_its_jobs(url, monkey
         }
     finally:
         store.close()
+
+
+def test_a_version_9_schema_migrates_to_schedule_defaults_and_keeps_its_schedules(url, monkeypatch):
+    from relay.protocol.model import Backoff
+    from relay.store.base import ScheduleSpec
+
+    given = ScheduleSpec("kept", "0 3 * * *", "Europe/Berlin", "q", "1", max_attempts=2,
+                         backoff=Backoff.fixed(10))  # fmt: skip
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 9)
+        store = PostgresStore.open(url)
+        before = store.schedule_put(given, T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        nullable = conn.execute(
+            "SELECT is_nullable FROM information_schema.columns "
+            "WHERE table_name = 'schedules' AND column_name = 'max_attempts'"
+        ).fetchone()
+        assert nullable == ("NO",)
+
+    store = PostgresStore.open(url)
+    try:
+        assert store.schedule_list(None, 10) == [before]
+        store.schedule_put(ScheduleSpec("left", "* * * * *", "UTC", "q", "1"), T0)
+        left = next(s for s in store.schedule_list(None, 10) if s.spec.name == "left")
+        assert (left.spec.max_attempts, left.spec.backoff) == (None, None)
+        assert [run.name for run in store.schedules_run_due(T0, 10)] == ["left"]
+    finally:
+        store.close()

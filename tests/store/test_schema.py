@@ -864,3 +864,37 @@ def test_a_version_7_file_migrates_to_schedules_and_keeps_its_jobs(
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_8_file_migrates_to_schedule_defaults_and_keeps_its_schedules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.protocol.model import Backoff
+    from relay.store.base import ScheduleSpec
+
+    path = str(tmp_path / "relay.db")
+    given = ScheduleSpec("kept", "0 3 * * *", "Europe/Berlin", "q", "1", max_attempts=2,
+                         backoff=Backoff.fixed(10))  # fmt: skip
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 8)
+        store = SqliteStore.open(path)
+        before = store.schedule_put(given, T0)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 8
+    with pytest.raises(sqlite3.IntegrityError):  # the columns that version 9 opens to NULL
+        conn.execute("UPDATE schedules SET max_attempts = NULL")
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        assert store.schedule_list(None, 10) == [before]
+        store.schedule_put(ScheduleSpec("left", "* * * * *", "UTC", "q", "1"), T0)
+        [kept, left] = sorted(store.schedule_list(None, 10), key=lambda s: s.spec.name != "kept")
+        assert (left.spec.max_attempts, left.spec.backoff) == (None, None)
+        assert kept == before
+        assert store.schedules_run_due(T0, 10)[0].name == "left"
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION

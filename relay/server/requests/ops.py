@@ -448,12 +448,7 @@ class _Cancel(RequestOp):
 
 def schedule_fields(info: ScheduleInfo) -> dict[str, Any]:
     """A schedule as ``schedule_put`` and ``schedule_list`` answer it (docs/protocol.md)."""
-    spec, b = info.spec, info.spec.backoff
-    backoff: dict[str, Any] = (
-        {"kind": "fixed", "delay_ms": b.base_ms}
-        if b.kind == "fixed"
-        else {"kind": b.kind, "base_ms": b.base_ms, "max_ms": b.max_ms, "jitter": b.jitter}
-    )
+    spec = info.spec
     fields: dict[str, Any] = {
         "name": spec.name,
         "cron": spec.cron,
@@ -461,8 +456,8 @@ def schedule_fields(info: ScheduleInfo) -> dict[str, Any]:
         "queue": spec.queue,
         "payload": orjson.Fragment(spec.payload),
         "priority": wire.WIRE_PRIORITIES[spec.priority],
-        "retries": spec.max_attempts - 1,
-        "backoff": backoff,
+        "retries": None if spec.max_attempts is None else spec.max_attempts - 1,
+        "backoff": None if spec.backoff is None else wire.backoff_fields(spec.backoff),
         "catch_up": spec.catch_up,
         "catch_up_max": spec.catch_up_max,
         "paused": info.paused,
