@@ -698,8 +698,9 @@ def next_run_line(info: ScheduleInfo) -> str:
 
 def schedule_table(page: SchedulePage, *, short: Mapping[str, str] | None = None) -> Fitted:
     """``relay-trio schedule list``: one row per schedule, by name: its expression and zone,
-    its next run in the zone's local time and in UTC (two lines), its last job (the id as
-    ``short`` gives it, see ``short_ids``) and that job's state now.
+    its next run in the zone's local time and in UTC (two lines, one for a UTC schedule),
+    its last job (the id as ``short`` gives it, see ``short_ids``) and that job's state
+    now, marked when the last slot made no job (a line under the table says why).
 
     At 80 columns the next run takes 20 cells ("2026-03-02 04:00 CET" over "2026-03-02
     03:00 UTC"), a short id 11 to 20, and the expression gets the rest but QUEUE_MIN (12)
@@ -726,10 +727,11 @@ def _schedule_layout(
         else:
             local, utc = _slot_text(info.next_at, info.timezone, len(info.cron.split()) == 6)
             text = Text(local)
-            text.append("\n" + utc, style="dim")
+            if utc != local:  # (a UTC schedule's time once)
+                text.append("\n" + utc, style="dim")
             nexts.append(text)
         if info.last_job_id is None:
-            lasts.append(Text("-", style="dim"))
+            text = Text("-", style="dim")
         else:
             text = Text(ids[info.last_job_id] + "\n")
             text.append_text(
@@ -737,7 +739,9 @@ def _schedule_layout(
                 if info.last_job_state
                 else Text("pruned", style="dim")
             )
-            lasts.append(text)
+        if info.last_refusal is not None:
+            text.append("\nlast slot: no job", style="bold red")
+        lasts.append(text)
     crons = [f"{s.cron}\n{s.timezone}" for s in schedules]
     headers = ["schedule", "cron", "next run", "last job"]
     extra = [[s.queue for s in schedules], [s.catch_up for s in schedules]] if wide else []
@@ -770,7 +774,11 @@ def _schedule_layout(
         table.add_row(*cells, nexts[n], lasts[n])
     if not schedules:
         table.add_row(Text("no schedules yet", style="dim"), *("" for _ in range(3 + len(extra))))
-    notes = []
+    notes = [
+        Text(f"{info.name}: its last slot made no job: {info.last_refusal}", style="red")
+        for info in schedules
+        if info.last_refusal is not None
+    ]
     if schedules and not wide:
         notes.append(Text(f"queues and catch-up: --json, or {SCHEDULE_WIDE} columns",
                           style="table.caption"))  # fmt: skip

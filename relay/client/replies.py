@@ -151,6 +151,8 @@ class ScheduleInfo:
     last_job_id: str | None = None
     last_job_state: str | None = None
     timeout_ms: int | None = None
+    last_job_slot: int | None = None
+    last_refusal: str | None = None
 
 
 @attrs.frozen

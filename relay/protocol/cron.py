@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import calendar
 import functools
+import zoneinfo
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -84,12 +85,27 @@ def normalize_cron(expr: str, *, allow_seconds: bool = False) -> str:
     return text
 
 
+# Files of the time zone data that name no zone of their own: this host's zone, and a
+# leftover rule file. Every server of one PostgreSQL database must read a schedule alike.
+_HOST_ZONES = frozenset({"localtime", "posixrules"})
+
+
+@functools.cache
+def _iana_zones() -> frozenset[str]:
+    # The zones the system's data (or the tzdata package) names: read once (~40 ms).
+    return frozenset(zoneinfo.available_timezones()) - _HOST_ZONES
+
+
 @functools.lru_cache(maxsize=1024)
 def zone(name: str) -> ZoneInfo:
-    """The IANA time zone ``name``; raises ``BadRequest`` naming ``timezone``."""
+    """The IANA time zone ``name``; raises ``BadRequest`` naming ``timezone``. Names the
+    time zone data holds but that are no IANA zone (``localtime``, ``posix/...``) are
+    refused: they may mean another zone on another host."""
     if not isinstance(name, str) or not name or len(name) > MAX_ZONE_CHARS:
         raise _bad("timezone", "must be an IANA time zone name such as 'Europe/Berlin'")
     try:
+        if name not in _iana_zones():
+            raise ZoneInfoNotFoundError(name)
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
         raise _bad("timezone", f"unknown time zone {name!r} (an IANA name: 'UTC', "

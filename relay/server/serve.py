@@ -151,6 +151,7 @@ async def serve(
             # metrics_max_queues however many queues there are.
             queues, events = snapshot_queues(core.view, config.metrics_max_queues)
             max_leased, rate_limit = snapshot_limits(core.view, queues, config.metrics_max_queues)
+            scheduled = core.scheduler.statistics()
             return MetricsSnapshot(
                 queues=queues,
                 events=events,
@@ -165,8 +166,9 @@ async def serve(
                 paused=snapshot_paused(core.view, queues, config.metrics_max_queues),
                 max_leased=max_leased,
                 rate_limit=rate_limit,
-                schedule_runs=snapshot_schedule_runs(
-                    core.scheduler.statistics().runs, config.metrics_max_queues
+                schedule_runs=snapshot_schedule_runs(scheduled.runs, config.metrics_max_queues),
+                schedule_refused=snapshot_schedule_runs(
+                    scheduled.refused, config.metrics_max_queues
                 ),
                 schedule_ages_ms=await schedule_ages(core.writer, config.metrics_max_queues),
             )

@@ -244,6 +244,8 @@ class ScheduleInfo:
     last_job_state: str | None
     created_at: int
     updated_at: int
+    last_job_slot: int | None = None  # the slot of last_job_id
+    last_refusal: str | None = None  # why the last slot passed made no job; None: it made one
 
 
 @attrs.frozen
@@ -690,5 +692,5 @@ class Store(Protocol):
         """The earliest next slot of a schedule not paused, or None."""
 
     def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
-        """(name, last slot passed or None) of the first ``limit`` schedules by name (for
-        /metrics: no payloads read)."""
+        """(name, the last slot that made a job, or None) of the first ``limit`` schedules
+        by name (for /metrics: no payloads read)."""

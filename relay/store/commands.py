@@ -376,8 +376,8 @@ class RunSchedules:
 
 @attrs.frozen
 class ScheduleAges:
-    """(name -> ms since its last slot passed, now) of the first ``limit`` schedules by
-    name that have passed one: /metrics' relay_schedule_last_run_age_seconds."""
+    """(name -> ms since the slot of its last job) of the first ``limit`` schedules by
+    name that have made one: /metrics' relay_schedule_last_run_age_seconds."""
 
     limit: int
 

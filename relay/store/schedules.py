@@ -8,12 +8,15 @@ postgres/schedules.py) and creates a slot's job with its own ``jobs_submit``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
 
 from relay.protocol import cron
 from relay.protocol.errors import RelayError
-from relay.protocol.model import Backoff, format_job_id
-from relay.store.base import ScheduleInfo, ScheduleSpec
+from relay.protocol.model import Backoff, format_job_id, parse_job_id
+from relay.store.base import ScheduleInfo, ScheduleRun, ScheduleSpec
 
 # A slot at most this late is not missed: a server that wakes for it a little late (a
 # busy writer, a restart within the minute) runs it whatever the catch-up policy.
@@ -29,9 +32,10 @@ RUN_JOBS = 1000
 COLUMNS = (
     "name, cron, timezone, queue, payload, priority, max_attempts, backoff_kind, "
     "backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms, catch_up, catch_up_max, "
-    "paused, next_at, last_slot, last_job_id, created_at, updated_at"
+    "paused, next_at, last_slot, last_job_id, created_at, updated_at, last_job_slot, "
+    "last_refusal"
 )
-NEXT_AT, LAST_SLOT, LAST_JOB = 15, 16, 17
+NEXT_AT, LAST_SLOT, LAST_JOB, LAST_JOB_SLOT, LAST_REFUSAL = 15, 16, 17, 20, 21
 
 
 def spec_row(spec: ScheduleSpec) -> tuple:
@@ -65,7 +69,56 @@ def schedule_info(row: Sequence, job_state: str | None) -> ScheduleInfo:
         last_job_state=job_state,
         created_at=row[18],
         updated_at=row[19],
+        last_job_slot=row[LAST_JOB_SLOT],
+        last_refusal=row[LAST_REFUSAL],
     )
+
+
+@attrs.define
+class Passed:
+    """Where a schedule stands after the slots it passed: the last slot, its last job and
+    that job's slot, and why the last slot made no job (None: it made one)."""
+
+    slot: int | None
+    job: int | None
+    job_slot: int | None
+    refusal: str | None
+
+    @classmethod
+    def of(cls, row: Sequence) -> Passed:
+        return cls(row[LAST_SLOT], row[LAST_JOB], row[LAST_JOB_SLOT], row[LAST_REFUSAL])
+
+    def columns(self) -> tuple:
+        """last_slot, last_job_id, last_job_slot, last_refusal."""
+        return (self.slot, self.job, self.job_slot, self.refusal)
+
+
+def submit_slots(
+    store: Any,
+    spec: ScheduleSpec,
+    slots: Sequence[int],
+    now: int,
+    passed: Passed,
+    mark: Callable[[int, int], None],
+) -> list[ScheduleRun]:
+    """Submit one job per slot with the store's own ``jobs_submit`` (so depth limits, queue
+    defaults, counts and events hold), ``mark(slot, job id)`` each job with its slot, and
+    move ``passed`` along. A slot its queue refuses (a full queue: refused before it
+    wrote) is passed all the same, with the refusal kept."""
+    runs: list[ScheduleRun] = []
+    for slot in slots:
+        try:
+            [result] = store.jobs_submit([spec.job()], now)
+        except RelayError as exc:
+            runs.append(ScheduleRun(spec.name, spec.queue, slot, None, exc.message))
+            passed.refusal = exc.message
+        else:
+            job = parse_job_id(result.job_id)
+            mark(slot, job)
+            runs.append(ScheduleRun(spec.name, spec.queue, slot, result.job_id))
+            passed.job, passed.job_slot, passed.refusal = job, slot, None
+        passed.slot = slot
+    return runs
 
 
 def first_slot(spec: ScheduleSpec, now: int, last_slot: int | None) -> int | None:
@@ -73,6 +126,19 @@ def first_slot(spec: ScheduleSpec, now: int, last_slot: int | None) -> int | Non
     after ``now``, and after the last slot it ran (a slot is never run twice)."""
     after = now - 1 if last_slot is None else max(now - 1, last_slot)
     return cron.next_slot(spec.cron, spec.timezone, after)
+
+
+def put_slot(spec: ScheduleSpec, now: int, row: Sequence | None) -> int | None:
+    """The next slot of a schedule put at ``now`` over ``row`` (None: a new one). Put
+    again with the same expression and zone (a deployment that puts every schedule at
+    start), it keeps its next slot, even one already due: that slot and any missed with
+    it run by its catch-up policy, as if no put had come. A new or changed expression
+    starts from its first slot from now."""
+    if row is not None and row[NEXT_AT] is not None and (row[1], row[2]) == (
+        spec.cron, spec.timezone,
+    ):  # fmt: skip
+        return row[NEXT_AT]
+    return first_slot(spec, now, None if row is None else row[LAST_SLOT])
 
 
 def due_slots_or_none(

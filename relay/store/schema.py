@@ -209,10 +209,13 @@ def _v8_schedules(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN scheduled_for INTEGER")
 
 
-def _v9_schedule_defaults(db: sqlite_utils.Database) -> None:
-    # A schedule may leave its job's retries and backoff to the queue's defaults (NULL),
-    # as a submit may. SQLite cannot drop NOT NULL in place: the table (a few rows, one
-    # per schedule) is made again with its rows and its index.
+def _v9_schedule_defaults_and_refusals(db: sqlite_utils.Database) -> None:
+    # A schedule may leave its job's retries and backoff to the queue's defaults (NULL), as
+    # a submit may; and it keeps the slot of its last job (``last_job_slot``: what the
+    # "schedule stopped" gauge measures from) apart from the last slot it passed, with
+    # why that one made no job (``last_refusal``: a full queue). SQLite cannot drop NOT
+    # NULL in place: the table (a row per schedule) is made again with its rows, each
+    # last job's slot read from the job (NULL if it is gone), and its index.
     db.execute(
         "CREATE TABLE schedules_v9 (name TEXT PRIMARY KEY, cron TEXT NOT NULL, "
         "timezone TEXT NOT NULL, queue TEXT NOT NULL, payload TEXT NOT NULL, "
@@ -220,9 +223,14 @@ def _v9_schedule_defaults(db: sqlite_utils.Database) -> None:
         "backoff_base_ms INTEGER, backoff_max_ms INTEGER, backoff_jitter INTEGER, "
         "timeout_ms INTEGER, catch_up TEXT NOT NULL, catch_up_max INTEGER NOT NULL, "
         "paused INTEGER NOT NULL DEFAULT 0, next_at INTEGER, last_slot INTEGER, "
-        "last_job_id INTEGER, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL) STRICT"
+        "last_job_id INTEGER, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL, "
+        "last_job_slot INTEGER, last_refusal TEXT) STRICT"
     )
-    db.execute("INSERT INTO schedules_v9 SELECT * FROM schedules")
+    db.execute(
+        "INSERT INTO schedules_v9 SELECT s.*, "
+        "(SELECT j.scheduled_for FROM jobs j WHERE j.id = s.last_job_id), NULL "
+        "FROM schedules s"
+    )
     db.execute("DROP TABLE schedules")
     db.execute("ALTER TABLE schedules_v9 RENAME TO schedules")
     db.execute("CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused")
@@ -238,7 +246,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     6: _v6_cancelled,
     7: _v7_queue_limits,
     8: _v8_schedules,
-    9: _v9_schedule_defaults,
+    9: _v9_schedule_defaults_and_refusals,
 }
 
 

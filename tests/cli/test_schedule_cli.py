@@ -105,3 +105,23 @@ def test_the_table_shows_next_runs_in_local_time_and_utc_and_the_last_job(width)
     first_column = "".join(line[: header.index("cron")].strip() for line in lines)
     assert name in first_column and "…" not in first_column
     assert ("queues and catch-up: --json" in text) == (width < views.SCHEDULE_WIDE)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_a_refused_last_slot_is_said_under_its_old_job(width):
+    refusal = "queue full: 'reports' holds 1000 unfinished jobs (max 1000)"
+    page = SchedulePage(
+        [info("hourly", "0 * * * *", "UTC", last_job_id="job_33952eec94000001",
+              last_job_state="ready", last_job_slot=T - 7_200_000, last_refusal=refusal),
+         info("fine", "@daily", "UTC", last_job_id="job_33952eec94000002",
+              last_job_state="succeeded")],
+        None,
+    )  # fmt: skip
+    console = Console(file=io.StringIO(), width=width)
+    console.print(views.schedule_table(page))
+    text = console.file.getvalue()
+    assert all(cell_len(line) <= width for line in text.splitlines())
+    assert text.count("last slot: no job") == 1
+    assert "hourly: its last slot made no job: queue full" in " ".join(text.split())
+    # A UTC schedule's next run once, not again as its UTC time.
+    assert text.count(views.next_run_line(page.schedules[0])) == 2

@@ -21,7 +21,7 @@ from tests.worker.helpers import serving
 SCHEDULE_FIELDS = {
     "name", "cron", "timezone", "queue", "payload", "priority", "retries", "backoff",
     "catch_up", "catch_up_max", "paused", "next_at", "last_slot", "last_job_id",
-    "last_job_state", "created_at", "updated_at",
+    "last_job_state", "last_job_slot", "last_refusal", "created_at", "updated_at",
 }  # fmt: skip
 SECONDS = wire.Limits(allow_second_schedules=True)
 
@@ -89,6 +89,8 @@ async def test_put_list_pause_resume_delete(client):
         ({"cron": "* * *"}, "cron"),
         ({"cron": "@reboot"}, "cron"),
         ({"timezone": "Mars/Base"}, "timezone"),
+        ({"timezone": "localtime"}, "timezone"),  # each host's own zone: not an IANA name
+        ({"timezone": "posix/Europe/Berlin"}, "timezone"),
         ({"queue": "no spaces"}, "queue"),
         ({"name": "bad name"}, "name"),
         ({"payload": "x" * 300_000}, "payload"),
@@ -181,6 +183,31 @@ async def test_metrics_count_a_schedules_runs_and_the_age_of_its_last_slot(serve
     assert samples['relay_schedule_runs_total{schedule="tick"}'] >= 1
     assert 0 <= samples['relay_schedule_last_run_age_seconds{schedule="tick"}'] < 10
     assert 'relay_schedule_last_run_age_seconds{schedule="never"}' not in samples
+
+
+async def test_a_refused_slot_shows_in_the_list_and_metrics_and_the_age_grows(tmp_path):
+    """A queue at its depth limit refuses every slot: the schedule says so, the refusals
+    are counted, and the age of its last job's slot keeps growing (the alert fires)."""
+    from tests.server.test_lifecycle import scrape
+
+    async with custom_server(tmp_path, limits=SECONDS, queue_depths={"full": 1}) as custom:
+        c = await custom.connect()
+        try:
+            await c.ok("submit", queue="full", payload=0)  # the queue is full from the start
+            await c.ok("schedule_put", name="t", cron="* * * * * *", queue="full", payload=1)
+            with trio.fail_after(10):
+                while True:
+                    [listed] = (await c.ok("schedule_list"))["schedules"]
+                    if listed["last_slot"] is not None:
+                        break
+                    await trio.sleep(0.05)
+            assert listed["last_job_id"] is None and listed["last_job_slot"] is None
+            assert "full" in listed["last_refusal"], listed
+            _text, samples = await scrape(custom)
+            assert samples['relay_schedule_refused_total{schedule="t"}'] >= 1
+            assert 'relay_schedule_last_run_age_seconds{schedule="t"}' not in samples
+        finally:
+            await c.aclose()
 
 
 async def test_a_list_page_stops_once_its_payloads_reach_the_reply_bound(tmp_path):

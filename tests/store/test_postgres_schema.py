@@ -456,26 +456,34 @@ def test_a_version_8_schema_migrates_to_schedules_and_keeps_its_jobs(url, monkey
 
 
 def test_a_version_9_schema_migrates_to_schedule_defaults_and_keeps_its_schedules(url, monkeypatch):
-    from relay.protocol.model import Backoff
+    from relay.protocol.model import Backoff, parse_job_id
     from relay.store.base import ScheduleSpec
 
-    given = ScheduleSpec("kept", "0 3 * * *", "Europe/Berlin", "q", "1", max_attempts=2,
-                         backoff=Backoff.fixed(10))  # fmt: skip
     with monkeypatch.context() as old_code:
         old_code.setattr(schema_module, "SCHEMA_VERSION", 9)
         store = PostgresStore.open(url)
-        before = store.schedule_put(given, T0)
+        [job] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
         store.close()
+    slot = T0 - 3_600_000
     with psycopg.connect(url, autocommit=True) as conn:
-        nullable = conn.execute(
-            "SELECT is_nullable FROM information_schema.columns "
-            "WHERE table_name = 'schedules' AND column_name = 'max_attempts'"
-        ).fetchone()
-        assert nullable == ("NO",)
+        # A schedule as version 9 wrote it, whose last job made its 03:00 slot.
+        conn.execute(
+            "UPDATE jobs SET scheduled_for = %s WHERE id = %s", (slot, parse_job_id(job.job_id))
+        )
+        conn.execute(
+            "INSERT INTO schedules VALUES ('kept', '0 3 * * *', 'Europe/Berlin', 'q', '1', 1, "
+            "2, 'fixed', 10, 10, false, NULL, 'latest', 100, false, %s, %s, %s, %s, %s)",
+            (T0 + 86_400_000, slot, parse_job_id(job.job_id), T0, T0),
+        )
+        with pytest.raises(psycopg.errors.NotNullViolation):
+            conn.execute("UPDATE schedules SET max_attempts = NULL")
 
     store = PostgresStore.open(url)
     try:
-        assert store.schedule_list(None, 10) == [before]
+        [kept] = store.schedule_list(None, 10)
+        assert (kept.spec.max_attempts, kept.spec.backoff) == (2, Backoff.fixed(10))
+        assert (kept.last_slot, kept.last_job_id) == (slot, job.job_id)
+        assert (kept.last_job_slot, kept.last_refusal) == (slot, None)  # read from its job
         store.schedule_put(ScheduleSpec("left", "* * * * *", "UTC", "q", "1"), T0)
         left = next(s for s in store.schedule_list(None, 10) if s.spec.name == "left")
         assert (left.spec.max_attempts, left.spec.backoff) == (None, None)

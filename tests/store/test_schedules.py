@@ -12,10 +12,12 @@ import pytest
 
 from relay.protocol.errors import ScheduleNotFound, TooManySchedules
 from relay.protocol.model import Backoff
+from relay.store import commands as cmd
 from relay.store.base import ScheduleSpec, StoreConfig
 from tests.store.conformance import Store, Stores, postgres_only, rows
 
 MINUTE = 60_000
+HOUR = 60 * MINUTE
 
 
 def ms(*args: int) -> int:
@@ -130,6 +132,62 @@ def test_a_full_queue_passes_the_slot_with_its_error(stores: Stores) -> None:
     [info] = store.schedule_list(None, 10)
     assert (info.last_slot, info.last_job_id) == (T + MINUTE, first.job_id)
     assert info.next_at == T + 2 * MINUTE
+    # The list says the last slot made no job, and why; the gauge of the last slot that
+    # made one keeps growing (an alert fires on a schedule that submits nothing).
+    assert (info.last_job_slot, info.last_refusal) == (T, second.error)
+    for minute in range(2, 24 * 60):
+        [run] = store.schedules_run_due(T + minute * MINUTE, 10)
+        assert run.job_id is None
+    day = T + 24 * 60 * MINUTE
+    assert cmd.ScheduleAges(10).apply(store, day) == {"nightly": day - T}
+    [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, day)  # the queue has room again
+    store.jobs_ack(lease.job_id, "w1", lease.token, None, day)
+    [made] = store.schedules_run_due(day, 10)
+    [info] = store.schedule_list(None, 10)
+    assert (info.last_job_slot, info.last_refusal, info.last_job_id) == (day, None, made.job_id)
+    assert cmd.ScheduleAges(10).apply(store, day + 1) == {"nightly": 1}
+
+
+def test_a_put_of_the_same_expression_keeps_a_due_slot_and_its_catch_up(store: Store) -> None:
+    """A deployment that puts every schedule at start, after a slot came due and before
+    the scheduler ran it: the slot (and, with catch_up all, every missed one) still runs."""
+    store.schedule_put(spec(cron="0 * * * *", catch_up="all"), T + 1)  # next: 13:00
+    back = T + 5 * HOUR + 10 * MINUTE  # down from 12:00 to 17:10: 13:00 - 17:00 missed
+    info = store.schedule_put(spec(cron="0 * * * *", catch_up="all", payload="2"), back)
+    assert info.next_at == T + HOUR
+    runs = store.schedules_run_due(back + 1, 10)
+    assert [run.slot for run in runs] == [T + h * HOUR for h in range(1, 6)]
+    assert store.job_inspect(runs[0].job_id).payload == "2"
+    # A changed expression starts from its first slot from now.
+    info = store.schedule_put(spec(cron="30 * * * *"), back + 2)
+    assert (
+        info.next_at == T + 5 * HOUR + 30 * MINUTE and store.schedules_run_due(back + 3, 10) == []
+    )
+
+
+@postgres_only
+def test_two_servers_putting_new_schedules_keep_the_bound(stores: Stores) -> None:
+    config = StoreConfig(max_schedules=2)
+    a, b = stores.open("db", config=config), stores.open("db", config=config)
+    a.schedule_put(spec("s0"), T)
+    a.begin()
+    a.schedule_put(spec("s1"), T)  # holds the count's lock until it commits
+    done = threading.Event()
+    refused: list[BaseException] = []
+
+    def put_on_b() -> None:
+        try:
+            b.schedule_put(spec("s2"), T)
+        except TooManySchedules as exc:
+            refused.append(exc)
+        done.set()
+
+    thread = threading.Thread(target=put_on_b)
+    thread.start()
+    assert not done.wait(0.3)  # b waits for a's count
+    a.commit()
+    thread.join(10)
+    assert refused and [s.spec.name for s in a.schedule_list(None, 10)] == ["s0", "s1"]
 
 
 def test_pause_stops_its_slots_and_resume_starts_after_now(store: Store) -> None:

@@ -873,15 +873,23 @@ def test_a_version_8_file_migrates_to_schedule_defaults_and_keeps_its_schedules(
     from relay.store.base import ScheduleSpec
 
     path = str(tmp_path / "relay.db")
-    given = ScheduleSpec("kept", "0 3 * * *", "Europe/Berlin", "q", "1", max_attempts=2,
-                         backoff=Backoff.fixed(10))  # fmt: skip
     with monkeypatch.context() as old_code:
         old_code.setattr(schema, "SCHEMA_VERSION", 8)
         store = SqliteStore.open(path)
-        before = store.schedule_put(given, T0)
+        [job] = store.jobs_submit([spec()], T0)
         store.close()
+    # A schedule as version 8 wrote it (every column of its job's template given), whose
+    # last job made its 03:00 slot.
     conn = sqlite3.connect(path)
     assert pragma(conn, "user_version") == 8
+    slot = T0 - 3_600_000
+    conn.execute("UPDATE jobs SET scheduled_for = ? WHERE id = ?", (slot, parse_job_id(job.job_id)))
+    conn.execute(
+        "INSERT INTO schedules VALUES ('kept', '0 3 * * *', 'Europe/Berlin', 'q', '1', 1, 2, "
+        "'fixed', 10, 10, 0, NULL, 'latest', 100, 0, ?, ?, ?, ?, ?)",
+        (T0 + 86_400_000, slot, parse_job_id(job.job_id), T0, T0),
+    )
+    conn.commit()
     with pytest.raises(sqlite3.IntegrityError):  # the columns that version 9 opens to NULL
         conn.execute("UPDATE schedules SET max_attempts = NULL")
     conn.close()
@@ -889,11 +897,15 @@ def test_a_version_8_file_migrates_to_schedule_defaults_and_keeps_its_schedules(
     store = SqliteStore.open(path)
     try:
         assert pragma(store._db, "user_version") == SCHEMA_VERSION
-        assert store.schedule_list(None, 10) == [before]
+        [kept] = store.schedule_list(None, 10)
+        assert (kept.spec.max_attempts, kept.spec.backoff) == (2, Backoff.fixed(10))
+        assert (kept.next_at, kept.last_slot, kept.last_job_id) == (
+            T0 + 86_400_000, slot, job.job_id,
+        )  # fmt: skip
+        assert (kept.last_job_slot, kept.last_refusal) == (slot, None)  # read from its job
         store.schedule_put(ScheduleSpec("left", "* * * * *", "UTC", "q", "1"), T0)
-        [kept, left] = sorted(store.schedule_list(None, 10), key=lambda s: s.spec.name != "kept")
+        [left] = [s for s in store.schedule_list(None, 10) if s.spec.name == "left"]
         assert (left.spec.max_attempts, left.spec.backoff) == (None, None)
-        assert kept == before
         assert store.schedules_run_due(T0, 10)[0].name == "left"
     finally:
         store.close()

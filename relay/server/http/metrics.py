@@ -84,15 +84,17 @@ class MetricsSnapshot:
     # one (``snapshot_limits``)
     max_leased: dict[str, int] = attrs.Factory(dict)
     rate_limit: dict[str, float] = attrs.Factory(dict)
-    # Slots this server's scheduler passed, per schedule (``snapshot_schedule_runs``), and
-    # per schedule the ms since its last slot was passed by any server (the store's).
+    # Slots this server's scheduler passed, and of them those refused by their queue, per
+    # schedule (``snapshot_schedule_runs``), and per schedule the ms since the last slot
+    # that made a job, by any server (the store's).
     schedule_runs: dict[str, int] = attrs.Factory(dict)
+    schedule_refused: dict[str, int] = attrs.Factory(dict)
     schedule_ages_ms: dict[str, int] = attrs.Factory(dict)
 
 
 async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
     """``relay_schedule_last_run_age_seconds``'s series: a read of the first ``max_series``
-    schedules' last slots (name and slot, no payload: an index range), one turn in the
+    schedules' last jobs' slots (name and slot, no payload: an index range), one turn in the
     writer per rendering. Empty while the store cannot answer (a scrape still answers)."""
     try:
         return await writer.execute(cmd.ScheduleAges(max_series))
@@ -293,9 +295,13 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
         ("relay_schedule_runs_total", "counter", "schedule", s.schedule_runs,
          "Slots of the schedule this server passed (a job submitted, or refused by its "
          "queue)."),
+        ("relay_schedule_refused_total", "counter", "schedule", s.schedule_refused,
+         "Slots of the schedule this server passed that made no job (refused by its "
+         "queue: full)."),
         ("relay_schedule_last_run_age_seconds", "gauge", "schedule",
          {n: max(0, ms) / 1000 for n, ms in s.schedule_ages_ms.items()},
-         "Seconds since the schedule's last slot was passed, by any server."),
+         "Seconds since the schedule's last slot that made a job, by any server: grows "
+         "while it makes none (paused, refused, stopped)."),
     )  # fmt: skip
     for metric, kind, label, series, text in families:
         lines.append(f"# HELP {metric} {text}\n# TYPE {metric} {kind}\n")

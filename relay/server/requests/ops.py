@@ -465,6 +465,8 @@ def schedule_fields(info: ScheduleInfo) -> dict[str, Any]:
         "last_slot": info.last_slot,
         "last_job_id": info.last_job_id,
         "last_job_state": info.last_job_state,
+        "last_job_slot": info.last_job_slot,
+        "last_refusal": info.last_refusal,
         "created_at": info.created_at,
         "updated_at": info.updated_at,
     }

@@ -39,11 +39,15 @@ MAX_SLEEP_MS = 30_000
 # jobs): one transaction stays short, and others' requests run in between.
 RUN_LIMIT = 100
 # Passes in one wake-up at most (each of RUN_LIMIT schedules, or about RUN_JOBS jobs:
-# relay/store/schedules.py); past it, the loop looks again after BUSY_RETRY_MS. So it
-# does when a due schedule is held by another server's pass (PostgreSQL, SKIP LOCKED):
-# that one is done within milliseconds.
+# relay/store/schedules.py); past it, the loop looks again after BUSY_RETRY_MS.
 MAX_PASSES = 1000
+# A pass that ran nothing while a schedule is still due met it held by another server
+# (PostgreSQL, SKIP LOCKED): usually that server's pass, done within milliseconds, but a
+# server stopped mid-pass (SIGSTOP, a paused VM) holds its rows until PostgreSQL ends its
+# session. The loop looks again after BUSY_RETRY_MS, doubling while nothing moves, up to
+# BUSY_MAX_MS: never a run of passes that find nothing.
 BUSY_RETRY_MS = 100
+BUSY_MAX_MS = 5_000
 # Schedules whose runs the scheduler counts for /metrics (by name): as many as may exist
 # by default; beyond it, the runs are counted under "_other".
 MAX_COUNTED = 1000
@@ -116,7 +120,7 @@ async def run_schedules_once(
                       f"{run.error}")  # fmt: skip
         if scheduler is not None:
             scheduler.count(batch)
-        if next_at is None or next_at > now:
+        if not batch or next_at is None or next_at > now:
             break
     return runs, next_at, now
 
@@ -130,13 +134,14 @@ async def run_scheduler(
 ) -> None:
     """Submit schedules' slots as they come due. Runs until cancelled."""
     alarm = scheduler.alarm
+    busy_ms = BUSY_RETRY_MS
     task_status.started()
     while True:
         try:
             # Reset first: a slot committed from here on is either seen by the pass or
             # notified to the alarm.
             alarm.earliest = math.inf
-            _runs, next_at, now = await run_schedules_once(writer, scheduler)
+            runs, next_at, now = await run_schedules_once(writer, scheduler)
         except ShuttingDown:
             return
         except Unavailable:
@@ -148,7 +153,13 @@ async def run_scheduler(
             await trio.sleep(ERROR_BACKOFF_S)
             continue
         target = clock() + MAX_SLEEP_MS
-        if next_at is not None:
-            # Still due after the passes (held by another server): look again shortly.
-            target = min(target, next_at if next_at > now else clock() + BUSY_RETRY_MS)
+        if next_at is not None and next_at <= now:
+            # Still due after the passes (held by another server): look again soon, later
+            # each time nothing moved.
+            target = min(target, clock() + busy_ms)
+            busy_ms = min(2 * busy_ms, BUSY_MAX_MS) if not runs else BUSY_RETRY_MS
+        else:
+            busy_ms = BUSY_RETRY_MS
+            if next_at is not None:
+                target = min(target, next_at)
         await alarm.sleep_until(target, clock)

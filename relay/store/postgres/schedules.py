@@ -9,8 +9,7 @@ in the transaction that creates the slot's jobs: a slot is submitted by one serv
 
 from __future__ import annotations
 
-from relay.protocol.errors import RelayError, ScheduleNotFound
-from relay.protocol.model import parse_job_id
+from relay.protocol.errors import ScheduleNotFound
 from relay.store.base import (
     SCHEDULES_PAGE,
     ScheduleInfo,
@@ -26,14 +25,21 @@ from relay.store.schedules import (
     LAST_SLOT,
     NEXT_AT,
     RUN_JOBS,
+    Passed,
     due_slots_or_none,
     first_slot,
+    put_slot,
     schedule_info,
     schedule_spec,
     spec_row,
+    submit_slots,
 )
 
 _ONE = f"SELECT {COLUMNS} FROM schedules WHERE name = %s"
+# The advisory lock (transaction-scoped) that puts of new schedules take in turn, so that
+# --max-schedules holds across servers: "RLYT" and 3 (relay/store/postgres/schema.py has 1,
+# jobs.py 2).
+_NEW_SCHEDULES_LOCK = 0x524C5954_00000003
 _ONE_LOCKED = _ONE + " FOR UPDATE"
 _PUT = (
     "INSERT INTO schedules (name, cron, timezone, queue, payload, priority, max_attempts, "
@@ -54,9 +60,10 @@ _DUE = (
     "ORDER BY next_at, name LIMIT %s FOR UPDATE SKIP LOCKED"
 )
 # The compare-and-set: only from the next_at this transaction read and locked.
-_ADVANCE = (
-    "UPDATE schedules SET next_at = %s, last_slot = %s, last_job_id = %s "
-    "WHERE name = %s AND next_at = %s AND NOT paused"
+_ADVANCE = "UPDATE schedules SET next_at = %s WHERE name = %s AND next_at = %s AND NOT paused"
+_PASSED = (
+    "UPDATE schedules SET last_slot = %s, last_job_id = %s, last_job_slot = %s, "
+    "last_refusal = %s WHERE name = %s"
 )
 _SLOT_OF_JOB = "UPDATE jobs SET scheduled_for = %s WHERE id = %s"
 _PAGE = (
@@ -83,10 +90,13 @@ class Schedules(PostgresBase):
         """Create or replace a schedule (see ``Store.schedule_put``)."""
         row = self._read(_ONE_LOCKED, (spec.name,)).fetchone()
         if row is None:
+            # New schedules are counted one at a time across servers: two puts of new
+            # names on two servers would each count the other's as not yet there.
+            self._read("SELECT pg_advisory_xact_lock(%s)", (_NEW_SCHEDULES_LOCK,))
             (held,) = self._read("SELECT count(*) FROM schedules").fetchone() or (0,)
             if held >= self.config.max_schedules:
                 raise too_many_schedules(held, self.config.max_schedules)
-        next_at = first_slot(spec, now, None if row is None else row[LAST_SLOT])
+        next_at = put_slot(spec, now, row)
         self._write(_PUT, (*spec_row(spec), next_at, now, now))
         if row is None or not row[14]:
             self.changes.schedule(next_at)
@@ -131,38 +141,28 @@ class Schedules(PostgresBase):
                 break
             spec = schedule_spec(row)
             slots, next_at, broken = due_slots_or_none(spec, row[NEXT_AT], now)
-            if broken is not None:
-                runs.append(ScheduleRun(spec.name, spec.queue, row[NEXT_AT], None, broken))
             # The compare-and-set first: if it moved nothing, another server ran these
             # slots (the lock makes that impossible; this makes it impossible to miss).
-            claimed = self._write(
-                _ADVANCE, (next_at, row[LAST_SLOT], row[LAST_JOB], spec.name, row[NEXT_AT])
-            )
+            claimed = self._write(_ADVANCE, (next_at, spec.name, row[NEXT_AT]))
             if claimed.rowcount != 1:
                 continue
-            last_slot, last_job = row[LAST_SLOT], row[LAST_JOB]
-            for slot in slots:
-                try:
-                    [result] = self.jobs_submit([spec.job()], now)  # type: ignore[attr-defined]
-                except RelayError as exc:  # refused before it wrote: a full queue
-                    runs.append(ScheduleRun(spec.name, spec.queue, slot, None, exc.message))
-                else:
-                    last_job = parse_job_id(result.job_id)
-                    self._write(_SLOT_OF_JOB, (slot, last_job))
-                    runs.append(ScheduleRun(spec.name, spec.queue, slot, result.job_id))
-                last_slot = slot
-            if slots:
-                self._write(
-                    "UPDATE schedules SET last_slot = %s, last_job_id = %s WHERE name = %s",
-                    (last_slot, last_job, spec.name),
-                )
+            passed = Passed.of(row)
+            if broken is not None:
+                runs.append(ScheduleRun(spec.name, spec.queue, row[NEXT_AT], None, broken))
+                passed.refusal = broken
+            runs += submit_slots(self, spec, slots, now, passed, self._mark_slot)
+            self._write(_PASSED, (*passed.columns(), spec.name))
             self.changes.schedule(next_at)
         return runs
 
+    def _mark_slot(self, slot: int, job_id: int) -> None:
+        self._write(_SLOT_OF_JOB, (slot, job_id))
+
     def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
-        """(name, last slot) of the first ``limit`` schedules (see ``Store``)."""
+        """(name, last slot that made a job) of the first ``limit`` schedules (see
+        ``Store``)."""
         rows = self._read(
-            "SELECT name, last_slot FROM schedules ORDER BY name LIMIT %s", (max(0, limit),)
+            "SELECT name, last_job_slot FROM schedules ORDER BY name LIMIT %s", (max(0, limit),)
         ).fetchall()
         return [(name, slot) for name, slot in rows]
 

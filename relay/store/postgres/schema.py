@@ -245,12 +245,18 @@ def _v9_schedules(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE jobs ADD COLUMN scheduled_for bigint")
 
 
-def _v10_schedule_defaults(conn: psycopg.Connection) -> None:
+def _v10_schedule_defaults_and_refusals(conn: psycopg.Connection) -> None:
     # As SQLite's version 9: a schedule may leave its job's retries and backoff to the
-    # queue's defaults (NULL).
+    # queue's defaults (NULL), and keeps its last job's slot and its last refusal.
     for column in ("max_attempts", "backoff_kind", "backoff_base_ms", "backoff_max_ms",
                    "backoff_jitter"):  # fmt: skip
         conn.execute(f"ALTER TABLE schedules ALTER COLUMN {column} DROP NOT NULL")
+    conn.execute("ALTER TABLE schedules ADD COLUMN last_job_slot bigint")
+    conn.execute("ALTER TABLE schedules ADD COLUMN last_refusal text")
+    conn.execute(
+        "UPDATE schedules s SET last_job_slot = j.scheduled_for FROM jobs j "
+        "WHERE j.id = s.last_job_id"
+    )
 
 
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
@@ -264,7 +270,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     7: _v7_cancelled,
     8: _v8_queue_limits,
     9: _v9_schedules,
-    10: _v10_schedule_defaults,
+    10: _v10_schedule_defaults_and_refusals,
 }
 
 

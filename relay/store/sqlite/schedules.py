@@ -8,8 +8,7 @@ One server owns the file, so nothing else can run the same slot meanwhile.
 
 from __future__ import annotations
 
-from relay.protocol.errors import RelayError, ScheduleNotFound
-from relay.protocol.model import parse_job_id
+from relay.protocol.errors import ScheduleNotFound
 from relay.store.base import (
     SCHEDULES_PAGE,
     ScheduleInfo,
@@ -23,11 +22,14 @@ from relay.store.schedules import (
     LAST_SLOT,
     NEXT_AT,
     RUN_JOBS,
+    Passed,
     due_slots_or_none,
     first_slot,
+    put_slot,
     schedule_info,
     schedule_spec,
     spec_row,
+    submit_slots,
 )
 from relay.store.sqlite.sql import SqliteBase
 
@@ -49,7 +51,10 @@ _DUE = (
     f"SELECT {COLUMNS} FROM schedules INDEXED BY schedules_due "
     "WHERE NOT paused AND next_at <= ? ORDER BY next_at, name LIMIT ?"
 )
-_ADVANCE = "UPDATE schedules SET next_at = ?, last_slot = ?, last_job_id = ? WHERE name = ?"
+_ADVANCE = (
+    "UPDATE schedules SET next_at = ?, last_slot = ?, last_job_id = ?, last_job_slot = ?, "
+    "last_refusal = ? WHERE name = ?"
+)
 _SLOT_OF_JOB = "UPDATE jobs SET scheduled_for = ? WHERE id = ?"
 _PAGE = (
     f"SELECT {', '.join('s.' + c for c in COLUMNS.split(', '))}, j.state FROM schedules s "
@@ -79,7 +84,7 @@ class SqliteSchedules(SqliteBase):
             (held,) = self._db.execute("SELECT count(*) FROM schedules").fetchone()
             if held >= self.config.max_schedules:
                 raise too_many_schedules(held, self.config.max_schedules)
-        next_at = first_slot(spec, now, None if row is None else row[LAST_SLOT])
+        next_at = put_slot(spec, now, row)
         self._db.execute(_PUT, (*spec_row(spec), next_at, now, now))
         if row is None or not row[14]:  # (not paused)
             self.changes.schedule(next_at)
@@ -120,27 +125,23 @@ class SqliteSchedules(SqliteBase):
                 break
             spec = schedule_spec(row)
             slots, next_at, broken = due_slots_or_none(spec, row[NEXT_AT], now)
+            passed = Passed.of(row)
             if broken is not None:
                 runs.append(ScheduleRun(spec.name, spec.queue, row[NEXT_AT], None, broken))
-            last_slot, last_job = row[LAST_SLOT], row[LAST_JOB]
-            for slot in slots:
-                try:
-                    [result] = self.jobs_submit([spec.job()], now)  # type: ignore[attr-defined]
-                except RelayError as exc:  # refused before it wrote: a full queue
-                    runs.append(ScheduleRun(spec.name, spec.queue, slot, None, exc.message))
-                else:
-                    last_job = parse_job_id(result.job_id)
-                    self._db.execute(_SLOT_OF_JOB, (slot, last_job))
-                    runs.append(ScheduleRun(spec.name, spec.queue, slot, result.job_id))
-                last_slot = slot
-            self._db.execute(_ADVANCE, (next_at, last_slot, last_job, spec.name))
+                passed.refusal = broken
+            runs += submit_slots(self, spec, slots, now, passed, self._mark_slot)
+            self._db.execute(_ADVANCE, (next_at, *passed.columns(), spec.name))
             self.changes.schedule(next_at)
         return runs
 
+    def _mark_slot(self, slot: int, job_id: int) -> None:
+        self._db.execute(_SLOT_OF_JOB, (slot, job_id))
+
     def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
-        """(name, last slot) of the first ``limit`` schedules (see ``Store``)."""
+        """(name, last slot that made a job) of the first ``limit`` schedules (see
+        ``Store``)."""
         rows = self._db.execute(
-            "SELECT name, last_slot FROM schedules ORDER BY name LIMIT ?", (max(0, limit),)
+            "SELECT name, last_job_slot FROM schedules ORDER BY name LIMIT ?", (max(0, limit),)
         )
         return [(name, slot) for name, slot in rows]
 

@@ -110,3 +110,25 @@ async def test_catching_up_after_a_stop_across_the_autumn_change(
     runs, next_at, _now = await run_schedules_once(writer)
     assert [run.slot for run in runs] == expected == slots(writer.store)
     assert next_at == ms(2026, 10, 25, 4, 0)
+
+
+async def test_a_schedule_held_elsewhere_is_looked_at_less_often_not_in_a_loop(
+    writer: FakeWriter, autojump_clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL skips a due schedule whose row another server holds (SKIP LOCKED); one
+    stopped mid-pass holds it until its session ends. Each pass then runs nothing while
+    the schedule stays due: the scheduler looks again after 100 ms, doubling up to 5 s,
+    instead of passes back to back."""
+    await writer.execute(Put(ScheduleSpec("held", "* * * * *", "UTC", "q", "1")))
+    monkeypatch.setattr(writer.store, "schedules_run_due", lambda now, limit: [])
+    scheduler = Scheduler()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_scheduler, writer, scheduler, virtual_ms)
+        with trio.move_on_after(120):  # T0 is a slot: due, and held, for two minutes
+            await writer.wait_until(
+                lambda: sum(isinstance(c, cmd.RunSchedules) for c in writer.executed) > 1_000
+            )
+        nursery.cancel_scope.cancel()
+    passes = sum(isinstance(c, cmd.RunSchedules) for c in writer.executed)
+    # At 0, 0.1, 0.3, 0.7, 1.5, 3.1, 6.3 s, then every 5 s: 29 passes in two minutes.
+    assert 25 <= passes <= 32, passes
