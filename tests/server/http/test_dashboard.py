@@ -121,11 +121,12 @@ async def test_page_policy_allows_its_own_script_and_style_and_its_websocket_onl
         == [f"ws://127.0.0.1:{server.handle.ws_address[1]}/"]
     )
     assert policy["default-src"] == ["'none'"] and policy["frame-ancestors"] == ["'none'"]
-    # Self-contained: nothing to load from anywhere, and a size one can read.
-    assert not re.search(rb"\b(src|href)=", body) and b"@import" not in body
+    # Self-contained: nothing to load from anywhere (its links are its own hash routes),
+    # and a size one can read.
+    assert not re.search(rb'\bsrc=|\bhref="(?!#/)|url\(', body) and b"@import" not in body
     assert (
-        body.count(b"\n") < 780 and b'data-auth="none"' in body
-    )  # (550 before settings, schedules)
+        body.count(b"\n") < 1450 and b'data-auth="none"' in body
+    )  # (550 before settings, schedules; 780 before the jobs, job, workers views and charts)
 
 
 async def test_page_says_wss_when_the_server_has_tls(tmp_path, tls_files):
@@ -206,9 +207,11 @@ def status_is(*states: str) -> Callable[[Any], bool]:
     return check
 
 
-async def open_page(driver: Any, server: Any) -> None:
+async def open_page(driver: Any, server: Any, route: str = "") -> None:
+    """The page, at ``route`` (a hash route such as ``#/jobs?state=dead``; none: the
+    overview)."""
     port = server.handle.metrics_address[1]
-    await on_page(driver.get, f"http://127.0.0.1:{port}/")
+    await on_page(driver.get, f"http://127.0.0.1:{port}/{route}")
 
 
 async def shows_stats(driver: Any, client: relay.Client, within: float = MOVE_S) -> None:
@@ -218,7 +221,7 @@ async def shows_stats(driver: Any, client: relay.Client, within: float = MOVE_S)
 
 
 def dead_row(job_id: str) -> str:
-    return f'#dead tr[data-job="{job_id}"]'
+    return f'#jobs tr[data-job="{job_id}"]'
 
 
 def click(selector: str, confirm: bool = False) -> Callable[[Any], bool]:
@@ -235,7 +238,11 @@ def click(selector: str, confirm: bool = False) -> Callable[[Any], bool]:
 
 
 def no_console_errors(driver: Any) -> list[Any]:
-    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    """The page's errors in the browser's console. (The log also holds what the page of a
+    test before said, trying to reconnect to its stopped server: another origin.)"""
+    origin = "/".join(driver.current_url.split("/")[:3]) + "/"
+    return [e for e in driver.get_log("browser")
+            if e["level"] == "SEVERE" and e["message"].startswith(origin)]  # fmt: skip
 
 
 async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, browser):
@@ -251,7 +258,7 @@ async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, brow
         for n in range(3):
             await client.submit("email", {"n": n})
         await client.submit("reports", {"n": 0})
-        await open_page(browser, server)
+        await open_page(browser, server, "#/jobs?state=dead")
         await see(browser, status_is("connected"), "connected")
         await shows_stats(browser, client, BOUND_S)
         assert set(await on_page(page_counts, browser)) == {"email", "reports"}
@@ -298,7 +305,7 @@ async def test_dashboard_shows_the_servers_numbers_and_follows_jobs(server, brow
             await wait_until_gone(client, disk)
             await shows_stats(browser, client)
             assert (await client.inspect(smtp)).attempt == 1  # a fresh attempt, run once
-        await see(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, "#dead tbody tr"),
+        await see(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr"),
                   "no dead job left", MOVE_S)  # fmt: skip
         # Every job has run: no queue has a ready job waiting.
         await see(browser, lambda d: set(page_oldest(d).values()) == {"-"}, "none ready", MOVE_S)
@@ -324,7 +331,7 @@ async def dead_and_failed(client: relay.Client, error: str, traceback: str | Non
     return job.job_id
 
 
-async def test_a_dead_jobs_error_opens_onto_the_traceback_of_its_failure(server, browser):
+async def test_an_attempts_error_opens_onto_the_traceback_of_its_failure(server, browser):
     frames = "".join(
         f'  File "jobs.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(60)
     )
@@ -333,23 +340,25 @@ async def test_a_dead_jobs_error_opens_onto_the_traceback_of_its_failure(server,
     async with relay.open_client(address) as client:
         failed = await dead_and_failed(client, "ValueError: <b>not bold</b>", traceback)
         plain = await dead_and_failed(client, "RuntimeError: no traceback sent")
-        await open_page(browser, server)
+        # The jobs list shows the last error's line; the job's view, each attempt's.
+        await open_page(browser, server, "#/jobs?state=dead")
         await see(browser, status_is("connected"), "connected")
         cell = f'{dead_row(failed)} td[data-field="error"]'
-        # Closed, the cell shows the error's line as before.
         text = await see(
             browser, lambda d: d.find_element(By.CSS_SELECTOR, cell).text, "the dead job", MOVE_S
         )
+        assert text == "ValueError: <b>not bold</b>"
+        await see(browser, click(f'{dead_row(failed)} td[data-field="job"] a'), "the job's link")
+        cell = '#attempts tr[data-attempt="1"] td[data-field="error"]'
+        text = await see(
+            browser, lambda d: d.find_element(By.CSS_SELECTOR, cell).text, "its attempt", MOVE_S
+        )
+        # Closed, the cell shows the error's line.
         assert text == "ValueError: <b>not bold</b>"
         shown = f"{cell} pre.traceback"
         assert not await on_page(
             lambda: browser.find_element(By.CSS_SELECTOR, shown).is_displayed()
         )
-        plain_cell = f'{dead_row(plain)} td[data-field="error"]'
-        assert await on_page(lambda: browser.find_element(By.CSS_SELECTOR, plain_cell).text) == (
-            "RuntimeError: no traceback sent"
-        )
-        assert not await on_page(browser.find_elements, By.CSS_SELECTOR, f"{plain_cell} summary")
 
         # Opened: the whole traceback, as text, monospace, in a box that scrolls.
         await see(browser, click(f"{cell} summary"), "the error's toggle")
@@ -361,11 +370,20 @@ async def test_a_dead_jobs_error_opens_onto_the_traceback_of_its_failure(server,
         assert text == traceback and elements == 0
         assert scrolls and overflow == "auto" and "monospace" in font
 
-        # It stays open while the list is drawn again (another job dies).
-        third = await dead_and_failed(client, "RuntimeError: a third")
-        await see(browser, lambda d: d.find_elements(By.CSS_SELECTOR, dead_row(third)),
-                  "the third dead job", MOVE_S)  # fmt: skip
+        # It stays open while the job is drawn again (it is retried, and fails again).
+        await client.dead_retry(failed)
+        (job,) = await client.lease(["email"], W)
+        await client.fail(failed, W, job.token, "RuntimeError: again", retryable=False)
+        await see(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attempts tbody tr")[1:],
+                  "its second attempt", MOVE_S)  # fmt: skip
         assert await on_page(lambda: browser.find_element(By.CSS_SELECTOR, shown).is_displayed())
+
+        # An attempt without a traceback: its error, no toggle.
+        await on_page(browser.get, browser.current_url.replace(failed, plain))
+        plain_cell = '#attempts tr[data-attempt="1"] td[data-field="error"]'
+        await see(browser, lambda d: d.find_element(By.CSS_SELECTOR, plain_cell).text
+                  == "RuntimeError: no traceback sent", "the plain error", MOVE_S)  # fmt: skip
+        assert not await on_page(browser.find_elements, By.CSS_SELECTOR, f"{plain_cell} summary")
     assert await on_page(no_console_errors, browser) == []
 
 
@@ -381,14 +399,14 @@ async def wait_until_gone(client: relay.Client, job_id: str) -> None:
 
 # The dead jobs' rows as shown, and the text beside the heading ("(50 of 60, ...)").
 DEAD_JS = """
-return [[...document.querySelectorAll("#dead tbody tr[data-job]")].map((r) => r.dataset.job),
-        document.getElementById("dead-count").textContent];
+return [[...document.querySelectorAll("#jobs tbody tr[data-job]")].map((r) => r.dataset.job),
+        document.getElementById("jobs-count").textContent];
 """
 # Whether the dead jobs' table and paging buttons fit the window's width (the queues'
 # table, of 12 columns, does not at 500 px: it is not this test's).
 FITS_JS = """
-const table = document.getElementById("dead").getBoundingClientRect();
-const pages = document.getElementById("dead-pages").getBoundingClientRect();
+const table = document.getElementById("jobs").getBoundingClientRect();
+const pages = document.getElementById("jobs-pages").getBoundingClientRect();
 return table.right <= window.innerWidth && pages.width > 0 && pages.right <= window.innerWidth;
 """
 
@@ -431,11 +449,11 @@ async def test_dashboard_shows_the_newest_dead_jobs_first_and_pages_to_the_oldes
         async with relay.open_client(address) as client:
             ids = await make_dead_jobs(client, "email", 60)
             newest = ids[::-1]
-            await open_page(browser, server)
+            await open_page(browser, server, "#/jobs?state=dead")
             await see(browser, status_is("connected"), "connected")
             await shows_dead(browser, newest[:50], "(50 of 60, newest first)")
             assert await on_page(browser.execute_script, FITS_JS)
-            newer, older = "#dead-newer", "#dead-older"
+            newer, older = "#jobs-newer", "#jobs-older"
             assert not await on_page(
                 lambda: browser.find_element(By.CSS_SELECTOR, newer).is_enabled()
             )
@@ -498,7 +516,7 @@ async def test_dashboard_asks_for_a_token_and_offers_retry_to_admins_only(tmp_pa
         [job] = await client.lease(["email"], W)
         await client.fail(doomed, W, job.token, "boom", retryable=False)
         await client.submit("email", {"n": 1})
-        await open_page(browser, server)
+        await open_page(browser, server, "#/jobs?state=dead")
         await see(browser, status_is("token"), "the token form")
         assert await on_page(token_form, browser)
 
@@ -513,9 +531,9 @@ async def test_dashboard_asks_for_a_token_and_offers_retry_to_admins_only(tmp_pa
         assert role == "worker"
         await shows_stats(browser, client)
         assert await on_page(stored, browser) == [WORKER, 0, ""]
-        assert await on_page(lambda: browser.find_element(By.ID, "dead-note").text) == (
-            "The dead jobs need an admin token (dead_list)."
-        )
+        # The jobs (jobs_list is a producer's), with no button.
+        await see(browser, lambda d: d.find_elements(By.CSS_SELECTOR, dead_row(doomed)),
+                  "the dead job, shown to a worker", MOVE_S)  # fmt: skip
         assert await on_page(browser.find_elements, By.CSS_SELECTOR, "button[data-action]") == []
         assert WORKER not in await on_page(lambda: browser.page_source)
 
@@ -742,10 +760,11 @@ async def test_dashboard_lists_schedules_with_next_runs_in_local_time_and_utc(se
         shown = await see(browser, lambda d: d.execute_script(SCHEDULES_JS) or None,
                           "the schedules", MOVE_S)  # fmt: skip
     assert set(shown) == {"nightly", "hourly"}
-    name, cron, queue, local, utc, job, state = shown["nightly"]
+    name, cron, queue, local, utc, job, state, buttons = shown["nightly"]
     assert (name, cron, queue, job, state) == (
         "nightly", "30 2 * * * (Europe/Berlin)", "reports", "-", "-",
     )  # fmt: skip
+    assert buttons == "Pause" and shown["hourly"][7] == "Resume"  # (no token: an admin)
     assert info.next_at is not None
     import datetime as dt
     from zoneinfo import ZoneInfo
