@@ -6,8 +6,11 @@ Starts a server on a temporary database (on 127.0.0.1:7400-7402 when they are fr
 on any free ports), submits jobs to three queues for a few seconds while two workers run
 them (some fail and retry, two fail for good), and meanwhile follows it three ways:
 
-- ``dashboard.png``: the dashboard page (GET / on the metrics listener) in headless
-  Chromium, once it shows rates and the dead jobs;
+- the dashboard page (GET / on the metrics listener) in headless Chromium, each view at
+  PAGE_WIDTH px: ``dashboard.png`` (the overview, once it shows rates and its charts have
+  jobs), ``dashboard-jobs.png`` (the dead jobs), ``dashboard-job.png`` (one dead job: its
+  attempts, the last one's traceback open), ``dashboard-workers.png``; and
+  ``dashboard-narrow.png``, the jobs at NARROW_WIDTH px (a phone: stacked rows);
 - ``top.png``: ``relay-trio top``'s view (cli/top.py), fed by the same server, drawn into
   a recording rich Console of TOP_WIDTH columns and exported as SVG, then screenshot in
   Chromium;
@@ -45,7 +48,18 @@ WATCH_LINES = 10
 WIDTH = 132  # columns: the watch lines (JSON) unwrapped
 # Columns of the top view: a terminal a little wider than 80, where every count shows.
 TOP_WIDTH = 100
-PAGE_WIDTH = 1200
+PAGE_WIDTH = 1280
+NARROW_WIDTH = 500
+# The tallest a view's shot is: below, it is cut (the PNGs stay small).
+PAGE_HEIGHT_MAX = 1400
+# The dashboard's shots: (file, hash route, what shows once it is drawn, window width).
+VIEWS = (
+    ("dashboard.png", "#/overview", "#chart-hour rect.succeeded", PAGE_WIDTH),
+    ("dashboard-jobs.png", "#/jobs?state=dead", "#jobs tr[data-job]", PAGE_WIDTH),
+    ("dashboard-job.png", None, "#attempts tr[data-attempt]", PAGE_WIDTH),
+    ("dashboard-workers.png", "#/workers", "#workers tr[data-worker]", PAGE_WIDTH),
+    ("dashboard-narrow.png", "#/jobs?state=dead", "#jobs tr[data-job]", NARROW_WIDTH),
+)
 BOUND_S = 30.0
 
 
@@ -136,20 +150,38 @@ def terminal_svg(renderables: list[Any], title: str, width: int = WIDTH) -> str:
     return re.sub(r"@font-face\s*\{[^}]*\}", "", svg)
 
 
-def shoot_dashboard(driver: Any, path: Path) -> None:
-    """The open page, once it shows rates and both dead jobs, at its full height."""
+def shoot_dashboard(driver: Any, out: Path) -> None:
+    """Each view of the open page (VIEWS), once it shows what it is for, at its full
+    height up to PAGE_HEIGHT_MAX. The job view shows the newest dead job, its last
+    attempt's traceback open."""
 
     def ready(d: Any) -> bool:
         rates = page_rates(d)
-        dead = d.find_elements("css selector", "#dead tbody tr")
+        dead = d.find_elements("css selector", "#jobs tbody tr")
         return len(dead) >= 2 and all(
             rates.get(q, {}).get("submitted", "0.0") != "0.0" for q in ("email", "thumbnails")
         )
 
+    driver.execute_script("location.hash = '#/jobs?state=dead'")
     wait_for(driver, ready, BOUND_S, "rates and two dead jobs")
-    height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(PAGE_WIDTH, height + 40)
-    driver.save_screenshot(str(path))
+    dead = driver.find_element("css selector", "#jobs tr[data-job]").get_attribute("data-job")
+    for name, route, drawn, width in VIEWS:
+        driver.set_window_size(width, 800)
+        driver.execute_script("location.hash = arguments[0]", route or f"#/job/{dead}")
+        wait_for(driver, lambda d, s=drawn: d.find_elements("css selector", s), BOUND_S, name)
+        if route is None:
+            driver.execute_script(
+                "const all = document.querySelectorAll('#attempts details');"
+                "if (all.length) all[all.length - 1].open = true;"
+            )
+        driver.set_window_size(width, PAGE_HEIGHT_MAX)
+        # The content's height, and the window's own (outer less inner) beside it.
+        height, chrome = driver.execute_script(
+            "return [Math.ceil(document.querySelector('main').getBoundingClientRect().bottom"
+            " + scrollY) + 16, outerHeight - innerHeight]"
+        )
+        driver.set_window_size(width, min(height, PAGE_HEIGHT_MAX) + chrome)
+        driver.save_screenshot(str(out / name))
 
 
 async def main(out: Path) -> None:
@@ -180,7 +212,7 @@ async def main(out: Path) -> None:
                     await trio.to_thread.run_sync(driver.get, metrics)
                     work.start_soon(traffic, client)
                     await trio.sleep(TRAFFIC_S)  # the traffic goes on while the shots are taken
-                    await trio.to_thread.run_sync(shoot_dashboard, driver, out / "dashboard.png")
+                    await trio.to_thread.run_sync(shoot_dashboard, driver, out)
                     top = terminal_svg([view.render()], "relay-trio top", TOP_WIDTH)
                     work.cancel_scope.cancel()  # traffic, workers and top's feed: the end
                 with trio.fail_after(BOUND_S):
@@ -194,7 +226,7 @@ async def main(out: Path) -> None:
             await trio.to_thread.run_sync(screenshot_svg, driver, svg, out / name)
     finally:
         await trio.to_thread.run_sync(driver.quit)
-    for name in ("dashboard.png", "top.png", "watch.png"):
+    for name in (*(view[0] for view in VIEWS), "top.png", "watch.png"):
         print(f"{out / name}: {(out / name).stat().st_size // 1024} KiB")
 
 
