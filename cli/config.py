@@ -185,11 +185,14 @@ def _read_file(ctx: click.Context, param: click.Parameter, path: str | None) -> 
                 f"{path}: {key} must be {wanted}, not {_toml_type(value)}"
                 + (f" ({toml_value(value)})" if not isinstance(value, dict | list) else "")
             )
-        if not option.is_flag and not option.multiple:
-            try:
-                option.type.convert(value, option, ctx)
-            except click.BadParameter as exc:
-                raise ConfigurationError(f"{path}: {key}: {exc.message}") from None
+        # The option's own checks (its type's range or choices, its callback's), so that a
+        # value they refuse is said with the file's name rather than as the option's.
+        try:
+            converted = option.type_cast_value(ctx, value)
+            if option.callback is not None:
+                option.callback(ctx, option, converted)
+        except click.BadParameter as exc:
+            raise ConfigurationError(f"{path}: {key}: {exc.message}") from None
     ctx.default_map = {**(ctx.default_map or {}), **data}
 
 

@@ -74,8 +74,8 @@ _LIMITS = wire.Limits()
 )  # fmt: skip
 @click.option(
     "--metrics-address", default=DEFAULT_METRICS_ADDRESS, show_default=True,
-    help="HOST:PORT for GET /metrics, /healthz and the dashboard page (GET /, which "
-    "connects to --ws-address); 'off' disables it.",
+    help="HOST:PORT for GET /metrics, /healthz (ready), /livez (alive) and the dashboard "
+    "page (GET /, which connects to --ws-address); 'off' disables it.",
 )  # fmt: skip
 @click.option(
     "--ws-address", default=DEFAULT_WS_ADDRESS, show_default=True,

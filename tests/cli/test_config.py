@@ -129,6 +129,8 @@ def test_an_unknown_key_is_one_line_naming_the_key_and_the_file(config):
         ("ws_origins = [1]", ["ws_origins must be an array of strings"]),
         ("db = { path = 'x' }", ["db must be a string", "a table"]),
         ('log_format = "xml"', ["log_format", "'xml' is not one of"]),
+        ('db = ""', ["db: is empty"]),
+        ('queue_depths = ["emails"]', ["queue_depths: 'emails' is not QUEUE=N"]),
         ("db = ", ["is not valid TOML", "line 1"]),
     ],
 )
