@@ -140,6 +140,17 @@ class Core:
     view: QueueView  # the store's counts per queue, as of the last commit (any thread reads)
     scheduler: Scheduler  # the schedules' service: its statistics for /metrics
 
+    def unready(self) -> str | None:
+        """Why the server should get no new clients now (None: it is ready): "recovering"
+        while the leases of the previous run are not yet given back (the disk refused the
+        write: every write is answered unavailable meanwhile), "stopping" once the
+        shutdown began. Read by ``/healthz``; sync, reads two flags."""
+        if not self.dispatcher.leasing or self.writer.closed:
+            return "stopping"
+        if self.writer.recovering:
+            return "recovering"
+        return None
+
     async def drain(self, timeout_s: float) -> bool:
         """Stop leasing, answer parked long-polls, and wait (at most ``timeout_s``) for the
         requests in flight. True if they all finished."""

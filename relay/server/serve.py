@@ -24,8 +24,8 @@ The task tree (every task has one owner; read top to bottom)::
             │   └── sessions nursery            same sessions; connections/websocket.py)
             │       └── run_websocket (xN)    opening handshake, then Session.run over
             │                                 its MessageStream (wsproto, no task of its own)
-            └── serve_metrics                 GET /metrics, /healthz, / (the dashboard)
-                └── one task per HTTP exchange
+            └── serve_metrics                 GET /metrics, /healthz, /livez, / (the
+                └── one task per HTTP exchange    dashboard)
 
 Shutdown (``ServerHandle.shutdown``): stop accepting; stop leasing and answer parked
 long-polls with no jobs; wait for in-flight requests up to the shutdown timeout; cancel
@@ -194,7 +194,8 @@ async def serve(
                 # summary): see relay/server/connections/listener.py.
                 http = [Accepting(each, METRICS, sockets.spare) for each in sockets.metrics]
                 await transports.start(
-                    functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000),
+                    functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000,
+                                      unready=core.unready),
                     http, gather, guard, dashboard,
                 )  # fmt: skip
             address = sockets.jobs[0].socket.getsockname()[:2]

@@ -551,7 +551,7 @@ async def test_serve_on_every_interface_with_tokens_starts_and_needs_a_hello(
     assert "server.insecure" not in [r.getMessage() for r in logs.records]
 
 
-# -- /metrics and /healthz ------------------------------------------------------------------
+# -- /metrics, /healthz and /livez ---------------------------------------------------------
 
 
 @pytest.fixture
@@ -574,6 +574,7 @@ async def test_metrics_beyond_loopback_need_a_bearer_token(exposed_metrics, logs
         ("/metrics", None),
         ("/healthz", None),
         ("/healthz", f"Bearer {WRONG}"),
+        ("/livez", None),
         ("/metrics", f"Basic {ADMIN}"),
         ("/metrics", "Bearer"),
         ("/nowhere", None),
@@ -586,8 +587,9 @@ async def test_metrics_beyond_loopback_need_a_bearer_token(exposed_metrics, logs
         for token in ALL_TOKENS:
             assert token.encode() not in head + body
     for token in (PRODUCER, WORKER, ADMIN):
-        status, _, body = await http_get(address, "/healthz", f"Bearer {token}")
-        assert status == 200, body
+        for path in ("/healthz", "/livez"):
+            status, _, body = await http_get(address, path, f"Bearer {token}")
+            assert status == 200, (path, body)
     status, _, body = await http_get(address, "/metrics", f"Bearer {PRODUCER}")
     assert status == 200
     assert sample(body, "relay_auth_failures_total") == len(refusals)
