@@ -161,6 +161,7 @@ async def test_bulk_actions_name_the_count_and_act_on_the_queue_and_state(server
         await open_page(browser, server, "#/jobs?queue=email&state=dead")
         await see(browser, status_is("connected"), "connected")
         await shows_jobs(browser, [[j, "dead"] for j in dead[::-1]], "the dead jobs")
+        assert await on_page(lambda: browser.find_element(By.ID, "dead-total").text) == "(3)"
         buttons = await on_page(browser.find_elements, By.CSS_SELECTOR, "#bulk button")
         assert [await on_page(lambda b=b: b.text) for b in buttons] == [
             "Retry all dead", "Purge all dead",
