@@ -465,6 +465,13 @@ async def test_a_worker_token_reads_every_view_and_the_server_refuses_its_action
 
 # Wider than the window: the page scrolls sideways.
 OPEN_JS = "for (const d of document.querySelectorAll('main details')) d.open = true;"
+# The cells of the view's stacked tables that do not say their column's name (a phone's
+# width shows each row as a stack of cells, each named).
+UNNAMED_JS = """
+return [...document.querySelectorAll("main section:not([hidden]) table.stack tbody td")]
+  .filter((td) => td.colSpan === 1 && !td.classList.contains("actions") && !td.dataset.label)
+  .map((td) => td.parentElement.innerText.slice(0, 40));
+"""
 SCROLLS_JS = "return [document.documentElement.scrollWidth, window.innerWidth];"
 
 
@@ -503,6 +510,7 @@ async def test_every_view_fits_the_width_without_scrolling_sideways(server, brow
                     await on_page(browser.execute_script, OPEN_JS)
                     scroll, inner = await on_page(browser.execute_script, SCROLLS_JS)
                     assert scroll <= inner, (route, scroll, inner)
+                    assert await on_page(browser.execute_script, UNNAMED_JS) == [], route
                     if width == 1920 and route == "#/overview":
                         table = await on_page(
                             lambda: browser.find_element(By.ID, "queues").size["width"]
