@@ -97,6 +97,11 @@ _LIMITS = wire.Limits()
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
 @_limit(
+    "token_grace_ms", _DEFAULT["token_grace_ms"],
+    "After a reload (SIGHUP) removes a token or changes its role, connections that said "
+    "hello with it are closed once this has passed.",
+)  # fmt: skip
+@_limit(
     "max_queues", _DEFAULT["max_queues"],
     "Queues that may hold jobs (in any state, retained ones included); a submit that would "
     "create one more answers too_many_queues.",
@@ -190,7 +195,8 @@ def server(
     allow_second_schedules: bool,
     **numbers: int,
 ) -> None:
-    """Run the server until SIGINT or SIGTERM (a second one exits at once).
+    """Run the server until SIGINT or SIGTERM (a second one exits at once). SIGHUP reads
+    the token file and the TLS certificate and key again.
 
     Logs go to stderr: short lines, and a summary once it serves, on a terminal; JSON lines
     otherwise (RELAY_LOG_FORMAT=json|text chooses; RELAY_LOG=debug|info|warning).
@@ -235,6 +241,8 @@ def server(
         max_queue_depth=max_queue_depth,
         queue_depths=queue_depths,
         tokens=tokens,
+        auth_token_file=auth_token_file,
+        auth_env_token=os.environ.get("RELAY_AUTH_TOKEN") or None,
         insecure=insecure,
         tls_cert=tls_cert,
         tls_key=tls_key,
