@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from relay.server.requests.auth import load_tokens
+from tests.cli.conftest import address_of, assert_one_line_error, cli_env, relay_trio
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
 from tests.server.requests.test_auth import assert_refused_and_closed, log_text
 from tests.server.test_process import ServerProcess, server_process
@@ -239,3 +240,18 @@ async def test_sighup_reloads_the_token_file_of_a_server_process(tmp_path, token
         await fresh.aclose()
         process.process.send_signal(signal.SIGTERM)
         assert await process.wait(BOUND_S) == 0
+
+
+async def test_relay_trio_reload_says_what_is_in_force_and_fails_in_one_line(server, token_file):
+    def env(token: str) -> dict[str, str]:
+        return cli_env(address_of(server), RELAY_AUTH_TOKEN=token)
+
+    write_tokens(token_file, f"admin {OLD}\nworker {WORKER}\nproducer {NEW}\n")
+    done = await relay_trio("reload", env=env(OLD))
+    assert done.code == 0, done
+    assert done.stdout.strip() == "reloaded: 3 tokens in force, no new certificate"
+    assert_one_line_error(await relay_trio("reload", env=env(WORKER)), "unauthorized", "admin")
+    write_tokens(token_file, "admin short\n")
+    failed = await relay_trio("reload", "--json", env=env(OLD))
+    assert failed.code == 1 and failed.json()["tokens"] == 3
+    assert_one_line_error(failed, "tokens kept", "at least 16 characters")
