@@ -340,6 +340,10 @@ class Signals:
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
+        # SIGHUP reloads the token file and the certificate once the server serves
+        # (relay/server/reload.py takes it then); until then it is ignored, where by
+        # default it would end the process (a `systemctl reload` during start-up).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def attach(self, stop: Callable[[], bool]) -> None:
         """From the trio run: for the first signal (at once if it came before), call
