@@ -92,8 +92,10 @@ async def test_a_backup_under_load_holds_every_job_acknowledged_before_it_began(
         assert missing == [], f"{len(missing)} acknowledged jobs not in the copy"
         assert sum(1 for s in states.values() if s == "ready") >= 6000  # the filler's
         assert len(acked) > len(before), "the load went on during the backup"
-        # The server went on serving: no round waited long for the writer.
-        assert during and max(during) < 2.0, max(during, default=None)
+        # The server went on serving: no round waited for the whole copy. (Loose: rounds
+        # take ~10 ms here on a quiet machine, but seconds on a loaded one; the commits
+        # made during a copy are measured in tests/store/test_backup.py.)
+        assert during and max(during) < BOUND_S / 2, max(during, default=None)
         assert stat.S_IMODE(os.stat(dest).st_mode) == 0o600
         assert sorted(p.name for p in dest.parent.iterdir()) == ["copy.db"]  # nothing beside
         await stop_gracefully(server, filler)
