@@ -99,6 +99,11 @@ _LIMITS = wire.Limits()
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
 @_limit(
+    "token_grace_ms", _DEFAULT["token_grace_ms"],
+    "After a reload (SIGHUP) removes a token or changes its role, connections that said "
+    "hello with it are closed once this has passed.",
+)  # fmt: skip
+@_limit(
     "max_queues", _DEFAULT["max_queues"],
     "Queues that may hold jobs (in any state, retained ones included); a submit that would "
     "create one more answers too_many_queues.",
@@ -206,7 +211,8 @@ def server(
     log_level: str,
     **numbers: int,
 ) -> None:
-    """Run the server until SIGINT or SIGTERM (a second one exits at once).
+    """Run the server until SIGINT or SIGTERM (a second one exits at once). SIGHUP reads
+    the token file and the TLS certificate and key again.
 
     Every option may also come from a TOML file (--config) and from the environment
     (RELAY_<OPTION>, dashes as underscores); the command line comes first, then the
@@ -256,6 +262,8 @@ def server(
         max_queue_depth=max_queue_depth,
         queue_depths=queue_depths,
         tokens=tokens,
+        auth_token_file=auth_token_file,
+        auth_env_token=os.environ.get("RELAY_AUTH_TOKEN") or None,
         insecure=insecure,
         tls_cert=tls_cert,
         tls_key=tls_key,
@@ -353,6 +361,10 @@ class Signals:
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
+        # SIGHUP reloads the token file and the certificate once the server serves
+        # (relay/server/reload.py takes it then); until then it is ignored, where by
+        # default it would end the process (a `systemctl reload` during start-up).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def attach(self, stop: Callable[[], bool]) -> None:
         """From the trio run: for the first signal (at once if it came before), call

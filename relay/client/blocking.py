@@ -331,6 +331,10 @@ class BlockingClient:
             fields["cursor"] = cursor
         return stats_reply(self.request("stats", **fields))
 
+    def reload(self) -> dict[str, Any]:
+        """As ``Client.reload``: the reply's fields."""
+        return self.request("reload")
+
     def queue_pause(self, queue: str) -> bool:
         """As ``Client.queue_pause``: True (paused)."""
         return self.request("queue_pause", queue=queue)["paused"]

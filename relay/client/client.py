@@ -330,6 +330,13 @@ class Client:
         reply = await self._call("dead_purge", job_id=job_id, queue=queue, all=all or None)
         return reply["count"]
 
+    async def reload(self) -> dict[str, Any]:
+        """Have the server read its token file and TLS certificate and key again (role
+        admin). Returns the reply's fields: ``tokens``, ``tls``, ``closing``, ``grace_ms``
+        and ``errors`` (one line per file that could not be used, which changed nothing).
+        An extension: an older server raises ``UnknownOp``."""
+        return await self._call("reload")
+
     async def queue_pause(self, queue: str) -> bool:
         """Pause ``queue``: it takes submits, but no lease takes its jobs until it is
         resumed (role admin). Returns True (paused). An extension: an older server raises

@@ -421,6 +421,15 @@ class Unwatch:
 
 
 @attrs.frozen
+class Reload:
+    """``reload`` (an extension): read the token file and the TLS certificate and key
+    again. No fields."""
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@attrs.frozen
 class QueuePause:
     """``queue_pause`` / ``queue_resume`` (extensions): one queue, which need not exist."""
 
@@ -655,4 +664,5 @@ REQUEST_TYPES: dict[str, type] = {
     "schedule_pause": SchedulePause,
     "schedule_resume": ScheduleResume,
     "schedule_list": ScheduleList,
+    "reload": Reload,
 }

@@ -109,6 +109,14 @@ class ServerConfig:
     # and no listener may be reachable from other machines unless ``insecure``.
     tokens: Tokens | None = None
     insecure: bool = False
+    # Where ``tokens`` came from, read again on SIGHUP or the ``reload`` op
+    # (relay/server/reload.py): the token file (None: nothing to reload) and the value of
+    # RELAY_AUTH_TOKEN at start. A connection whose token a reload removed, or gave another
+    # role, is closed once this grace has passed (unless it says hello again with a valid
+    # token meanwhile).
+    auth_token_file: str | None = None
+    auth_env_token: str | None = None
+    token_grace_ms: int = 30_000
 
     def prehello(self) -> PreHello:
         """The pools of unauthenticated connections this configuration asks for."""

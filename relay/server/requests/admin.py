@@ -144,6 +144,27 @@ class AdminHandlers:
             self.answered(connection, item, trio.current_time())
             connection.reply(data)
 
+    def _reload(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._typed(fields, "reload")
+        reloader = self.reloader
+        if reloader is None:  # the embedded mode: no token file, no certificate
+            nothing = {"tokens": None, "tls": False, "closing": 0, "grace_ms": 0, "errors": []}
+            self._answer_now(connection, "reload", started, wire.encode_ok(rid, nothing))
+            return
+        # Files are read in a thread: a task in the connection's nursery, as a whole
+        # queue's dead letters are, accounted until answered.
+        self._count_in(connection)
+        item = (ops.RELOAD, connection, rid, started, None)
+        connection.nursery.start_soon(self._reload_task, connection, item, reloader)
+
+    async def _reload_task(self, connection: Connection, item: Item, reloader: Callable) -> None:
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
+        try:
+            data = wire.encode_ok(item[2], await reloader("op"))
+        finally:
+            self.answered(connection, item, trio.current_time())
+            connection.reply(data)
+
     def _queue_pause(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         queue = self._typed(fields, "queue_pause").queue
         self._queue(connection, (ops.QUEUE_PAUSE, connection, rid, started, (queue, True)))

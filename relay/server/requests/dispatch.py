@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -103,6 +103,9 @@ class Dispatcher(AdminHandlers):
         self._idle = trio.Event()
         self.idle_wanted = 0  # wait_idle under way (read by the writer thread)
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
+        # The ``reload`` op's work (relay/server/reload.py), which the server sets: it
+        # returns the reply's fields. None: nothing to reload (the embedded mode).
+        self.reloader: Callable[[str], Awaitable[dict[str, Any]]] | None = None
         self._job_bytes = job_reply_bytes(limits)  # (admin.py)
         handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
             "hello": self._hello,
@@ -133,6 +136,7 @@ class Dispatcher(AdminHandlers):
             "schedule_pause": self._schedule_pause,
             "schedule_resume": self._schedule_resume,
             "schedule_list": self._schedule_list,
+            "reload": self._reload,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

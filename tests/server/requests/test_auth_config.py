@@ -206,6 +206,7 @@ def test_roles_and_the_op_they_need():
                 "schedule_delete",
                 "schedule_pause",
                 "schedule_resume",
+                "reload",
             ),
             Role.ADMIN,
         ),
