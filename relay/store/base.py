@@ -65,6 +65,11 @@ TOKEN_BYTES = 16
 # errors and tracebacks of at most 8 KiB each, a job's history stays under 512 KiB of
 # text in a reply.
 ERRORS_SHOWN = 32
+# Ended attempts kept per job (the rows of job_errors): the most recent ones. Each write of
+# one past this deletes the oldest (only then: the job row counts its ended attempts,
+# ``attempts_ended``), so a job retried 10,000 times keeps this many rows. The errors
+# shown are the erring ones among them.
+ATTEMPTS_KEPT = ERRORS_SHOWN
 # What a job's fields other than its texts add to a reply, roughly: for byte budgets.
 REPLY_OVERHEAD_BYTES = 256
 
