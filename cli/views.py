@@ -950,8 +950,9 @@ def _json(value: Any) -> RenderableType:
 
 def job_panel(job: JobView) -> Fitted:
     """Everything ``inspect`` knows of a job: state, queue, priority, attempts, timings (UTC
-    and raw ms), worker, last error, the error history, the traceback of the latest failed
-    attempt that has one, the payload and the result.
+    and raw ms), worker, last error, the attempts as a timeline (a server without them:
+    the error history), the traceback of the latest failed attempt that has one, the
+    payload and the result.
 
     The job's own values are shown whole, a long one on as many lines as it needs: the
     whole id in the title, a queue name of up to 128 characters, the last error with its

@@ -579,7 +579,9 @@ class Store(Protocol):
     # -- reads -------------------------------------------------------------------------------
 
     def job_inspect(self, job_id: str) -> JobInfo:
-        """One job with its latest ``ERRORS_SHOWN`` errors; raises ``JobNotFound``."""
+        """One job with its attempts (the latest ``ATTEMPTS_KEPT`` that ended, then the one
+        running or succeeded) and the erring ones among them as its errors; raises
+        ``JobNotFound``."""
 
     def job_inspect_prefix(self, prefix: str) -> JobInfo:
         """As ``job_inspect``, of the one job whose id begins with ``prefix``, an abbreviated

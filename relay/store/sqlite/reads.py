@@ -84,7 +84,7 @@ class SqliteReads(SqliteBase):
     """Inspect and the dead list: part of ``SqliteStore``."""
 
     def job_inspect(self, job_id: str) -> JobInfo:
-        """One job, with its latest ERRORS_SHOWN errors."""
+        """One job, with its attempts and errors (``Store.job_inspect``)."""
         key = parse_job_id(job_id)
         row = None
         if key is not None:
