@@ -47,7 +47,13 @@ from relay.client.client import (
     Stats,
 )
 from relay.protocol.cron import zone
-from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
+from relay.protocol.model import (
+    AttemptEntry,
+    JobState,
+    format_job_id,
+    job_id_abbreviation,
+    parse_job_id,
+)
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -872,6 +878,67 @@ _TIMES = (
 )
 
 
+OUTCOME_STYLES: Mapping[str, str] = {
+    "running": "yellow",
+    "succeeded": "green",
+    "failed": "red",
+    "expired": "magenta",
+    "timed_out": "magenta",
+    "released": "dim",
+    "cancelled": "dim",
+    "interrupted": "dim",
+}
+# Below this panel width, an attempt's start is shown without its year and millis, and its
+# worker id in at most ATTEMPT_WORKER_NARROW cells, so that its error keeps some room.
+ATTEMPTS_WIDE = 110
+ATTEMPT_WORKER_NARROW, ATTEMPT_WORKER_WIDE = 14, 32
+
+
+def _attempt_start(ms: int | None, wide: bool) -> str:
+    if ms is None:  # (recorded by a relay-trio that did not keep it)
+        return "-"
+    if wide:
+        return format_time(ms).removesuffix(" UTC")
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC).strftime("%m-%d %H:%M:%S")
+
+
+def _attempt_took(entry: AttemptEntry) -> str:
+    if entry.started_at is None or entry.ended_at is None:
+        return "-"
+    return format_duration(max(0, entry.ended_at - entry.started_at))
+
+
+def _attempts_table(job: JobView, width: int) -> Table:
+    """The job's attempts as a timeline, oldest first, one line each: its number, start,
+    how long it took, worker, outcome and the first line of its error."""
+    wide = width >= ATTEMPTS_WIDE
+    table = plain_table()
+    title = "attempts"
+    if job.attempts_dropped:
+        title += f" ({job.attempts_dropped} older ones not kept)"
+    table.title, table.title_justify = title, "left"
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("start (UTC)", no_wrap=True)
+    table.add_column("took", justify="right", no_wrap=True)
+    worker_cells = ATTEMPT_WORKER_WIDE if wide else ATTEMPT_WORKER_NARROW
+    table.add_column("worker", no_wrap=True, overflow="ellipsis", max_width=worker_cells)
+    table.add_column("outcome", no_wrap=True)
+    # The rest of the panel's width (its border and padding take 4): ratio=1 with expand.
+    table.add_column("error", style="red", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.expand = True
+    for entry in job.attempts:
+        outcome = str(entry.outcome)
+        table.add_row(
+            str(entry.attempt),
+            _attempt_start(entry.started_at, wide),
+            _attempt_took(entry),
+            Text(entry.worker_id or "-"),  # (a Text: no markup or emoji codes read in it)
+            Text(outcome.replace("_", " "), style=OUTCOME_STYLES.get(outcome, "")),
+            Text(truncate(entry.error)),
+        )
+    return table
+
+
 def _time_cell(ms: int) -> Text:
     text = Text(format_time(ms))
     text.append(f"  ({ms})", style="dim")
@@ -891,8 +958,9 @@ def _json(value: Any) -> RenderableType:
 
 def job_panel(job: JobView) -> Fitted:
     """Everything ``inspect`` knows of a job: state, queue, priority, attempts, timings (UTC
-    and raw ms), worker, last error, the error history, the traceback of the latest failed
-    attempt that has one, the payload and the result.
+    and raw ms), worker, last error, the attempts as a timeline (a server without them:
+    the error history), the traceback of the latest failed attempt that has one, the
+    payload and the result.
 
     The job's own values are shown whole, a long one on as many lines as it needs: the
     whole id in the title, a queue name of up to 128 characters, the last error with its
@@ -925,7 +993,9 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
         fields.add_row("last error", Text(job.last_error, style="red"))
 
     parts: list[RenderableType] = [fields]
-    if job.errors:
+    if job.attempts:
+        parts += [Text(), _attempts_table(job, width)]
+    elif job.errors:  # (a server without the attempt history)
         errors = plain_table()
         errors.title, errors.title_justify = "errors", "left"
         errors.add_column("attempt", justify="right", no_wrap=True)
@@ -937,6 +1007,7 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
             errors.add_row(str(entry.attempt), format_time(entry.at).removesuffix(" UTC"),
                            truncate(entry.error))  # fmt: skip
         parts += [Text(), errors]
+    if job.errors:
         # The latest traceback the worker sent (the others: --json), folded, not cut: the
         # failing frame and the exception are at its end.
         traced = next((entry for entry in reversed(job.errors) if entry.traceback), None)

@@ -38,6 +38,8 @@ _EXPORTS = {
     "job_fields": "relay.client.client",
     "open_client": "relay.client.client",
     "open_local": "relay.local",
+    "AttemptEntry": "relay.protocol.model",
+    "AttemptOutcome": "relay.protocol.model",
     "JobState": "relay.protocol.model",
     "SubmitResult": "relay.protocol.model",
     "PermanentError": "relay.worker.worker",
@@ -71,6 +73,8 @@ _EXPORTS = {
 }
 
 __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
+    "AttemptEntry",
+    "AttemptOutcome",
     "BadRequest",
     "BlockingClient",
     "Cancelled",
@@ -170,5 +174,5 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
         UnknownOp,
         WrongServer,
     )
-    from relay.protocol.model import JobState, SubmitResult
+    from relay.protocol.model import AttemptEntry, AttemptOutcome, JobState, SubmitResult
     from relay.worker.worker import PermanentError, Worker, run_worker

@@ -16,7 +16,7 @@ import cattrs
 from cattrs.preconf.orjson import make_converter
 
 from relay.protocol.errors import RelayError
-from relay.protocol.model import ErrorEntry, JobState, SubmitResult
+from relay.protocol.model import AttemptEntry, ErrorEntry, JobState, SubmitResult
 
 
 @attrs.frozen
@@ -57,6 +57,10 @@ class JobView:
     finished_at: int | None = None
     timeout_ms: int | None = None
     scheduled_for: int | None = None  # the slot of the schedule that submitted it
+    # ``inspect``'s (empty from ``dead_list``, and from a server without the history):
+    # the job's attempts, oldest first, and how many older ended ones it no longer keeps.
+    attempts: list[AttemptEntry] = attrs.Factory(list)
+    attempts_dropped: int = 0
 
 
 @attrs.frozen

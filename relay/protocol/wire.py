@@ -19,6 +19,7 @@ from relay.protocol.model import (
     PRIORITY_INT_BY_WIRE,
     QUEUE_NAME_RE,
     WIRE_PRIORITIES,
+    AttemptEntry,
     Backoff,
     ErrorEntry,
     JobInfo,
@@ -312,6 +313,19 @@ def _error_fields(entry: ErrorEntry) -> dict[str, Any]:
     return fields
 
 
+def _attempt_fields(entry: AttemptEntry) -> dict[str, Any]:
+    fields: dict[str, Any] = {"attempt": entry.attempt, "outcome": str(entry.outcome)}
+    optional = {
+        "started_at": entry.started_at,
+        "ended_at": entry.ended_at,
+        "worker_id": entry.worker_id,
+        "error": entry.error,
+        "traceback": entry.traceback,
+    }
+    fields.update((k, v) for k, v in optional.items() if v is not None)
+    return fields
+
+
 def backoff_fields(backoff: Backoff) -> dict[str, Any]:
     """A backoff as ``submit`` takes it."""
     if backoff.kind == "fixed":
@@ -324,7 +338,9 @@ def backoff_fields(backoff: Backoff) -> dict[str, Any]:
     }
 
 
-def job_fields(job: JobInfo) -> dict[str, Any]:
+def job_fields(job: JobInfo, attempts: bool = False) -> dict[str, Any]:
+    """A job as ``inspect`` and ``dead_list`` give it; with ``attempts`` (``inspect``'s),
+    its attempt history too."""
     fields: dict[str, Any] = {
         "job_id": job.job_id,
         "queue": job.queue,
@@ -349,4 +365,7 @@ def job_fields(job: JobInfo) -> dict[str, Any]:
         "scheduled_for": job.scheduled_for,
     }
     fields.update((k, v) for k, v in optional.items() if v is not None)
+    if attempts:
+        fields["attempts"] = [_attempt_fields(entry) for entry in job.attempts]
+        fields["attempts_dropped"] = job.attempts_dropped
     return fields

@@ -64,6 +64,11 @@ TOKEN_BYTES = 16
 # errors and tracebacks of at most 8 KiB each, a job's history stays under 512 KiB of
 # text in a reply.
 ERRORS_SHOWN = 32
+# Ended attempts kept per job (the rows of job_errors): the most recent ones. Each write of
+# one past this deletes the oldest (only then: the job row counts its ended attempts,
+# ``attempts_ended``), so a job retried 10,000 times keeps this many rows. The errors
+# shown are the erring ones among them.
+ATTEMPTS_KEPT = ERRORS_SHOWN
 # What a job's fields other than its texts add to a reply, roughly: for byte budgets.
 REPLY_OVERHEAD_BYTES = 256
 
@@ -577,7 +582,9 @@ class Store(Protocol):
     # -- reads -------------------------------------------------------------------------------
 
     def job_inspect(self, job_id: str) -> JobInfo:
-        """One job with its latest ``ERRORS_SHOWN`` errors; raises ``JobNotFound``."""
+        """One job with its attempts (the latest ``ATTEMPTS_KEPT`` that ended, then the one
+        running or succeeded) and the erring ones among them as its errors; raises
+        ``JobNotFound``."""
 
     def job_inspect_prefix(self, prefix: str) -> JobInfo:
         """As ``job_inspect``, of the one job whose id begins with ``prefix``, an abbreviated

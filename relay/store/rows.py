@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from relay.protocol.errors import BadRequest, JobNotFound
 from relay.protocol.model import (
     ID_MAX,
+    AttemptEntry,
+    AttemptOutcome,
     ErrorEntry,
     JobInfo,
     JobState,
@@ -16,14 +18,16 @@ from relay.protocol.model import (
     job_id_abbreviation,
     parse_job_id,
 )
-from relay.store.base import info_size
+from relay.store.base import LEASE_EXPIRED_ERROR, RESTART_ERROR, info_size
 
 # The columns of a job's row, in the order ``job_info`` reads them.
 JOB_COLUMNS = (
     "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
     "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at, "
-    "timeout_ms, scheduled_for"
+    "timeout_ms, scheduled_for, leased_at, attempts_ended"
 )
+# The columns of an ended attempt's row (job_errors), in the order ``job_info`` reads them.
+HISTORY_COLUMNS = "attempt, error, at, traceback, started_at, worker, outcome"
 
 
 # An abbreviated id's range of keys (model.job_id_keys) is read for at most this many:
@@ -60,15 +64,56 @@ def _same(text: str | None) -> str | None:
     return text
 
 
+def _old_outcome(error: str) -> AttemptOutcome:
+    """How an attempt recorded before outcomes were kept ended, from its error: such rows
+    were written only by fail, the reaper and the recovery at start."""
+    if error == LEASE_EXPIRED_ERROR:
+        return AttemptOutcome.EXPIRED
+    if error == RESTART_ERROR:
+        return AttemptOutcome.INTERRUPTED
+    if error.startswith("timed out after ") and error.endswith(" ms"):
+        return AttemptOutcome.TIMED_OUT
+    return AttemptOutcome.FAILED
+
+
+def attempts_of(
+    row: Sequence, history: Sequence[Sequence], text: Callable[[str | None], str | None] = _same
+) -> tuple[list[ErrorEntry], list[AttemptEntry], int]:
+    """A job's errors, attempts and attempts dropped, from its ``row`` (JOB_COLUMNS) and
+    ``history``, the rows (HISTORY_COLUMNS) of its latest ended attempts, oldest first.
+
+    The attempt running now, or the one that succeeded, has no row: it is the job row's
+    (its start ``leased_at``, its worker, its end ``finished_at``), so that a claim and
+    an ack write nothing more than the job row."""
+    errors, attempts = [], []
+    for attempt, error, at, traceback, started_at, worker, outcome in history:
+        error, traceback = text(error), text(traceback)
+        ended = AttemptOutcome(outcome) if outcome else _old_outcome(error)
+        if ended.erred:
+            errors.append(ErrorEntry(attempt, error, at, traceback))
+        else:
+            error = traceback = None  # (their rows hold an empty error)
+        attempts.append(
+            AttemptEntry(attempt, ended, started_at, at, text(worker), error, traceback)
+        )
+    state = row[2]
+    if state in (JobState.LEASED, JobState.SUCCEEDED):
+        outcome = AttemptOutcome.RUNNING if state == JobState.LEASED else AttemptOutcome.SUCCEEDED
+        ended_at = row[15] if state == JobState.SUCCEEDED else None
+        attempts.append(AttemptEntry(row[5], outcome, row[18], ended_at, text(row[11])))
+    return errors, attempts, max(0, row[19] - len(history))
+
+
 def job_info(
     row: Sequence,
-    errors: Sequence[ErrorEntry],
+    history: Sequence[Sequence],
     text: Callable[[str | None], str | None] = _same,
 ) -> JobInfo:
-    """The job of ``row`` (JOB_COLUMNS), with ``errors``, its latest error history;
-    ``text`` turns the client's texts (worker id, error, key) back from how the dialect
-    stored them."""
+    """The job of ``row`` (JOB_COLUMNS), with ``history``, the rows (HISTORY_COLUMNS) of
+    its latest ended attempts, oldest first; ``text`` turns the client's texts (worker
+    id, error, key) back from how the dialect stored them."""
     state = JobState(row[2])
+    errors, attempts, dropped = attempts_of(row, history, text)
     return JobInfo(
         job_id=format_job_id(row[0]),
         queue=row[1],
@@ -89,6 +134,8 @@ def job_info(
         finished_at=row[15],
         timeout_ms=row[16],
         scheduled_for=row[17],
+        attempts=tuple(attempts),
+        attempts_dropped=dropped,
     )
 
 

@@ -22,7 +22,14 @@ from relay.client.client import (
     ServerInfo,
     Stats,
 )
-from relay.protocol.model import ID_SEQ_BITS, ErrorEntry, JobState, format_job_id
+from relay.protocol.model import (
+    ID_SEQ_BITS,
+    AttemptEntry,
+    AttemptOutcome,
+    ErrorEntry,
+    JobState,
+    format_job_id,
+)
 from relay_cli import views
 from tests.conftest import T0  # 2026-01-01T00:00:00Z
 
@@ -646,6 +653,75 @@ def test_job_panel_shows_the_latest_traceback_whole_and_folded(width):
     assert "".join(traceback.split()) in "".join(text.split())  # whole, if folded
     without = dead_job(errors=[ErrorEntry(1, "lease expired", T0 + 1_000)])
     assert "traceback of" not in render(views.job_panel(without))
+
+
+def attempts_job(**fields) -> JobView:
+    """A job that succeeded on its fourth attempt, after a failure, an expiry, a timeout
+    and a release; three older attempts no longer kept."""
+    error = ERRORS["timeout"]
+    out = AttemptOutcome
+    attempts = [
+        AttemptEntry(1, out.FAILED, T0 + 10, T0 + 1_000, "host-a.example.com:1234:abcdef",
+                     error, "Traceback: the first attempt's\n" + error),
+        AttemptEntry(2, out.EXPIRED, T0 + 2_000, T0 + 32_000, "host-b:99:x", "lease expired"),
+        AttemptEntry(3, out.TIMED_OUT, T0 + 40_000, T0 + 52_000, "w3",
+                     "timed out after 10000 ms"),
+        AttemptEntry(4, out.RELEASED, T0 + 60_000, T0 + 60_100, "w4"),
+        AttemptEntry(4, out.SUCCEEDED, T0 + 61_000, T0 + 3_800_000, "w5"),
+    ]  # fmt: skip
+    return dead_job(
+        state=JobState.SUCCEEDED, attempt=4, max_attempts=5, attempts=attempts,
+        attempts_dropped=3, finished_at=T0 + 3_800_000, errors=[
+            ErrorEntry(1, error, T0 + 1_000, attempts[0].traceback),
+            ErrorEntry(2, "lease expired", T0 + 32_000),
+            ErrorEntry(3, "timed out after 10000 ms", T0 + 52_000),
+        ], **fields,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_job_panel_shows_the_attempts_as_a_timeline_a_line_each(width):
+    job = attempts_job()
+    lines = lines_of(views.job_panel(job), width)
+    text = "\n".join(lines)
+    assert "attempts (3 older ones not kept)" in text
+    header = row(lines, " start (UTC) ")
+    for name in ("#", "took", "worker", "outcome", "error"):
+        assert f" {name} " in header + " ", name
+    wide = width >= 120
+    expected = [  # number, start, took, outcome, and a start of the error
+        ("1", "00:00:00", "990 ms", "failed", "TimeoutError"),
+        ("2", "00:00:02", "30.0 s", "expired", "lease expired"),
+        ("3", "00:00:40", "12.0 s", "timed out", "timed out after"),
+        ("4", "00:01:00", "100 ms", "released", ""),
+        ("4", "00:01:01", "1h 02m 19s", "succeeded", ""),
+    ]
+    for number, start, took, outcome, error in expected:
+        line = row(lines, f" {took} ")
+        assert line.split()[1] == number and start in line and f" {outcome}" in line
+        assert error in line
+        # Wide, the start is a whole time to the millisecond; narrow, without the year.
+        assert ("2026-01-01 " + start + "." in line) == wide
+        assert ("01-01 " + start in line) is True
+    # A worker id is shown as it is (no emoji codes), whole where it fits.
+    first = row(lines, " 990 ms ")
+    assert ("host-a.example.com:1234:abcdef" in first) == wide
+    assert "host-a.exam" in first and "🔢" not in first
+    # The traceback of the latest attempt that sent one, below the timeline.
+    assert "traceback of attempt 1" in text
+    # No separate error history: the timeline holds it.
+    assert "at (UTC)" not in text
+
+
+def test_job_panel_attempts_of_an_old_record_and_a_running_one_say_what_is_unknown():
+    job = dead_job(state=JobState.LEASED, attempt=2, attempts=[
+        AttemptEntry(1, AttemptOutcome.INTERRUPTED, None, T0 + 5_000, None, "lease lost"),
+        AttemptEntry(2, AttemptOutcome.RUNNING, T0 + 6_000, None, "w1"),
+    ])  # fmt: skip
+    lines = lines_of(views.job_panel(job), 80)
+    old, running = row(lines, " interrupted "), row(lines, " running ")
+    assert old.split()[1:4] == ["1", "-", "-"]  # no start, so no duration, no worker
+    assert running.split()[1] == "2" and "01-01 00:00:06" in running and " w1 " in running
 
 
 def test_job_panel_of_a_fresh_job_leaves_out_what_it_does_not_have():

@@ -73,6 +73,9 @@ JOB_OPTIONAL = {
     "result",
     "idempotency_key",
     "finished_at",
+    # (extensions: inspect's attempt history, not in dead_list's jobs)
+    "attempts",
+    "attempts_dropped",
 }
 TOKEN_RE = re.compile(r"[0-9a-fA-F]{32,}")
 W = "worker-1"

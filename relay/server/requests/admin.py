@@ -21,7 +21,7 @@ from relay.protocol.errors import RelayError, ShuttingDown, Unauthorized, Unknow
 from relay.server.requests import ops
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
+from relay.store.base import ATTEMPTS_KEPT, ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
 from relay.store.items import Item
 
 if TYPE_CHECKING:
@@ -41,14 +41,24 @@ def job_reply_bytes(limits: wire.Limits) -> int:
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
 
 
+def inspect_reply_bytes(limits: wire.Limits) -> int:
+    """The most an inspect reply can take: its job (``job_reply_bytes``) and the job's
+    attempts, the ATTEMPTS_KEPT ended ones with their errors and tracebacks and the one
+    running or succeeded, each with its worker id and fields."""
+    texts = ATTEMPTS_KEPT * 6 * (limits.max_error_bytes + limits.max_traceback_bytes)
+    entries = (ATTEMPTS_KEPT + 1) * (6 * limits.max_id_bytes + REPLY_OVERHEAD_BYTES)
+    return job_reply_bytes(limits) + texts + entries
+
+
 class AdminHandlers:
     """Handlers of ``Dispatcher``. They use the dispatcher's ``writer``, ``limits``,
-    ``watchers``, ``_job_bytes`` (``job_reply_bytes``) and its accounting: ``_typed``,
+    ``watchers``, ``_job_bytes`` (``job_reply_bytes``), ``_inspect_bytes``
+    (``inspect_reply_bytes``) and its accounting: ``_typed``,
     ``_queue``, ``_answer_now``, ``_count_in``, ``answered``."""
 
     def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "inspect")
-        args = ops.Reserving((r.job_id, r.prefix), self._job_bytes)
+        args = ops.Reserving((r.job_id, r.prefix), self._inspect_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.INSPECT, connection, rid, started, args))
 

@@ -35,7 +35,7 @@ from relay.protocol.errors import (
 )
 from relay.server.requests import ops
 from relay.server.requests.access import Access
-from relay.server.requests.admin import AdminHandlers, job_reply_bytes
+from relay.server.requests.admin import AdminHandlers, inspect_reply_bytes, job_reply_bytes
 from relay.server.requests.auth import Role, Tokens
 from relay.server.requests.connection import Connection
 from relay.server.requests.durations import AnsweredNow, Durations
@@ -107,6 +107,7 @@ class Dispatcher(AdminHandlers):
         # returns the reply's fields. None: nothing to reload (the embedded mode).
         self.reloader: Callable[[str], Awaitable[dict[str, Any]]] | None = None
         self._job_bytes = job_reply_bytes(limits)  # (admin.py)
+        self._inspect_bytes = inspect_reply_bytes(limits)
         handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
             "hello": self._hello,
             "ping": self._ping,

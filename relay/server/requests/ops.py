@@ -324,7 +324,7 @@ class _Inspect(RequestOp):
         return store.job_inspect_prefix(job_id) if prefix else store.job_inspect(job_id)
 
     def fields(self, outcome: JobInfo, args: Any) -> dict[str, Any]:
-        return {"job": wire.job_fields(outcome)}
+        return {"job": wire.job_fields(outcome, attempts=True)}
 
 
 class _ShortIds(RequestOp):
