@@ -92,6 +92,10 @@ OP_ROLES: dict[str, Role] = {
     # (an extension) A producer may cancel one job that has not started; a leased job, or
     # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
     "cancel": Role.PRODUCER,
+    # Extensions: the job browser shows what inspect and stats show; a promote changes
+    # when a job runs: an admin's.
+    "jobs_list": Role.PRODUCER,
+    "promote": Role.ADMIN,
 }
 
 ROLES_BY_NAME = {role.label: role for role in Role if role is not Role.NONE}

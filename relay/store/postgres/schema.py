@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -245,6 +245,12 @@ def _v9_schedules(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE jobs ADD COLUMN scheduled_for bigint")
 
 
+def _v10_job_browser(conn: psycopg.Connection) -> None:
+    # The job browser (jobs_list) and the bulk retry and purge of a queue's jobs by state,
+    # as in SQLite: every job under (queue, state), by id.
+    conn.execute("CREATE INDEX jobs_queue_state ON jobs (queue, state, id)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -256,6 +262,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     7: _v7_cancelled,
     8: _v8_queue_limits,
     9: _v9_schedules,
+    10: _v10_job_browser,
 }
 
 
