@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.protocol.errors import BadRequest, InvalidState, JobNotFound
+from relay.protocol.errors import BadRequest, InvalidState, JobNotFound, StaleToken
 from relay.protocol.model import JobState
 from relay.store.rows import SUMMARY_ERROR_CHARS
 from tests.conftest import T0
@@ -141,11 +141,14 @@ def test_retry_a_queues_dead_and_cancelled_jobs_in_pieces(store):
 
 
 def test_a_cancelled_leased_job_retried_gets_a_fresh_lease(store):
-    job = make(store, "leased")
+    job = submit(store, T0)
+    old = claim_one(store, T0)
     store.job_cancel(job, T0 + 1)
     assert store.dead_retry_queue("q", T0 + 2, 10, ("cancelled",)) == 1
+    with pytest.raises(StaleToken):  # the old token holds nothing: stale, not cancelled
+        store.jobs_ack(job, "w1", old.token, None, T0 + 2)
     lease = claim_one(store, T0 + 3)
-    assert lease.job_id == job
+    assert lease.job_id == job and lease.token != old.token
     store.jobs_ack(job, "w1", lease.token, None, T0 + 4)
     assert state(store, job) == "succeeded"
 
