@@ -45,12 +45,20 @@ _SEARCH = {
     for newest, (bound, order) in _DIRECTION.items()
 }
 # The first keys of a queue that begin with a prefix: the queue's part of each key table's
-# primary key (queue, key), read in key order until enough match.
-_KEYS = [
-    f"SELECT key, job_id FROM {table} WHERE queue = %s AND starts_with(key, %s) "
-    f"ORDER BY key LIMIT {KEY_SEARCH_MAX + 1}"
-    for table in ("idempotency_keys", "unique_keys")
-]
+# primary key (queue, key), from the prefix on. Where the database sorts text by its bytes
+# ("C" collations), the keys that begin with it end below the prefix followed by the
+# highest character, so the read is one range; under a language's collation they need not
+# be contiguous, and the read goes on through the queue's keys after the prefix.
+_KEYS = {
+    ranged: [
+        f"SELECT key, job_id FROM {table} WHERE queue = %s AND key >= %s "
+        + ("AND key < %s " if ranged else "")
+        + f"AND starts_with(key, %s) ORDER BY key LIMIT {KEY_SEARCH_MAX + 1}"
+        for table in ("idempotency_keys", "unique_keys")
+    ]
+    for ranged in (False, True)
+}
+_BYTE_ORDER = ("C", "POSIX", "C.UTF-8", "C.utf8", "ucs_basic")
 
 
 class Browse(PostgresBase):
@@ -104,10 +112,15 @@ class Browse(PostgresBase):
             )
         if queue is not None:
             found: set[int] = set()
-            for sql in _KEYS:
-                found.update(
-                    key_matches(search, self._read(sql, (queue, encode_text(search))).fetchall())
-                )
+            prefix = encode_text(search)
+            ranged = self._byte_order()
+            params = (
+                (queue, prefix, prefix + "\U0010ffff", prefix)
+                if ranged
+                else (queue, prefix, prefix)
+            )
+            for sql in _KEYS[ranged]:
+                found.update(key_matches(search, self._read(sql, params).fetchall()))
             if keys:  # (those of the id range are listed by it already)
                 found = {key for key in found if key not in keys}
             if found:
@@ -115,6 +128,16 @@ class Browse(PostgresBase):
                     self._read(_SEARCH[False, newest], (sorted(found), *filters)).fetchall()
                 )
         return runs
+
+    def _byte_order(self) -> bool:
+        """Whether the database sorts text by its bytes (read once)."""
+        known = getattr(self, "_sorts_bytes", None)
+        if known is None:
+            collation = self._read(
+                "SELECT datcollate FROM pg_database WHERE datname = current_database()"
+            ).fetchone()[0]
+            known = self._sorts_bytes = collation in _BYTE_ORDER
+        return known
 
     @atomic
     def job_promote(self, job_id: str, now: int) -> JobState:
