@@ -856,8 +856,10 @@ def _dead_layout(
 
 # -- the job browser ----------------------------------------------------------------------
 
-# The width from which ``jobs_table`` shows the worker that last leased each job.
+# The width from which ``jobs_table`` shows the worker that last leased each job, and the
+# year of its times (below, "12-03 14:05": the error gets those 5 columns).
 JOBS_WORKER_AT = 110
+JOBS_YEAR_AT = 100
 
 
 def job_time(job: JobSummary) -> int | None:
@@ -881,8 +883,9 @@ def jobs_table(
 ) -> Fitted:
     """``relay-trio jobs list``: one row per job, its id (as ``dead_table`` shows it),
     queue, state (in its colour), tries, the time that matters in its state (``job_time``,
-    UTC to the minute) and the first line of its last error, which gets the rest of the
-    width; from JOBS_WORKER_AT columns also the worker that last leased it. Below it,
+    UTC to the minute; its year from JOBS_YEAR_AT columns) and the first line of its last
+    error, which gets the rest of the width; from JOBS_WORKER_AT columns also the worker
+    that last leased it. Below it,
     ``caption`` (the order and how to get the next page), or else the next page's cursor.
 
     The queue and the error share what the other columns leave, as in ``dead_table``: the
@@ -905,6 +908,8 @@ def _jobs_layout(
     states = [str(job.state) for job in jobs]
     tries = [f"{job.attempt}/{job.max_attempts}" for job in jobs]
     times = [format_minute(job_time(job)) for job in jobs]
+    if width < JOBS_YEAR_AT:
+        times = [time[5:] if time != "-" else time for time in times]
     errors = [truncate(job.last_error) for job in jobs]
     workers = [job.worker_id or "-" for job in jobs]
     headers = ("id", "queue", "state", "tries", "at (UTC)", "worker", "last error")
