@@ -6,7 +6,9 @@ the counts rebuilt. Then ``jobs_list`` pages of 50, each in a transaction rolled
 and ``dead_list`` beside them for comparison; prints the median of each in microseconds,
 one JSON line per store. Used for docs/benchmarking.md.
 
-    python -m relay_scripts.bench_browse [--db postgresql://...] [--jobs 1000000]
+    python -m relay_scripts.bench_browse [--db postgresql://.../its_own_db] [--jobs 1000000]
+
+With --db, it fills that database and empties its jobs at the end: give it one of its own.
 """
 
 from __future__ import annotations
