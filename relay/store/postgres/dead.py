@@ -25,15 +25,20 @@ _REVIVE = (
 )
 _REVIVE_ONE = f"UPDATE jobs {_REVIVE} WHERE id = %s"
 _REVIVE_QUEUE = (
-    "WITH d AS (SELECT id FROM jobs WHERE state = %s AND queue = %s "
+    "WITH d AS (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
     f"ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) UPDATE jobs {_REVIVE} "
     "FROM d WHERE jobs.id = d.id RETURNING jobs.id"
 )
 # Errors and keys go with the jobs (ON DELETE CASCADE).
 _PURGE_QUEUE = (
-    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = %s AND queue = %s "
+    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
     "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
 )
+
+# The same of another finished state (cancelled, succeeded: a bulk retry or purge), a scan
+# of jobs_queue_state; dead ones keep the statements above, on jobs_dead_queue.
+_REVIVE_STATE = _REVIVE_QUEUE.replace("state = 'dead'", "state = %s", 1)
+_PURGE_STATE = _PURGE_QUEUE.replace("state = 'dead'", "state = %s", 1)
 
 
 class DeadLetters(PostgresBase):
@@ -73,8 +78,11 @@ class DeadLetters(PostgresBase):
         done = 0
         for state in RETRYABLE:
             if state in states and done < limit:
-                params = (state, queue, limit - done, now)
-                keys = sorted(key for (key,) in self._write(_REVIVE_QUEUE, params))
+                if state == DEAD:
+                    sql, params = _REVIVE_QUEUE, (queue, limit - done, now)
+                else:
+                    sql, params = _REVIVE_STATE, (state, queue, limit - done, now)
+                keys = sorted(key for (key,) in self._write(sql, params))
                 self._revived(keys, queue, now, state)
                 done += len(keys)
         return done
@@ -103,7 +111,11 @@ class DeadLetters(PostgresBase):
         done = 0
         for state in PURGEABLE:
             if state in states and done < limit:
-                n = len(self._write(_PURGE_QUEUE, (state, queue, limit - done)).fetchall())
+                if state == DEAD:
+                    sql, params = _PURGE_QUEUE, (queue, limit - done)
+                else:
+                    sql, params = _PURGE_STATE, (state, queue, limit - done)
+                n = len(self._write(sql, params).fetchall())
                 if n:
                     self._move(queue, state, None, n)
                 done += n
