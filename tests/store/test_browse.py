@@ -187,15 +187,13 @@ def test_promote_makes_a_waiting_job_ready_now(store, was):
 def test_promote_of_another_state_is_refused_and_changes_nothing(store, wanted):
     if wanted == "dead":
         job = make_dead(store)
-    elif wanted in ("succeeded", "cancelled"):
+    elif wanted == "succeeded":
+        job = submit(store, T0)
+        lease = claim_one(store, T0)
+        store.jobs_ack(job, "w1", lease.token, None, T0)
+    elif wanted == "cancelled":
         job = make(store, "leased")
-        if wanted == "cancelled":
-            store.job_cancel(job, T0)
-        else:
-            lease = store.job_inspect(job)
-            assert lease.state == "leased"
-            store.job_cancel(job, T0)  # (then check a cancelled job instead)
-            wanted = "cancelled"
+        store.job_cancel(job, T0)
     else:
         job = make(store, wanted)
     before = store.job_inspect(job)
