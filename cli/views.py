@@ -38,6 +38,8 @@ from rich.text import Text
 
 from relay.client.client import (
     DeadPage,
+    JobsPage,
+    JobSummary,
     JobView,
     QueueConfig,
     QueueInfo,
@@ -861,6 +863,102 @@ def _dead_layout(
         table.add_row(Text("no dead jobs", style="dim"), "", "", "", "")
     if caption is None and page.next_cursor is not None:
         caption = f"more dead jobs: --cursor {page.next_cursor}"
+    if caption is None:
+        return table
+    return Group(table, Text(caption, style="table.caption"))
+
+
+# -- the job browser ----------------------------------------------------------------------
+
+# The width from which ``jobs_table`` shows the worker that last leased each job, and the
+# year of its times (below, "12-03 14:05": the error gets those 5 columns).
+JOBS_WORKER_AT = 110
+JOBS_YEAR_AT = 100
+
+
+def job_time(job: JobSummary) -> int | None:
+    """The time that matters in a job's state: when it finished, when it is due (pending,
+    retrying), since when it is ready, when its lease expires."""
+    if job.finished_at is not None:
+        return job.finished_at
+    if job.state in (JobState.PENDING, JobState.RETRYING):
+        return job.run_at
+    if job.state == JobState.LEASED:
+        return job.lease_expires_at
+    return job.ready_at if job.ready_at is not None else job.created_at
+
+
+def jobs_table(
+    page: JobsPage,
+    *,
+    full_ids: bool = False,
+    caption: str | None = None,
+    short: Mapping[str, str] | None = None,
+) -> Fitted:
+    """``relay-trio jobs list``: one row per job, its id (as ``dead_table`` shows it),
+    queue, state (in its colour), tries, the time that matters in its state (``job_time``,
+    UTC to the minute; its year from JOBS_YEAR_AT columns) and the first line of its last
+    error, which gets the rest of the width; from JOBS_WORKER_AT columns also the worker
+    that last leased it. Below it,
+    ``caption`` (the order and how to get the next page), or else the next page's cursor.
+
+    The queue and the error share what the other columns leave, as in ``dead_table``: the
+    state column takes 9 more at most ("cancelled", "succeeded").
+    """
+    return Fitted(functools.partial(_jobs_layout, page, full_ids, caption, short))
+
+
+def _jobs_layout(
+    page: JobsPage,
+    full_ids: bool,
+    caption: str | None,
+    short: Mapping[str, str] | None,
+    width: int,
+) -> RenderableType:
+    jobs = page.jobs
+    ids = short_ids((job.job_id for job in jobs), short)
+    if full_ids:
+        ids = {job_id: job_id for job_id in ids}
+    states = [str(job.state) for job in jobs]
+    tries = [f"{job.attempt}/{job.max_attempts}" for job in jobs]
+    times = [format_minute(job_time(job)) for job in jobs]
+    if width < JOBS_YEAR_AT:
+        times = [time[5:] if time != "-" else time for time in times]
+    errors = [truncate(job.last_error) for job in jobs]
+    workers = [job.worker_id or "-" for job in jobs]
+    headers = ("id", "queue", "state", "tries", "at (UTC)", "worker", "last error")
+    shown_ids = list(ids.values()) or ["no jobs"]
+    fixed = [column_width(headers[0], shown_ids), column_width(headers[2], states),
+             column_width(headers[3], tries), column_width(headers[4], times)]  # fmt: skip
+    worker = 0
+    if width >= JOBS_WORKER_AT:
+        worker = min(column_width(headers[5], workers), 16)
+        fixed.append(worker)
+    queue, error = share_room(width - tables_width([*fixed, 0, 0]),
+                              [headers[1], *(job.queue for job in jobs)],
+                              [headers[6], *errors])  # fmt: skip
+
+    table = plain_table("Jobs")
+    table.add_column(headers[0], width=fixed[0], no_wrap=True)
+    table.add_column(headers[1], width=queue, no_wrap=True)
+    table.add_column(headers[2], width=fixed[1], no_wrap=True)
+    table.add_column(headers[3], width=fixed[2], no_wrap=True, justify="right")
+    table.add_column(headers[4], width=fixed[3], no_wrap=True)
+    if worker:
+        table.add_column(headers[5], width=worker, no_wrap=True)
+    table.add_column(headers[6], width=error, no_wrap=True, style="red")
+    for job, state, attempts, shown_time, name, last_error in zip(
+        jobs, states, tries, times, workers, errors, strict=True
+    ):
+        cells: list[str | Text] = [ids[job.job_id], cut_middle(job.queue, queue),
+                                   state_text(state), attempts, shown_time]  # fmt: skip
+        if worker:
+            cells.append(cut_middle(name, worker))
+        table.add_row(*cells, truncate(last_error, error))
+    if not jobs:
+        table.add_row(Text("no jobs", style="dim"), *[""] * (5 + bool(worker)))
+    if caption is None and page.next_cursor is not None:
+        caption = f"more jobs: --after {page.next_cursor}"
     if caption is None:
         return table
     return Group(table, Text(caption, style="table.caption"))

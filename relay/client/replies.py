@@ -93,6 +93,35 @@ class DeadPage:
 
 
 @attrs.frozen
+class JobSummary:
+    """A job as ``jobs_list`` shows it: as ``inspect`` does without payload, result and
+    error history (``inspect`` has them), its last error cut to 200 characters."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    priority: str
+    attempt: int
+    max_attempts: int
+    created_at: int
+    ready_at: int | None = None
+    run_at: int | None = None
+    lease_expires_at: int | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    idempotency_key: str | None = None
+    finished_at: int | None = None
+    timeout_ms: int | None = None
+    scheduled_for: int | None = None
+
+
+@attrs.frozen
+class JobsPage:
+    jobs: list[JobSummary]
+    next_cursor: str | None
+
+
+@attrs.frozen
 class QueueConfig:
     """A queue's settings, as ``queue_config`` answers them (None: not set). ``rate`` is
     ``{"limit": N, "period_ms": M}``, ``default_backoff`` as ``submit`` takes it."""

@@ -338,6 +338,33 @@ def backoff_fields(backoff: Backoff) -> dict[str, Any]:
     }
 
 
+def job_summary_fields(job: JobInfo) -> dict[str, Any]:
+    """A job as ``jobs_list`` gives it: as ``inspect`` does, without payload, result and
+    error history (``inspect`` shows them), its last error cut short by the store."""
+    fields: dict[str, Any] = {
+        "job_id": job.job_id,
+        "queue": job.queue,
+        "state": str(job.state),
+        "priority": Priority(job.priority).wire,
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "created_at": job.created_at,
+    }
+    optional = {
+        "ready_at": job.ready_at,
+        "run_at": job.run_at,
+        "lease_expires_at": job.lease_expires_at,
+        "worker_id": job.worker_id,
+        "last_error": job.last_error,
+        "idempotency_key": job.idempotency_key,
+        "finished_at": job.finished_at,
+        "timeout_ms": job.timeout_ms,
+        "scheduled_for": job.scheduled_for,
+    }
+    fields.update((k, v) for k, v in optional.items() if v is not None)
+    return fields
+
+
 def job_fields(job: JobInfo, attempts: bool = False) -> dict[str, Any]:
     """A job as ``inspect`` and ``dead_list`` give it; with ``attempts`` (``inspect``'s),
     its attempt history too."""

@@ -4,7 +4,11 @@ list."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
 
 from relay.protocol.errors import BadRequest, JobNotFound
 from relay.protocol.model import (
@@ -163,3 +167,61 @@ def page(
                 infos, more = infos[: i + 1], True
                 break
     return infos, (infos[-1].job_id if more else None)
+
+
+# -- the job browser (jobs_list) --------------------------------------------------------------
+
+# A browser's item: every column of JOB_COLUMNS but the payload and the result, which a
+# page never reads (inspect shows them), in the same places so ``job_info`` reads them.
+SUMMARY_COLUMNS = JOB_COLUMNS.replace("payload", "'' AS payload").replace(
+    "result", "NULL AS result"
+)
+# A browser's item carries the first this many characters of its last error.
+SUMMARY_ERROR_CHARS = 200
+# A search by key prefix takes at most this many keys of each kind (idempotency, unique);
+# a prefix that more keys begin with is refused: give more of it.
+KEY_SEARCH_MAX = 1000
+
+
+def summaries(
+    rows: Sequence[Sequence], text: Callable[[str | None], str | None] = _same
+) -> list[JobInfo]:
+    """The browser's items of ``rows`` (SUMMARY_COLUMNS): no payload, result or errors,
+    the last error cut to SUMMARY_ERROR_CHARS characters."""
+    infos = []
+    for row in rows:
+        info = job_info(row, (), text)
+        error = info.last_error
+        if error is not None and len(error) > SUMMARY_ERROR_CHARS:
+            info = attrs.evolve(info, last_error=error[:SUMMARY_ERROR_CHARS])
+        infos.append(info)
+    return infos
+
+
+def merged(
+    runs: Iterable[Iterable[Sequence]], limit: int, newest: bool
+) -> tuple[list[Sequence], bool]:
+    """The first ``limit`` rows of ``runs`` (each in id order: descending if ``newest``)
+    merged into one run, and whether more follow. Each run is read lazily, so a run
+    gives only the rows the page takes and one more."""
+    rows = list(
+        itertools.islice(heapq.merge(*runs, key=lambda row: row[0], reverse=newest), limit + 1)
+    )
+    return rows[:limit], len(rows) > limit
+
+
+def key_matches(prefix: str, found: Sequence[Sequence]) -> list[int]:
+    """The job keys of ``found`` ((key, job key) rows of one queue's keys, the first
+    KEY_SEARCH_MAX + 1 that begin with ``prefix``); refuses (``BadRequest`` naming search)
+    a prefix that more keys begin with."""
+    if len(found) > KEY_SEARCH_MAX:
+        raise BadRequest(
+            f"search: {KEY_SEARCH_MAX} or more keys begin with {prefix!r}: give more of it",
+            field="search",
+        )
+    return [row[1] for row in found]
+
+
+def list_page(infos: list[JobInfo], more: bool) -> tuple[list[JobInfo], str | None]:
+    """A browser's page and its next cursor (the id of its last job, if more follow)."""
+    return infos, (infos[-1].job_id if more and infos else None)

@@ -15,6 +15,8 @@ from rich.console import Console, RenderableType
 
 from relay.client.client import (
     DeadPage,
+    JobsPage,
+    JobSummary,
     JobView,
     QueueConfig,
     QueueInfo,
@@ -577,6 +579,71 @@ def test_dead_table_falls_back_to_the_last_error_time_and_says_when_empty():
     assert views.failed_at(job) == T0 + 2_500
     lines = lines_of(views.dead_table(DeadPage([], None)), 80)
     assert "no dead jobs" in row(lines, "no dead jobs")
+
+
+# -- the job browser ----------------------------------------------------------------------
+
+
+def jobs_page() -> JobsPage:
+    """A job of each state, in queues of 8, 40 and 128 characters, with a worker's long id
+    and a long error."""
+    jobs = [
+        JobSummary(job_id(T0 + 9_000), "email", JobState.PENDING, "normal", 0, 4, T0 + 9_000,
+                   run_at=T0 + 3_600_000),
+        JobSummary(job_id(T0 + 8_000), QUEUE_40, JobState.READY, "high", 0, 4, T0 + 8_000,
+                   ready_at=T0 + 8_000),
+        JobSummary(job_id(T0 + 7_000), "payments", JobState.LEASED, "normal", 1, 4, T0 + 7_000,
+                   lease_expires_at=T0 + 37_000, worker_id="host-17.pid-4242.slot-3"),
+        JobSummary(job_id(T0 + 6_000), QUEUE_128, JobState.RETRYING, "normal", 2, 4,
+                   T0 + 6_000, run_at=T0 + 60_000, last_error=ERRORS["timeout"],
+                   worker_id="w1"),
+        JobSummary(job_id(T0 + 5_000), "email", JobState.SUCCEEDED, "low", 1, 4, T0 + 5_000,
+                   finished_at=T0 + 5_500, worker_id="w1"),
+        JobSummary(job_id(T0 + 4_000), "webhooks", JobState.DEAD, "normal", 1, 1, T0 + 4_000,
+                   finished_at=T0 + 4_100, last_error=ERRORS["gone"], worker_id="w2"),
+        JobSummary(job_id(T0 + 3_000), "email", JobState.CANCELLED, "normal", 0, 4, T0 + 3_000,
+                   finished_at=T0 + 3_300),
+    ]  # fmt: skip
+    return JobsPage(jobs, next_cursor=jobs[-1].job_id)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_jobs_table_rows_are_one_line_with_state_time_and_error(width):
+    page = jobs_page()
+    lines = lines_of(views.jobs_table(page), width)
+    assert lines[0].strip() == "Jobs"
+    headers = ["id", "queue", "state", "tries", "at", "(UTC)", "last", "error"]
+    if width >= views.JOBS_WORKER_AT:
+        headers[6:6] = ["worker"]
+    assert lines[1].split() == headers
+    assert len(lines) == 3 + len(page.jobs) + 1
+    assert lines[-1] == f"more jobs: --after {page.next_cursor}"
+    shown = views.short_ids(job.job_id for job in page.jobs)
+    for job in page.jobs:
+        line = row(lines[:-1], shown[job.job_id] + " ")
+        assert f" {job.state} " in line and f" {job.attempt}/{job.max_attempts} " in line
+        at = views.format_minute(views.job_time(job))
+        assert (at if width >= views.JOBS_YEAR_AT else at[5:]) in line
+        if job.last_error:  # its first 19 characters at least, 30 from 120 columns
+            assert job.last_error.splitlines()[0][: 19 if width < 120 else 24] in line, line
+        if job.worker_id and width >= views.JOBS_WORKER_AT:
+            assert job.worker_id[:6] in line, line
+    # A queue of 40 characters is whole at 200 columns; at 120 beside the worker, cut in
+    # the middle, its start and end kept.
+    assert (QUEUE_40 in "\n".join(lines)) == (width >= 200)
+    assert QUEUE_40[:5] in row(lines, "ready") and QUEUE_40[-4:] in row(lines, " ready ")
+
+
+def test_jobs_table_times_follow_the_state_and_says_when_empty():
+    page = jobs_page()
+    pending, ready, leased, retrying, succeeded, *_ = page.jobs
+    assert views.job_time(pending) == pending.run_at
+    assert views.job_time(ready) == ready.ready_at
+    assert views.job_time(leased) == leased.lease_expires_at
+    assert views.job_time(retrying) == retrying.run_at
+    assert views.job_time(succeeded) == succeeded.finished_at
+    lines = lines_of(views.jobs_table(JobsPage([], None)), 80)
+    assert "no jobs" in row(lines, "no jobs")
 
 
 # -- one job ------------------------------------------------------------------------------

@@ -377,6 +377,23 @@ CANCEL_QUEUE = {
         4, nullable=True,
     ),
 }  # fmt: skip
+# A whole queue's bulk retry and purge (extension): the finished states each takes.
+RETRY_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["dead", "cancelled"]),
+        st.sampled_from(["", "succeeded", "ready", "DEAD"]) | wrong_value("str", False),
+        2, nullable=True,
+    ),
+}  # fmt: skip
+PURGE_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["dead", "succeeded", "cancelled"]),
+        st.sampled_from(["", "ready", "leased", "DEAD"]) | wrong_value("str", False),
+        3, nullable=True,
+    ),
+}  # fmt: skip
 
 # A schedule: names as queue names; five fields (the fuzzed server allows no seconds).
 SCHEDULE_ONE = {"name": Field("str", queue_names, required=True, bad=bad_queue_names)}
@@ -471,10 +488,31 @@ OPS: list[tuple[str, dict[str, Field]]] = [
     ),
     ("dead_retry", DEAD_ONE),
     ("dead_retry", DEAD_QUEUE),
+    ("dead_retry", RETRY_QUEUE),
     ("dead_purge", DEAD_ONE),
     ("dead_purge", DEAD_QUEUE),
+    ("dead_purge", PURGE_QUEUE),
     ("cancel", DEAD_ONE),
     ("cancel", CANCEL_QUEUE),
+    (
+        "jobs_list",
+        {
+            "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            "states": list_field(
+                st.sampled_from(
+                    ["pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"]
+                ),
+                st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 7,
+                nullable=True,
+            ),
+            "search": Field("str", cursors, nullable=True, bad=st.just("")),
+            "cursor": Field("str", cursors, nullable=True, bad=bad_cursors),
+            "limit": int_field(1, 100),
+            "order": Field("str", st.sampled_from(["oldest", "newest"]),
+                           bad=st.sampled_from(["", "newer", "NEWEST", "oldest "])),
+        },
+    ),
+    ("promote", {"job_id": LEASE_REF["job_id"]}),
     (
         "watch",
         {

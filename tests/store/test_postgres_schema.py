@@ -558,3 +558,33 @@ def test_a_version_10_schema_migrates_to_attempt_history_and_bounds_its_historie
         )
     finally:
         store.close()
+
+
+def test_a_version_11_schema_migrates_to_the_job_browsers_index_and_lists_its_jobs(
+    url, monkeypatch
+):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 11)
+        store = PostgresStore.open(url)
+        specs = [SubmitSpec("q", '{"n": 1}'), SubmitSpec("q", '{"n": 2}')]
+        first, second = (r.job_id for r in store.jobs_submit(specs, T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
+        store.jobs_ack(lease.job_id, "w1", lease.token, None, T0 + 1)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('jobs_queue_state')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        everyone = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
+        jobs, cursor = store.jobs_list("q", everyone, None, None, 10)
+        assert [(job.job_id, job.state) for job in jobs] == [
+            (second, "ready"),
+            (first, "succeeded"),
+        ]
+        assert cursor is None
+        assert store.dead_purge_queue("q", 10, ("succeeded",)) == 1
+    finally:
+        store.close()

@@ -996,3 +996,38 @@ def test_a_version_9_file_migrates_to_attempt_history_and_bounds_its_histories(
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_10_file_migrates_to_the_job_browsers_index_and_lists_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 10)
+        store = SqliteStore.open(path)
+        first, second = (r.job_id for r in store.jobs_submit([spec(), spec()], T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
+        store.jobs_ack(lease.job_id, "w1", lease.token, None, T0 + 1)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 10
+    assert (
+        conn.execute("SELECT name FROM sqlite_master WHERE name = 'jobs_queue_state'").fetchall()
+        == []
+    )
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        everyone = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
+        jobs, cursor = store.jobs_list("q", everyone, None, None, 10)
+        assert [(job.job_id, job.state) for job in jobs] == [
+            (second, "ready"),
+            (first, "succeeded"),
+        ]
+        assert cursor is None
+        assert store.dead_purge_queue("q", 10, ("succeeded",)) == 1
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION

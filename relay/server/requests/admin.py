@@ -75,13 +75,29 @@ class AdminHandlers:
         connection.reserve(args.reserved)
         self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
 
+    def _jobs_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: a page of at most MAX_JOBS_LIST summaries, each a few KiB at
+        # most (no payload, result or history; keys, worker id and a cut last error), as
+        # a queue_list page is small.
+        r = self._typed(fields, "jobs_list")
+        args = (r.queue, r.chosen_states, r.search, r.cursor, r.limit, r.order == "newest")
+        self._queue(connection, (ops.JOBS_LIST, connection, rid, started, args))
+
+    def _promote(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        job_id = self._typed(fields, "promote").job_id
+        self._queue(connection, (ops.PROMOTE, connection, rid, started, job_id))
+
     def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_retry")
-        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
+        states = tuple(request.states or ("dead",))
+        chunk = lambda queue, limit: cmd.DeadRetryQueue(queue, limit, states)  # noqa: E731
+        self._dead(connection, rid, started, request, ops.DEAD_RETRY, chunk)
 
     def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_purge")
-        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
+        states = tuple(request.states or ("dead",))
+        chunk = lambda queue, limit: cmd.DeadPurgeQueue(queue, limit, states)  # noqa: E731
+        self._dead(connection, rid, started, request, ops.DEAD_PURGE, chunk)
 
     def _dead(
         self,

@@ -94,6 +94,10 @@ OP_ROLES: dict[str, Role] = {
     "cancel": Role.PRODUCER,
     # (an extension) Reading the token file and the TLS pair again: an admin's.
     "reload": Role.ADMIN,
+    # Extensions: the job browser shows what inspect and stats show; a promote changes
+    # when a job runs: an admin's.
+    "jobs_list": Role.PRODUCER,
+    "promote": Role.ADMIN,
 }
 
 ROLES_BY_NAME = {role.label: role for role in Role if role is not Role.NONE}

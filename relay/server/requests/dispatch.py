@@ -126,6 +126,8 @@ class Dispatcher(AdminHandlers):
             "dead_retry": self._dead_retry,
             "dead_purge": self._dead_purge,
             "cancel": self._cancel,
+            "jobs_list": self._jobs_list,
+            "promote": self._promote,
             "watch": self._watch,
             "unwatch": self._unwatch,
             "queue_pause": self._queue_pause,

@@ -350,6 +350,27 @@ class _DeadList(RequestOp):
         return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
 
 
+class _JobsList(RequestOp):
+    """``jobs_list``: args is (queue, states, search, cursor, limit, newest)."""
+
+    def run(self, store: Store, now: int, args: tuple) -> Any:
+        return store.jobs_list(*args)
+
+    def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
+        jobs, next_cursor = outcome
+        return {"jobs": [wire.job_summary_fields(job) for job in jobs], "next_cursor": next_cursor}
+
+
+class _Promote(RequestOp):
+    """``promote``: args is the job's id."""
+
+    def run(self, store: Store, now: int, job_id: str) -> Any:
+        return store.job_promote(job_id, now)
+
+    def fields(self, outcome: JobState, args: Any) -> dict[str, Any]:
+        return {"job_id": args, "state": "ready", "was": str(outcome)}
+
+
 class _Stats(RequestOp):
     """``stats``: never run by the writer. Answered from the counts in memory, its ages
     read by oldest.py (dispatch.py); this names its item."""
@@ -550,6 +571,8 @@ INSPECT = _Inspect("inspect")
 SHORT_IDS = _ShortIds("short_ids")
 DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
+JOBS_LIST = _JobsList("jobs_list")
+PROMOTE = _Promote("promote")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
 CANCEL = _Cancel("cancel")

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -282,6 +282,12 @@ def _v11_attempt_history(conn: psycopg.Connection) -> None:
     )
 
 
+def _v12_job_browser(conn: psycopg.Connection) -> None:
+    # The job browser (jobs_list) and the bulk retry and purge of a queue's jobs by state,
+    # as in SQLite: every job under (queue, state), by id.
+    conn.execute("CREATE INDEX jobs_queue_state ON jobs (queue, state, id)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -295,6 +301,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     9: _v9_schedules,
     10: _v10_schedule_defaults_and_refusals,
     11: _v11_attempt_history,
+    12: _v12_job_browser,
 }
 
 
