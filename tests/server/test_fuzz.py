@@ -530,6 +530,16 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "limit": int_field(1, 1000),
         },
     ),
+    (
+        "workers_list",
+        {
+            "cursor": Field(
+                "str", st.integers(0, 10**19).map(str), nullable=True,
+                bad=st.sampled_from(["", "x", "-1", "1.5", "1" * 21, "\u0661"]),
+            ),
+            "limit": int_field(1, 100),
+        },
+    ),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 
@@ -801,10 +811,11 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
                 (reply,) = replies
                 assert reply["id"] == want_id
                 if reply["ok"]:  # answered at once: hello, ping, stats (from the counts in
-                    # memory), or a whole queue's dead op
+                    # memory), workers_list (no worker here: no read), or a whole queue's
+                    # dead op
                     name = orjson.loads(line)["op"]
                     queue_ops = ("dead_retry", "dead_purge", "cancel")
-                    ops_now = ("hello", "ping", "unwatch", "stats", *queue_ops)
+                    ops_now = ("hello", "ping", "unwatch", "stats", "workers_list", *queue_ops)
                     assert name in ops_now, reply
                     assert (name in queue_ops) == bool(commands)
                     assert len(commands) <= 1
