@@ -11,8 +11,9 @@ This module is the ``relay-trio`` group and the list of its commands. Each comma
 a module of its own, imported only when it runs (or its help is asked for): ``server`` in
 cli/server.py; ``worker`` and ``demo`` in cli/work.py; ``submit`` in cli/submit.py;
 ``inspect``, ``stats``, ``watch`` and ``top`` in cli/reads.py; ``dead`` in cli/dead.py;
-``queue`` in cli/queue.py; ``schedule`` in cli/schedule.py. So ``relay-trio --help`` and
-``--version`` load click and nothing of the client or the server.
+``queue`` in cli/queue.py; ``schedule`` in cli/schedule.py; ``workers`` in cli/workers.py.
+So ``relay-trio --help`` and ``--version`` load click and nothing of the client or the
+server.
 What the commands share: the options in cli/options.py, a one-shot command's call and output
 in cli/calls.py, failures as one line in cli/errors.py.
 """
@@ -40,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cancel": ("relay_cli.cancel", "cancel", "Cancel a job, or a queue's jobs."),
     "watch": ("relay_cli.reads", "watch", "Print job events as JSON lines."),
     "top": ("relay_cli.reads", "top", "A live view of the queues."),
+    "workers": ("relay_cli.workers", "workers", "The connected workers and what they hold."),
     "demo": ("relay_cli.work", "demo", "See jobs run, retry and die in a few seconds."),
 }
 
