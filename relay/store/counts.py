@@ -11,11 +11,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from relay.protocol.errors import TooManyQueues
+from relay.store import history
 from relay.store.base import Changes
 from relay.store.view import EVENTS, Entry, QueueView
 
 # (counter, key, n): one counter change, undone on rollback by subtracting n.
-JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]
+JournalEntry = tuple[Counter, tuple, int]
+
+# Lease starts kept for run times (``_starts``) at most: past it they are forgotten at
+# once (the run times of the leases then held are not observed).
+STARTS_MAX = 100_000
 
 
 class CountsBook:
@@ -51,6 +56,11 @@ class CountsBook:
         self._touched: set[str] = set()
         # Queues that submits since the last publish may create (``_check_queues``).
         self._new_queues: set[str] = set()
+        # (queue, minute, field) -> what was counted and not yet flushed (history.py).
+        self._history: Counter[history.HistoryKey] = Counter()
+        # job key -> when this store leased it (``now`` of its claim): its run time at
+        # ack or fail. Bounded by STARTS_MAX; leases it did not grant have none.
+        self._starts: dict[int, int] = {}
 
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
@@ -93,8 +103,51 @@ class CountsBook:
         if self._journal is not None:
             self._journal.append((counter, key, n))
 
-    def _count(self, queue: str, event: str, n: int = 1) -> None:
+    def _count(self, queue: str, event: str, n: int = 1, now: int | None = None) -> None:
+        """Count ``n`` events of ``queue``; with ``now``, in its minute's history too."""
         self._bump(self._totals, (queue, event), n)
+        if now is not None:
+            field = history.EVENT_FIELDS.get(event)
+            if field is not None:
+                self._bump(self._history, (queue, now - now % history.MINUTE_MS, field), n)
+
+    def _started(self, keys: Iterable[int], now: int) -> None:
+        """These jobs were leased at ``now`` (for their run times)."""
+        starts = self._starts
+        if len(starts) >= STARTS_MAX:
+            starts.clear()
+        starts.update(dict.fromkeys(keys, now))
+
+    def _observe(self, queue: str, kind: int, values: list[int], now: int) -> None:
+        """Add ``values`` (ms) of ``kind`` (history.FIELD_RUN or FIELD_WAIT) to the queue's
+        minute: count, sum, buckets, and the max (raised by a journaled bump, so a
+        rollback lowers it again)."""
+        minute = now - now % history.MINUTE_MS
+        counter = self._history
+        for field, n in history.observe_fields(kind, values):
+            self._bump(counter, (queue, minute, field), n)
+        key = (queue, minute, kind + 2)
+        rise = max(values) - counter.get(key, 0)
+        if rise > 0:
+            self._bump(counter, key, rise)
+
+    def history_flush(self, now: int) -> history.HistoryFlushed:
+        """Write what was counted since the last flush to the table ``history`` (one
+        upsert: adds to the rows there), and return the histograms' deltas. In the open
+        transaction: if it rolls back, what it took is counted again (journaled)."""
+        counter = self._history
+        for key in [key for key, n in counter.items() if not n]:
+            del counter[key]  # (flushed by an earlier, committed flush)
+        rows, observed = history.take_rows(counter, self.config.history_max_queues)
+        if rows:
+            self._history_write(rows)
+        for key, n in list(counter.items()):
+            self._bump(counter, key, -n)
+        return history.HistoryFlushed(len(rows), observed)
+
+    def _history_write(self, rows: list[history.HistoryRow]) -> None:
+        """Add ``rows`` to the table (the store's dialect)."""
+        raise NotImplementedError
 
     def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
         """One job's change from state ``src``, for ``changes.events`` (call only while

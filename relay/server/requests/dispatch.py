@@ -133,6 +133,7 @@ class Dispatcher(AdminHandlers):
             "schedule_pause": self._schedule_pause,
             "schedule_resume": self._schedule_resume,
             "schedule_list": self._schedule_list,
+            "history": self._history,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

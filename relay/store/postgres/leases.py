@@ -36,6 +36,7 @@ from relay.store.base import (
     QueueSettings,
     check_lease,
 )
+from relay.store.history import FIELD_RUN, FIELD_WAIT
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic, encode_text
 
@@ -183,11 +184,13 @@ class Leases(PostgresBase):
             )
         }
         per_queue: dict[str, int] = {}
+        waits: dict[str, list[int]] = {}  # queue -> each job's wait (ms): its history
         results: list[list[Lease]] = []
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, priority, _, _, queue, timeout, _limited = found[key]
+                _, priority, ready_at, _, queue, timeout, _limited = found[key]
+                waits.setdefault(queue, []).append(now - ready_at)
                 attempt, max_attempts, payload, slot = leased[key]
                 leases.append(
                     Lease(
@@ -204,6 +207,8 @@ class Leases(PostgresBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
+            self._observe(queue, FIELD_WAIT, waits[queue], now)
+        self._started(found, now)
         if self.recording:  # claim by claim
             self.changes.events += [
                 (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
@@ -298,7 +303,10 @@ class Leases(PostgresBase):
             return
         self._write(_ACK, (now, result, row[0]))
         self._move(row[1], LEASED, SUCCEEDED)
-        self._count(row[1], "acked")
+        self._count(row[1], "acked", 1, now)
+        started = self._starts.pop(row[0], None)
+        if started is not None:
+            self._observe(row[1], FIELD_RUN, [now - started], now)
         if self.recording:
             self._record(row[0], row[1], "leased", "succeeded", row[3], now)
 
@@ -330,9 +338,17 @@ class Leases(PostgresBase):
                 per_queue[row[1]] = per_queue.get(row[1], 0) + 1
         if updates:
             self._write(_ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates]))
+        runs: dict[str, list[int]] = {}  # queue -> the run times (ms) known: its history
+        starts = self._starts
+        for key, _result in updates:
+            started = starts.pop(key, None)
+            if started is not None:
+                runs.setdefault(rows[key][1], []).append(now - started)
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
-            self._count(queue, "acked", n)
+            self._count(queue, "acked", n, now)
+        for queue, values in runs.items():
+            self._observe(queue, FIELD_RUN, values, now)
         if self.recording:
             for key, _result in updates:
                 row = rows[key]
@@ -364,7 +380,10 @@ class Leases(PostgresBase):
             "now": now,
             "traceback": traceback or None,
         }
-        self._count(queue, "failed")
+        self._count(queue, "failed", 1, now)
+        started = self._starts.pop(key, None)
+        if started is not None:
+            self._observe(queue, FIELD_RUN, [now - started], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
@@ -377,7 +396,7 @@ class Leases(PostgresBase):
             return FailOutcome(RETRYING, retry_at)
         self._write(_FAILED_DEAD, {**params, "at": now})
         self._move(queue, LEASED, DEAD)
-        self._count(queue, "dead")
+        self._count(queue, "dead", 1, now)
         if self.recording:
             self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
@@ -388,6 +407,7 @@ class Leases(PostgresBase):
         before this lease, and it keeps its place (ready_at) in the queue."""
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
+        self._starts.pop(row[0], None)
         self._write(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = %s",

@@ -102,9 +102,10 @@ class Maintenance(PostgresBase):
             rows.sort(key=lambda row: (row[4], row[0]))
         reaped = []
         for key, queue, state, attempt, _expired_at in rows:
-            self._count(queue, "expired")
+            self._starts.pop(key, None)
+            self._count(queue, "expired", 1, now)
             if state == DEAD:
-                self._count(queue, "dead")
+                self._count(queue, "dead", 1, now)
             else:
                 self.changes.ready_queues.add(queue)
             self._move(queue, JobState.LEASED, state)

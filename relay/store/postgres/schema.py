@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -245,6 +245,29 @@ def _v9_schedules(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE jobs ADD COLUMN scheduled_for bigint")
 
 
+def _v10_history(conn: psycopg.Connection) -> None:
+    # As SQLite's version 9: history per queue and minute, every server adding its counts
+    # to the same rows (an upsert that adds).
+    conn.execute(
+        """CREATE TABLE history (
+            queue text NOT NULL,
+            minute bigint NOT NULL,
+            submitted bigint NOT NULL,
+            succeeded bigint NOT NULL,
+            failed bigint NOT NULL,
+            dead bigint NOT NULL,
+            run_count bigint NOT NULL,
+            run_sum_ms bigint NOT NULL,
+            run_max_ms bigint NOT NULL,
+            wait_count bigint NOT NULL,
+            wait_sum_ms bigint NOT NULL,
+            wait_max_ms bigint NOT NULL,
+            PRIMARY KEY (queue, minute)
+        )"""
+    )
+    conn.execute("CREATE INDEX history_minute ON history (minute)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -256,6 +279,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     7: _v7_cancelled,
     8: _v8_queue_limits,
     9: _v9_schedules,
+    10: _v10_history,
 }
 
 

@@ -32,6 +32,7 @@ from relay.store.base import (
     ClaimArgs,
     check_lease,
 )
+from relay.store.history import FIELD_RUN, FIELD_WAIT
 from relay.store.sqlite.sql import (
     _JSON_IDS,
     _PRIORITIES_HIGH_FIRST,
@@ -144,12 +145,16 @@ class SqliteLeases(SqliteBase):
             for key, payload in _json_rows(self._db, _CLAIMED_PAYLOADS_SQL, (_json_ids(missing),)):
                 found[key][7] = payload
         per_queue: dict[str, int] = {}
+        waits: dict[str, list[int]] = {}  # queue -> each job's wait (ms): its history
         results: list[list[Lease]] = []
         book = self._held
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, worker, expires_at in mine:
-                _, priority, _, _, queue, attempt, max_attempts, payload, timeout, slot = found[key]
+                _, priority, ready_at, _, queue, attempt, max_attempts, payload, timeout, slot = (
+                    found[key]
+                )
+                waits.setdefault(queue, []).append(now - ready_at)
                 job_id = f"job_{key:016x}"
                 leases.append(
                     _new_lease(Lease, (
@@ -168,6 +173,8 @@ class SqliteLeases(SqliteBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
+            self._observe(queue, FIELD_WAIT, waits[queue], now)
+        self._started(found, now)
         if room is not None:
             self._claimed_limited(per_queue, now)
         if self.recording:  # in the order of the update: claim by claim
@@ -255,11 +262,18 @@ class SqliteLeases(SqliteBase):
             for entry in held:
                 book.pop(entry[4], None)
         per_queue: dict[str, int] = {}
-        for _i, _key, queue, _attempt, _job_id in held:
+        runs: dict[str, list[int]] = {}  # queue -> the run times (ms) known: its history
+        starts = self._starts
+        for _i, key, queue, _attempt, _job_id in held:
             per_queue[queue] = per_queue.get(queue, 0) + 1
+            started = starts.pop(key, None)
+            if started is not None:
+                runs.setdefault(queue, []).append(now - started)
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
-            self._count(queue, "acked", n)
+            self._count(queue, "acked", n, now)
+        for queue, values in runs.items():
+            self._observe(queue, FIELD_RUN, values, now)
         if self.recording:  # in the order of the acks
             for _i, key, queue, attempt, _job_id in sorted(held):
                 self._record(key, queue, "leased", "succeeded", attempt, now)
@@ -345,7 +359,10 @@ class SqliteLeases(SqliteBase):
         if traceback:
             traceback = truncate_utf8_end(traceback, self.config.max_traceback_bytes)
         self._record_error(key, attempt, error, now, traceback or None)
-        self._count(queue, "failed")
+        self._count(queue, "failed", 1, now)
+        started = self._starts.pop(key, None)
+        if started is not None:
+            self._observe(queue, FIELD_RUN, [now - started], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
@@ -366,7 +383,7 @@ class SqliteLeases(SqliteBase):
             (now, error, key),
         )
         self._move(queue, LEASED, DEAD)
-        self._count(queue, "dead")
+        self._count(queue, "dead", 1, now)
         if self.recording:
             self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
@@ -377,6 +394,7 @@ class SqliteLeases(SqliteBase):
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
         self._held.pop(format_job_id(row[0]), None)
+        self._starts.pop(row[0], None)
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = ?",

@@ -98,7 +98,8 @@ class SqliteMaintenance(SqliteBase):
         errors: list[tuple[int, int, str, int]] = []
         for key, queue, attempt, max_attempts, expired_at, deadline_at, timeout_ms in rows:
             self._held.pop(format_job_id(key), None)
-            self._count(queue, "expired")
+            self._starts.pop(key, None)
+            self._count(queue, "expired", 1, now)
             error = LEASE_EXPIRED_ERROR
             if deadline_at is not None and expired_at >= deadline_at:
                 error = timeout_error(timeout_ms)  # its attempt ran out of time
@@ -110,7 +111,7 @@ class SqliteMaintenance(SqliteBase):
             else:
                 dead.append((key, error))
                 state = DEAD
-                self._count(queue, "dead")
+                self._count(queue, "dead", 1, now)
             self._move(queue, LEASED, state)
             reaped.append(Reaped(format_job_id(key), queue, state, attempt))
         _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", errors)

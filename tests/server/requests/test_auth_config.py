@@ -187,6 +187,7 @@ def test_roles_and_the_op_they_need():
                 "queue_list",
                 "cancel",
                 "schedule_list",
+                "history",
             ),
             Role.PRODUCER,
         ),
