@@ -120,16 +120,55 @@ class CountsBook:
 
     def _observe(self, queue: str, kind: int, values: list[int], now: int) -> None:
         """Add ``values`` (ms) of ``kind`` (history.FIELD_RUN or FIELD_WAIT) to the queue's
-        minute: count, sum, buckets, and the max (raised by a journaled bump, so a
-        rollback lowers it again)."""
+        minute: sum, buckets, and the max (raised by a journaled change, so a rollback
+        lowers it again). ``_bump``'s work, written out: this runs per claim and per ack."""
         minute = now - now % history.MINUTE_MS
-        counter = self._history
+        counter, journal = self._history, self._journal
         for field, n in history.observe_fields(kind, values):
-            self._bump(counter, (queue, minute, field), n)
+            key = (queue, minute, field)
+            counter[key] += n
+            if journal is not None:
+                journal.append((counter, key, n))
         key = (queue, minute, kind + 2)
         rise = max(values) - counter.get(key, 0)
         if rise > 0:
-            self._bump(counter, key, rise)
+            counter[key] += rise
+            if journal is not None:
+                journal.append((counter, key, rise))
+        self._touched.add(queue)
+
+    def _observe_each(
+        self, kind: int, queues: list[str], values: list[int | None], now: int
+    ) -> None:
+        """``_observe`` of ``values`` (None: not known, left out), each of the queue at its
+        place in ``queues``: grouped by queue (nearly always one, taken at once)."""
+        if len(set(queues)) == 1:
+            known = [value for value in values if value is not None]
+            if known:
+                self._observe(queues[0], kind, known, now)
+            return
+        by_queue: dict[str, list[int]] = {}
+        for queue, value in zip(queues, values, strict=True):
+            if value is not None:
+                by_queue.setdefault(queue, []).append(value)
+        for queue, known in by_queue.items():
+            self._observe(queue, kind, known, now)
+
+    def _observe_claimed(self, rows: list, queue_at: int, ready_at: int, now: int) -> None:
+        """The waits of the jobs of a claim (its candidate ``rows``: each one's queue and
+        ``ready_at`` at those places), and their lease starts (``_started``)."""
+        self._observe_each(
+            history.FIELD_WAIT, [row[queue_at] for row in rows],
+            [now - row[ready_at] for row in rows], now,
+        )  # fmt: skip
+
+    def _observe_ended(self, keys: list[int], queues: list[str], now: int) -> None:
+        """The run times of the attempts of these jobs (``keys``, of ``queues``) that ended
+        at ``now``, for the leases this store granted (``_starts``), which it forgets."""
+        pop = self._starts.pop
+        started = [pop(key, None) for key in keys]
+        runs = [None if at is None else now - at for at in started]
+        self._observe_each(history.FIELD_RUN, queues, runs, now)
 
     def history_flush(self, now: int) -> history.HistoryFlushed:
         """Write what was counted since the last flush to the table ``history`` (one

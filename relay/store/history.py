@@ -17,6 +17,7 @@ add theirs), and hands the histogram buckets to the trio side (``Histograms``), 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -74,15 +75,23 @@ def minute_of(ms: int) -> int:
     return ms - ms % MINUTE_MS
 
 
+_bucket_of = functools.partial(bisect.bisect_left, BOUNDS_MS)
+
+
 def observe_fields(kind: int, values: Sequence[int]) -> list[tuple[int, int]]:
     """(field, n) to add for ``values`` (ms) observed of ``kind`` (FIELD_RUN or FIELD_WAIT):
-    count, sum, the bucket counts; the max is the caller's (it is not a sum)."""
+    their sum and bucket counts (their count is the buckets' sum: ``take_rows``; the max is
+    the caller's, not being a sum). This runs per claim and per ack."""
     first = RUN_BUCKETS if kind == FIELD_RUN else WAIT_BUCKETS
+    fields = [(kind + 1, sum(values))]
+    if len(values) == 1:
+        fields.append((first + _bucket_of(values[0]), 1))
+        return fields
     buckets: dict[int, int] = {}
-    for value in values:
-        field = first + bisect.bisect_left(BOUNDS_MS, value)
-        buckets[field] = buckets.get(field, 0) + 1
-    return [(kind, len(values)), (kind + 1, sum(values)), *buckets.items()]
+    for bucket in map(_bucket_of, values):  # (a Counter costs twice this, for a few values)
+        buckets[bucket] = buckets.get(bucket, 0) + 1
+    fields += [(first + bucket, n) for bucket, n in buckets.items()]
+    return fields
 
 
 @attrs.frozen
@@ -138,6 +147,9 @@ def take_rows(
             if row is None:
                 row = fields[(queue, minute)] = [0] * N_FIELDS
             row[field] = n
+    for row in fields.values():  # a count is its buckets' sum (``observe_fields``)
+        row[FIELD_RUN] = sum(row[RUN_BUCKETS:WAIT_BUCKETS])
+        row[FIELD_WAIT] = sum(row[WAIT_BUCKETS:])
     names = sorted({queue for queue, _ in fields})
     own = {name for name in names[:max_queues] if name != OTHER_QUEUES}
     merged: dict[tuple[str, int], list[int]] = {}

@@ -36,7 +36,6 @@ from relay.store.base import (
     QueueSettings,
     check_lease,
 )
-from relay.store.history import FIELD_RUN, FIELD_WAIT
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic, encode_text
 
@@ -184,13 +183,11 @@ class Leases(PostgresBase):
             )
         }
         per_queue: dict[str, int] = {}
-        waits: dict[str, list[int]] = {}  # queue -> each job's wait (ms): its history
         results: list[list[Lease]] = []
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, priority, ready_at, _, queue, timeout, _limited = found[key]
-                waits.setdefault(queue, []).append(now - ready_at)
+                _, priority, _, _, queue, timeout, _limited = found[key]
                 attempt, max_attempts, payload, slot = leased[key]
                 leases.append(
                     Lease(
@@ -207,7 +204,7 @@ class Leases(PostgresBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
-            self._observe(queue, FIELD_WAIT, waits[queue], now)
+        self._observe_claimed(list(found.values()), 4, 2, now)  # (its history)
         self._started(found, now)
         if self.recording:  # claim by claim
             self.changes.events += [
@@ -304,9 +301,7 @@ class Leases(PostgresBase):
         self._write(_ACK, (now, result, row[0]))
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked", 1, now)
-        started = self._starts.pop(row[0], None)
-        if started is not None:
-            self._observe(row[1], FIELD_RUN, [now - started], now)
+        self._observe_ended([row[0]], [row[1]], now)
         if self.recording:
             self._record(row[0], row[1], "leased", "succeeded", row[3], now)
 
@@ -338,17 +333,12 @@ class Leases(PostgresBase):
                 per_queue[row[1]] = per_queue.get(row[1], 0) + 1
         if updates:
             self._write(_ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates]))
-        runs: dict[str, list[int]] = {}  # queue -> the run times (ms) known: its history
-        starts = self._starts
-        for key, _result in updates:
-            started = starts.pop(key, None)
-            if started is not None:
-                runs.setdefault(rows[key][1], []).append(now - started)
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
-        for queue, values in runs.items():
-            self._observe(queue, FIELD_RUN, values, now)
+        if updates:  # (their history)
+            keys = [key for key, _result in updates]
+            self._observe_ended(keys, [rows[key][1] for key in keys], now)
         if self.recording:
             for key, _result in updates:
                 row = rows[key]
@@ -381,9 +371,7 @@ class Leases(PostgresBase):
             "traceback": traceback or None,
         }
         self._count(queue, "failed", 1, now)
-        started = self._starts.pop(key, None)
-        if started is not None:
-            self._observe(queue, FIELD_RUN, [now - started], now)
+        self._observe_ended([key], [queue], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)

@@ -32,7 +32,6 @@ from relay.store.base import (
     ClaimArgs,
     check_lease,
 )
-from relay.store.history import FIELD_RUN, FIELD_WAIT
 from relay.store.sqlite.sql import (
     _JSON_IDS,
     _PRIORITIES_HIGH_FIRST,
@@ -145,16 +144,12 @@ class SqliteLeases(SqliteBase):
             for key, payload in _json_rows(self._db, _CLAIMED_PAYLOADS_SQL, (_json_ids(missing),)):
                 found[key][7] = payload
         per_queue: dict[str, int] = {}
-        waits: dict[str, list[int]] = {}  # queue -> each job's wait (ms): its history
         results: list[list[Lease]] = []
         book = self._held
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, worker, expires_at in mine:
-                _, priority, ready_at, _, queue, attempt, max_attempts, payload, timeout, slot = (
-                    found[key]
-                )
-                waits.setdefault(queue, []).append(now - ready_at)
+                _, priority, _, _, queue, attempt, max_attempts, payload, timeout, slot = found[key]
                 job_id = f"job_{key:016x}"
                 leases.append(
                     _new_lease(Lease, (
@@ -173,7 +168,7 @@ class SqliteLeases(SqliteBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
-            self._observe(queue, FIELD_WAIT, waits[queue], now)
+        self._observe_claimed(list(found.values()), 4, 2, now)  # (its history)
         self._started(found, now)
         if room is not None:
             self._claimed_limited(per_queue, now)
@@ -262,18 +257,13 @@ class SqliteLeases(SqliteBase):
             for entry in held:
                 book.pop(entry[4], None)
         per_queue: dict[str, int] = {}
-        runs: dict[str, list[int]] = {}  # queue -> the run times (ms) known: its history
-        starts = self._starts
-        for _i, key, queue, _attempt, _job_id in held:
+        for _i, _key, queue, _attempt, _job_id in held:
             per_queue[queue] = per_queue.get(queue, 0) + 1
-            started = starts.pop(key, None)
-            if started is not None:
-                runs.setdefault(queue, []).append(now - started)
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
-        for queue, values in runs.items():
-            self._observe(queue, FIELD_RUN, values, now)
+        if held:  # (their history)
+            self._observe_ended([e[1] for e in held], [e[2] for e in held], now)
         if self.recording:  # in the order of the acks
             for _i, key, queue, attempt, _job_id in sorted(held):
                 self._record(key, queue, "leased", "succeeded", attempt, now)
@@ -360,9 +350,7 @@ class SqliteLeases(SqliteBase):
             traceback = truncate_utf8_end(traceback, self.config.max_traceback_bytes)
         self._record_error(key, attempt, error, now, traceback or None)
         self._count(queue, "failed", 1, now)
-        started = self._starts.pop(key, None)
-        if started is not None:
-            self._observe(queue, FIELD_RUN, [now - started], now)
+        self._observe_ended([key], [queue], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
