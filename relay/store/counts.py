@@ -15,8 +15,9 @@ from relay.store import history
 from relay.store.base import Changes
 from relay.store.view import EVENTS, Entry, QueueView
 
-# (counter, key, n): one counter change, undone on rollback by subtracting n.
-JournalEntry = tuple[Counter, tuple, int]
+# (counter, key, n): one counter change, undone on rollback by subtracting n; or (None,
+# counter, 0): a flush took the history's counter, given back on rollback.
+JournalEntry = tuple[Counter | None, Any, int]
 
 # Lease starts kept for run times (``_starts``) at most: past it they are forgotten at
 # once (the run times of the leases then held are not observed).
@@ -65,6 +66,10 @@ class CountsBook:
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
         for counter, key, n in reversed(self._journal[mark:]):
+            if counter is None:  # a flush took the history counted before it (``key``)
+                key.update(self._history)  # (what came after it is undone by now)
+                self._history = key
+                continue
             counter[key] -= n
         del self._journal[mark:]
 
@@ -175,13 +180,16 @@ class CountsBook:
         upsert: adds to the rows there), and return the histograms' deltas. In the open
         transaction: if it rolls back, what it took is counted again (journaled)."""
         counter = self._history
-        for key in [key for key, n in counter.items() if not n]:
-            del counter[key]  # (flushed by an earlier, committed flush)
+        if not counter:
+            return history.HistoryFlushed(0, {})
         rows, observed = history.take_rows(counter, self.config.history_max_queues)
         if rows:
             self._history_write(rows)
-        for key, n in list(counter.items()):
-            self._bump(counter, key, -n)
+        # Taken whole: one journal entry, which a rollback turns back (``_undo``), however
+        # many queues (not a change per counter, nor the queues published again).
+        self._history = Counter()
+        if self._journal is not None:
+            self._journal.append((None, counter, 0))
         return history.HistoryFlushed(len(rows), observed)
 
     def _history_write(self, rows: list[history.HistoryRow]) -> None:
