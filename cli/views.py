@@ -38,6 +38,10 @@ from rich.text import Text
 
 from relay.client.client import (
     DeadPage,
+    History,
+    HistoryPoint,
+    JobsPage,
+    JobSummary,
     JobView,
     QueueConfig,
     QueueInfo,
@@ -45,9 +49,17 @@ from relay.client.client import (
     ScheduleInfo,
     SchedulePage,
     Stats,
+    WorkerInfo,
+    WorkersPage,
 )
 from relay.protocol.cron import zone
-from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
+from relay.protocol.model import (
+    AttemptEntry,
+    JobState,
+    format_job_id,
+    job_id_abbreviation,
+    parse_job_id,
+)
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -860,6 +872,102 @@ def _dead_layout(
     return Group(table, Text(caption, style="table.caption"))
 
 
+# -- the job browser ----------------------------------------------------------------------
+
+# The width from which ``jobs_table`` shows the worker that last leased each job, and the
+# year of its times (below, "12-03 14:05": the error gets those 5 columns).
+JOBS_WORKER_AT = 110
+JOBS_YEAR_AT = 100
+
+
+def job_time(job: JobSummary) -> int | None:
+    """The time that matters in a job's state: when it finished, when it is due (pending,
+    retrying), since when it is ready, when its lease expires."""
+    if job.finished_at is not None:
+        return job.finished_at
+    if job.state in (JobState.PENDING, JobState.RETRYING):
+        return job.run_at
+    if job.state == JobState.LEASED:
+        return job.lease_expires_at
+    return job.ready_at if job.ready_at is not None else job.created_at
+
+
+def jobs_table(
+    page: JobsPage,
+    *,
+    full_ids: bool = False,
+    caption: str | None = None,
+    short: Mapping[str, str] | None = None,
+) -> Fitted:
+    """``relay-trio jobs list``: one row per job, its id (as ``dead_table`` shows it),
+    queue, state (in its colour), tries, the time that matters in its state (``job_time``,
+    UTC to the minute; its year from JOBS_YEAR_AT columns) and the first line of its last
+    error, which gets the rest of the width; from JOBS_WORKER_AT columns also the worker
+    that last leased it. Below it,
+    ``caption`` (the order and how to get the next page), or else the next page's cursor.
+
+    The queue and the error share what the other columns leave, as in ``dead_table``: the
+    state column takes 9 more at most ("cancelled", "succeeded").
+    """
+    return Fitted(functools.partial(_jobs_layout, page, full_ids, caption, short))
+
+
+def _jobs_layout(
+    page: JobsPage,
+    full_ids: bool,
+    caption: str | None,
+    short: Mapping[str, str] | None,
+    width: int,
+) -> RenderableType:
+    jobs = page.jobs
+    ids = short_ids((job.job_id for job in jobs), short)
+    if full_ids:
+        ids = {job_id: job_id for job_id in ids}
+    states = [str(job.state) for job in jobs]
+    tries = [f"{job.attempt}/{job.max_attempts}" for job in jobs]
+    times = [format_minute(job_time(job)) for job in jobs]
+    if width < JOBS_YEAR_AT:
+        times = [time[5:] if time != "-" else time for time in times]
+    errors = [truncate(job.last_error) for job in jobs]
+    workers = [job.worker_id or "-" for job in jobs]
+    headers = ("id", "queue", "state", "tries", "at (UTC)", "worker", "last error")
+    shown_ids = list(ids.values()) or ["no jobs"]
+    fixed = [column_width(headers[0], shown_ids), column_width(headers[2], states),
+             column_width(headers[3], tries), column_width(headers[4], times)]  # fmt: skip
+    worker = 0
+    if width >= JOBS_WORKER_AT:
+        worker = min(column_width(headers[5], workers), 16)
+        fixed.append(worker)
+    queue, error = share_room(width - tables_width([*fixed, 0, 0]),
+                              [headers[1], *(job.queue for job in jobs)],
+                              [headers[6], *errors])  # fmt: skip
+
+    table = plain_table("Jobs")
+    table.add_column(headers[0], width=fixed[0], no_wrap=True)
+    table.add_column(headers[1], width=queue, no_wrap=True)
+    table.add_column(headers[2], width=fixed[1], no_wrap=True)
+    table.add_column(headers[3], width=fixed[2], no_wrap=True, justify="right")
+    table.add_column(headers[4], width=fixed[3], no_wrap=True)
+    if worker:
+        table.add_column(headers[5], width=worker, no_wrap=True)
+    table.add_column(headers[6], width=error, no_wrap=True, style="red")
+    for job, state, attempts, shown_time, name, last_error in zip(
+        jobs, states, tries, times, workers, errors, strict=True
+    ):
+        cells: list[str | Text] = [ids[job.job_id], cut_middle(job.queue, queue),
+                                   state_text(state), attempts, shown_time]  # fmt: skip
+        if worker:
+            cells.append(cut_middle(name, worker))
+        table.add_row(*cells, truncate(last_error, error))
+    if not jobs:
+        table.add_row(Text("no jobs", style="dim"), *[""] * (5 + bool(worker)))
+    if caption is None and page.next_cursor is not None:
+        caption = f"more jobs: --after {page.next_cursor}"
+    if caption is None:
+        return table
+    return Group(table, Text(caption, style="table.caption"))
+
+
 # -- one job ------------------------------------------------------------------------------
 
 # The timing fields of a job, in the order they happen.
@@ -870,6 +978,67 @@ _TIMES = (
     ("lease expires", "lease_expires_at"),
     ("finished", "finished_at"),
 )
+
+
+OUTCOME_STYLES: Mapping[str, str] = {
+    "running": "yellow",
+    "succeeded": "green",
+    "failed": "red",
+    "expired": "magenta",
+    "timed_out": "magenta",
+    "released": "dim",
+    "cancelled": "dim",
+    "interrupted": "dim",
+}
+# Below this panel width, an attempt's start is shown without its year and millis, and its
+# worker id in at most ATTEMPT_WORKER_NARROW cells, so that its error keeps some room.
+ATTEMPTS_WIDE = 110
+ATTEMPT_WORKER_NARROW, ATTEMPT_WORKER_WIDE = 14, 32
+
+
+def _attempt_start(ms: int | None, wide: bool) -> str:
+    if ms is None:  # (recorded by a relay-trio that did not keep it)
+        return "-"
+    if wide:
+        return format_time(ms).removesuffix(" UTC")
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC).strftime("%m-%d %H:%M:%S")
+
+
+def _attempt_took(entry: AttemptEntry) -> str:
+    if entry.started_at is None or entry.ended_at is None:
+        return "-"
+    return format_duration(max(0, entry.ended_at - entry.started_at))
+
+
+def _attempts_table(job: JobView, width: int) -> Table:
+    """The job's attempts as a timeline, oldest first, one line each: its number, start,
+    how long it took, worker, outcome and the first line of its error."""
+    wide = width >= ATTEMPTS_WIDE
+    table = plain_table()
+    title = "attempts"
+    if job.attempts_dropped:
+        title += f" ({job.attempts_dropped} older ones not kept)"
+    table.title, table.title_justify = title, "left"
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("start (UTC)", no_wrap=True)
+    table.add_column("took", justify="right", no_wrap=True)
+    worker_cells = ATTEMPT_WORKER_WIDE if wide else ATTEMPT_WORKER_NARROW
+    table.add_column("worker", no_wrap=True, overflow="ellipsis", max_width=worker_cells)
+    table.add_column("outcome", no_wrap=True)
+    # The rest of the panel's width (its border and padding take 4): ratio=1 with expand.
+    table.add_column("error", style="red", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.expand = True
+    for entry in job.attempts:
+        outcome = str(entry.outcome)
+        table.add_row(
+            str(entry.attempt),
+            _attempt_start(entry.started_at, wide),
+            _attempt_took(entry),
+            Text(entry.worker_id or "-"),  # (a Text: no markup or emoji codes read in it)
+            Text(outcome.replace("_", " "), style=OUTCOME_STYLES.get(outcome, "")),
+            Text(truncate(entry.error)),
+        )
+    return table
 
 
 def _time_cell(ms: int) -> Text:
@@ -891,8 +1060,9 @@ def _json(value: Any) -> RenderableType:
 
 def job_panel(job: JobView) -> Fitted:
     """Everything ``inspect`` knows of a job: state, queue, priority, attempts, timings (UTC
-    and raw ms), worker, last error, the error history, the traceback of the latest failed
-    attempt that has one, the payload and the result.
+    and raw ms), worker, last error, the attempts as a timeline (a server without them:
+    the error history), the traceback of the latest failed attempt that has one, the
+    payload and the result.
 
     The job's own values are shown whole, a long one on as many lines as it needs: the
     whole id in the title, a queue name of up to 128 characters, the last error with its
@@ -925,7 +1095,9 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
         fields.add_row("last error", Text(job.last_error, style="red"))
 
     parts: list[RenderableType] = [fields]
-    if job.errors:
+    if job.attempts:
+        parts += [Text(), _attempts_table(job, width)]
+    elif job.errors:  # (a server without the attempt history)
         errors = plain_table()
         errors.title, errors.title_justify = "errors", "left"
         errors.add_column("attempt", justify="right", no_wrap=True)
@@ -937,6 +1109,7 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
             errors.add_row(str(entry.attempt), format_time(entry.at).removesuffix(" UTC"),
                            truncate(entry.error))  # fmt: skip
         parts += [Text(), errors]
+    if job.errors:
         # The latest traceback the worker sent (the others: --json), folded, not cut: the
         # failing frame and the exception are at its end.
         traced = next((entry for entry in reversed(job.errors) if entry.traceback), None)
@@ -959,6 +1132,109 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
         border_style=STATE_STYLES.get(str(job.state), ""),
         width=width,
     )
+
+
+# -- history ------------------------------------------------------------------------------
+
+# The history's sparkline, eight heights; a step with nothing is a space's width of "·".
+SPARKS = "▁▂▃▄▅▆▇█"
+# A step's bar (``history_table``, where the width leaves it room): succeeded, then failed.
+BAR_SUCCEEDED, BAR_FAILED = "█", "▒"
+BAR_MIN = 10  # cells: below this, no bar column
+HISTORY_COUNTS = ("submitted", "succeeded", "failed", "dead")
+
+
+def sparkline(values: Sequence[int]) -> str:
+    """One character per value, its height by its share of the largest ("·" for none)."""
+    top = max(values, default=0)
+    if not top:
+        return "·" * len(values)
+    last = len(SPARKS) - 1
+    return "".join("·" if not v else SPARKS[min(last, -(-v * last // top))] for v in values)
+
+
+def step_text(ms: int) -> str:
+    """A history's step, whole minutes: "1m", "15m", "1h", "90m", "1d"."""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms // 60_000}m"
+
+
+def _mean_text(total_ms: int, count: int) -> str:
+    return short_duration(round(total_ms / count)) if count else "-"
+
+
+def _max_text(ms: int, count: int) -> str:
+    return short_duration(ms) if count else "-"
+
+
+def history_table(history: History) -> Fitted:
+    """A ``history`` reply as a table: a row per step (its start, UTC), the jobs
+    submitted, succeeded, failed (attempts) and dead, the mean and longest run and wait;
+    a totals row. Where the width leaves room: a bar per step (succeeded █, failed ▒, to
+    the largest step's scale) and, when every step fits in a line, the sparklines of the
+    jobs succeeded and failed over the range."""
+    return Fitted(functools.partial(_history_layout, history))
+
+
+def _history_layout(history: History, width: int) -> RenderableType:
+    points = history.points
+    span_days = history.end - history.start > 86_400_000 or (
+        format_minute(history.start)[:10] != format_minute(history.end - 1)[:10]
+    )
+    label = (lambda ms: format_minute(ms)[5:]) if span_days else (lambda ms: format_minute(ms)[11:])
+    rows: list[list[str]] = []
+    for p in points:
+        rows.append([
+            label(p.at), *(short_number(getattr(p, name)) for name in HISTORY_COUNTS),
+            _mean_text(p.run_sum_ms, p.run_count), _max_text(p.run_max_ms, p.run_count),
+            _mean_text(p.wait_sum_ms, p.wait_count), _max_text(p.wait_max_ms, p.wait_count),
+        ])  # fmt: skip
+    sums = {name: sum(getattr(p, name) for p in points) for name in HistoryPoint.__annotations__}
+    run_count, wait_count = sums["run_count"], sums["wait_count"]
+    total = [
+        "total", *(short_number(sums[name]) for name in HISTORY_COUNTS),
+        _mean_text(sums["run_sum_ms"], run_count),
+        _max_text(max((p.run_max_ms for p in points), default=0), run_count),
+        _mean_text(sums["wait_sum_ms"], wait_count),
+        _max_text(max((p.wait_max_ms for p in points), default=0), wait_count),
+    ]  # fmt: skip
+    headers = ["UTC", "sub-\nmitted", "suc-\nceeded", "failed", "dead", "run\nmean", "run\nmax",
+               "wait\nmean", "wait\nmax"]  # fmt: skip
+    widths = [column_width(h, [r[i] for r in [*rows, total]]) for i, h in enumerate(headers)]
+    room = width - tables_width(widths, NUMBERS_GAP) - NUMBERS_GAP
+    bar = room if room >= BAR_MIN else 0
+    step = step_text(history.step)
+    title = (
+        f"{history.queue or 'every queue'} · {format_minute(history.start)} to "
+        f"{format_minute(history.end)[11 if not span_days else 0 :]} UTC · per {step}"
+    )
+    table = plain_table(title, gap=NUMBERS_GAP)
+    table.title_justify = "left"
+    table.add_column(headers[0], width=widths[0], no_wrap=True)
+    for header, column in zip(headers[1:], widths[1:], strict=True):
+        table.add_column(header, justify="right", width=column, no_wrap=True)
+    if bar:
+        table.add_column("", width=bar, no_wrap=True)
+    top = max((p.succeeded + p.failed for p in points), default=0)
+    for p, cells in zip(points, rows, strict=True):
+        extra: list[RenderableType] = []
+        if bar:
+            ok = -(-p.succeeded * bar // top) if top else 0
+            bad = -(-p.failed * bar // top) if top else 0
+            if ok + bad > bar:
+                ok = bar - bad
+            extra = [Text.assemble((BAR_SUCCEEDED * ok, "green"), (BAR_FAILED * bad, "red"))]
+        table.add_row(*cells, *extra)
+    table.add_section()
+    table.add_row(*total, *([""] if bar else []), style="bold")
+    parts: list[RenderableType] = [table]
+    if points and len(points) + 12 <= width:
+        for name, style in (("succeeded", "green"), ("failed", "red")):
+            line = sparkline([getattr(p, name) for p in points])
+            parts.append(Text.assemble((f"{name:>10} ", "bold"), (line, style)))
+    return Group(*parts)
 
 
 # -- demo progress ------------------------------------------------------------------------
@@ -987,3 +1263,117 @@ def update_state_progress(progress: Progress, tasks: Mapping[str, TaskID], stats
     total = max(1, sum(totals.values()))
     for state, task in tasks.items():
         progress.update(task, completed=totals.get(state, 0), total=total)
+
+
+# -- workers ------------------------------------------------------------------------------
+
+# The widths the worker, client, address and queues columns of ``relay-trio workers`` get
+# first (or less, if their longest cell is shorter); the room left then goes to them in the
+# order of WORKER_ROOM_ORDER, up to their longest cell.
+WORKER_FIRST = {"worker": 12, "client": 8, "address": 15, "queues": 10}
+WORKER_ROOM_ORDER = ("worker", "queues", "address", "client")
+
+
+def idle_queues(stats: Stats, workers: Iterable[WorkerInfo]) -> list[str]:
+    """The queues of ``stats`` with ready jobs that no worker of ``workers`` asks for (a
+    queue not paused: a paused one's jobs wait on purpose), by name."""
+    asked = {queue for worker in workers for queue in worker.queues}
+    paused = set(stats.paused)
+    return [
+        queue for queue, counts in sorted(stats.queues.items())
+        if counts.get("ready", 0) and queue not in asked and queue not in paused
+    ]  # fmt: skip
+
+
+def workers_table(
+    page: WorkersPage, stats: Stats | None = None, *, more: int = 0, partial: bool = False
+) -> Fitted:
+    """``relay-trio workers``: one row per connected worker of the server ``page.server``:
+    its worker id, client name, address, the queues it asks for, the jobs it holds, the
+    longest it has held one ("?" when the server does not know since when: leased before a
+    reconnect), and how long since its last request. Under it, with ``stats`` (a page of
+    the server's counts), the queues with ready jobs that no worker asks for, as a second
+    table with how long their oldest ready job has waited: such a queue is stuck, not slow.
+    ``more``: the workers not shown (a line says how to see them); ``partial``: the
+    workers were not all read, so the second table may name a queue a worker asks for.
+
+    The three columns of numbers take 17 cells; the room left is shared by the texts
+    (WORKER_FIRST, then WORKER_ROOM_ORDER), each cut in the middle where it must be."""
+    return Fitted(functools.partial(_workers_layout, page, stats, more, partial))
+
+
+def _workers_layout(
+    page: WorkersPage, stats: Stats | None, more: int, partial: bool, width: int
+) -> RenderableType:
+    workers = page.workers
+    texts: dict[str, list[str]] = {"worker": [], "client": [], "address": [], "queues": []}
+    numbers: list[list[Text]] = []
+    for worker in workers:
+        texts["worker"].append(worker.worker_id)
+        texts["client"].append(worker.client or "-")
+        texts["address"].append(worker.peer)
+        queues = ",".join(worker.queues)
+        if worker.queues_total > len(worker.queues):
+            queues += f" +{worker.queues_total - len(worker.queues)}"
+        texts["queues"].append(queues)
+        longest = worker.longest_held_ms
+        held = "-" if not worker.jobs_held else "?" if longest is None else short_duration(longest)
+        idle = short_duration(max(0, page.at - worker.last_request_at))
+        numbers.append([Text(short_number(worker.jobs_held)), Text(held),
+                        Text(idle + (" *" if worker.parked else ""))])  # fmt: skip
+    headers = ["jobs", "longest\nheld", "idle"]
+    fixed = [column_width(h, [row[i] for row in numbers]) for i, h in enumerate(headers)]
+    longest_text = {name: column_width(name, cells) for name, cells in texts.items()}
+    widths = {name: min(longest_text[name], first) for name, first in WORKER_FIRST.items()}
+    widths = {name: max(w, len(name)) for name, w in widths.items()}
+    room = width - tables_width([*widths.values(), *fixed])
+    for name in WORKER_ROOM_ORDER:
+        more_room = max(0, min(room, longest_text[name] - widths[name]))
+        widths[name] += more_room
+        room -= more_room
+
+    title = f"Workers of {page.server}"
+    table = plain_table(title)
+    for name in WORKER_FIRST:
+        table.add_column(name, width=widths[name], no_wrap=True)
+    for header, w in zip(headers, fixed, strict=True):
+        table.add_column(header, width=w, justify="right", no_wrap=True)
+    for i, row in enumerate(numbers):
+        table.add_row(*(cut_middle(texts[name][i], widths[name]) for name in WORKER_FIRST),
+                      *row)  # fmt: skip
+    shown = f"{len(workers)} worker" + ("" if len(workers) == 1 else "s")
+    notes: list[RenderableType] = [table]
+    if not workers:
+        notes = [Text(title, style="table.title"), Text("no worker connected", style="dim")]
+    caption = f"{shown} · each server lists its own"
+    if any(worker.parked for worker in workers):
+        caption += " · * waiting for jobs"
+    notes.append(Text(caption, style="table.caption"))
+    if more:
+        notes.append(Text(f"and {more} more: --limit N shows more", style="table.caption"))
+    if stats is not None:
+        notes.append(_idle_queues_table(stats, workers, partial, width))
+    return Group(*notes)
+
+
+def _idle_queues_table(
+    stats: Stats, workers: Sequence[WorkerInfo], partial: bool, width: int
+) -> RenderableType:
+    idle = idle_queues(stats, workers)
+    if not idle:
+        return Text("every queue with ready jobs has a worker", style="table.caption")
+    oldest = stats.oldest_ready_ms or {}
+    rows = [[Text(short_number(stats.queues[q]["ready"]), style=STATE_STYLES["ready"]),
+             Text("-" if oldest.get(q) is None else short_duration(oldest[q]))]
+            for q in idle]  # fmt: skip
+    headers = ["ready", OLDEST_READY]
+    widths = [column_width(h, [row[i] for row in rows]) for i, h in enumerate(headers)]
+    queue = queue_width([*idle, "queue"], width - tables_width([0, *widths]))
+    title = "Ready jobs and no worker" + (" (of the workers read)" if partial else "")
+    table = plain_table()
+    table.add_column("queue", width=queue, no_wrap=True, style="bold red")
+    for header, w in zip(headers, widths, strict=True):
+        table.add_column(header, width=w, justify="right", no_wrap=True)
+    for name, row in zip(idle, rows, strict=True):
+        table.add_row(cut_middle(name, queue), *row)
+    return Group(Text(""), Text(title, style="table.title"), table)

@@ -28,6 +28,8 @@ _EXPORTS = {
     "Client": "relay.client.client",
     "DeadPage": "relay.client.client",
     "JobView": "relay.client.client",
+    "JobsPage": "relay.client.client",
+    "JobSummary": "relay.client.client",
     "LeasedJob": "relay.client.client",
     "Stats": "relay.client.client",
     "QueueConfig": "relay.client.client",
@@ -35,9 +37,15 @@ _EXPORTS = {
     "QueuePage": "relay.client.client",
     "ScheduleInfo": "relay.client.client",
     "SchedulePage": "relay.client.client",
+    "WorkerInfo": "relay.client.client",
+    "WorkersPage": "relay.client.client",
+    "History": "relay.client.client",
+    "HistoryPoint": "relay.client.client",
     "job_fields": "relay.client.client",
     "open_client": "relay.client.client",
     "open_local": "relay.local",
+    "AttemptEntry": "relay.protocol.model",
+    "AttemptOutcome": "relay.protocol.model",
     "JobState": "relay.protocol.model",
     "SubmitResult": "relay.protocol.model",
     "PermanentError": "relay.worker.worker",
@@ -71,6 +79,8 @@ _EXPORTS = {
 }
 
 __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
+    "AttemptEntry",
+    "AttemptOutcome",
     "BadRequest",
     "BlockingClient",
     "Cancelled",
@@ -78,11 +88,15 @@ __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
     "ConnectionLost",
     "DeadPage",
     "FrameTooLarge",
+    "History",
+    "HistoryPoint",
     "InternalError",
     "InvalidState",
     "JobNotFound",
     "JobState",
+    "JobSummary",
     "JobView",
+    "JobsPage",
     "LeaseExpired",
     "LeasedJob",
     "NotFound",
@@ -105,6 +119,8 @@ __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
     "Unavailable",
     "UnknownOp",
     "Worker",
+    "WorkerInfo",
+    "WorkersPage",
     "WrongServer",
     "connect",
     "job_fields",
@@ -136,6 +152,10 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from relay.client.client import (
         Client,
         DeadPage,
+        History,
+        HistoryPoint,
+        JobsPage,
+        JobSummary,
         JobView,
         LeasedJob,
         QueueConfig,
@@ -144,6 +164,8 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
         ScheduleInfo,
         SchedulePage,
         Stats,
+        WorkerInfo,
+        WorkersPage,
         job_fields,
         open_client,
     )
@@ -170,5 +192,5 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
         UnknownOp,
         WrongServer,
     )
-    from relay.protocol.model import JobState, SubmitResult
+    from relay.protocol.model import AttemptEntry, AttemptOutcome, JobState, SubmitResult
     from relay.worker.worker import PermanentError, Worker, run_worker

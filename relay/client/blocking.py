@@ -38,13 +38,18 @@ from relay.client.client import (
     schedule_fields,
 )
 from relay.client.replies import (
+    History,
+    JobsPage,
     JobView,
     QueueConfig,
     QueuePage,
     ScheduleInfo,
     SchedulePage,
     Stats,
+    WorkersPage,
     config_fields,
+    history_fields,
+    history_reply,
     stats_reply,
     structure_reply,
     submit_result,
@@ -394,6 +399,26 @@ class BlockingClient:
             fields["cursor"] = cursor
         return structure_reply(self.request("schedule_list", **fields), SchedulePage)
 
+    def workers_list(self, *, limit: int | None = None, cursor: str | None = None) -> WorkersPage:
+        """As ``Client.workers_list``: a page of the server's connected workers."""
+        fields: dict[str, Any] = {}
+        if limit is not None:
+            fields["limit"] = limit
+        if cursor is not None:
+            fields["cursor"] = cursor
+        return structure_reply(self.request("workers_list", **fields), WorkersPage)
+
+    def history(
+        self,
+        queue: str | None = None,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        step: int | None = None,
+    ) -> History:
+        """As ``Client.history``."""
+        return history_reply(self.request("history", **history_fields(queue, start, end, step)))
+
     def cancel(self, job_id: str) -> JobState:
         """As ``Client.cancel``: the state the job was in."""
         return JobState(self.request("cancel", job_id=job_id)["was"])
@@ -404,6 +429,29 @@ class BlockingClient:
         if states is not None:
             fields["states"] = list(states)
         return self.request("cancel", **fields)["cancelled"]
+
+    def jobs_list(
+        self,
+        queue: str | None = None,
+        *,
+        states: Sequence[str] | None = None,
+        search: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        order: str | None = None,
+    ) -> JobsPage:
+        """As ``Client.jobs_list``: a page of jobs, newest first unless ``order="oldest"``."""
+        given = {"queue": queue, "search": search, "limit": limit, "cursor": cursor}
+        fields: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        if order is not None:
+            fields["order"] = order
+        if states is not None:
+            fields["states"] = list(states)
+        return structure_reply(self.request("jobs_list", **fields), JobsPage)
+
+    def promote(self, job_id: str) -> JobState:
+        """As ``Client.promote``: the state the job was in."""
+        return JobState(self.request("promote", job_id=job_id)["was"])
 
 
 def _answer(call: _Call, reply: dict[str, Any]) -> None:

@@ -37,6 +37,10 @@ from relay.client.events import EventStream
 from relay.client.replies import (
     DeadPage,
     Hello,
+    History,
+    HistoryPoint,
+    JobsPage,
+    JobSummary,
     JobView,
     LeasedJob,
     QueueConfig,
@@ -46,7 +50,11 @@ from relay.client.replies import (
     SchedulePage,
     ServerInfo,
     Stats,
+    WorkerInfo,
+    WorkersPage,
     config_fields,
+    history_fields,
+    history_reply,
     stats_reply,
     structure_reply,
     submit_result,
@@ -319,15 +327,43 @@ class Client:
         return structure_reply(reply, DeadPage)
 
     async def dead_retry(
-        self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
+        self,
+        job_id: str | None = None,
+        *,
+        queue: str | None = None,
+        all: bool = False,
+        states: Sequence[str] | None = None,
     ) -> int:
-        reply = await self._call("dead_retry", job_id=job_id, queue=queue, all=all or None)
+        """Make one dead job, or every job of ``queue`` (with ``all=True``) in ``states``
+        (of dead, cancelled; None: dead), ready again with fresh attempts; return how
+        many. ``states`` is an extension."""
+        reply = await self._call(
+            "dead_retry",
+            job_id=job_id,
+            queue=queue,
+            all=all or None,
+            states=None if states is None else list(states),
+        )
         return reply["count"]
 
     async def dead_purge(
-        self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
+        self,
+        job_id: str | None = None,
+        *,
+        queue: str | None = None,
+        all: bool = False,
+        states: Sequence[str] | None = None,
     ) -> int:
-        reply = await self._call("dead_purge", job_id=job_id, queue=queue, all=all or None)
+        """Delete one dead job, or every job of ``queue`` (with ``all=True``) in ``states``
+        (of dead, succeeded, cancelled; None: dead); return how many. ``states`` is an
+        extension."""
+        reply = await self._call(
+            "dead_purge",
+            job_id=job_id,
+            queue=queue,
+            all=all or None,
+            states=None if states is None else list(states),
+        )
         return reply["count"]
 
     async def reload(self) -> dict[str, Any]:
@@ -336,6 +372,38 @@ class Client:
         and ``errors`` (one line per file that could not be used, which changed nothing).
         An extension: an older server raises ``UnknownOp``."""
         return await self._call("reload")
+
+    async def jobs_list(
+        self,
+        queue: str | None = None,
+        *,
+        states: Sequence[str] | None = None,
+        search: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        order: Literal["oldest", "newest"] | None = None,
+    ) -> JobsPage:
+        """A page of jobs in ``states`` (None: every state), of ``queue`` or of all, by
+        job id: newest first (the default) or ``order="oldest"``; pass its
+        ``next_cursor`` as ``cursor`` (with the same order) for the next page. ``search``:
+        the start of a job id, or with ``queue`` of an idempotency or unique key. Items
+        carry no payload (``inspect`` has it). An extension: an older server raises
+        ``UnknownOp``."""
+        reply = await self._call(
+            "jobs_list",
+            queue=queue,
+            states=None if states is None else list(states),
+            search=search,
+            limit=limit,
+            cursor=cursor,
+            order=order,
+        )
+        return structure_reply(reply, JobsPage)
+
+    async def promote(self, job_id: str) -> JobState:
+        """Make a pending (delayed) or retrying job ready now (role admin); return the
+        state it was in. Any other state raises ``InvalidState``. An extension."""
+        return JobState((await self._call("promote", job_id=job_id))["was"])
 
     async def queue_pause(self, queue: str) -> bool:
         """Pause ``queue``: it takes submits, but no lease takes its jobs until it is
@@ -437,6 +505,30 @@ class Client:
         reply = await self._call("schedule_list", limit=limit, cursor=cursor)
         return structure_reply(reply, SchedulePage)
 
+    async def workers_list(
+        self, *, limit: int | None = None, cursor: str | None = None
+    ) -> WorkersPage:
+        """A page of the connected workers of the server this client talks to (role
+        worker), at most ``limit`` (the server's default and most: 100) after ``cursor``
+        (the ``next_cursor`` of the page before); ``server`` names that server. An
+        extension: an older server raises ``UnknownOp``."""
+        reply = await self._call("workers_list", limit=limit, cursor=cursor)
+        return structure_reply(reply, WorkersPage)
+
+    async def history(
+        self,
+        queue: str | None = None,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        step: int | None = None,
+    ) -> History:
+        """What the jobs of ``queue`` (None: every queue) did per ``step`` ms (a multiple of
+        60,000; default a minute) from ``start`` to ``end`` (ms since the epoch; default: the
+        60 steps to now): at most 1,440 points (role producer)."""
+        reply = await self._call("history", **history_fields(queue, start, end, step))
+        return history_reply(reply)
+
 
 def schedule_fields(name: str, cron: str, queue: str, payload: Any, **optional: Any) -> dict:
     """A schedule_put's fields as the wire wants them (the ones given)."""
@@ -534,7 +626,11 @@ __all__ = [
     "TLS_SCHEME",
     "Client",
     "DeadPage",
+    "History",
+    "HistoryPoint",
+    "JobSummary",
     "JobView",
+    "JobsPage",
     "LeasedJob",
     "QueueConfig",
     "QueueInfo",
@@ -543,6 +639,8 @@ __all__ = [
     "SchedulePage",
     "ServerInfo",
     "Stats",
+    "WorkerInfo",
+    "WorkersPage",
     "job_fields",
     "open_client",
     "parse_address",

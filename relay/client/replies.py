@@ -16,7 +16,7 @@ import cattrs
 from cattrs.preconf.orjson import make_converter
 
 from relay.protocol.errors import RelayError
-from relay.protocol.model import ErrorEntry, JobState, SubmitResult
+from relay.protocol.model import AttemptEntry, ErrorEntry, JobState, SubmitResult
 
 
 @attrs.frozen
@@ -57,6 +57,10 @@ class JobView:
     finished_at: int | None = None
     timeout_ms: int | None = None
     scheduled_for: int | None = None  # the slot of the schedule that submitted it
+    # ``inspect``'s (empty from ``dead_list``, and from a server without the history):
+    # the job's attempts, oldest first, and how many older ended ones it no longer keeps.
+    attempts: list[AttemptEntry] = attrs.Factory(list)
+    attempts_dropped: int = 0
 
 
 @attrs.frozen
@@ -85,6 +89,35 @@ class Stats:
 @attrs.frozen
 class DeadPage:
     jobs: list[JobView]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class JobSummary:
+    """A job as ``jobs_list`` shows it: as ``inspect`` does without payload, result and
+    error history (``inspect`` has them), its last error cut to 200 characters."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    priority: str
+    attempt: int
+    max_attempts: int
+    created_at: int
+    ready_at: int | None = None
+    run_at: int | None = None
+    lease_expires_at: int | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    idempotency_key: str | None = None
+    finished_at: int | None = None
+    timeout_ms: int | None = None
+    scheduled_for: int | None = None
+
+
+@attrs.frozen
+class JobsPage:
+    jobs: list[JobSummary]
     next_cursor: str | None
 
 
@@ -159,6 +192,104 @@ class ScheduleInfo:
 class SchedulePage:
     schedules: list[ScheduleInfo]
     next_cursor: str | None
+
+
+@attrs.frozen
+class HeldJob:
+    """A job a worker holds now (``workers_list``): ``held_ms`` since it was handed out on
+    that connection, None when not known (leased before a reconnect, or elsewhere)."""
+
+    job_id: str
+    queue: str
+    worker_id: str
+    held_ms: int | None
+    lease_expires_at: int
+
+
+@attrs.frozen
+class WorkerInfo:
+    """One connected worker of a server (``workers_list``; docs/protocol.md, Workers)."""
+
+    worker_id: str
+    worker_ids: list[str]
+    client: str | None
+    peer: str
+    queues: list[str]
+    queues_total: int
+    jobs: list[HeldJob]
+    jobs_held: int
+    longest_held_ms: int | None
+    connected_at: int
+    first_lease_at: int
+    last_request_at: int
+    parked: int
+
+
+@attrs.frozen
+class WorkersPage:
+    """A page of one server's connected workers, and which server (``server``) it is."""
+
+    server: str
+    workers: list[WorkerInfo]
+    total: int
+    next_cursor: str | None
+    held_truncated: bool = False
+    at: int = 0  # the server's clock (UTC ms) when it made the page
+
+
+@attrs.frozen
+class HistoryPoint:
+    """The totals of one step of ``history``, from ``at`` (ms since the epoch): jobs
+    submitted, succeeded, failed (attempts: fail, expiry, timeout), dead; run times (lease
+    to ack or fail) and waits (ready to lease) timed: count, sum and longest, in ms. See
+    docs/protocol.md, History."""
+
+    at: int
+    submitted: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    dead: int = 0
+    run_count: int = 0
+    run_sum_ms: int = 0
+    run_max_ms: int = 0
+    wait_count: int = 0
+    wait_sum_ms: int = 0
+    wait_max_ms: int = 0
+
+    @property
+    def run_mean_ms(self) -> float | None:
+        return self.run_sum_ms / self.run_count if self.run_count else None
+
+    @property
+    def wait_mean_ms(self) -> float | None:
+        return self.wait_sum_ms / self.wait_count if self.wait_count else None
+
+
+@attrs.frozen
+class History:
+    """A ``history`` reply: the queue (None: every queue), the range it covers (``start``
+    and ``end``: the wire's ``from`` and ``to``, whole minutes), its step (ms) and one
+    point per step."""
+
+    queue: str | None
+    start: int
+    end: int
+    step: int
+    points: list[HistoryPoint]
+
+
+def history_reply(reply: dict[str, Any]) -> History:
+    """A history reply as ``History`` (its ``from`` and ``to`` as ``start`` and ``end``)."""
+    fields = {**reply, "start": reply.get("from"), "end": reply.get("to")}
+    return structure_reply(fields, History)
+
+
+def history_fields(
+    queue: str | None, start: int | None, end: int | None, step: int | None
+) -> dict[str, Any]:
+    """A history request's fields as the wire wants them (the ones given)."""
+    given = {"queue": queue, "from": start, "to": end, "step": step}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 @attrs.frozen

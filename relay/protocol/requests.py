@@ -344,14 +344,99 @@ class DeadSelect:
             raise _bad("all", "must be true to act on a whole queue")
 
 
+# A whole queue's bulk retry and purge (an extension, ``states``): the states each may
+# name, the finished ones (retry: those that did not succeed); omitted, dead only.
+RETRY_STATES = ("dead", "cancelled")
+PURGE_STATES = ("dead", "succeeded", "cancelled")
+
+
+def _check_bulk_states(states: list[str] | None, allowed: tuple[str, ...]) -> None:
+    if states is None:
+        return
+    if not 1 <= len(states) <= len(allowed):
+        raise _bad("states", f"must name 1 to {len(allowed)} states (omit it: dead)")
+    for i, state in enumerate(states):
+        if type(state) is not str or state not in allowed:
+            raise _bad(f"states[{i}]", f"must be one of {', '.join(allowed)}")
+
+
 @attrs.frozen
 class DeadRetry(DeadSelect):
-    pass
+    """``{job_id}``, or ``{queue, all: true, states?}`` (states: an extension)."""
+
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None and self.states is not None:
+            raise _bad("states", "only with queue and all: true")
+        super().check(limits)
+        _check_bulk_states(self.states, RETRY_STATES)
 
 
 @attrs.frozen
 class DeadPurge(DeadSelect):
-    pass
+    """``{job_id}``, or ``{queue, all: true, states?}`` (states: an extension)."""
+
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None and self.states is not None:
+            raise _bad("states", "only with queue and all: true")
+        super().check(limits)
+        _check_bulk_states(self.states, PURGE_STATES)
+
+
+# The job browser (an extension): a page of at most this many summaries, 50 by default.
+MAX_JOBS_LIST = 100
+DEFAULT_JOBS_LIST = 50
+_EVERY_STATE = tuple(str(state) for state in JobState)
+
+
+@attrs.frozen
+class JobsList:
+    """``jobs_list``: jobs of any states (default: all), of a queue or of all, by job id,
+    newest first by default; ``search``: the start of a job id, or (with queue) of an
+    idempotency or unique key."""
+
+    queue: str | None = None
+    states: list[str] | None = None
+    search: str | None = None
+    cursor: str | None = None
+    limit: int = DEFAULT_JOBS_LIST
+    order: str = "newest"
+
+    def check(self, limits: Limits) -> None:
+        if self.queue is not None:
+            check_queue("queue", self.queue)
+        if self.states is not None:
+            if not 1 <= len(self.states) <= len(_EVERY_STATE):
+                raise _bad("states", f"must name 1 to {len(_EVERY_STATE)} states (omit it: all)")
+            for i, state in enumerate(self.states):
+                if type(state) is not str or state not in _EVERY_STATE:
+                    raise _bad(f"states[{i}]", f"must be one of {', '.join(_EVERY_STATE)}")
+        if self.search is not None:
+            check_text("search", self.search, limits.max_id_bytes)
+        check_range("limit", self.limit, 1, MAX_JOBS_LIST)
+        if self.cursor is not None and parse_job_id(self.cursor) is None:
+            raise _bad("cursor", "not a cursor returned by jobs_list")
+        if self.order not in DEAD_ORDERS:
+            raise _bad("order", 'must be "newest" or "oldest"')
+
+    @property
+    def chosen_states(self) -> tuple[str, ...]:
+        """The states asked, in state order, each once."""
+        wanted = _EVERY_STATE if self.states is None else self.states
+        return tuple(state for state in _EVERY_STATE if state in wanted)
+
+
+@attrs.frozen
+class Promote:
+    """``promote`` (an extension): a pending or retrying job becomes ready now."""
+
+    job_id: str
+
+    def check(self, limits: Limits) -> None:
+        check_text("job_id", self.job_id, limits.max_id_bytes)
 
 
 # The states a cancel of a whole queue may name, and the ones it takes if it names none:
@@ -635,6 +720,76 @@ class ScheduleList:
                 raise _bad("cursor", "not a cursor returned by schedule_list") from None
 
 
+# Connections per workers_list reply at most, and by default.
+WORKERS_PAGE = 100
+
+
+@attrs.frozen
+class WorkersList:
+    """``workers_list`` (an extension): a page of at most ``limit`` of this server's
+    connections that have leased, in the order they first leased, after the one whose
+    ``next_cursor`` is ``cursor``."""
+
+    cursor: str | None = None
+    limit: int = WORKERS_PAGE
+
+    def check(self, limits: Limits) -> None:
+        check_range("limit", self.limit, 1, WORKERS_PAGE)
+        if self.cursor is not None and not (
+            self.cursor.isascii() and self.cursor.isdigit() and len(self.cursor) <= 20
+        ):
+            raise _bad("cursor", "not a cursor returned by workers_list")
+
+
+# history: steps are whole minutes; a reply holds at most this many points (a day of
+# minutes, or 60 days of hours: more than the history keeps).
+HISTORY_STEP_MS = 60_000
+HISTORY_MAX_STEP_MS = 86_400_000  # a day
+HISTORY_POINTS = 1_440
+
+
+@attrs.frozen
+class History:
+    """``history`` (an extension): the totals of ``queue`` (None: every queue) per
+    ``step`` ms from ``from`` to ``to`` (ms since the epoch; None: ``to`` is now, ``from``
+    60 steps before ``to``). On the wire the fields are ``from`` and ``to`` (parsing.py)."""
+
+    queue: str | None = None
+    start: int | None = None
+    end: int | None = None
+    step: int = HISTORY_STEP_MS
+
+    def check(self, limits: Limits) -> None:
+        if self.queue is not None:
+            check_queue("queue", self.queue)
+        check_range("step", self.step, HISTORY_STEP_MS, HISTORY_MAX_STEP_MS)
+        if self.step % HISTORY_STEP_MS:
+            raise _bad("step", f"must be a multiple of {HISTORY_STEP_MS} (whole minutes)")
+        for field, value in (("from", self.start), ("to", self.end)):
+            if value is not None:
+                check_range(field, value, 0, 2**53)
+        if self.start is not None and self.end is not None:
+            if self.start >= self.end:
+                raise _bad("from", "must be before to")
+            self.span(self.end)
+
+    def span(self, now: int) -> tuple[int, int, int]:
+        """(start, end, step), whole minutes: ``from`` down to its minute, ``to`` up to its
+        (the minute under way is in), each as defaulted; BadRequest naming ``step`` if
+        they are more than HISTORY_POINTS steps apart."""
+        minute = HISTORY_STEP_MS
+        end = now if self.end is None else self.end
+        end = -(-end // minute) * minute
+        start = end - 60 * self.step if self.start is None else self.start
+        start = max(0, start - start % minute)
+        if -(-(end - start) // self.step) > HISTORY_POINTS:
+            raise _bad(
+                "step", f"at most {HISTORY_POINTS} points a reply: a longer step, or a "
+                "shorter range from..to",
+            )  # fmt: skip
+        return start, end, self.step
+
+
 REQUEST_TYPES: dict[str, type] = {
     "hello": Hello,
     "ping": Ping,
@@ -653,6 +808,8 @@ REQUEST_TYPES: dict[str, type] = {
     "dead_retry": DeadRetry,
     "dead_purge": DeadPurge,
     "cancel": Cancel,
+    "jobs_list": JobsList,
+    "promote": Promote,
     "watch": Watch,
     "unwatch": Unwatch,
     "queue_pause": QueuePause,
@@ -665,4 +822,6 @@ REQUEST_TYPES: dict[str, type] = {
     "schedule_resume": ScheduleResume,
     "schedule_list": ScheduleList,
     "reload": Reload,
+    "workers_list": WorkersList,
+    "history": History,
 }

@@ -215,6 +215,23 @@ class Prune:
 
 
 @attrs.frozen
+class HistoryFlush:
+    """What was counted since the last flush, added to the history table
+    (relay/store/history.py); returns the histograms' deltas."""
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.history_flush(now)
+
+
+@attrs.frozen
+class HistoryPrune:
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.history_prune(now, self.limit)
+
+
+@attrs.frozen
 class NextDeadlines:
     """(earliest due time of a pending/retrying job, earliest lease expiry), either None."""
 
@@ -269,6 +286,17 @@ class OldestReadyAt:
 
 
 @attrs.frozen
+class LeasesHeld:
+    """The unexpired leases of these workers (``Store.leases_held``), and the store's now."""
+
+    worker_ids: tuple[str, ...]
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.leases_held(self.worker_ids, now, self.limit), now
+
+
+@attrs.frozen
 class EventTotals:
     def apply(self, store: Store, now: int) -> Any:
         return store.event_totals()
@@ -298,9 +326,10 @@ class DeadRetry:
 class DeadRetryQueue:
     queue: str
     limit: int
+    states: tuple[str, ...] = ("dead",)
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_retry_queue(self.queue, now, self.limit)
+        return store.dead_retry_queue(self.queue, now, self.limit, self.states)
 
 
 @attrs.frozen
@@ -315,9 +344,10 @@ class DeadPurge:
 class DeadPurgeQueue:
     queue: str
     limit: int
+    states: tuple[str, ...] = ("dead",)
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_purge_queue(self.queue, self.limit)
+        return store.dead_purge_queue(self.queue, self.limit, self.states)
 
 
 @attrs.frozen

@@ -36,6 +36,7 @@ from relay.protocol.requests import REQUEST_TYPES
 from relay.server.requests.dispatch import Dispatcher
 from relay.server.requests.longpoll import LongPolls
 from relay.server.requests.watch import Watchers
+from relay.store import commands as cmd
 from tests.server.conftest import BOUND_S, LineClient
 from tests.server.requests.test_dispatch import FakeConnection as DispatchConnection
 from tests.worker.helpers import serving, start_server
@@ -377,6 +378,23 @@ CANCEL_QUEUE = {
         4, nullable=True,
     ),
 }  # fmt: skip
+# A whole queue's bulk retry and purge (extension): the finished states each takes.
+RETRY_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["dead", "cancelled"]),
+        st.sampled_from(["", "succeeded", "ready", "DEAD"]) | wrong_value("str", False),
+        2, nullable=True,
+    ),
+}  # fmt: skip
+PURGE_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["dead", "succeeded", "cancelled"]),
+        st.sampled_from(["", "ready", "leased", "DEAD"]) | wrong_value("str", False),
+        3, nullable=True,
+    ),
+}  # fmt: skip
 
 # A schedule: names as queue names; five fields (the fuzzed server allows no seconds).
 SCHEDULE_ONE = {"name": Field("str", queue_names, required=True, bad=bad_queue_names)}
@@ -471,10 +489,31 @@ OPS: list[tuple[str, dict[str, Field]]] = [
     ),
     ("dead_retry", DEAD_ONE),
     ("dead_retry", DEAD_QUEUE),
+    ("dead_retry", RETRY_QUEUE),
     ("dead_purge", DEAD_ONE),
     ("dead_purge", DEAD_QUEUE),
+    ("dead_purge", PURGE_QUEUE),
     ("cancel", DEAD_ONE),
     ("cancel", CANCEL_QUEUE),
+    (
+        "jobs_list",
+        {
+            "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            "states": list_field(
+                st.sampled_from(
+                    ["pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"]
+                ),
+                st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 7,
+                nullable=True,
+            ),
+            "search": Field("str", cursors, nullable=True, bad=st.just("")),
+            "cursor": Field("str", cursors, nullable=True, bad=bad_cursors),
+            "limit": int_field(1, 100),
+            "order": Field("str", st.sampled_from(["oldest", "newest"]),
+                           bad=st.sampled_from(["", "newer", "NEWEST", "oldest "])),
+        },
+    ),
+    ("promote", {"job_id": LEASE_REF["job_id"]}),
     (
         "watch",
         {
@@ -531,6 +570,29 @@ OPS: list[tuple[str, dict[str, Field]]] = [
         },
     ),
     ("reload", {}),
+    (
+        "workers_list",
+        {
+            "cursor": Field(
+                "str", st.integers(0, 10**19).map(str), nullable=True,
+                bad=st.sampled_from(["", "x", "-1", "1.5", "1" * 21, "\u0661"]),
+            ),
+            "limit": int_field(1, 100),
+        },
+    ),
+    (
+        "history",
+        {
+            "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            # (from before to, at most 1,440 steps apart: whatever each is, within these)
+            "from": Field("int", in_range(0, 1_000_000), nullable=True,
+                          bad=out_of_range(0, 2**53)),
+            "to": Field("int", in_range(2_000_000, 60_000_000), nullable=True,
+                        bad=out_of_range(0, 2**53)),
+            "step": Field("int", st.integers(1, 1440).map(lambda n: n * 60_000),
+                          bad=st.sampled_from([0, 59_999, 60_001, -60_000, 5_184_060_000])),
+        },
+    ),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 
@@ -668,8 +730,10 @@ class RecordingWriter:
     def put(self, item: Any) -> None:
         self.items.append(item)
 
-    async def execute(self, command: Any) -> int:
+    async def execute(self, command: Any) -> Any:
         self.commands.append(command)
+        if isinstance(command, cmd.LeasesHeld):  # (workers_list: no lease held, at 0)
+            return [], 0
         return 0
 
     async def wait_room(self) -> None:
@@ -802,12 +866,15 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
                 (reply,) = replies
                 assert reply["id"] == want_id
                 if reply["ok"]:  # answered at once: hello, ping, stats (from the counts in
-                    # memory), reload (nothing to reload here), or a whole queue's dead op
+                    # memory), reload (nothing to reload here), workers_list (no worker
+                    # here: no read), or a whole queue's dead op
                     name = orjson.loads(line)["op"]
                     queue_ops = ("dead_retry", "dead_purge", "cancel")
-                    ops_now = ("hello", "ping", "unwatch", "stats", "reload", *queue_ops)
+                    ops_now = ("hello", "ping", "unwatch", "stats", "reload", "workers_list",
+                               *queue_ops)  # fmt: skip
                     assert name in ops_now, reply
-                    assert (name in queue_ops) == bool(commands)
+                    # (workers_list reads the leases of the workers it lists, if any)
+                    assert (name in queue_ops) == bool(commands) or name == "workers_list"
                     assert len(commands) <= 1
                     outcome = "accept"
                 else:

@@ -35,7 +35,9 @@ from relay.server.connections.listener import peer_name
 from relay.server.http.admission import HEAD_TIMEOUT_S, serve_http
 from relay.server.http.dashboard import CONTENT_TYPE as PAGE_TYPE
 from relay.server.http.dashboard import Dashboard
+from relay.server.requests.oldest import OldestReady
 from relay.store import commands as cmd
+from relay.store.history import BOUNDS_MS
 from relay.store.view import EVENTS, QueueView
 from relay.store.view import STATES as VIEW_STATES
 from relay.store.writer import Writer
@@ -91,6 +93,15 @@ class MetricsSnapshot:
     schedule_runs: dict[str, int] = attrs.Factory(dict)
     schedule_refused: dict[str, int] = attrs.Factory(dict)
     schedule_ages_ms: dict[str, int] = attrs.Factory(dict)
+    # queue -> ms its oldest ready job has waited, of the queues shown with ready jobs
+    # (``oldest_ready``); queue -> this server's connected workers asking for it
+    # (``snapshot_workers``)
+    oldest_ready_ms: dict[str, int] = attrs.Factory(dict)
+    workers: dict[str, int] = attrs.Factory(dict)
+    # Per queue, this server's jobs' run times and wait times as the history flushes them:
+    # (run buckets, run sum ms, wait buckets, wait sum ms), buckets not cumulative, the
+    # last above every bound (``Histograms.snapshot``, relay/store/history.py).
+    job_times: dict[str, tuple[tuple[int, ...], int, tuple[int, ...], int]] = attrs.Factory(dict)
 
 
 async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
@@ -101,6 +112,36 @@ async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
         return await writer.execute(cmd.ScheduleAges(max_series))
     except RelayError:
         return {}
+
+
+async def oldest_ready(oldest: OldestReady, queues: dict[str, dict[str, int]]) -> dict[str, int]:
+    """``relay_queue_oldest_ready_seconds``'s series: of the queues ``snapshot_queues``
+    shows on their own that have ready jobs (so at most ``max_queues``), how long the oldest
+    has waited, read through ``OldestReady`` (at most once a second per queue, whoever
+    asks: stats shares the reads). No ``OTHER_QUEUES`` series (an age is no sum). Empty
+    while the store cannot answer (a scrape still answers)."""
+    ready = [q for q, counts in queues.items() if q != OTHER_QUEUES and counts.get("ready")]
+    if not ready:
+        return {}
+    try:
+        return await oldest.ages(ready)
+    except RelayError:
+        return {}
+
+
+def snapshot_workers(
+    counts: dict[str, int], queues: dict[str, dict[str, int]], max_queues: int
+) -> dict[str, int]:
+    """``relay_workers``'s series: per queue, this server's connected workers asking for
+    it (``WorkerBook.queue_counts``), 0 for a queue shown with jobs that none asks for (the
+    alert "ready jobs and no worker"). The first ``max_queues`` names of both by name, the
+    rest summed under ``OTHER_QUEUES`` (worker-queue pairs), as the per-queue series are."""
+    names = sorted((set(queues) | set(counts)) - {OTHER_QUEUES})
+    series = {name: counts.get(name, 0) for name in names[:max_queues]}
+    rest = sum(n for name, n in counts.items() if name not in series)
+    if rest or OTHER_QUEUES in queues or len(names) > max_queues:
+        series[OTHER_QUEUES] = rest
+    return series
 
 
 def snapshot_schedule_runs(runs: dict[str, int], max_series: int) -> dict[str, int]:
@@ -293,6 +334,13 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
         ("relay_queue_rate_limit", "gauge", "queue", s.rate_limit,
          "Leases per second the queue's rate allows (queue_config rate: limit / period), "
          "for the queues that have one."),
+        ("relay_queue_oldest_ready_seconds", "gauge", "queue",
+         {q: ms / 1000 for q, ms in s.oldest_ready_ms.items()},
+         "Seconds the queue's oldest ready job has waited, for the queues with ready jobs "
+         "(read at most once a second)."),
+        ("relay_workers", "gauge", "queue", s.workers,
+         "Connected workers of this server asking for the queue in their last lease "
+         "(workers_list)."),
         ("relay_schedule_runs_total", "counter", "schedule", s.schedule_runs,
          "Slots of the schedule this server passed (a job submitted, or refused by its "
          "queue)."),
@@ -307,7 +355,27 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
     for metric, kind, label, series, text in families:
         lines.append(f"# HELP {metric} {text}\n# TYPE {metric} {kind}\n")
         lines += [f'{metric}{{{label}="{k}"}} {v}\n' for k, v in sorted(series.items())]
+    for metric, at, text in JOB_TIME_METRICS:
+        lines.append(f"# HELP {metric} {text}\n# TYPE {metric} histogram\n")
+        for queue in sorted(s.job_times):
+            buckets, total_ms = s.job_times[queue][at], s.job_times[queue][at + 1]
+            count = 0
+            for bound, n in zip(_JOB_TIME_LE, buckets, strict=True):
+                count += n
+                lines.append(f'{metric}_bucket{{queue="{queue}",le="{bound}"}} {count}\n')
+            lines.append(f'{metric}_sum{{queue="{queue}"}} {total_ms / 1000}\n')
+            lines.append(f'{metric}_count{{queue="{queue}"}} {count}\n')
     return "".join(lines).encode()
+
+
+# The job-time histograms: (metric, its place in a ``job_times`` entry, help).
+JOB_TIME_METRICS = (
+    ("relay_job_run_seconds", 0,
+     "From a job's lease to its ack or fail, for the leases this server granted."),
+    ("relay_job_wait_seconds", 2,
+     "From a job ready (or due, when delayed or retried) to its lease, by this server."),
+)  # fmt: skip
+_JOB_TIME_LE = [repr(ms / 1000) for ms in BOUNDS_MS] + ["+Inf"]
 
 
 def render(snapshot: MetricsSnapshot) -> bytes:

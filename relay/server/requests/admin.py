@@ -21,7 +21,7 @@ from relay.protocol.errors import RelayError, ShuttingDown, Unauthorized, Unknow
 from relay.server.requests import ops
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
+from relay.store.base import ATTEMPTS_KEPT, ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
 from relay.store.items import Item
 
 if TYPE_CHECKING:
@@ -41,14 +41,24 @@ def job_reply_bytes(limits: wire.Limits) -> int:
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
 
 
+def inspect_reply_bytes(limits: wire.Limits) -> int:
+    """The most an inspect reply can take: its job (``job_reply_bytes``) and the job's
+    attempts, the ATTEMPTS_KEPT ended ones with their errors and tracebacks and the one
+    running or succeeded, each with its worker id and fields."""
+    texts = ATTEMPTS_KEPT * 6 * (limits.max_error_bytes + limits.max_traceback_bytes)
+    entries = (ATTEMPTS_KEPT + 1) * (6 * limits.max_id_bytes + REPLY_OVERHEAD_BYTES)
+    return job_reply_bytes(limits) + texts + entries
+
+
 class AdminHandlers:
     """Handlers of ``Dispatcher``. They use the dispatcher's ``writer``, ``limits``,
-    ``watchers``, ``_job_bytes`` (``job_reply_bytes``) and its accounting: ``_typed``,
+    ``watchers``, ``_job_bytes`` (``job_reply_bytes``), ``_inspect_bytes``
+    (``inspect_reply_bytes``) and its accounting: ``_typed``,
     ``_queue``, ``_answer_now``, ``_count_in``, ``answered``."""
 
     def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "inspect")
-        args = ops.Reserving((r.job_id, r.prefix), self._job_bytes)
+        args = ops.Reserving((r.job_id, r.prefix), self._inspect_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.INSPECT, connection, rid, started, args))
 
@@ -65,13 +75,29 @@ class AdminHandlers:
         connection.reserve(args.reserved)
         self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
 
+    def _jobs_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: a page of at most MAX_JOBS_LIST summaries, each a few KiB at
+        # most (no payload, result or history; keys, worker id and a cut last error), as
+        # a queue_list page is small.
+        r = self._typed(fields, "jobs_list")
+        args = (r.queue, r.chosen_states, r.search, r.cursor, r.limit, r.order == "newest")
+        self._queue(connection, (ops.JOBS_LIST, connection, rid, started, args))
+
+    def _promote(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        job_id = self._typed(fields, "promote").job_id
+        self._queue(connection, (ops.PROMOTE, connection, rid, started, job_id))
+
     def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_retry")
-        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
+        states = tuple(request.states or ("dead",))
+        chunk = lambda queue, limit: cmd.DeadRetryQueue(queue, limit, states)  # noqa: E731
+        self._dead(connection, rid, started, request, ops.DEAD_RETRY, chunk)
 
     def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_purge")
-        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
+        states = tuple(request.states or ("dead",))
+        chunk = lambda queue, limit: cmd.DeadPurgeQueue(queue, limit, states)  # noqa: E731
+        self._dead(connection, rid, started, request, ops.DEAD_PURGE, chunk)
 
     def _dead(
         self,
@@ -219,6 +245,13 @@ class AdminHandlers:
         args = ops.Reserving(page, self.limits.max_reply_bytes + self.limits.max_payload_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.SCHEDULE_LIST, connection, rid, started, args))
+
+    def _history(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # A reply of at most HISTORY_POINTS points, each about 250 bytes: reserved.
+        request = self._typed(fields, "history")
+        args = ops.Reserving(request, ops.HISTORY_REPLY_BYTES)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.HISTORY, connection, rid, started, args))
 
     def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "watch")

@@ -73,6 +73,8 @@ OP_ROLES: dict[str, Role] = {
     "fail": Role.WORKER,
     "release": Role.WORKER,
     "watch": Role.WORKER,
+    # (an extension: the connected workers, with their addresses: not for producers)
+    "workers_list": Role.WORKER,
     "unwatch": Role.WORKER,
     "dead_list": Role.ADMIN,
     "dead_retry": Role.ADMIN,
@@ -89,11 +91,17 @@ OP_ROLES: dict[str, Role] = {
     "schedule_pause": Role.ADMIN,
     "schedule_resume": Role.ADMIN,
     "schedule_list": Role.PRODUCER,
+    # (an extension) Counts per minute: what stats shows, over time.
+    "history": Role.PRODUCER,
     # (an extension) A producer may cancel one job that has not started; a leased job, or
     # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
     "cancel": Role.PRODUCER,
     # (an extension) Reading the token file and the TLS pair again: an admin's.
     "reload": Role.ADMIN,
+    # Extensions: the job browser shows what inspect and stats show; a promote changes
+    # when a job runs: an admin's.
+    "jobs_list": Role.PRODUCER,
+    "promote": Role.ADMIN,
 }
 
 ROLES_BY_NAME = {role.label: role for role in Role if role is not Role.NONE}

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import orjson
 
-from relay.protocol import wire
+from relay.protocol import requests, wire
 from relay.protocol.errors import RelayError
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.server.requests.auth import Role
@@ -64,6 +64,8 @@ class PendingLease:
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
     place: int = -1  # its place among parked leases, from its first park (LongPolls)
+    # Its connection's entry in the server's WorkerBook: told the jobs it hands out.
+    book: Any = None
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -262,6 +264,8 @@ class _Claim(RequestOp):
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
+            if jobs and leases[i].book is not None:
+                leases[i].book.handed_out(jobs, now)  # (workers_list: held since)
         ran = set(wanted)
         for i, lease in enumerate(leases):
             if lease.woken:
@@ -324,7 +328,7 @@ class _Inspect(RequestOp):
         return store.job_inspect_prefix(job_id) if prefix else store.job_inspect(job_id)
 
     def fields(self, outcome: JobInfo, args: Any) -> dict[str, Any]:
-        return {"job": wire.job_fields(outcome)}
+        return {"job": wire.job_fields(outcome, attempts=True)}
 
 
 class _ShortIds(RequestOp):
@@ -350,12 +354,40 @@ class _DeadList(RequestOp):
         return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
 
 
+class _JobsList(RequestOp):
+    """``jobs_list``: args is (queue, states, search, cursor, limit, newest)."""
+
+    def run(self, store: Store, now: int, args: tuple) -> Any:
+        return store.jobs_list(*args)
+
+    def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
+        jobs, next_cursor = outcome
+        return {"jobs": [wire.job_summary_fields(job) for job in jobs], "next_cursor": next_cursor}
+
+
+class _Promote(RequestOp):
+    """``promote``: args is the job's id."""
+
+    def run(self, store: Store, now: int, job_id: str) -> Any:
+        return store.job_promote(job_id, now)
+
+    def fields(self, outcome: JobState, args: Any) -> dict[str, Any]:
+        return {"job_id": args, "state": "ready", "was": str(outcome)}
+
+
 class _Stats(RequestOp):
     """``stats``: never run by the writer. Answered from the counts in memory, its ages
     read by oldest.py (dispatch.py); this names its item."""
 
     def run(self, store: Store, now: int, args: Any) -> Any:
         raise NotImplementedError("stats is answered by the dispatcher")
+
+
+class _WorkersList(_Stats):
+    """``workers_list``: never run by the writer; answered by the dispatcher
+    (relay/server/requests/workers.py). Its args are a ``Reserving``."""
+
+    reserves = True
 
 
 class _DeadOne(RequestOp):
@@ -530,6 +562,29 @@ class _ScheduleList(RequestOp):
         }
 
 
+# The most a history reply takes: its points (each field a number of up to 16 digits).
+HISTORY_REPLY_BYTES = requests.HISTORY_POINTS * 320 + REPLY_OVERHEAD_BYTES
+
+
+class _History(RequestOp):
+    """``history``: args is a Reserving of the typed request; the writer's ``now`` ends a
+    range whose ``to`` is left out. A read of one queue's rows (or every queue's summed),
+    one range of the key."""
+
+    reserves = True
+
+    def run(self, store: Store, now: int, args: Reserving) -> Any:
+        start, end, step = args.args.span(now)
+        return start, end, step, store.history_read(args.args.queue, start, end, step)
+
+    def fields(self, outcome: tuple, args: Any) -> dict[str, Any]:
+        start, end, step, points = outcome
+        return {
+            "queue": args.args.queue, "from": start, "to": end, "step": step,
+            "points": [point.as_fields() for point in points],
+        }  # fmt: skip
+
+
 class _Watch(RequestOp):
     """``watch``: nothing to run; its reply comes after a commit made while recording
     (relay/server/requests/watch.py)."""
@@ -550,6 +605,9 @@ INSPECT = _Inspect("inspect")
 SHORT_IDS = _ShortIds("short_ids")
 DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
+JOBS_LIST = _JobsList("jobs_list")
+PROMOTE = _Promote("promote")
+WORKERS_LIST = _WorkersList("workers_list")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
 CANCEL = _Cancel("cancel")
@@ -564,3 +622,4 @@ SCHEDULE_DELETE = _ScheduleDelete("schedule_delete")
 SCHEDULE_PAUSE = _SchedulePause("schedule_pause")
 SCHEDULE_RESUME = _SchedulePause("schedule_resume")
 SCHEDULE_LIST = _ScheduleList("schedule_list")
+HISTORY = _History("history")

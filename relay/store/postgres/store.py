@@ -32,8 +32,10 @@ import random
 
 from relay.store.base import StoreConfig
 from relay.store.postgres.base import PostgresBase
+from relay.store.postgres.browse import Browse
 from relay.store.postgres.cancel import Cancel
 from relay.store.postgres.dead import DeadLetters
+from relay.store.postgres.history import History
 from relay.store.postgres.jobs import Jobs
 from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
@@ -44,7 +46,17 @@ from relay.store.postgres.settings import Settings
 
 
 class PostgresStore(
-    Jobs, Leases, Maintenance, DeadLetters, Cancel, Reads, Settings, Schedules, PostgresBase
+    Jobs,
+    Leases,
+    Maintenance,
+    DeadLetters,
+    Cancel,
+    Reads,
+    Settings,
+    Schedules,
+    Browse,
+    History,
+    PostgresBase,
 ):
     """The job store on one PostgreSQL connection, which it owns.
 

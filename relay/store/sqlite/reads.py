@@ -12,17 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import orjson
+
 from relay.protocol.errors import JobNotFound
 from relay.protocol.model import (
-    ErrorEntry,
     JobInfo,
     JobState,
     format_job_id,
     job_id_keys,
     parse_job_id,
 )
-from relay.store.base import ERRORS_SHOWN, READY
+from relay.store.base import ATTEMPTS_KEPT, READY
 from relay.store.rows import (
+    HISTORY_COLUMNS,
     JOB_COLUMNS,
     PREFIX_KEYS_READ,
     cursor_bound,
@@ -80,11 +82,20 @@ _DEAD_PAGES = {
 }
 
 
+# The leases held by some workers (a JSON array of worker ids): the jobs_leased partial
+# index holds only leased jobs, so this reads as many rows as jobs are leased.
+_LEASES_HELD_SQL = (
+    "SELECT id, queue, lease_worker, lease_expires_at FROM jobs INDEXED BY jobs_leased "
+    "WHERE state = 'leased' AND lease_expires_at > ?2 "
+    "AND lease_worker IN (SELECT value FROM json_each(?1)) ORDER BY id LIMIT ?3"
+)
+
+
 class SqliteReads(SqliteBase):
     """Inspect and the dead list: part of ``SqliteStore``."""
 
     def job_inspect(self, job_id: str) -> JobInfo:
-        """One job, with its latest ERRORS_SHOWN errors."""
+        """One job, with its attempts and errors (``Store.job_inspect``)."""
         key = parse_job_id(job_id)
         row = None
         if key is not None:
@@ -143,20 +154,31 @@ class SqliteReads(SqliteBase):
                     ages[queue] = max(0, now - oldest)
         return ages
 
+    def leases_held(
+        self, worker_ids: Sequence[str], now: int, limit: int
+    ) -> list[tuple[str, str, str, int]]:
+        """The unexpired leases of ``worker_ids`` (at most ``limit``, by job id): the
+        leased jobs' partial index, filtered by worker, never the table."""
+        if not worker_ids or limit <= 0:
+            return []
+        rows = self._db.execute(_LEASES_HELD_SQL, (orjson.dumps(list(worker_ids)).decode(),
+                                                   now, limit))  # fmt: skip
+        return [(format_job_id(key), queue, worker, at) for key, queue, worker, at in rows]
+
     def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
-        errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
+        history: dict[int, list[tuple]] = {row[0]: [] for row in rows}
         if rows:
             marks = ", ".join("?" * len(rows))
-            # The most recent ERRORS_SHOWN entries of each job, oldest first: the history
-            # of a job with a thousand retries would not fit a reply.
-            for key, attempt, error, at, traceback in self._db.execute(
-                "SELECT job_id, attempt, error, at, traceback FROM (SELECT rowid AS seq, *, "
+            # The most recent ATTEMPTS_KEPT ended attempts of each job, oldest first (a
+            # job keeps no more: base.ATTEMPTS_KEPT; the window bounds the read anyway).
+            for key, *entry in self._db.execute(
+                f"SELECT job_id, {HISTORY_COLUMNS} FROM (SELECT rowid AS seq, *, "
                 "row_number() OVER (PARTITION BY job_id ORDER BY rowid DESC) AS back "
                 f"FROM job_errors WHERE job_id IN ({marks})) WHERE back <= ? ORDER BY seq",
-                [*errors, ERRORS_SHOWN],
+                [*history, ATTEMPTS_KEPT],
             ):
-                errors[key].append(ErrorEntry(attempt, error, at, traceback))
-        return [job_info(row, errors[row[0]]) for row in rows]
+                history[key].append(entry)
+        return [job_info(row, history[row[0]]) for row in rows]
 
     def dead_list(
         self,

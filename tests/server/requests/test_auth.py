@@ -146,6 +146,8 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "dead_retry": lambda token: {"job_id": JOB},
     "dead_purge": lambda token: {"job_id": JOB},
     "cancel": lambda token: {"job_id": JOB},
+    "jobs_list": lambda token: {"queue": "q"},
+    "promote": lambda token: {"job_id": JOB},
     "watch": lambda token: {"queues": ["q"]},
     "unwatch": lambda token: {},
     "queue_pause": lambda token: {"queue": "q"},
@@ -158,24 +160,28 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "schedule_resume": lambda token: {"name": "s"},
     "schedule_list": lambda token: {},
     "reload": lambda token: {},
+    "workers_list": lambda token: {},
+    "history": lambda token: {"queue": "q"},
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
-    "cancel", "schedule_list",
+    "cancel", "schedule_list", "jobs_list", "history",
 }  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
+    "workers_list",
 }  # fmt: skip
 ADMIN_OPS = WORKER_OPS | {
     "dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume", "queue_config",
     "schedule_put", "schedule_delete", "schedule_pause", "schedule_resume", "reload",
+    "promote",
 }  # fmt: skip
 ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 29
+    assert len(REQUESTS) == 33
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))
