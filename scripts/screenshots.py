@@ -8,8 +8,8 @@ them (some fail and retry, two fail for good), and meanwhile follows it three wa
 
 - the dashboard page (GET / on the metrics listener) in headless Chromium, each view at
   PAGE_WIDTH px: ``dashboard.png`` (the overview, once it shows rates and its charts have
-  jobs), ``dashboard-jobs.png`` (the dead jobs), ``dashboard-job.png`` (one dead job: its
-  attempts, the last one's traceback open), ``dashboard-workers.png``; and
+  jobs), ``dashboard-jobs.png`` (the dead jobs), ``dashboard-job.png`` (one dead job and its
+  attempts), ``dashboard-workers.png``; and
   ``dashboard-narrow.png``, the jobs at NARROW_WIDTH px (a phone: stacked rows);
 - ``top.png``: ``relay-trio top``'s view (cli/top.py), fed by the same server, drawn into
   a recording rich Console of TOP_WIDTH columns and exported as SVG, then screenshot in
@@ -152,8 +152,8 @@ def terminal_svg(renderables: list[Any], title: str, width: int = WIDTH) -> str:
 
 def shoot_dashboard(driver: Any, out: Path) -> None:
     """Each view of the open page (VIEWS), once it shows what it is for, at its full
-    height up to PAGE_HEIGHT_MAX. The job view shows the newest dead job, its last
-    attempt's traceback open."""
+    height up to PAGE_HEIGHT_MAX. The job view shows the newest dead job (its traceback
+    closed: it names this machine's paths)."""
 
     def ready(d: Any) -> bool:
         rates = page_rates(d)
@@ -169,11 +169,6 @@ def shoot_dashboard(driver: Any, out: Path) -> None:
         driver.set_window_size(width, 800)
         driver.execute_script("location.hash = arguments[0]", route or f"#/job/{dead}")
         wait_for(driver, lambda d, s=drawn: d.find_elements("css selector", s), BOUND_S, name)
-        if route is None:
-            driver.execute_script(
-                "const all = document.querySelectorAll('#attempts details');"
-                "if (all.length) all[all.length - 1].open = true;"
-            )
         driver.set_window_size(width, PAGE_HEIGHT_MAX)
         # The content's height, and the window's own (outer less inner) beside it.
         height, chrome = driver.execute_script(
