@@ -40,6 +40,19 @@ REFRESH_PER_S = 4
 FAILURES_SHOWN = 8
 RECONNECT_S = 1.0
 STATES = [str(state) for state in JobState]
+# The throughput's sparkline per queue: jobs succeeded per SPARK_STEP_S, the last
+# SPARK_STEPS steps (5 minutes), counted from the events as they come (so it starts empty
+# when top starts), one character a step, the step under way left out.
+SPARK_STEP_S = 10.0
+SPARK_STEPS = 30
+# Shown for whole minutes, 2 at least (the header, "ok/10s, 2m", fits 12 cells); from
+# SPARK_WIDE columns on, the pending and succeeded counts make way for it if they must.
+SPARK_MINUTE = 6  # steps
+SPARK_MIN = 2 * SPARK_MINUTE
+SPARK_WIDE = 120
+# Eight heights, each value's by its share of the row's largest; a step without a job is
+# "·", a step before top started a space.
+SPARKS = "▁▂▃▄▅▆▇█"
 
 
 # The rates, by the kind of event counted, with their columns' headers.
@@ -65,7 +78,12 @@ class TopView:
       at 80 columns, a name longer than 3 to 9 characters (as the counts and rates have
       six figures or one); at 100, longer than 23 to 29. The other columns then leave a
       name 21 to 27 characters at 80; a longer one is cut in the middle
-      (``views.cut_middle``): "billing.in…nightly-run".
+      (``views.cut_middle``): "billing.in…nightly-run". Last, where the names fit whole
+      beside it, a sparkline per queue of the jobs succeeded in each 10 s of the last
+      minutes (``throughput``: counted from the events since top started; the steps
+      before are blank), 2 to 5 whole minutes of it: none at 80 columns unless the names
+      are short, 4 minutes at 120 beside a 40-character name (where the pending and
+      succeeded counts make way for it), 5 at 200.
     - the latest failures: the job's id (as the server abbreviates it, unique among all
       its jobs: ``short``, asked for as each failure comes and again with each stats;
       from a server without ``short_ids``, the shortest abbreviation unique among the
@@ -92,6 +110,9 @@ class TopView:
         self.total_queues: int | None = None  # more queues than the stats page listed
         self.paused: frozenset[str] = frozenset()  # the stats page's paused queues
         self.limited: frozenset[str] = frozenset()  # and those with a limit (``limits``)
+        # queue -> step (clock // SPARK_STEP_S) -> jobs succeeded in it, the last steps
+        self.done: dict[str, dict[int, int]] = {}
+        self.started = clock()
 
     def stats(
         self,
@@ -126,7 +147,12 @@ class TopView:
             kind = "failed"
         if kind is None:
             return None
-        self.recent.append((self.clock(), event["queue"], kind))
+        now = self.clock()
+        self.recent.append((now, event["queue"], kind))
+        if kind == "succeeded":
+            steps = self.done.setdefault(event["queue"], {})
+            step = int(now // SPARK_STEP_S)
+            steps[step] = steps.get(step, 0) + 1
         return event["job_id"] if kind == "failed" else None
 
     def failure(self, job_id: str, queue: str, attempt: int, error: str) -> None:
@@ -150,14 +176,39 @@ class TopView:
             counts[queue][kind] += 1
         return {q: {k: n / RATE_WINDOW_S for k, n in c.items()} for q, c in counts.items()}
 
+    def throughput(self) -> dict[str, list[int | None]]:
+        """Per queue with jobs succeeded in the last SPARK_STEPS whole steps: the jobs of
+        each step, oldest first (None for a step that ended before top started). The
+        older steps are forgotten here: a queue's memory is SPARK_STEPS numbers at most."""
+        now = int(self.clock() // SPARK_STEP_S)
+        first = now - SPARK_STEPS
+        since = int(self.started // SPARK_STEP_S)
+        series = {}
+        for queue, steps in list(self.done.items()):
+            for step in [step for step in steps if step < first]:
+                del steps[step]
+            if not steps:
+                del self.done[queue]
+            elif any(step < now for step in steps):
+                series[queue] = [steps.get(step, 0) if step >= since else None
+                                 for step in range(first, now)]  # fmt: skip
+        return series
+
     def render(self) -> views.Fitted:
         """The view as it is now, laid out at the width it is drawn at. What it shows is
         taken here, in the caller's thread: a Live redraws it from a thread of its own
         while events go on changing the view."""
         rates = self.rates()
+        done = self.throughput()
+        empty = [
+            None if step < int(self.started // SPARK_STEP_S) else 0
+            for step in range(int(self.clock() // SPARK_STEP_S) - SPARK_STEPS,
+                              int(self.clock() // SPARK_STEP_S))
+        ]  # fmt: skip
         rows = [
             _QueueRow(name, dict(self.queues.get(name, {})), self.oldest_ready_ms.get(name),
-                      rates.get(name, {}), name in self.paused, name in self.limited)
+                      rates.get(name, {}), name in self.paused, name in self.limited,
+                      done.get(name, empty))
             for name in sorted(set(self.queues) | set(rates))
         ]  # fmt: skip
         status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
@@ -181,6 +232,7 @@ class _QueueRow(NamedTuple):
     rates: dict[str, float]
     paused: bool = False
     limited: bool = False
+    done: Sequence[int | None] = ()  # jobs succeeded per SPARK_STEP_S (``throughput``)
 
 
 def _layout(
@@ -209,12 +261,23 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
 
     names = ["queue", *(views.marked(row.name, row.paused, row.limited) for row in rows)]
     longest = max(map(len, names))
-    if longest > width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP):
+
+    def room() -> int:  # for the queue names, beside the other columns
+        return width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP)
+
+    # The throughput's sparkline where the names fit whole beside it; from SPARK_WIDE
+    # columns on, before the optional counts.
+    spark = spark_steps(room() - longest)
+    if longest > room() or (spark is None and width >= SPARK_WIDE and rows):
         for state in OPTIONAL_STATES:
             if state in columns:
                 del columns[state], widths[state]
-    queue = views.queue_width(names, width - views.tables_width([0, *widths.values()],
-                                                                 views.NUMBERS_GAP))  # fmt: skip
+        spark = spark_steps(room() - longest)
+    if spark is not None and rows:
+        header = f"ok/{SPARK_STEP_S:.0f}s, {spark * SPARK_STEP_S / 60:.0f}m"
+        columns[header] = [Text(sparkline(row.done[-spark:]), style="green") for row in rows]
+        widths[header] = spark + views.NUMBERS_GAP  # (one more cell before it)
+    queue = views.queue_width(names, room())
 
     table = views.plain_table("Queues", gap=views.NUMBERS_GAP)
     table.add_column("queue", width=queue, no_wrap=True)
@@ -256,6 +319,22 @@ def _failures_table(
     if not failures:
         table.add_row(Text(NO_FAILURES, style="dim"), "", "", "")
     return table
+
+
+def spark_steps(room: int) -> int | None:
+    """How many steps of the sparkline to show in ``room`` cells (a column of them and
+    its gap, and one more cell before it), whole minutes of them; None if not SPARK_MIN."""
+    steps = min(SPARK_STEPS, room - 2 * views.NUMBERS_GAP) // SPARK_MINUTE * SPARK_MINUTE
+    return steps if steps >= SPARK_MIN else None
+
+
+def sparkline(values: Sequence[int | None]) -> str:
+    """One character per value, its height by its share of the largest: "·" for none, a
+    space for a value not known."""
+    top = max((v for v in values if v), default=0)
+    n = len(SPARKS)
+    return "".join(" " if v is None else "·" if not v else SPARKS[-(-v * n // top) - 1]
+                   for v in values)  # fmt: skip
 
 
 def age(ms: int | None) -> str:

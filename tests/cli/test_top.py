@@ -10,7 +10,7 @@ from rich.console import Console
 import relay
 from relay.client.client import ServerInfo
 from relay_cli import views
-from relay_cli.top import TopView, _follow, age, follow
+from relay_cli.top import SPARK_STEPS, SPARKS, TopView, _follow, age, follow, sparkline
 from tests.conftest import T0
 from tests.server.conftest import BOUND_S, start_server
 
@@ -66,13 +66,24 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
     assert cells[8:11] == ["0.5", "0.1", "0.1"]
     failure = next(line for line in text.splitlines() if "smtp said no" in line)
     assert failure.startswith(short + " ") and "trace" not in text
+    assert spark(text, "mail ") == ""  # no step of 10 s has ended since top started
     now[0] += 11  # the window moves on: the rates fall to zero, the counts stay
     assert mail_row(draw(view))[8:11] == ["0.0", "0.0", "0.0"]
+    # and the step that ended shows its 1 job succeeded, at the sparkline's full height
+    assert spark(draw(view), "mail ") == "█"
+
+
+def spark(text: str, start: str) -> str:
+    """The sparkline at the end of the row that starts with ``start``."""
+    line = next(line for line in text.splitlines() if line.startswith(start))
+    return line.split()[-1] if set(line.split()[-1]) <= set(SPARKS + "·") else ""
 
 
 def mail_row(text: str) -> list[str]:
     """The cells of the queue "mail"'s row: its name, six counts, the wait, three rates."""
     words = next(line for line in text.splitlines() if line.startswith("mail ")).split()
+    if spark(text, "mail "):
+        words = words[:-1]
     return [*words[:7], " ".join(words[7:-3]), *words[-3:]]
 
 
@@ -175,24 +186,28 @@ def test_top_reads_as_a_line_per_queue_and_per_failure(width):
     lines, failures = lines[:split], lines[split:]
     assert lines[0] == "relay-trio top · connected to 127.0.0.1:7400 · 3 connections"
     # Every header whole, on one line (with "oldest" above "ready"); at 80 columns the
-    # pending and succeeded counts make way for the queue names.
+    # pending and succeeded counts make way for the queue names, at 120 for the sparkline
+    # (4 minutes of it), at 200 all fit.
     headers = ["queue", *BASE_STATES, "ready", "sub/s", "ok/s", "fail/s"]
-    if width == 80:
+    if width < 200:
         headers = [header for header in headers if header not in ("pending", "succeeded")]
+    if width >= 120:
+        headers += ["ok/10s,", "4m" if width == 120 else "5m"]
     assert row(lines, "sub/s").split() == headers
     assert "oldest" in lines[2]
     cells = row(lines, "thumbnails.resize ").split()
     assert cells[-3:] == ["60.0", "60.0", "0.0"]  # 600 in the 10 s window
     email = row(lines, "email ").split()
-    assert email[1:3] == (["1.23M", "16"] if width == 80 else ["0", "1.23M"])
+    assert email[1:3] == (["1.23M", "16"] if width < 200 else ["0", "1.23M"])
     assert email[-5:-3] == ["3h", "00m"]
-    assert ("987M" in email) == (width > 80)
+    assert ("987M" in email) == (width == 200)
     long = row(lines, "billing.i")
     if width == 80:
         name = long.split()[0]
         assert len(name) >= 20 and "…" in name and name.endswith("run-eu")
     else:
-        assert long.startswith(QUEUE_40 + " ") and "250000" in long
+        assert long.startswith(QUEUE_40 + " ")
+        assert ("250000" in long) == (width == 200)
     assert long.split()[-3:] == ["0.0", "0.0", "0.1"]
 
     assert failures[1].split() == ["job", "queue", "attempt", "error"]
@@ -316,3 +331,58 @@ async def test_top_learns_which_queues_are_paused_from_stats(server):
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert row(lines_of(view.render(), 80), "held ").startswith("held paused ")
+
+
+# -- the throughput's sparkline -----------------------------------------------------------
+
+
+def test_a_sparkline_gives_each_value_a_height_by_its_share_of_the_largest():
+    assert sparkline([None, 0, 1, 2, 4, 8]) == " ·▁▂▄█"
+    assert sparkline([0, 0]) == "··" and sparkline([]) == ""
+    assert sparkline([3, 3, 1_000_000]) == "▁▁█"  # a little is never drawn as nothing
+
+
+def succeed(view: TopView, queue: str, n: int = 1) -> None:
+    for _ in range(n):
+        view.event({"event": "job", "job_id": "j", "queue": queue, "attempt": 1,
+                    "state": "succeeded", "from": "leased", "at": 1})  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_top_draws_each_queues_last_minutes_where_they_fit(width):
+    """Jobs succeeded per 10 s, a character a step: none at 80 columns (the counts keep
+    their room), 4 minutes at 120 beside a 40-character name, 5 at 200."""
+    now = [1_000.0]
+    view = TopView(clock=lambda: now[0])
+    zeros = dict.fromkeys(views.STATES, 0)
+    view.stats({"mail": zeros, "sms": zeros, QUEUE_40: zeros}, ServerInfo("0.1.0", 1, 1), {})
+    for n in [1, 2, 4, 8, 0, 4]:  # a step each, mail's jobs doubling
+        succeed(view, "mail", n)
+        succeed(view, QUEUE_40, 1)
+        now[0] += 10
+    lines = lines_of(view.render(), width)
+    if width == 80:
+        assert "ok/10s" not in "\n".join(lines)
+        assert row(lines, "mail ").split()[-1] == "0.0"
+        return
+    steps = 24 if width == 120 else 30
+    assert row(lines, "sub/s").split()[-1] == f"{steps // 6}m"
+    # top started 6 steps ago: the steps before are blank, not zero
+    assert row(lines, "mail ").endswith(" " * (steps - 6 + 1) + "▁▂▄█·▄")
+    assert row(lines, "billing").endswith(" ██████")
+    assert row(lines, "sms ").endswith(" ······")  # top saw none succeed
+    now[0] += 300  # 5 minutes on: mail's steps scrolled out, and forgotten
+    lines = lines_of(view.render(), width)
+    assert row(lines, "mail ").endswith(" " + "·" * steps)
+    assert view.done == {}
+
+
+def test_top_keeps_a_few_numbers_per_queue_for_its_sparklines():
+    now = [0.0]
+    view = TopView(clock=lambda: now[0])
+    for _ in range(3_000):  # 50 minutes of jobs, one a second
+        succeed(view, "mail")
+        now[0] += 1
+    view.render()
+    assert len(view.done["mail"]) <= SPARK_STEPS + 1
+    assert view.throughput()["mail"] == [10] * SPARK_STEPS
