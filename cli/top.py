@@ -27,7 +27,7 @@ from rich.text import Text
 
 from relay.client.client import Client, open_client
 from relay.client.tcp import tls_refused
-from relay.protocol.errors import BadRequest, RelayError, Unauthorized, WrongServer
+from relay.protocol.errors import BadRequest, RelayError, Unauthorized, UnknownOp, WrongServer
 from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.errors import _leaves, _reason
@@ -53,6 +53,17 @@ SPARK_WIDE = 120
 # Eight heights, each value's by its share of the row's largest; a step without a job is
 # "·", a step before top started a space.
 SPARKS = "▁▂▃▄▅▆▇█"
+# The workers panel: one workers_list (the server's connected workers) every
+# WORKERS_EVERY_S, as it reads the leased jobs' index each time; its first page of up to
+# WORKERS_ASKED (the op's most), of which WORKERS_SHOWN rows, the most jobs held first.
+WORKERS_EVERY_S = 2.0
+WORKERS_ASKED = 100
+WORKERS_SHOWN = 8
+# The text columns of the panel (address and client from WORKERS_WIDE columns on) get
+# their longest cell where it fits, else a share of the room (WORKER_TEXT_MIN at least).
+WORKERS_WIDE = 120
+WORKER_TEXT_MIN = 8
+NO_WORKERS = "no worker connected"
 
 
 # The rates, by the kind of event counted, with their columns' headers.
@@ -84,6 +95,11 @@ class TopView:
       before are blank), 2 to 5 whole minutes of it: none at 80 columns unless the names
       are short, 4 minutes at 120 beside a 40-character name (where the pending and
       succeeded counts make way for it), 5 at 200.
+    - the server's connected workers (``workers``, from a workers_list every
+      WORKERS_EVERY_S; no panel from a server without the op): the most jobs held first,
+      WORKERS_SHOWN of them, with the queues each asks for, the jobs it holds, the longest
+      held and how long since its last request (client and address from WORKERS_WIDE
+      columns); and under them the queues with ready jobs that no worker asks for.
     - the latest failures: the job's id (as the server abbreviates it, unique among all
       its jobs: ``short``, asked for as each failure comes and again with each stats;
       from a server without ``short_ids``, the shortest abbreviation unique among the
@@ -113,6 +129,9 @@ class TopView:
         # queue -> step (clock // SPARK_STEP_S) -> jobs succeeded in it, the last steps
         self.done: dict[str, dict[int, int]] = {}
         self.started = clock()
+        # The server's connected workers (``workers``); None: not known, or a server
+        # without workers_list: no panel.
+        self.connected: _Workers | None = None
 
     def stats(
         self,
@@ -131,6 +150,25 @@ class TopView:
     def limits(self, limited: Iterable[str]) -> None:
         """The stats page's queues that have a limit (max_leased or rate), marked so."""
         self.limited = frozenset(limited)
+
+    def workers(self, page: Mapping[str, Any] | None) -> None:
+        """A workers_list reply (its first page: docs/protocol.md, Workers), or None for a
+        server without the op: the panel is hidden."""
+        if page is None:
+            self.connected = None
+            return
+        at = int(page.get("at") or 0)
+        rows = [
+            _Worker(w["worker_id"], w.get("client"), w.get("peer") or "",
+                    tuple(w.get("queues") or ()), int(w.get("queues_total") or 0),
+                    int(w.get("jobs_held") or 0),
+                    w.get("longest_held_ms"), max(0, at - int(w.get("last_request_at") or at)),
+                    int(w.get("parked") or 0))
+            for w in page.get("workers") or ()
+        ]  # fmt: skip
+        total = int(page.get("total") or len(rows))
+        whole = total == len(rows) and all(len(w.queues) >= w.queues_total for w in rows)
+        self.connected = _Workers(str(page.get("server") or ""), tuple(rows), total, whole)
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
@@ -221,7 +259,7 @@ class TopView:
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
         layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids,
-                                   dict(self.short))  # fmt: skip
+                                   dict(self.short), self.connected)  # fmt: skip
         return views.Fitted(layout)
 
 
@@ -235,16 +273,101 @@ class _QueueRow(NamedTuple):
     done: Sequence[int | None] = ()  # jobs succeeded per SPARK_STEP_S (``throughput``)
 
 
+class _Worker(NamedTuple):
+    worker_id: str
+    client: str | None
+    peer: str
+    queues: tuple[str, ...]  # the first 32 it asks for
+    queues_total: int
+    jobs_held: int
+    longest_held_ms: int | None  # None: since when not known (leased before a reconnect)
+    idle_ms: int  # since its last request, when the server made the page
+    parked: int  # long-polls waiting now
+
+
+class _Workers(NamedTuple):
+    server: str
+    rows: tuple[_Worker, ...]
+    total: int
+    whole: bool  # every worker, with every queue it asks for: no queue is missed
+
+
 def _layout(
     status: Text,
     rows: Sequence[_QueueRow],
     failures: Sequence[tuple[str, str, int, str]],
     full_ids: bool,
     short: Mapping[str, str],
+    workers: _Workers | None,
     width: int,
 ) -> Group:
-    failures_table = _failures_table(failures, full_ids, short, width)
-    return Group(status, _queues_table(rows, width), failures_table)
+    parts: list[Any] = [status, _queues_table(rows, width)]
+    if workers is not None:
+        parts.append(_workers_table(workers, _unserved(rows, workers), width))
+    parts.append(_failures_table(failures, full_ids, short, width))
+    return Group(*parts)
+
+
+def _unserved(rows: Sequence[_QueueRow], workers: _Workers) -> list[str]:
+    """The queues with ready jobs, not paused, that no connected worker asks for: stuck,
+    not slow. None known where the page is not whole (a worker's queues may be missing)."""
+    if not workers.whole:
+        return []
+    asked = {queue for worker in workers.rows for queue in worker.queues}
+    return [row.name for row in rows
+            if row.counts.get("ready") and not row.paused and row.name not in asked]  # fmt: skip
+
+
+def _workers_table(workers: _Workers, unserved: Sequence[str], width: int) -> Group:
+    """The server's connected workers, the most jobs held first, WORKERS_SHOWN at most:
+    worker id, (from WORKERS_WIDE columns) client and address, the queues it asks for,
+    the jobs it holds, the longest it has held one ("?": not known), and how long since
+    its last request ("*": a long-poll waiting). Under it, how many are not shown, and
+    the queues with ready jobs that no worker asks for."""
+    shown = sorted(workers.rows, key=lambda w: -w.jobs_held)[:WORKERS_SHOWN]
+    texts: dict[str, list[str]] = {"worker": [w.worker_id for w in shown]}
+    if width >= WORKERS_WIDE:
+        texts["client"] = [w.client or "-" for w in shown]
+        texts["address"] = [w.peer for w in shown]
+    texts["queues"] = [",".join(w.queues) + (f" +{w.queues_total - len(w.queues)}"
+                                             if w.queues_total > len(w.queues) else "")
+                       for w in shown]  # fmt: skip
+    numbers = {
+        "jobs": [views.short_number(w.jobs_held) for w in shown],
+        "longest\nheld": ["-" if not w.jobs_held else "?" if w.longest_held_ms is None
+                          else views.short_duration(w.longest_held_ms) for w in shown],
+        "idle": [views.short_duration(w.idle_ms) + (" *" if w.parked else "") for w in shown],
+    }  # fmt: skip
+    fixed = [views.column_width(header, cells) for header, cells in numbers.items()]
+    room = width - views.tables_width([0] * len(texts) + fixed)
+    wants = {name: views.column_width(name, cells) for name, cells in texts.items()}
+    widths = dict(wants)
+    if sum(wants.values()) > room:  # each its share, the room a short one leaves to others
+        left, names = room, sorted(wants, key=wants.get)  # type: ignore[arg-type]
+        for n, name in enumerate(names):
+            widths[name] = max(min(wants[name], left // (len(names) - n)), WORKER_TEXT_MIN)
+            left -= widths[name]
+
+    title = f"Workers of {workers.server}" if workers.server else "Workers"
+    table = views.plain_table(title)
+    for name in texts:
+        table.add_column(name, width=widths[name], no_wrap=True)
+    for (header, _), w in zip(numbers.items(), fixed, strict=True):
+        table.add_column(header, width=w, justify="right", no_wrap=True)
+    for n in range(len(shown)):
+        # (Text, not str: a client's name or an address like "[::1]:5" is no markup)
+        table.add_row(*(Text(views.cut_middle(cells[n], widths[name]))
+                        for name, cells in texts.items()),
+                      *(Text(cells[n]) for cells in numbers.values()))  # fmt: skip
+    notes: list[Any] = [table]
+    if not shown:
+        notes = [Text(title, style="table.title"), Text(NO_WORKERS, style="dim")]
+    if workers.total > len(shown):
+        notes.append(Text(f"{len(shown)} of {workers.total} workers, the most jobs held first",
+                          style="table.caption"))  # fmt: skip
+    if unserved:  # (a line of its own: as wide as the terminal, not the table)
+        notes.append(Text("ready jobs and no worker: " + ", ".join(unserved), style="bold red"))
+    return Group(*notes)
 
 
 def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
@@ -451,6 +574,18 @@ async def _follow(client: Client, view: TopView) -> None:
             view.shorten(await short_ids(view.failure_ids()))
             await trio.sleep(STATS_EVERY_S)
 
+    async def poll_workers() -> None:
+        # workers_list is an extension (docs/protocol.md, Workers): a server without it
+        # answers unknown_op, and top then shows no panel and asks no more.
+        while True:
+            try:
+                page = await client._call("workers_list", limit=WORKERS_ASKED)
+            except (UnknownOp, Unauthorized):
+                view.workers(None)
+                return
+            view.workers(page)
+            await trio.sleep(WORKERS_EVERY_S)
+
     async def fetch_errors() -> None:
         async for job_id in failed_out:
             job = await client.inspect(job_id)
@@ -462,6 +597,7 @@ async def _follow(client: Client, view: TopView) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(poll_stats)
         nursery.start_soon(fetch_errors)
+        nursery.start_soon(poll_workers)
         events = client.watch()
         async with events:
             async for event in events:

@@ -3,12 +3,15 @@ a line per queue and per failure at 80 columns as at 200."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 from rich.console import Console
 
 import relay
-from relay.client.client import ServerInfo
+from relay.client.client import Client, ServerInfo
+from relay.protocol.errors import UnknownOp
 from relay_cli import views
 from relay_cli.top import SPARK_STEPS, SPARKS, TopView, _follow, age, follow, sparkline
 from tests.conftest import T0
@@ -386,3 +389,112 @@ def test_top_keeps_a_few_numbers_per_queue_for_its_sparklines():
     view.render()
     assert len(view.done["mail"]) <= SPARK_STEPS + 1
     assert view.throughput()["mail"] == [10] * SPARK_STEPS
+
+
+# -- the workers panel --------------------------------------------------------------------
+
+AT = 1_700_000_000_000
+
+
+def worker(worker_id: str, queues: list[str], held: int, longest: int | None, idle_ms: int,
+           **more) -> dict:  # fmt: skip
+    """A worker as workers_list gives it (docs/protocol.md, Workers)."""
+    return {"worker_id": worker_id, "worker_ids": [worker_id], "client": more.get("client"),
+            "peer": more.get("peer", "10.0.3.17:51234"), "queues": queues,
+            "queues_total": more.get("queues_total", len(queues)), "jobs": [],
+            "jobs_held": held, "longest_held_ms": longest, "connected_at": AT - 60_000,
+            "first_lease_at": AT - 59_000, "last_request_at": AT - idle_ms,
+            "parked": more.get("parked", 0)}  # fmt: skip
+
+
+def workers_page(*workers: dict, total: int | None = None) -> dict:
+    return {
+        "server": "build-7:7400",
+        "workers": list(workers),
+        "at": AT,
+        "next_cursor": None,
+        "total": len(workers) if total is None else total,
+        "held_truncated": False,
+    }
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_top_shows_the_connected_workers_and_the_queues_none_serves(width):
+    view = busy_view()
+    view.workers(workers_page(
+        worker("thumbs-1f3a9c", ["thumbnails.resize"], 8, 4_200, 1_000, client="thumbnailer/2"),
+        worker("mailer-0", ["email"], 17, None, 60_000, parked=1, peer="[fd00::17]:40000"),
+    ))  # fmt: skip
+    lines = lines_of(view.render(), width)
+    assert "Workers of build-7:7400" in row(lines, "Workers of")
+    headers = ["worker", "queues", "jobs", "held", "idle"]
+    if width >= 120:
+        headers[1:1] = ["client", "address"]
+    assert row(lines, "idle").split() == headers
+    mailer = row(lines, "mailer-0 ").split()
+    # the most jobs held first; "?": held since a time the server does not know; "*": a
+    # long-poll waiting
+    assert lines.index(row(lines, "mailer-0 ")) < lines.index(row(lines, "thumbs-1f3a9c "))
+    assert mailer[-5:] == ["17", "?", "1m", "00s", "*"]
+    assert row(lines, "thumbs-1f3a9c ").split()[-5:] == ["8", "4.2", "s", "1.0", "s"]
+    assert ("thumbnailer/2" in row(lines, "thumbs-1f3a9c ")) == (width >= 120)
+    assert ("[fd00::17]:40000" in mailer) == (width >= 120)
+    # The 40-character queue has ready jobs and no worker asks for it: stuck, not slow.
+    assert f"ready jobs and no worker: {QUEUE_40}" in lines
+    assert "ready jobs and no worker: email" not in "\n".join(lines)
+
+
+def test_top_shows_the_first_workers_and_says_how_many_more():
+    view = busy_view()
+    many = [worker(f"w-{n:02}", ["email"], n, 1_000, 0) for n in range(12)]
+    view.workers(workers_page(*many, total=140))
+    lines = lines_of(view.render(), 80)
+    assert "w-11 " in row(lines, "w-11 ") and not any("w-03 " in line for line in lines)
+    assert sum(line.startswith("w-") for line in lines) == 8
+    assert any("8 of 140 workers" in line for line in lines)
+    # not every worker known: no queue is said to have none
+    assert not any("no worker" in line for line in lines)
+
+
+def test_top_names_no_stuck_queue_where_a_workers_queues_were_cut():
+    view = busy_view()
+    view.workers(workers_page(worker("w", ["a"] * 32, 1, 1_000, 0, queues_total=40)))
+    lines = lines_of(view.render(), 120)
+    assert "+8" in row(lines, "w ")  # 8 more queues than listed
+    assert not any("no worker" in line for line in lines)
+
+
+def test_top_says_when_no_worker_is_connected():
+    view = busy_view()
+    view.workers(workers_page())
+    lines = lines_of(view.render(), 80)
+    assert row(lines, "no worker connected").strip() == "no worker connected"
+    stuck = next(line for line in lines if "ready jobs and no worker" in line)
+    assert "email" in stuck and "thumbnails.resize" in "\n".join(lines[lines.index(stuck) :])
+
+
+class OlderServer(Client):
+    """A client of a server from before workers_list: it answers unknown_op."""
+
+    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        if op == "workers_list":
+            raise UnknownOp("unknown op: workers_list")
+        return await super()._call(op, **fields)
+
+
+async def test_top_hides_the_workers_panel_for_a_server_without_workers_list(server):
+    """An extension: a server that answers workers_list with unknown_op gets no panel (a
+    view that showed one, for the server before a restart, hides it), and top goes on."""
+    view = TopView(clock=lambda: 0.0)
+    view.workers(workers_page(worker("w", ["email"], 1, 1_000, 0)))
+    assert "Workers" in "\n".join(lines_of(view.render(), 80))
+    host, port = server.handle.address
+    async with relay.open_client(f"{host}:{port}") as client, trio.open_nursery() as nursery:
+        await client.submit("email", {})
+        nursery.start_soon(_follow, OlderServer(client._transport), view)
+        with trio.fail_after(BOUND_S):
+            while view.connected is not None or "email" not in view.queues:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    lines = lines_of(view.render(), 80)
+    assert "Workers" not in "\n".join(lines) and row(lines, "email ")
