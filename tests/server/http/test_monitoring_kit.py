@@ -136,6 +136,26 @@ def test_the_dashboard_takes_its_data_source_and_queues_as_variables():
     assert len(queue_panels) > len(panels) // 2
 
 
+def test_the_dashboards_queries_are_promql_that_promtool_accepts(tmp_path):
+    """Each panel's query, its Grafana variables given values, as a recording rule that
+    ``promtool check rules`` parses (JSON is YAML)."""
+    targets = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"]
+               for target in panel.get("targets", [])]  # fmt: skip
+    assert len(targets) > 20
+    values = {"$__rate_interval": "1m", "$queue": ".*"}
+    rules = []
+    for n, expr in enumerate(targets):
+        for variable, value in values.items():
+            expr = expr.replace(variable, value)
+        assert "$" not in expr, expr
+        rules.append({"record": f"dashboard:query_{n}", "expr": expr})
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_names_are_read_out_of_promql():
     expr = ('histogram_quantile(0.95, sum by (queue, le) (rate(relay_job_run_seconds_bucket'
             '{queue=~"$queue"}[$__rate_interval]))) > 0 unless on (queue) up{job="relay"} '
