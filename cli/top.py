@@ -64,6 +64,8 @@ WORKERS_SHOWN = 8
 WORKERS_WIDE = 120
 WORKER_TEXT_MIN = 8
 NO_WORKERS = "no worker connected"
+# (Each server lists its own workers: on PostgreSQL, a worker of another server may serve it.)
+UNSERVED = "ready jobs and no worker on this server: "
 
 
 # The rates, by the kind of event counted, with their columns' headers.
@@ -214,40 +216,37 @@ class TopView:
             counts[queue][kind] += 1
         return {q: {k: n / RATE_WINDOW_S for k, n in c.items()} for q, c in counts.items()}
 
-    def throughput(self) -> dict[str, list[int | None]]:
-        """Per queue with jobs succeeded in the last SPARK_STEPS whole steps: the jobs of
-        each step, oldest first (None for a step that ended before top started). The
-        older steps are forgotten here: a queue's memory is SPARK_STEPS numbers at most."""
+    def throughput(self, queues: Iterable[str]) -> dict[str, list[int | None]]:
+        """Per queue of ``queues``: the jobs succeeded in each of the last SPARK_STEPS whole
+        steps, oldest first (None for a step that ended before top started). Steps older
+        are forgotten here, and the queues without any left: the memory is SPARK_STEPS
+        numbers per queue at most."""
         now = int(self.clock() // SPARK_STEP_S)
         first = now - SPARK_STEPS
         since = int(self.started // SPARK_STEP_S)
-        series = {}
         for queue, steps in list(self.done.items()):
             for step in [step for step in steps if step < first]:
                 del steps[step]
             if not steps:
                 del self.done[queue]
-            elif any(step < now for step in steps):
-                series[queue] = [steps.get(step, 0) if step >= since else None
-                                 for step in range(first, now)]  # fmt: skip
-        return series
+        return {
+            queue: [self.done.get(queue, {}).get(step, 0) if step >= since else None
+                    for step in range(first, now)]
+            for queue in queues
+        }  # fmt: skip
 
     def render(self) -> views.Fitted:
         """The view as it is now, laid out at the width it is drawn at. What it shows is
         taken here, in the caller's thread: a Live redraws it from a thread of its own
         while events go on changing the view."""
         rates = self.rates()
-        done = self.throughput()
-        empty = [
-            None if step < int(self.started // SPARK_STEP_S) else 0
-            for step in range(int(self.clock() // SPARK_STEP_S) - SPARK_STEPS,
-                              int(self.clock() // SPARK_STEP_S))
-        ]  # fmt: skip
+        names = sorted(set(self.queues) | set(rates))
+        done = self.throughput(names)
         rows = [
             _QueueRow(name, dict(self.queues.get(name, {})), self.oldest_ready_ms.get(name),
                       rates.get(name, {}), name in self.paused, name in self.limited,
-                      done.get(name, empty))
-            for name in sorted(set(self.queues) | set(rates))
+                      done[name])
+            for name in names
         ]  # fmt: skip
         status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
                       overflow="ellipsis")  # fmt: skip
@@ -309,8 +308,9 @@ def _layout(
 
 
 def _unserved(rows: Sequence[_QueueRow], workers: _Workers) -> list[str]:
-    """The queues with ready jobs, not paused, that no connected worker asks for: stuck,
-    not slow. None known where the page is not whole (a worker's queues may be missing)."""
+    """The queues with ready jobs, not paused, that no worker connected to this server
+    asks for: stuck, not slow. None where the page is not whole (a worker's queues may be
+    missing from it)."""
     if not workers.whole:
         return []
     asked = {queue for worker in workers.rows for queue in worker.queues}
@@ -366,7 +366,7 @@ def _workers_table(workers: _Workers, unserved: Sequence[str], width: int) -> Gr
         notes.append(Text(f"{len(shown)} of {workers.total} workers, the most jobs held first",
                           style="table.caption"))  # fmt: skip
     if unserved:  # (a line of its own: as wide as the terminal, not the table)
-        notes.append(Text("ready jobs and no worker: " + ", ".join(unserved), style="bold red"))
+        notes.append(Text(UNSERVED + ", ".join(unserved), style="bold red"))
     return Group(*notes)
 
 
