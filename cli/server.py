@@ -28,6 +28,7 @@ from relay.server.connections.tls import TlsConfigError
 from relay.server.core import ServerConfig, is_postgres_url
 from relay.server.requests.auth import AuthConfigError, ExposureError, load_tokens
 from relay.util import log as relay_log
+from relay_cli.config import configurable, print_config, print_config_requested
 from relay_cli.errors import fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
 
@@ -59,6 +60,7 @@ def _limit(name: str, default: int, text: str):
 _LIMITS = wire.Limits()
 
 
+@configurable
 @click.command()
 @click.option(
     "--db", default="relay.db", show_default=True, callback=lambda ctx, param, value:
@@ -72,8 +74,8 @@ _LIMITS = wire.Limits()
 )  # fmt: skip
 @click.option(
     "--metrics-address", default=DEFAULT_METRICS_ADDRESS, show_default=True,
-    help="HOST:PORT for GET /metrics, /healthz and the dashboard page (GET /, which "
-    "connects to --ws-address); 'off' disables it.",
+    help="HOST:PORT for GET /metrics, /healthz (ready), /livez (alive) and the dashboard "
+    "page (GET /, which connects to --ws-address); 'off' disables it.",
 )  # fmt: skip
 @click.option(
     "--ws-address", default=DEFAULT_WS_ADDRESS, show_default=True,
@@ -96,6 +98,11 @@ _LIMITS = wire.Limits()
 @_limit("retention_ms", 7 * 24 * 3_600_000, "How long succeeded jobs are kept.")
 @_limit("shutdown_timeout_ms", 10_000, "Grace period for in-flight requests at shutdown.")
 @_limit("idle_timeout_ms", 300_000, "Close a connection silent this long (nothing in flight).")
+@_limit(
+    "token_grace_ms", _DEFAULT["token_grace_ms"],
+    "After a reload (SIGHUP) removes a token or changes its role, connections that said "
+    "hello with it are closed once this has passed.",
+)  # fmt: skip
 @_limit(
     "max_queues", _DEFAULT["max_queues"],
     "Queues that may hold jobs (in any state, retained ones included); a submit that would "
@@ -174,6 +181,18 @@ _LIMITS = wire.Limits()
     "--tls-key. The metrics endpoint stays plain HTTP.",
 )  # fmt: skip
 @click.option("--tls-key", metavar="PATH", help="The certificate's private key (PEM).")
+@click.option(
+    "--log-format", type=click.Choice(list(relay_log.FORMATS), case_sensitive=False),
+    default="auto", show_default=True,
+    help="Logs on stderr: json (one object per line, for journald and log collectors), "
+    "human (short lines and a start-up summary; 'text' is its former name), or auto: "
+    "human on a terminal, json otherwise.",
+)  # fmt: skip
+@click.option(
+    "--log-level", type=click.Choice(list(relay_log.LEVELS), case_sensitive=False),
+    default="info", show_default=True, envvar=["RELAY_LOG_LEVEL", "RELAY_LOG"],
+    help="The least important events logged.",
+)  # fmt: skip
 def server(
     db: str,
     address: str,
@@ -188,20 +207,28 @@ def server(
     tls_cert: str | None,
     tls_key: str | None,
     allow_second_schedules: bool,
+    log_format: str,
+    log_level: str,
     **numbers: int,
 ) -> None:
-    """Run the server until SIGINT or SIGTERM (a second one exits at once).
+    """Run the server until SIGINT or SIGTERM (a second one exits at once). SIGHUP reads
+    the token file and the TLS certificate and key again.
 
-    Logs go to stderr: short lines, and a summary once it serves, on a terminal; JSON lines
-    otherwise (RELAY_LOG_FORMAT=json|text chooses; RELAY_LOG=debug|info|warning).
+    Every option may also come from a TOML file (--config) and from the environment
+    (RELAY_<OPTION>, dashes as underscores); the command line comes first, then the
+    environment, then the file. Logs go to stderr: short lines, and a summary once it
+    serves, on a terminal; JSON lines otherwise (--log-format). See docs/operations.md.
     """
+    ctx = click.get_current_context()
+    if print_config_requested(ctx):
+        print_config(ctx, ctx.params)
     # First: from here on, Ctrl-C stops the server without a traceback, whatever it does.
     signals = Signals(numbers["shutdown_timeout_ms"])
     signals.install()
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("give --tls-cert and --tls-key together")
     try:
-        relay_log.configure(renderers=TEXT_RENDERERS)
+        relay_log.configure(log_level, log_format=log_format, renderers=TEXT_RENDERERS)
     except relay_log.LogConfigError as exc:
         fail(str(exc), EXIT_CONFIGURATION)
     try:
@@ -235,6 +262,8 @@ def server(
         max_queue_depth=max_queue_depth,
         queue_depths=queue_depths,
         tokens=tokens,
+        auth_token_file=auth_token_file,
+        auth_env_token=os.environ.get("RELAY_AUTH_TOKEN") or None,
         insecure=insecure,
         tls_cert=tls_cert,
         tls_key=tls_key,
@@ -332,6 +361,10 @@ class Signals:
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
+        # SIGHUP reloads the token file and the certificate once the server serves
+        # (relay/server/reload.py takes it then); until then it is ignored, where by
+        # default it would end the process (a `systemctl reload` during start-up).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def attach(self, stop: Callable[[], bool]) -> None:
         """From the trio run: for the first signal (at once if it came before), call

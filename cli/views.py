@@ -38,6 +38,8 @@ from rich.text import Text
 
 from relay.client.client import (
     DeadPage,
+    JobsPage,
+    JobSummary,
     JobView,
     QueueConfig,
     QueueInfo,
@@ -47,7 +49,13 @@ from relay.client.client import (
     Stats,
 )
 from relay.protocol.cron import zone
-from relay.protocol.model import JobState, format_job_id, job_id_abbreviation, parse_job_id
+from relay.protocol.model import (
+    AttemptEntry,
+    JobState,
+    format_job_id,
+    job_id_abbreviation,
+    parse_job_id,
+)
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -860,6 +868,102 @@ def _dead_layout(
     return Group(table, Text(caption, style="table.caption"))
 
 
+# -- the job browser ----------------------------------------------------------------------
+
+# The width from which ``jobs_table`` shows the worker that last leased each job, and the
+# year of its times (below, "12-03 14:05": the error gets those 5 columns).
+JOBS_WORKER_AT = 110
+JOBS_YEAR_AT = 100
+
+
+def job_time(job: JobSummary) -> int | None:
+    """The time that matters in a job's state: when it finished, when it is due (pending,
+    retrying), since when it is ready, when its lease expires."""
+    if job.finished_at is not None:
+        return job.finished_at
+    if job.state in (JobState.PENDING, JobState.RETRYING):
+        return job.run_at
+    if job.state == JobState.LEASED:
+        return job.lease_expires_at
+    return job.ready_at if job.ready_at is not None else job.created_at
+
+
+def jobs_table(
+    page: JobsPage,
+    *,
+    full_ids: bool = False,
+    caption: str | None = None,
+    short: Mapping[str, str] | None = None,
+) -> Fitted:
+    """``relay-trio jobs list``: one row per job, its id (as ``dead_table`` shows it),
+    queue, state (in its colour), tries, the time that matters in its state (``job_time``,
+    UTC to the minute; its year from JOBS_YEAR_AT columns) and the first line of its last
+    error, which gets the rest of the width; from JOBS_WORKER_AT columns also the worker
+    that last leased it. Below it,
+    ``caption`` (the order and how to get the next page), or else the next page's cursor.
+
+    The queue and the error share what the other columns leave, as in ``dead_table``: the
+    state column takes 9 more at most ("cancelled", "succeeded").
+    """
+    return Fitted(functools.partial(_jobs_layout, page, full_ids, caption, short))
+
+
+def _jobs_layout(
+    page: JobsPage,
+    full_ids: bool,
+    caption: str | None,
+    short: Mapping[str, str] | None,
+    width: int,
+) -> RenderableType:
+    jobs = page.jobs
+    ids = short_ids((job.job_id for job in jobs), short)
+    if full_ids:
+        ids = {job_id: job_id for job_id in ids}
+    states = [str(job.state) for job in jobs]
+    tries = [f"{job.attempt}/{job.max_attempts}" for job in jobs]
+    times = [format_minute(job_time(job)) for job in jobs]
+    if width < JOBS_YEAR_AT:
+        times = [time[5:] if time != "-" else time for time in times]
+    errors = [truncate(job.last_error) for job in jobs]
+    workers = [job.worker_id or "-" for job in jobs]
+    headers = ("id", "queue", "state", "tries", "at (UTC)", "worker", "last error")
+    shown_ids = list(ids.values()) or ["no jobs"]
+    fixed = [column_width(headers[0], shown_ids), column_width(headers[2], states),
+             column_width(headers[3], tries), column_width(headers[4], times)]  # fmt: skip
+    worker = 0
+    if width >= JOBS_WORKER_AT:
+        worker = min(column_width(headers[5], workers), 16)
+        fixed.append(worker)
+    queue, error = share_room(width - tables_width([*fixed, 0, 0]),
+                              [headers[1], *(job.queue for job in jobs)],
+                              [headers[6], *errors])  # fmt: skip
+
+    table = plain_table("Jobs")
+    table.add_column(headers[0], width=fixed[0], no_wrap=True)
+    table.add_column(headers[1], width=queue, no_wrap=True)
+    table.add_column(headers[2], width=fixed[1], no_wrap=True)
+    table.add_column(headers[3], width=fixed[2], no_wrap=True, justify="right")
+    table.add_column(headers[4], width=fixed[3], no_wrap=True)
+    if worker:
+        table.add_column(headers[5], width=worker, no_wrap=True)
+    table.add_column(headers[6], width=error, no_wrap=True, style="red")
+    for job, state, attempts, shown_time, name, last_error in zip(
+        jobs, states, tries, times, workers, errors, strict=True
+    ):
+        cells: list[str | Text] = [ids[job.job_id], cut_middle(job.queue, queue),
+                                   state_text(state), attempts, shown_time]  # fmt: skip
+        if worker:
+            cells.append(cut_middle(name, worker))
+        table.add_row(*cells, truncate(last_error, error))
+    if not jobs:
+        table.add_row(Text("no jobs", style="dim"), *[""] * (5 + bool(worker)))
+    if caption is None and page.next_cursor is not None:
+        caption = f"more jobs: --after {page.next_cursor}"
+    if caption is None:
+        return table
+    return Group(table, Text(caption, style="table.caption"))
+
+
 # -- one job ------------------------------------------------------------------------------
 
 # The timing fields of a job, in the order they happen.
@@ -870,6 +974,67 @@ _TIMES = (
     ("lease expires", "lease_expires_at"),
     ("finished", "finished_at"),
 )
+
+
+OUTCOME_STYLES: Mapping[str, str] = {
+    "running": "yellow",
+    "succeeded": "green",
+    "failed": "red",
+    "expired": "magenta",
+    "timed_out": "magenta",
+    "released": "dim",
+    "cancelled": "dim",
+    "interrupted": "dim",
+}
+# Below this panel width, an attempt's start is shown without its year and millis, and its
+# worker id in at most ATTEMPT_WORKER_NARROW cells, so that its error keeps some room.
+ATTEMPTS_WIDE = 110
+ATTEMPT_WORKER_NARROW, ATTEMPT_WORKER_WIDE = 14, 32
+
+
+def _attempt_start(ms: int | None, wide: bool) -> str:
+    if ms is None:  # (recorded by a relay-trio that did not keep it)
+        return "-"
+    if wide:
+        return format_time(ms).removesuffix(" UTC")
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC).strftime("%m-%d %H:%M:%S")
+
+
+def _attempt_took(entry: AttemptEntry) -> str:
+    if entry.started_at is None or entry.ended_at is None:
+        return "-"
+    return format_duration(max(0, entry.ended_at - entry.started_at))
+
+
+def _attempts_table(job: JobView, width: int) -> Table:
+    """The job's attempts as a timeline, oldest first, one line each: its number, start,
+    how long it took, worker, outcome and the first line of its error."""
+    wide = width >= ATTEMPTS_WIDE
+    table = plain_table()
+    title = "attempts"
+    if job.attempts_dropped:
+        title += f" ({job.attempts_dropped} older ones not kept)"
+    table.title, table.title_justify = title, "left"
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("start (UTC)", no_wrap=True)
+    table.add_column("took", justify="right", no_wrap=True)
+    worker_cells = ATTEMPT_WORKER_WIDE if wide else ATTEMPT_WORKER_NARROW
+    table.add_column("worker", no_wrap=True, overflow="ellipsis", max_width=worker_cells)
+    table.add_column("outcome", no_wrap=True)
+    # The rest of the panel's width (its border and padding take 4): ratio=1 with expand.
+    table.add_column("error", style="red", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.expand = True
+    for entry in job.attempts:
+        outcome = str(entry.outcome)
+        table.add_row(
+            str(entry.attempt),
+            _attempt_start(entry.started_at, wide),
+            _attempt_took(entry),
+            Text(entry.worker_id or "-"),  # (a Text: no markup or emoji codes read in it)
+            Text(outcome.replace("_", " "), style=OUTCOME_STYLES.get(outcome, "")),
+            Text(truncate(entry.error)),
+        )
+    return table
 
 
 def _time_cell(ms: int) -> Text:
@@ -891,8 +1056,9 @@ def _json(value: Any) -> RenderableType:
 
 def job_panel(job: JobView) -> Fitted:
     """Everything ``inspect`` knows of a job: state, queue, priority, attempts, timings (UTC
-    and raw ms), worker, last error, the error history, the traceback of the latest failed
-    attempt that has one, the payload and the result.
+    and raw ms), worker, last error, the attempts as a timeline (a server without them:
+    the error history), the traceback of the latest failed attempt that has one, the
+    payload and the result.
 
     The job's own values are shown whole, a long one on as many lines as it needs: the
     whole id in the title, a queue name of up to 128 characters, the last error with its
@@ -925,7 +1091,9 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
         fields.add_row("last error", Text(job.last_error, style="red"))
 
     parts: list[RenderableType] = [fields]
-    if job.errors:
+    if job.attempts:
+        parts += [Text(), _attempts_table(job, width)]
+    elif job.errors:  # (a server without the attempt history)
         errors = plain_table()
         errors.title, errors.title_justify = "errors", "left"
         errors.add_column("attempt", justify="right", no_wrap=True)
@@ -937,6 +1105,7 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
             errors.add_row(str(entry.attempt), format_time(entry.at).removesuffix(" UTC"),
                            truncate(entry.error))  # fmt: skip
         parts += [Text(), errors]
+    if job.errors:
         # The latest traceback the worker sent (the others: --json), folded, not cut: the
         # failing frame and the exception are at its end.
         traced = next((entry for entry in reversed(job.errors) if entry.traceback), None)

@@ -28,6 +28,8 @@ _EXPORTS = {
     "Client": "relay.client.client",
     "DeadPage": "relay.client.client",
     "JobView": "relay.client.client",
+    "JobsPage": "relay.client.client",
+    "JobSummary": "relay.client.client",
     "LeasedJob": "relay.client.client",
     "Stats": "relay.client.client",
     "QueueConfig": "relay.client.client",
@@ -38,6 +40,8 @@ _EXPORTS = {
     "job_fields": "relay.client.client",
     "open_client": "relay.client.client",
     "open_local": "relay.local",
+    "AttemptEntry": "relay.protocol.model",
+    "AttemptOutcome": "relay.protocol.model",
     "JobState": "relay.protocol.model",
     "SubmitResult": "relay.protocol.model",
     "PermanentError": "relay.worker.worker",
@@ -71,6 +75,8 @@ _EXPORTS = {
 }
 
 __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
+    "AttemptEntry",
+    "AttemptOutcome",
     "BadRequest",
     "BlockingClient",
     "Cancelled",
@@ -82,7 +88,9 @@ __all__ = [  # _EXPORTS's names, spelled out for the tools that read __all__
     "InvalidState",
     "JobNotFound",
     "JobState",
+    "JobSummary",
     "JobView",
+    "JobsPage",
     "LeaseExpired",
     "LeasedJob",
     "NotFound",
@@ -136,6 +144,8 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from relay.client.client import (
         Client,
         DeadPage,
+        JobsPage,
+        JobSummary,
         JobView,
         LeasedJob,
         QueueConfig,
@@ -170,5 +180,5 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
         UnknownOp,
         WrongServer,
     )
-    from relay.protocol.model import JobState, SubmitResult
+    from relay.protocol.model import AttemptEntry, AttemptOutcome, JobState, SubmitResult
     from relay.worker.worker import PermanentError, Worker, run_worker

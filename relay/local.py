@@ -71,6 +71,9 @@ class LocalTransport:
         self.begin_request()
         self.reply(data)
 
+    def revoke(self) -> None:  # never: it has no token
+        pass
+
     def reply(self, data: bytes) -> None:
         self.in_flight -= 1
         reply = orjson.loads(data)

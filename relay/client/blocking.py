@@ -38,6 +38,7 @@ from relay.client.client import (
     schedule_fields,
 )
 from relay.client.replies import (
+    JobsPage,
     JobView,
     QueueConfig,
     QueuePage,
@@ -331,6 +332,10 @@ class BlockingClient:
             fields["cursor"] = cursor
         return stats_reply(self.request("stats", **fields))
 
+    def reload(self) -> dict[str, Any]:
+        """As ``Client.reload``: the reply's fields."""
+        return self.request("reload")
+
     def queue_pause(self, queue: str) -> bool:
         """As ``Client.queue_pause``: True (paused)."""
         return self.request("queue_pause", queue=queue)["paused"]
@@ -400,6 +405,29 @@ class BlockingClient:
         if states is not None:
             fields["states"] = list(states)
         return self.request("cancel", **fields)["cancelled"]
+
+    def jobs_list(
+        self,
+        queue: str | None = None,
+        *,
+        states: Sequence[str] | None = None,
+        search: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        order: str | None = None,
+    ) -> JobsPage:
+        """As ``Client.jobs_list``: a page of jobs, newest first unless ``order="oldest"``."""
+        given = {"queue": queue, "search": search, "limit": limit, "cursor": cursor}
+        fields: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        if order is not None:
+            fields["order"] = order
+        if states is not None:
+            fields["states"] = list(states)
+        return structure_reply(self.request("jobs_list", **fields), JobsPage)
+
+    def promote(self, job_id: str) -> JobState:
+        """As ``Client.promote``: the state the job was in."""
+        return JobState(self.request("promote", job_id=job_id)["was"])
 
 
 def _answer(call: _Call, reply: dict[str, Any]) -> None:

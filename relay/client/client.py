@@ -37,6 +37,8 @@ from relay.client.events import EventStream
 from relay.client.replies import (
     DeadPage,
     Hello,
+    JobsPage,
+    JobSummary,
     JobView,
     LeasedJob,
     QueueConfig,
@@ -319,16 +321,83 @@ class Client:
         return structure_reply(reply, DeadPage)
 
     async def dead_retry(
-        self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
+        self,
+        job_id: str | None = None,
+        *,
+        queue: str | None = None,
+        all: bool = False,
+        states: Sequence[str] | None = None,
     ) -> int:
-        reply = await self._call("dead_retry", job_id=job_id, queue=queue, all=all or None)
+        """Make one dead job, or every job of ``queue`` (with ``all=True``) in ``states``
+        (of dead, cancelled; None: dead), ready again with fresh attempts; return how
+        many. ``states`` is an extension."""
+        reply = await self._call(
+            "dead_retry",
+            job_id=job_id,
+            queue=queue,
+            all=all or None,
+            states=None if states is None else list(states),
+        )
         return reply["count"]
 
     async def dead_purge(
-        self, job_id: str | None = None, *, queue: str | None = None, all: bool = False
+        self,
+        job_id: str | None = None,
+        *,
+        queue: str | None = None,
+        all: bool = False,
+        states: Sequence[str] | None = None,
     ) -> int:
-        reply = await self._call("dead_purge", job_id=job_id, queue=queue, all=all or None)
+        """Delete one dead job, or every job of ``queue`` (with ``all=True``) in ``states``
+        (of dead, succeeded, cancelled; None: dead); return how many. ``states`` is an
+        extension."""
+        reply = await self._call(
+            "dead_purge",
+            job_id=job_id,
+            queue=queue,
+            all=all or None,
+            states=None if states is None else list(states),
+        )
         return reply["count"]
+
+    async def reload(self) -> dict[str, Any]:
+        """Have the server read its token file and TLS certificate and key again (role
+        admin). Returns the reply's fields: ``tokens``, ``tls``, ``closing``, ``grace_ms``
+        and ``errors`` (one line per file that could not be used, which changed nothing).
+        An extension: an older server raises ``UnknownOp``."""
+        return await self._call("reload")
+
+    async def jobs_list(
+        self,
+        queue: str | None = None,
+        *,
+        states: Sequence[str] | None = None,
+        search: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        order: Literal["oldest", "newest"] | None = None,
+    ) -> JobsPage:
+        """A page of jobs in ``states`` (None: every state), of ``queue`` or of all, by
+        job id: newest first (the default) or ``order="oldest"``; pass its
+        ``next_cursor`` as ``cursor`` (with the same order) for the next page. ``search``:
+        the start of a job id, or with ``queue`` of an idempotency or unique key. Items
+        carry no payload (``inspect`` has it). An extension: an older server raises
+        ``UnknownOp``."""
+        reply = await self._call(
+            "jobs_list",
+            queue=queue,
+            states=None if states is None else list(states),
+            search=search,
+            limit=limit,
+            cursor=cursor,
+            order=order,
+        )
+        return structure_reply(reply, JobsPage)
+
+    async def promote(self, job_id: str) -> JobState:
+        """Make a pending (delayed) or retrying job ready now (role admin); return the
+        state it was in. Any other state raises ``InvalidState``. An extension."""
+        return JobState((await self._call("promote", job_id=job_id))["was"])
 
     async def queue_pause(self, queue: str) -> bool:
         """Pause ``queue``: it takes submits, but no lease takes its jobs until it is
@@ -527,7 +596,9 @@ __all__ = [
     "TLS_SCHEME",
     "Client",
     "DeadPage",
+    "JobSummary",
     "JobView",
+    "JobsPage",
     "LeasedJob",
     "QueueConfig",
     "QueueInfo",

@@ -16,7 +16,7 @@ import cattrs
 from cattrs.preconf.orjson import make_converter
 
 from relay.protocol.errors import RelayError
-from relay.protocol.model import ErrorEntry, JobState, SubmitResult
+from relay.protocol.model import AttemptEntry, ErrorEntry, JobState, SubmitResult
 
 
 @attrs.frozen
@@ -57,6 +57,10 @@ class JobView:
     finished_at: int | None = None
     timeout_ms: int | None = None
     scheduled_for: int | None = None  # the slot of the schedule that submitted it
+    # ``inspect``'s (empty from ``dead_list``, and from a server without the history):
+    # the job's attempts, oldest first, and how many older ended ones it no longer keeps.
+    attempts: list[AttemptEntry] = attrs.Factory(list)
+    attempts_dropped: int = 0
 
 
 @attrs.frozen
@@ -85,6 +89,35 @@ class Stats:
 @attrs.frozen
 class DeadPage:
     jobs: list[JobView]
+    next_cursor: str | None
+
+
+@attrs.frozen
+class JobSummary:
+    """A job as ``jobs_list`` shows it: as ``inspect`` does without payload, result and
+    error history (``inspect`` has them), its last error cut to 200 characters."""
+
+    job_id: str
+    queue: str
+    state: JobState
+    priority: str
+    attempt: int
+    max_attempts: int
+    created_at: int
+    ready_at: int | None = None
+    run_at: int | None = None
+    lease_expires_at: int | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    idempotency_key: str | None = None
+    finished_at: int | None = None
+    timeout_ms: int | None = None
+    scheduled_for: int | None = None
+
+
+@attrs.frozen
+class JobsPage:
+    jobs: list[JobSummary]
     next_cursor: str | None
 
 

@@ -221,6 +221,46 @@ class ErrorEntry:
     traceback: str | None = None
 
 
+class AttemptOutcome(enum.StrEnum):
+    """How one attempt of a job (one lease of it) ended, or that it runs now."""
+
+    RUNNING = "running"  # leased now
+    SUCCEEDED = "succeeded"  # acked
+    FAILED = "failed"  # its worker sent fail
+    EXPIRED = "expired"  # its lease expired, not renewed
+    TIMED_OUT = "timed_out"  # it reached its execution timeout
+    RELEASED = "released"  # its worker gave it back (the attempt number is reused)
+    CANCELLED = "cancelled"  # the job was cancelled while leased
+    INTERRUPTED = "interrupted"  # the server restarted while it was leased (SQLite)
+
+    @property
+    def erred(self) -> bool:
+        """Whether this outcome is an error of the job's (an entry of ``errors``)."""
+        return self in _ERRED
+
+
+_ERRED = frozenset(
+    (AttemptOutcome.FAILED, AttemptOutcome.EXPIRED, AttemptOutcome.TIMED_OUT,
+     AttemptOutcome.INTERRUPTED)
+)  # fmt: skip
+
+
+@attrs.frozen
+class AttemptEntry:
+    """One attempt of a job: when it started and ended, on which worker, how it ended,
+    and its error and traceback (for the outcomes that are errors). ``started_at`` and
+    ``worker_id`` are None for an attempt recorded by a relay-trio that did not keep
+    them; ``ended_at`` is None while it runs."""
+
+    attempt: int
+    outcome: AttemptOutcome
+    started_at: int | None = None
+    ended_at: int | None = None
+    worker_id: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+
+
 @attrs.frozen
 class JobInfo:
     """Everything ``inspect`` shows of a job. ``payload`` and ``result`` are JSON text.
@@ -248,6 +288,10 @@ class JobInfo:
     finished_at: int | None = None
     timeout_ms: int | None = None
     scheduled_for: int | None = None  # the slot of the schedule that created it (UTC ms)
+    # Its attempts, oldest first: the last ATTEMPTS_KEPT that ended, then the one running
+    # or the one that succeeded; and how many older ended ones were dropped by that bound.
+    attempts: tuple[AttemptEntry, ...] = ()
+    attempts_dropped: int = 0
 
 
 class JobIdGenerator:

@@ -344,14 +344,99 @@ class DeadSelect:
             raise _bad("all", "must be true to act on a whole queue")
 
 
+# A whole queue's bulk retry and purge (an extension, ``states``): the states each may
+# name, the finished ones (retry: those that did not succeed); omitted, dead only.
+RETRY_STATES = ("dead", "cancelled")
+PURGE_STATES = ("dead", "succeeded", "cancelled")
+
+
+def _check_bulk_states(states: list[str] | None, allowed: tuple[str, ...]) -> None:
+    if states is None:
+        return
+    if not 1 <= len(states) <= len(allowed):
+        raise _bad("states", f"must name 1 to {len(allowed)} states (omit it: dead)")
+    for i, state in enumerate(states):
+        if type(state) is not str or state not in allowed:
+            raise _bad(f"states[{i}]", f"must be one of {', '.join(allowed)}")
+
+
 @attrs.frozen
 class DeadRetry(DeadSelect):
-    pass
+    """``{job_id}``, or ``{queue, all: true, states?}`` (states: an extension)."""
+
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None and self.states is not None:
+            raise _bad("states", "only with queue and all: true")
+        super().check(limits)
+        _check_bulk_states(self.states, RETRY_STATES)
 
 
 @attrs.frozen
 class DeadPurge(DeadSelect):
-    pass
+    """``{job_id}``, or ``{queue, all: true, states?}`` (states: an extension)."""
+
+    states: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        if self.job_id is not None and self.states is not None:
+            raise _bad("states", "only with queue and all: true")
+        super().check(limits)
+        _check_bulk_states(self.states, PURGE_STATES)
+
+
+# The job browser (an extension): a page of at most this many summaries, 50 by default.
+MAX_JOBS_LIST = 100
+DEFAULT_JOBS_LIST = 50
+_EVERY_STATE = tuple(str(state) for state in JobState)
+
+
+@attrs.frozen
+class JobsList:
+    """``jobs_list``: jobs of any states (default: all), of a queue or of all, by job id,
+    newest first by default; ``search``: the start of a job id, or (with queue) of an
+    idempotency or unique key."""
+
+    queue: str | None = None
+    states: list[str] | None = None
+    search: str | None = None
+    cursor: str | None = None
+    limit: int = DEFAULT_JOBS_LIST
+    order: str = "newest"
+
+    def check(self, limits: Limits) -> None:
+        if self.queue is not None:
+            check_queue("queue", self.queue)
+        if self.states is not None:
+            if not 1 <= len(self.states) <= len(_EVERY_STATE):
+                raise _bad("states", f"must name 1 to {len(_EVERY_STATE)} states (omit it: all)")
+            for i, state in enumerate(self.states):
+                if type(state) is not str or state not in _EVERY_STATE:
+                    raise _bad(f"states[{i}]", f"must be one of {', '.join(_EVERY_STATE)}")
+        if self.search is not None:
+            check_text("search", self.search, limits.max_id_bytes)
+        check_range("limit", self.limit, 1, MAX_JOBS_LIST)
+        if self.cursor is not None and parse_job_id(self.cursor) is None:
+            raise _bad("cursor", "not a cursor returned by jobs_list")
+        if self.order not in DEAD_ORDERS:
+            raise _bad("order", 'must be "newest" or "oldest"')
+
+    @property
+    def chosen_states(self) -> tuple[str, ...]:
+        """The states asked, in state order, each once."""
+        wanted = _EVERY_STATE if self.states is None else self.states
+        return tuple(state for state in _EVERY_STATE if state in wanted)
+
+
+@attrs.frozen
+class Promote:
+    """``promote`` (an extension): a pending or retrying job becomes ready now."""
+
+    job_id: str
+
+    def check(self, limits: Limits) -> None:
+        check_text("job_id", self.job_id, limits.max_id_bytes)
 
 
 # The states a cancel of a whole queue may name, and the ones it takes if it names none:
@@ -416,6 +501,15 @@ class Watch:
 
 @attrs.frozen
 class Unwatch:
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@attrs.frozen
+class Reload:
+    """``reload`` (an extension): read the token file and the TLS certificate and key
+    again. No fields."""
+
     def check(self, limits: Limits) -> None:
         pass
 
@@ -644,6 +738,8 @@ REQUEST_TYPES: dict[str, type] = {
     "dead_retry": DeadRetry,
     "dead_purge": DeadPurge,
     "cancel": Cancel,
+    "jobs_list": JobsList,
+    "promote": Promote,
     "watch": Watch,
     "unwatch": Unwatch,
     "queue_pause": QueuePause,
@@ -655,4 +751,5 @@ REQUEST_TYPES: dict[str, type] = {
     "schedule_pause": SchedulePause,
     "schedule_resume": ScheduleResume,
     "schedule_list": ScheduleList,
+    "reload": Reload,
 }

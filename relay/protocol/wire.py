@@ -19,6 +19,7 @@ from relay.protocol.model import (
     PRIORITY_INT_BY_WIRE,
     QUEUE_NAME_RE,
     WIRE_PRIORITIES,
+    AttemptEntry,
     Backoff,
     ErrorEntry,
     JobInfo,
@@ -312,6 +313,19 @@ def _error_fields(entry: ErrorEntry) -> dict[str, Any]:
     return fields
 
 
+def _attempt_fields(entry: AttemptEntry) -> dict[str, Any]:
+    fields: dict[str, Any] = {"attempt": entry.attempt, "outcome": str(entry.outcome)}
+    optional = {
+        "started_at": entry.started_at,
+        "ended_at": entry.ended_at,
+        "worker_id": entry.worker_id,
+        "error": entry.error,
+        "traceback": entry.traceback,
+    }
+    fields.update((k, v) for k, v in optional.items() if v is not None)
+    return fields
+
+
 def backoff_fields(backoff: Backoff) -> dict[str, Any]:
     """A backoff as ``submit`` takes it."""
     if backoff.kind == "fixed":
@@ -324,7 +338,36 @@ def backoff_fields(backoff: Backoff) -> dict[str, Any]:
     }
 
 
-def job_fields(job: JobInfo) -> dict[str, Any]:
+def job_summary_fields(job: JobInfo) -> dict[str, Any]:
+    """A job as ``jobs_list`` gives it: as ``inspect`` does, without payload, result and
+    error history (``inspect`` shows them), its last error cut short by the store."""
+    fields: dict[str, Any] = {
+        "job_id": job.job_id,
+        "queue": job.queue,
+        "state": str(job.state),
+        "priority": Priority(job.priority).wire,
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "created_at": job.created_at,
+    }
+    optional = {
+        "ready_at": job.ready_at,
+        "run_at": job.run_at,
+        "lease_expires_at": job.lease_expires_at,
+        "worker_id": job.worker_id,
+        "last_error": job.last_error,
+        "idempotency_key": job.idempotency_key,
+        "finished_at": job.finished_at,
+        "timeout_ms": job.timeout_ms,
+        "scheduled_for": job.scheduled_for,
+    }
+    fields.update((k, v) for k, v in optional.items() if v is not None)
+    return fields
+
+
+def job_fields(job: JobInfo, attempts: bool = False) -> dict[str, Any]:
+    """A job as ``inspect`` and ``dead_list`` give it; with ``attempts`` (``inspect``'s),
+    its attempt history too."""
     fields: dict[str, Any] = {
         "job_id": job.job_id,
         "queue": job.queue,
@@ -349,4 +392,7 @@ def job_fields(job: JobInfo) -> dict[str, Any]:
         "scheduled_for": job.scheduled_for,
     }
     fields.update((k, v) for k, v in optional.items() if v is not None)
+    if attempts:
+        fields["attempts"] = [_attempt_fields(entry) for entry in job.attempts]
+        fields["attempts_dropped"] = job.attempts_dropped
     return fields

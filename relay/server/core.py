@@ -109,6 +109,14 @@ class ServerConfig:
     # and no listener may be reachable from other machines unless ``insecure``.
     tokens: Tokens | None = None
     insecure: bool = False
+    # Where ``tokens`` came from, read again on SIGHUP or the ``reload`` op
+    # (relay/server/reload.py): the token file (None: nothing to reload) and the value of
+    # RELAY_AUTH_TOKEN at start. A connection whose token a reload removed, or gave another
+    # role, is closed once this grace has passed (unless it says hello again with a valid
+    # token meanwhile).
+    auth_token_file: str | None = None
+    auth_env_token: str | None = None
+    token_grace_ms: int = 30_000
 
     def prehello(self) -> PreHello:
         """The pools of unauthenticated connections this configuration asks for."""
@@ -139,6 +147,17 @@ class Core:
     nursery: trio.Nursery  # the services nursery: for tasks that live as long as the core
     view: QueueView  # the store's counts per queue, as of the last commit (any thread reads)
     scheduler: Scheduler  # the schedules' service: its statistics for /metrics
+
+    def unready(self) -> str | None:
+        """Why the server should get no new clients now (None: it is ready): "recovering"
+        while the leases of the previous run are not yet given back (the disk refused the
+        write: every write is answered unavailable meanwhile), "stopping" once the
+        shutdown began. Read by ``/healthz``; sync, reads two flags."""
+        if not self.dispatcher.leasing or self.writer.closed:
+            return "stopping"
+        if self.writer.recovering:
+            return "recovering"
+        return None
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop leasing, answer parked long-polls, and wait (at most ``timeout_s``) for the

@@ -24,8 +24,12 @@ The task tree (every task has one owner; read top to bottom)::
             │   └── sessions nursery            same sessions; connections/websocket.py)
             │       └── run_websocket (xN)    opening handshake, then Session.run over
             │                                 its MessageStream (wsproto, no task of its own)
-            └── serve_metrics                 GET /metrics, /healthz, / (the dashboard)
-                └── one task per HTTP exchange
+            ├── serve_metrics                 GET /metrics, /healthz, /livez, / (the
+            │   └── one task per HTTP exchange    dashboard)
+            └── Reloader.run                  SIGHUP: the token file and the TLS pair read
+                └── a task per reload that      again (relay/server/reload.py); the
+                    closes stale connections     ``reload`` op runs the same
+                    after the grace
 
 Shutdown (``ServerHandle.shutdown``): stop accepting; stop leasing and answer parked
 long-polls with no jobs; wait for in-flight requests up to the shutdown timeout; cancel
@@ -70,6 +74,7 @@ from relay.server.http.metrics import (
     snapshot_queues,
     snapshot_schedule_runs,
 )
+from relay.server.reload import Reloader
 from relay.server.requests.auth import bearer_guard, check_exposure, is_loopback
 from relay.server.requests.dispatch import VERSION
 from relay.util.log import event
@@ -176,6 +181,9 @@ async def serve(
         async with trio.open_nursery() as transports:
             for each in listeners:
                 await transports.start(each.serve)
+            reloader = Reloader(config, dispatcher.access, listeners)
+            await transports.start(reloader.run)
+            dispatcher.reloader = reloader.reload
             metrics_address = None
             if sockets.metrics is not None:
                 metrics_address = sockets.metrics[0].socket.getsockname()[:2]
@@ -184,7 +192,8 @@ async def serve(
                 # a bearer token of any role.
                 guard = None
                 if config.tokens is not None and not is_loopback(config.metrics_host):
-                    guard = bearer_guard(config.tokens, dispatcher.access.throttle)
+                    access = dispatcher.access  # (its tokens change with a reload)
+                    guard = bearer_guard(lambda: access.tokens, access.throttle)
                 # The page is told where the WebSocket endpoint is (the port bound, not 0).
                 dashboard = Dashboard(
                     config.metrics_host, config.ws_host, None if ws_address is None else
@@ -194,7 +203,8 @@ async def serve(
                 # summary): see relay/server/connections/listener.py.
                 http = [Accepting(each, METRICS, sockets.spare) for each in sockets.metrics]
                 await transports.start(
-                    functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000),
+                    functools.partial(serve_metrics, cache_s=config.metrics_cache_ms / 1000,
+                                      unready=core.unready),
                     http, gather, guard, dashboard,
                 )  # fmt: skip
             address = sockets.jobs[0].socket.getsockname()[:2]

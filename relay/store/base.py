@@ -53,6 +53,12 @@ UNFINISHED = (PENDING, READY, LEASED, RETRYING)
 # a producer may cancel; the wire's default for a whole queue).
 CANCELLABLE = (PENDING, READY, RETRYING, LEASED)
 NOT_STARTED = (PENDING, READY, RETRYING)
+# A whole queue's bulk actions (dead_retry, dead_purge with ``states``): the states whose
+# jobs may be made ready again (the finished ones that did not succeed), and those whose
+# jobs may be deleted (the finished ones). A promote takes a job that waits for its time.
+RETRYABLE = (DEAD, CANCELLED)
+PURGEABLE = (DEAD, SUCCEEDED, CANCELLED)
+PROMOTABLE = (PENDING, RETRYING)
 
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
@@ -64,6 +70,11 @@ TOKEN_BYTES = 16
 # errors and tracebacks of at most 8 KiB each, a job's history stays under 512 KiB of
 # text in a reply.
 ERRORS_SHOWN = 32
+# Ended attempts kept per job (the rows of job_errors): the most recent ones. Each write of
+# one past this deletes the oldest (only then: the job row counts its ended attempts,
+# ``attempts_ended``), so a job retried 10,000 times keeps this many rows. The errors
+# shown are the erring ones among them.
+ATTEMPTS_KEPT = ERRORS_SHOWN
 # What a job's fields other than its texts add to a reply, roughly: for byte budgets.
 REPLY_OVERHEAD_BYTES = 256
 
@@ -577,7 +588,9 @@ class Store(Protocol):
     # -- reads -------------------------------------------------------------------------------
 
     def job_inspect(self, job_id: str) -> JobInfo:
-        """One job with its latest ``ERRORS_SHOWN`` errors; raises ``JobNotFound``."""
+        """One job with its attempts (the latest ``ATTEMPTS_KEPT`` that ended, then the one
+        running or succeeded) and the erring ones among them as its errors; raises
+        ``JobNotFound``."""
 
     def job_inspect_prefix(self, prefix: str) -> JobInfo:
         """As ``job_inspect``, of the one job whose id begins with ``prefix``, an abbreviated
@@ -613,6 +626,24 @@ class Store(Protocol):
         ``limit`` (and ``max_bytes``, at least one job) after ``cursor``'s job in that
         order, and the cursor of the next page or None."""
 
+    def jobs_list(
+        self,
+        queue: str | None,
+        states: Sequence[str],
+        search: str | None,
+        cursor: str | None,
+        limit: int,
+        newest: bool = True,
+    ) -> tuple[list[JobInfo], str | None]:
+        """The job browser: jobs in ``states`` (of ``queue``, or of every queue) by job id,
+        newest first (or oldest), at most ``limit`` after ``cursor``'s job in that order,
+        each without payload, result or errors (``rows.summaries``), and the next cursor.
+        One seek of ``jobs_queue_state`` per (queue, state) holding jobs, each read only
+        for what the page takes. ``search``: ids that begin with it ("job_" and 7 to 16
+        hex digits: one range of the key), or, with ``queue``, jobs whose idempotency or
+        unique key begins with it (at most KEY_SEARCH_MAX of each; more is
+        ``BadRequest`` naming search, as is a search that is no id without ``queue``)."""
+
     # -- queue settings ----------------------------------------------------------------------
 
     def queue_pause(self, queue: str, paused: bool, now: int) -> bool:
@@ -640,14 +671,22 @@ class Store(Protocol):
         """Make one dead job ready with fresh attempts, keeping its errors; return 1;
         raises ``JobNotFound``, or ``InvalidState`` if it is not dead."""
 
-    def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
-        """Make up to ``limit`` dead jobs of ``queue`` ready; return how many."""
+    def dead_retry_queue(
+        self, queue: str, now: int, limit: int, states: Sequence[str] = (DEAD,)
+    ) -> int:
+        """Make up to ``limit`` jobs of ``queue`` in ``states`` (of RETRYABLE) ready with
+        fresh attempts; return how many."""
 
     def dead_purge(self, job_id: str) -> int:
         """Delete one dead job and its history; return 1; raises as ``dead_retry`` does."""
 
-    def dead_purge_queue(self, queue: str, limit: int) -> int:
-        """Delete up to ``limit`` dead jobs of ``queue``; return how many."""
+    def dead_purge_queue(self, queue: str, limit: int, states: Sequence[str] = (DEAD,)) -> int:
+        """Delete up to ``limit`` jobs of ``queue`` in ``states`` (of PURGEABLE); return
+        how many."""
+
+    def job_promote(self, job_id: str, now: int) -> JobState:
+        """Make a pending or retrying job ready now (its wait ends early) and return the
+        state it was in. Raises ``JobNotFound``, or ``InvalidState`` in any other state."""
 
     # -- cancel ------------------------------------------------------------------------------
 

@@ -298,9 +298,10 @@ class DeadRetry:
 class DeadRetryQueue:
     queue: str
     limit: int
+    states: tuple[str, ...] = ("dead",)
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_retry_queue(self.queue, now, self.limit)
+        return store.dead_retry_queue(self.queue, now, self.limit, self.states)
 
 
 @attrs.frozen
@@ -315,9 +316,10 @@ class DeadPurge:
 class DeadPurgeQueue:
     queue: str
     limit: int
+    states: tuple[str, ...] = ("dead",)
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_purge_queue(self.queue, self.limit)
+        return store.dead_purge_queue(self.queue, self.limit, self.states)
 
 
 @attrs.frozen

@@ -4,11 +4,17 @@ list."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
 
 from relay.protocol.errors import BadRequest, JobNotFound
 from relay.protocol.model import (
     ID_MAX,
+    AttemptEntry,
+    AttemptOutcome,
     ErrorEntry,
     JobInfo,
     JobState,
@@ -16,14 +22,16 @@ from relay.protocol.model import (
     job_id_abbreviation,
     parse_job_id,
 )
-from relay.store.base import info_size
+from relay.store.base import LEASE_EXPIRED_ERROR, RESTART_ERROR, info_size
 
 # The columns of a job's row, in the order ``job_info`` reads them.
 JOB_COLUMNS = (
     "id, queue, state, priority, payload, attempt, max_attempts, created_at, ready_at, run_at, "
     "lease_expires_at, lease_worker, last_error, result, idempotency_key, finished_at, "
-    "timeout_ms, scheduled_for"
+    "timeout_ms, scheduled_for, leased_at, attempts_ended"
 )
+# The columns of an ended attempt's row (job_errors), in the order ``job_info`` reads them.
+HISTORY_COLUMNS = "attempt, error, at, traceback, started_at, worker, outcome"
 
 
 # An abbreviated id's range of keys (model.job_id_keys) is read for at most this many:
@@ -60,15 +68,56 @@ def _same(text: str | None) -> str | None:
     return text
 
 
+def _old_outcome(error: str) -> AttemptOutcome:
+    """How an attempt recorded before outcomes were kept ended, from its error: such rows
+    were written only by fail, the reaper and the recovery at start."""
+    if error == LEASE_EXPIRED_ERROR:
+        return AttemptOutcome.EXPIRED
+    if error == RESTART_ERROR:
+        return AttemptOutcome.INTERRUPTED
+    if error.startswith("timed out after ") and error.endswith(" ms"):
+        return AttemptOutcome.TIMED_OUT
+    return AttemptOutcome.FAILED
+
+
+def attempts_of(
+    row: Sequence, history: Sequence[Sequence], text: Callable[[str | None], str | None] = _same
+) -> tuple[list[ErrorEntry], list[AttemptEntry], int]:
+    """A job's errors, attempts and attempts dropped, from its ``row`` (JOB_COLUMNS) and
+    ``history``, the rows (HISTORY_COLUMNS) of its latest ended attempts, oldest first.
+
+    The attempt running now, or the one that succeeded, has no row: it is the job row's
+    (its start ``leased_at``, its worker, its end ``finished_at``), so that a claim and
+    an ack write nothing more than the job row."""
+    errors, attempts = [], []
+    for attempt, error, at, traceback, started_at, worker, outcome in history:
+        error, traceback = text(error), text(traceback)
+        ended = AttemptOutcome(outcome) if outcome else _old_outcome(error)
+        if ended.erred:
+            errors.append(ErrorEntry(attempt, error, at, traceback))
+        else:
+            error = traceback = None  # (their rows hold an empty error)
+        attempts.append(
+            AttemptEntry(attempt, ended, started_at, at, text(worker), error, traceback)
+        )
+    state = row[2]
+    if state in (JobState.LEASED, JobState.SUCCEEDED):
+        outcome = AttemptOutcome.RUNNING if state == JobState.LEASED else AttemptOutcome.SUCCEEDED
+        ended_at = row[15] if state == JobState.SUCCEEDED else None
+        attempts.append(AttemptEntry(row[5], outcome, row[18], ended_at, text(row[11])))
+    return errors, attempts, max(0, row[19] - len(history))
+
+
 def job_info(
     row: Sequence,
-    errors: Sequence[ErrorEntry],
+    history: Sequence[Sequence],
     text: Callable[[str | None], str | None] = _same,
 ) -> JobInfo:
-    """The job of ``row`` (JOB_COLUMNS), with ``errors``, its latest error history;
-    ``text`` turns the client's texts (worker id, error, key) back from how the dialect
-    stored them."""
+    """The job of ``row`` (JOB_COLUMNS), with ``history``, the rows (HISTORY_COLUMNS) of
+    its latest ended attempts, oldest first; ``text`` turns the client's texts (worker
+    id, error, key) back from how the dialect stored them."""
     state = JobState(row[2])
+    errors, attempts, dropped = attempts_of(row, history, text)
     return JobInfo(
         job_id=format_job_id(row[0]),
         queue=row[1],
@@ -89,6 +138,8 @@ def job_info(
         finished_at=row[15],
         timeout_ms=row[16],
         scheduled_for=row[17],
+        attempts=tuple(attempts),
+        attempts_dropped=dropped,
     )
 
 
@@ -116,3 +167,61 @@ def page(
                 infos, more = infos[: i + 1], True
                 break
     return infos, (infos[-1].job_id if more else None)
+
+
+# -- the job browser (jobs_list) --------------------------------------------------------------
+
+# A browser's item: every column of JOB_COLUMNS but the payload and the result, which a
+# page never reads (inspect shows them), in the same places so ``job_info`` reads them.
+SUMMARY_COLUMNS = JOB_COLUMNS.replace("payload", "'' AS payload").replace(
+    "result", "NULL AS result"
+)
+# A browser's item carries the first this many characters of its last error.
+SUMMARY_ERROR_CHARS = 200
+# A search by key prefix takes at most this many keys of each kind (idempotency, unique);
+# a prefix that more keys begin with is refused: give more of it.
+KEY_SEARCH_MAX = 1000
+
+
+def summaries(
+    rows: Sequence[Sequence], text: Callable[[str | None], str | None] = _same
+) -> list[JobInfo]:
+    """The browser's items of ``rows`` (SUMMARY_COLUMNS): no payload, result or errors,
+    the last error cut to SUMMARY_ERROR_CHARS characters."""
+    infos = []
+    for row in rows:
+        info = job_info(row, (), text)
+        error = info.last_error
+        if error is not None and len(error) > SUMMARY_ERROR_CHARS:
+            info = attrs.evolve(info, last_error=error[:SUMMARY_ERROR_CHARS])
+        infos.append(info)
+    return infos
+
+
+def merged(
+    runs: Iterable[Iterable[Sequence]], limit: int, newest: bool
+) -> tuple[list[Sequence], bool]:
+    """The first ``limit`` rows of ``runs`` (each in id order: descending if ``newest``)
+    merged into one run, and whether more follow. Each run is read lazily, so a run
+    gives only the rows the page takes and one more."""
+    rows = list(
+        itertools.islice(heapq.merge(*runs, key=lambda row: row[0], reverse=newest), limit + 1)
+    )
+    return rows[:limit], len(rows) > limit
+
+
+def key_matches(prefix: str, found: Sequence[Sequence]) -> list[int]:
+    """The job keys of ``found`` ((key, job key) rows of one queue's keys, the first
+    KEY_SEARCH_MAX + 1 that begin with ``prefix``); refuses (``BadRequest`` naming search)
+    a prefix that more keys begin with."""
+    if len(found) > KEY_SEARCH_MAX:
+        raise BadRequest(
+            f"search: {KEY_SEARCH_MAX} or more keys begin with {prefix!r}: give more of it",
+            field="search",
+        )
+    return [row[1] for row in found]
+
+
+def list_page(infos: list[JobInfo], more: bool) -> tuple[list[JobInfo], str | None]:
+    """A browser's page and its next cursor (the id of its last job, if more follow)."""
+    return infos, (infos[-1].job_id if more and infos else None)

@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 11
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -236,6 +236,40 @@ def _v9_schedule_defaults_and_refusals(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused")
 
 
+def _v10_attempt_history(db: sqlite_utils.Database) -> None:
+    # Attempt history: each ended attempt's row in job_errors (fail, lease expiry, timeout,
+    # release, cancel while leased, recovery at start) gains its start, its worker and its
+    # outcome (NULL for the rows before: rows.py reads theirs from their error). The
+    # attempt running or succeeded is the job row's: its start (``leased_at``, set by the
+    # claim), worker and end. ``attempts_ended`` counts a job's ended attempts, so that a
+    # write deletes the oldest rows only when more than base.ATTEMPTS_KEPT are there.
+    # Nullable columns, or NOT NULL with a default: no row is rewritten.
+    db.execute("ALTER TABLE job_errors ADD COLUMN started_at INTEGER")
+    db.execute("ALTER TABLE job_errors ADD COLUMN worker TEXT")
+    db.execute("ALTER TABLE job_errors ADD COLUMN outcome TEXT")
+    db.execute("ALTER TABLE jobs ADD COLUMN leased_at INTEGER")
+    db.execute("ALTER TABLE jobs ADD COLUMN attempts_ended INTEGER NOT NULL DEFAULT 0")
+    # The histories kept so far had no bound: counted, then cut to the last 32 rows
+    # (base.ATTEMPTS_KEPT at this version), in one pass over job_errors.
+    db.execute(
+        "UPDATE jobs SET attempts_ended = c.n FROM (SELECT job_id, count(*) AS n "
+        "FROM job_errors GROUP BY job_id) AS c WHERE jobs.id = c.job_id"
+    )
+    db.execute(
+        "DELETE FROM job_errors WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
+        "row_number() OVER (PARTITION BY job_id ORDER BY rowid DESC) AS back "
+        "FROM job_errors) WHERE back > 32)"
+    )
+
+
+def _v11_job_browser(db: sqlite_utils.Database) -> None:
+    # The job browser (jobs_list) and the bulk retry and purge of a queue's jobs by state:
+    # every job under (queue, state), by id, so that a page of one queue's jobs in one
+    # state is a seek whatever the state (succeeded and cancelled jobs had no index by
+    # queue, ready ones only in claim order). Building it reads the table once.
+    db.execute("CREATE INDEX jobs_queue_state ON jobs (queue, state, id)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -247,6 +281,8 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     7: _v7_queue_limits,
     8: _v8_schedules,
     9: _v9_schedule_defaults_and_refusals,
+    10: _v10_attempt_history,
+    11: _v11_job_browser,
 }
 
 

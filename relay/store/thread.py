@@ -118,6 +118,7 @@ class WriterBooks(Protocol):
     inbox: queue.SimpleQueue[Item | None]
     commit_listeners: list[Callable[[Changes], None]]
     recording: bool
+    recovering: bool
     _done_now: int
     _handed: int
     _handed_done: int
@@ -161,6 +162,7 @@ class WriterThread:
         # The lease recovery at start has yet to commit (``_recover``); since when it has
         # been refused (perf_counter; None: not refused yet).
         self.recovering = recover and store.recovers_on_start
+        writer.recovering = self.recovering  # (read by the server's readiness, /healthz)
         self.recovery_refused_at: float | None = None
         # Set (trio thread) once the first try of the recovery is over, either way.
         self.first_recovery = trio.Event()
@@ -398,7 +400,7 @@ class WriterThread:
                     f"they are; retrying every {RECOVERY_RETRY_S:g} s",
                 )  # fmt: skip
             return exc
-        self.recovering = False
+        self.recovering = self.writer.recovering = False
         self._written(written)
         fields = {"count": count, "ms": round((time.perf_counter() - started) * 1000)}
         if self.recovery_refused_at is not None:

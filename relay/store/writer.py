@@ -131,6 +131,10 @@ class Writer:
         # listeners (``Changes.events``): set while someone watches. The thread reads it
         # at the start of each batch.
         self.recording = False
+        # The lease recovery at start has yet to commit (the disk refused it so far): no
+        # write commits until it has (relay/store/thread.py). Set by the thread; the
+        # server is not ready meanwhile (its /healthz).
+        self.recovering = False
 
     @property
     def queued(self) -> int:

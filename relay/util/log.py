@@ -5,9 +5,9 @@ Code logs through the standard ``logging`` module, with the event name as the me
 the fields in ``extra={"fields": {...}}``. ``configure`` installs a formatter on the
 ``relay`` logger, at the level named by ``RELAY_LOG`` (debug, info, warning), in the
 format named by ``RELAY_LOG_FORMAT``: ``json`` (time, level, event, logger, fields), or
-``text`` (``12:00:01 info  server.recovered_leases count=1``); unset, text when stderr is a
-terminal and JSON otherwise (a file, a pipe, a service manager's journal). Every command
-that logs calls ``configure`` first.
+``human`` (``12:00:01 info  server.recovered_leases count=1``; ``text`` is its former name);
+unset or ``auto``, human when stderr is a terminal and JSON otherwise (a file, a pipe, a
+service manager's journal). Every command that logs calls ``configure`` first.
 An event meant for people too (a worker's failed job) carries a one-line ``message``: the
 text line then is that message (and the event's ``traceback`` field, if any, below it),
 and it is what a program's own logging prints when it has not installed these formatters,
@@ -36,7 +36,9 @@ from typing import Any
 import orjson
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
-FORMATS = ("json", "text")
+# The formats by the names RELAY_LOG_FORMAT (and the server's --log-format) take: "text" is
+# "human"'s former name; "auto" (or nothing): human on a terminal, JSON elsewhere.
+FORMATS = {"json": "json", "human": "text", "text": "text", "auto": ""}
 # The level as a text line shows it: at most five letters, so that events line up.
 LEVEL_TAGS = {
     logging.DEBUG: "debug",
@@ -124,22 +126,23 @@ def configure(
     renderers: Mapping[str, Renderer] | None = None,
 ) -> str:
     """Send the ``relay`` logger's records to ``stream`` (stderr), and return the format
-    chosen: "json" or "text".
+    chosen: "json" or "text" (the human one).
 
-    ``level`` and ``log_format`` default to ``RELAY_LOG`` (else info) and
-    ``RELAY_LOG_FORMAT`` (else text if ``stream`` is a terminal, JSON if not);
+    ``level`` and ``log_format`` (a name of ``FORMATS``) default to ``RELAY_LOG`` (else
+    info) and ``RELAY_LOG_FORMAT`` (else auto: text if ``stream`` is a terminal, JSON if not);
     ``renderers`` give events their own text lines. Raises LogConfigError, having changed
     nothing, for a level or format it does not know.
     """
     name = (level or os.environ.get("RELAY_LOG") or "info").strip().lower()
     if name not in LEVELS:
         raise LogConfigError(f"RELAY_LOG must be one of {', '.join(LEVELS)}, not {name!r}")
-    chosen = (log_format or os.environ.get("RELAY_LOG_FORMAT") or "").strip().lower()
-    if chosen and chosen not in FORMATS:
+    given = (log_format or os.environ.get("RELAY_LOG_FORMAT") or "auto").strip().lower()
+    if given not in FORMATS:
         raise LogConfigError(
-            f"RELAY_LOG_FORMAT must be {' or '.join(FORMATS)} (unset: text on a terminal, "
-            f"else json), not {chosen!r}"
+            f"RELAY_LOG_FORMAT must be one of {', '.join(FORMATS)} (auto: human on a "
+            f"terminal, else json), not {given!r}"
         )
+    chosen = FORMATS[given]
     out = stream or sys.stderr
     if not chosen:
         chosen = "text" if is_terminal(out) else "json"

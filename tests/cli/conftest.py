@@ -40,7 +40,7 @@ def cli_env(address: str | None = None, **extra: str) -> dict[str, str]:
     # RELAY_LOG_FORMAT says otherwise (a developer's own setting must not).
     skip = ("FORCE_COLOR", "RELAY_LOG", "RELAY_LOG_FORMAT")
     env = {k: v for k, v in os.environ.items() if k not in skip}
-    env.update(COLUMNS="200", NO_COLOR="1", **extra)
+    env.update({"COLUMNS": "200", "NO_COLOR": "1", **extra})
     if address is not None:
         env["RELAY_ADDRESS"] = address
     else:

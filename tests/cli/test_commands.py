@@ -138,6 +138,13 @@ async def test_inspect_shows_the_job_as_a_panel_and_as_json(address, client):
             "traceback": None,
         }
     ]
+    # The attempt history: the one attempt, failed on WORKER, in the panel's timeline too.
+    [attempt] = as_json["attempts"]
+    assert (attempt["attempt"], attempt["outcome"], attempt["worker_id"]) == (1, "failed", WORKER)
+    assert attempt["error"] == "card declined" and as_json["attempts_dropped"] == 0
+    timeline = [line for line in panel.stdout.splitlines() if " failed " in line]
+    assert len(timeline) == 1 and WORKER in timeline[0] and "card declined" in timeline[0]
+    assert " ms " in timeline[0] or " s " in timeline[0]  # how long it took
     # Stable keys: every field of the job, present or null.
     assert {"result", "run_at", "lease_expires_at", "idempotency_key"} <= set(as_json)
     assert as_json["result"] is None

@@ -276,6 +276,9 @@ async def test_piped_json_lines_unless_text_is_asked_for(tmp_path):
     assert all(line.startswith("{") for line in text.splitlines()), text
     text = await piped_stderr(tmp_path / "relay.db", env(RELAY_LOG_FORMAT="text"))
     assert "is serving" in text and "{" not in text, text
+    # --log-format's variable; "text" is the former name of "human".
+    text = await piped_stderr(tmp_path / "relay.db", env(RELAY_LOG_FORMAT="human"))
+    assert "is serving" in text and "{" not in text, text
 
 
 # -- Ctrl-C in every phase ------------------------------------------------------------------

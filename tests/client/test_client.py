@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+import relay
 from relay import (
     BadRequest,
     Client,
@@ -1281,3 +1282,37 @@ async def test_schedules_put_list_pause_resume_delete_and_their_jobs_slot(tmp_pa
             with pytest.raises(NotFound):
                 await client.schedule_delete("tick")
         nursery.cancel_scope.cancel()
+
+
+async def test_jobs_list_promote_and_bulk_actions_by_state(client):
+    late = (await client.submit("jb", {"n": 0}, delay_ms=3_600_000)).job_id
+    ids = [(await client.submit("jb", {"n": i})).job_id for i in range(1, 4)]
+    page = await client.jobs_list("jb", limit=2)
+    assert isinstance(page, relay.JobsPage)
+    assert [j.job_id for j in page.jobs] == [ids[2], ids[1]]
+    assert all(isinstance(j, relay.JobSummary) for j in page.jobs)
+    rest = await client.jobs_list("jb", cursor=page.next_cursor)
+    assert [j.job_id for j in rest.jobs] == [ids[0], late] and rest.next_cursor is None
+    pending = await client.jobs_list(states=["pending"], order="oldest")
+    assert [(j.job_id, j.state) for j in pending.jobs] == [(late, JobState.PENDING)]
+    assert [j.job_id for j in (await client.jobs_list(search=late)).jobs] == [late]
+    assert await client.promote(late) == JobState.PENDING
+    with pytest.raises(InvalidState, match="cannot promote"):
+        await client.promote(late)
+    assert await client.cancel_queue("jb") == 4
+    assert await client.dead_retry(queue="jb", all=True, states=["cancelled"]) == 4
+    assert await client.cancel_queue("jb") == 4
+    assert await client.dead_purge(queue="jb", all=True, states=["cancelled"]) == 4
+    assert (await client.jobs_list("jb")).jobs == []
+
+
+async def test_the_blocking_client_lists_and_promotes(server):
+    def use() -> None:
+        with relay.connect(server.address, timeout=5) as queue:
+            late = queue.submit("bj", {}, delay_ms=3_600_000).job_id
+            page = queue.jobs_list("bj", states=["pending"])
+            assert [j.job_id for j in page.jobs] == [late] and page.next_cursor is None
+            assert queue.promote(late) == JobState.PENDING
+            assert queue.jobs_list(search=late, order="oldest").jobs[0].state == JobState.READY
+
+    await trio.to_thread.run_sync(use)

@@ -18,13 +18,13 @@ import trio
 from relay.protocol import wire
 from relay.server import serve as serve_module
 from relay.server.connections.session import MAX_OWED_BYTES, Session
-from relay.server.requests.admin import job_reply_bytes
+from relay.server.requests.admin import inspect_reply_bytes
 from tests.server.conftest import LineClient
 from tests.worker.helpers import BOUND_S, start_server, wait_until
 
 BUDGET = 2 * 1024 * 1024
 # Small texts beside the payload keep an inspect's reservation (its most) near its payload.
-LIMITS = wire.Limits(max_result_bytes=4096, max_error_bytes=1024, max_traceback_bytes=1024)
+LIMITS = wire.Limits(max_result_bytes=4096, max_error_bytes=256, max_traceback_bytes=256)
 PAYLOAD = {"pad": "x" * 200_000}  # an inspect's reply: ~200 kB
 HOGS = 4
 PIPELINED = 200  # inspects each hog sends and never reads: ~40 MB of replies
@@ -63,7 +63,8 @@ async def connect_small(address: tuple[str, int]) -> LineClient:
 
 
 async def test_connections_that_never_read_stay_within_the_budget(tmp_path, sessions):
-    reservation = job_reply_bytes(LIMITS)  # what one inspect reserves: its most
+    reservation = inspect_reply_bytes(LIMITS)  # what one inspect reserves: its most
+    assert reservation < BUDGET // 4  # (its texts and attempts: ~0.5 MB)
     # The bound is far below what the hogs would hold on the per-connection limit alone.
     bound = BUDGET + (HOGS + 1) * reservation
     assert 8 * bound < HOGS * MAX_OWED_BYTES

@@ -377,6 +377,23 @@ CANCEL_QUEUE = {
         4, nullable=True,
     ),
 }  # fmt: skip
+# A whole queue's bulk retry and purge (extension): the finished states each takes.
+RETRY_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["dead", "cancelled"]),
+        st.sampled_from(["", "succeeded", "ready", "DEAD"]) | wrong_value("str", False),
+        2, nullable=True,
+    ),
+}  # fmt: skip
+PURGE_QUEUE = {
+    **DEAD_QUEUE,
+    "states": list_field(
+        st.sampled_from(["dead", "succeeded", "cancelled"]),
+        st.sampled_from(["", "ready", "leased", "DEAD"]) | wrong_value("str", False),
+        3, nullable=True,
+    ),
+}  # fmt: skip
 
 # A schedule: names as queue names; five fields (the fuzzed server allows no seconds).
 SCHEDULE_ONE = {"name": Field("str", queue_names, required=True, bad=bad_queue_names)}
@@ -471,10 +488,31 @@ OPS: list[tuple[str, dict[str, Field]]] = [
     ),
     ("dead_retry", DEAD_ONE),
     ("dead_retry", DEAD_QUEUE),
+    ("dead_retry", RETRY_QUEUE),
     ("dead_purge", DEAD_ONE),
     ("dead_purge", DEAD_QUEUE),
+    ("dead_purge", PURGE_QUEUE),
     ("cancel", DEAD_ONE),
     ("cancel", CANCEL_QUEUE),
+    (
+        "jobs_list",
+        {
+            "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            "states": list_field(
+                st.sampled_from(
+                    ["pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"]
+                ),
+                st.sampled_from(["", "gone", "READY"]) | wrong_value("str", False), 7,
+                nullable=True,
+            ),
+            "search": Field("str", cursors, nullable=True, bad=st.just("")),
+            "cursor": Field("str", cursors, nullable=True, bad=bad_cursors),
+            "limit": int_field(1, 100),
+            "order": Field("str", st.sampled_from(["oldest", "newest"]),
+                           bad=st.sampled_from(["", "newer", "NEWEST", "oldest "])),
+        },
+    ),
+    ("promote", {"job_id": LEASE_REF["job_id"]}),
     (
         "watch",
         {
@@ -530,6 +568,7 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "limit": int_field(1, 1000),
         },
     ),
+    ("reload", {}),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 
@@ -801,10 +840,10 @@ async def test_each_frame_is_answered_once_or_accepted_never_internal(
                 (reply,) = replies
                 assert reply["id"] == want_id
                 if reply["ok"]:  # answered at once: hello, ping, stats (from the counts in
-                    # memory), or a whole queue's dead op
+                    # memory), reload (nothing to reload here), or a whole queue's dead op
                     name = orjson.loads(line)["op"]
                     queue_ops = ("dead_retry", "dead_purge", "cancel")
-                    ops_now = ("hello", "ping", "unwatch", "stats", *queue_ops)
+                    ops_now = ("hello", "ping", "unwatch", "stats", "reload", *queue_ops)
                     assert name in ops_now, reply
                     assert (name in queue_ops) == bool(commands)
                     assert len(commands) <= 1

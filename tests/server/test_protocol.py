@@ -73,6 +73,9 @@ JOB_OPTIONAL = {
     "result",
     "idempotency_key",
     "finished_at",
+    # (extensions: inspect's attempt history, not in dead_list's jobs)
+    "attempts",
+    "attempts_dropped",
 }
 TOKEN_RE = re.compile(r"[0-9a-fA-F]{32,}")
 W = "worker-1"
@@ -1424,6 +1427,24 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("dead_retry", {}, ("job_id", "queue")),
     ("dead_purge", {"queue": "q"}, ("all",)),
     ("dead_purge", {"queue": BAD, "all": True}, ("queue",)),
+    # The bulk actions' states (extension), and the job browser.
+    ("dead_retry", {"queue": "q", "all": True, "states": ["succeeded"]}, ("states[0]",)),
+    ("dead_retry", {"queue": "q", "all": True, "states": []}, ("states",)),
+    ("dead_retry", {"job_id": "job_0000000000000001", "states": ["dead"]}, ("states",)),
+    ("dead_purge", {"queue": "q", "all": True, "states": ["ready"]}, ("states[0]",)),
+    ("dead_purge", {"queue": "q", "all": True, "states": "dead"}, ("states",)),
+    ("jobs_list", {"limit": 0}, ("limit",)),
+    ("jobs_list", {"limit": 101}, ("limit",)),
+    ("jobs_list", {"states": ["done"]}, ("states[0]",)),
+    ("jobs_list", {"states": []}, ("states",)),
+    ("jobs_list", {"order": "latest"}, ("order",)),
+    ("jobs_list", {"cursor": "job_1"}, ("cursor",)),
+    ("jobs_list", {"search": ""}, ("search",)),
+    ("jobs_list", {"search": "x" * 257}, ("search",)),
+    ("jobs_list", {"search": "order-"}, ("search",)),
+    ("jobs_list", {"queue": BAD}, ("queue",)),
+    ("promote", {}, ("job_id",)),
+    ("promote", {"job_id": 5}, ("job_id",)),
     ("hello", {"client": 5}, ("client",)),
 ]
 
@@ -2214,3 +2235,46 @@ async def test_ack_batch_holds_at_most_max_batch_acks(tmp_path):
         assert ack_batch_codes(reply) == ["succeeded"] * 3
         counts = await queue_stats(c, "abm")
         assert (counts["succeeded"], counts["leased"]) == (3, 0)
+
+
+# -- the job browser and its actions (extensions) ---------------------------------------------
+
+
+async def test_jobs_list_pages_summaries_newest_first_through_the_wire(client):
+    ids = [(await client.ok("submit", queue="jl", payload={"n": i}))["job_id"] for i in range(5)]
+    first = await client.ok("jobs_list", queue="jl", limit=2)
+    assert [j["job_id"] for j in first["jobs"]] == [ids[4], ids[3]]
+    assert first["next_cursor"] == ids[3]
+    item = first["jobs"][0]
+    assert "payload" not in item and "errors" not in item and "result" not in item
+    assert (item["state"], item["priority"], item["attempt"]) == ("ready", "normal", 0)
+    rest = await client.ok("jobs_list", queue="jl", cursor=first["next_cursor"], limit=10)
+    assert [j["job_id"] for j in rest["jobs"]] == [ids[2], ids[1], ids[0]]
+    assert rest["next_cursor"] is None
+    oldest = await client.ok("jobs_list", queue="jl", order="oldest", states=["ready"])
+    assert [j["job_id"] for j in oldest["jobs"]] == ids
+    assert (await client.ok("jobs_list", states=["dead"]))["jobs"] == []
+    found = await client.ok("jobs_list", search=ids[2])
+    assert [j["job_id"] for j in found["jobs"]] == [ids[2]]
+
+
+async def test_promote_and_bulk_retry_and_purge_through_the_wire(client):
+    late = (await client.ok("submit", queue="pq", payload={}, delay_ms=3_600_000))["job_id"]
+    promoted = await client.ok("promote", job_id=late)
+    assert (promoted["job_id"], promoted["state"], promoted["was"]) == (late, "ready", "pending")
+    assert (await client.ok("inspect", job_id=late))["job"]["state"] == "ready"
+    reply = await client.error("promote", job_id=late)
+    assert (
+        reply["code"] == "invalid_state"
+        and f"cannot promote {late}: it is ready" in reply["message"]
+    )
+    assert (await client.error("promote", job_id="job_0000000000000001"))["code"] == "not_found"
+    others = [(await client.ok("submit", queue="pq", payload={}))["job_id"] for _ in range(3)]
+    assert (await client.ok("cancel", queue="pq", all=True))["cancelled"] == 4
+    retried = await client.ok("dead_retry", queue="pq", all=True, states=["cancelled"])
+    assert retried["count"] == 4
+    assert (await client.ok("cancel", queue="pq", all=True))["cancelled"] == 4
+    purged = await client.ok("dead_purge", queue="pq", all=True, states=["dead", "cancelled"])
+    assert purged["count"] == 4
+    for job in [late, *others]:
+        assert (await client.error("inspect", job_id=job))["code"] == "not_found"

@@ -30,6 +30,7 @@ from relay.protocol.model import ID_MAX as MAX_JOB_KEY
 from relay.protocol.model import Backoff, JobState, Rate, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
+from relay.store.postgres import browse as browse_sql
 from relay.store.postgres import cancel as cancel_sql
 from relay.store.postgres import dead as dead_sql
 from relay.store.postgres import leases as leases_sql
@@ -549,6 +550,12 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
             (reads_sql._DEAD_NEWEST, (MAX_JOB_KEY, 10), "jobs_dead"),
             (reads_sql._DEAD_OF_QUEUE_NEWEST, ("q0", MAX_JOB_KEY, 10), "jobs_dead_queue"),
             (dead_sql._PURGE_QUEUE, ("q0", 10), "jobs_dead_queue"),
+            # A page of the job browser: each (queue, state)'s run from the index.
+            (
+                browse_sql._RUNS[True],
+                (["q0"], ["succeeded"], MAX_JOB_KEY, 51, 51),
+                "jobs_queue_state",
+            ),
             # An abbreviated id (inspect with prefix): a range of the key, whatever the jobs.
             (reads_sql._PREFIX_KEYS, (T0 << 21, (T0 + 60_000) << 21), "jobs_pkey"),
             # short_ids: each id's nearest keys below and above, whatever the jobs.
@@ -562,9 +569,13 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
             if statement in reads_sql._DEAD_PAGES.values():  # either order: the index's
                 assert "Sort" not in plan, plan
         # A queue's leased jobs to cancel: read from jobs_leased (every lease held, a number
-        # the workers' slots bound), a bitmap scan of it or a plain one.
+        # the workers' slots bound), a bitmap scan of it or a plain one; or from the job
+        # browser's index (queue, state, id), which holds exactly that queue's leased jobs.
         plan = _plan(conn, cancel_sql._CANCEL_GROUP[2][0], ("q0", ["leased"], 10, now), prepared)
-        assert "Scan on jobs_leased" in plan or "using jobs_leased" in plan, plan
+        assert any(
+            f"Scan on {index}" in plan or f"using {index}" in plan
+            for index in ("jobs_leased", "jobs_queue_state")
+        ), plan
         assert "Seq Scan on jobs" not in plan, plan
 
 

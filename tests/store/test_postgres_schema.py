@@ -92,10 +92,25 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
 
 
 def before_schedules(old_code: pytest.MonkeyPatch) -> None:
-    """The store as the code before schema version 9 ran it: a claim reads no slot."""
+    """The store as the code before schema version 9 ran it: a claim reads no slot (nor,
+    as before version 11, writes its start)."""
     claim = leases_sql._CLAIM.replace("jobs.scheduled_for", "NULL::bigint")
+    claim = before_attempt_history_claim(claim)
     assert claim != leases_sql._CLAIM
     old_code.setattr(leases_sql, "_CLAIM", claim)
+
+
+def before_attempt_history_claim(claim: str) -> str:
+    """A claim as the code before schema version 11 made it: no start written (its
+    parameter stays, set to nothing)."""
+    old = claim.replace("v.expires_at, leased_at = %s, ", "v.expires_at + 0 * %s, ")
+    assert old != claim
+    return old
+
+
+def before_attempt_history(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 11 ran it: a claim writes no start."""
+    old_code.setattr(leases_sql, "_CLAIM", before_attempt_history_claim(leases_sql._CLAIM))
 
 
 def before_queue_limits(old_code: pytest.MonkeyPatch) -> None:
@@ -461,6 +476,7 @@ def test_a_version_9_schema_migrates_to_schedule_defaults_and_keeps_its_schedule
 
     with monkeypatch.context() as old_code:
         old_code.setattr(schema_module, "SCHEMA_VERSION", 9)
+        before_attempt_history(old_code)
         store = PostgresStore.open(url)
         [job] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
         store.close()
@@ -488,5 +504,87 @@ def test_a_version_9_schema_migrates_to_schedule_defaults_and_keeps_its_schedule
         left = next(s for s in store.schedule_list(None, 10) if s.spec.name == "left")
         assert (left.spec.max_attempts, left.spec.backoff) == (None, None)
         assert [run.name for run in store.schedules_run_due(T0, 10)] == ["left"]
+    finally:
+        store.close()
+
+
+def test_a_version_10_schema_migrates_to_attempt_history_and_bounds_its_histories(url, monkeypatch):
+    from relay.protocol.model import AttemptEntry, AttemptOutcome
+    from relay.store.base import ATTEMPTS_KEPT
+
+    # Rows as the code of version 10 wrote them: an unbounded error history of 40 entries
+    # (fail and the reaper's), and a job leased by that code's claim, without a start.
+    errors = ["boom", "lease expired", "timed out after 5 ms", "boom"] * 10
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 10)
+        before_attempt_history(old_code)
+        store = PostgresStore.open(url)
+        dead, leased = (r.job_id for r in store.jobs_submit([SubmitSpec("q", "1")] * 2, T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
+        assert lease.job_id == dead
+        store._db.execute(
+            "UPDATE jobs SET state = 'dead', attempt = 40, finished_at = %s WHERE id = %s",
+            (T0 + 40, parse_job_id(dead)),
+        )
+        for n, error in enumerate(errors, 1):
+            store._db.execute(
+                "INSERT INTO job_errors (job_id, attempt, error, at) VALUES (%s, %s, %s, %s)",
+                (parse_job_id(dead), n, error, T0 + n),
+            )
+        [lease] = store.jobs_claim(["q"], "w2", 1, 60_000, T0 + 50)
+        assert lease.job_id == leased
+        store._db.commit()
+        store.close()
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        assert store._db.execute("SELECT count(*) FROM job_errors").fetchone() == (32,)
+        info = store.job_inspect(dead)
+        assert (len(info.attempts), info.attempts_dropped) == (ATTEMPTS_KEPT, 8)
+        assert info.attempts[:3] == (
+            AttemptEntry(9, AttemptOutcome.FAILED, None, T0 + 9, None, "boom"),
+            AttemptEntry(10, AttemptOutcome.EXPIRED, None, T0 + 10, None, "lease expired"),
+            AttemptEntry(11, AttemptOutcome.TIMED_OUT, None, T0 + 11, None, errors[2]),
+        )
+        assert [e.error for e in info.errors] == errors[8:]
+        assert store.job_inspect(leased).attempts == (
+            AttemptEntry(1, AttemptOutcome.RUNNING, None, None, "w2"),
+        )
+        store.jobs_fail(leased, "w2", lease.token, "late", True, T0 + 100)
+        assert store.job_inspect(leased).attempts == (
+            AttemptEntry(1, AttemptOutcome.FAILED, None, T0 + 100, "w2", "late"),
+        )
+    finally:
+        store.close()
+
+
+def test_a_version_11_schema_migrates_to_the_job_browsers_index_and_lists_its_jobs(
+    url, monkeypatch
+):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 11)
+        store = PostgresStore.open(url)
+        specs = [SubmitSpec("q", '{"n": 1}'), SubmitSpec("q", '{"n": 2}')]
+        first, second = (r.job_id for r in store.jobs_submit(specs, T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
+        store.jobs_ack(lease.job_id, "w1", lease.token, None, T0 + 1)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('jobs_queue_state')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        everyone = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
+        jobs, cursor = store.jobs_list("q", everyone, None, None, 10)
+        assert [(job.job_id, job.state) for job in jobs] == [
+            (second, "ready"),
+            (first, "succeeded"),
+        ]
+        assert cursor is None
+        assert store.dead_purge_queue("q", 10, ("succeeded",)) == 1
     finally:
         store.close()

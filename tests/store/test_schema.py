@@ -396,7 +396,8 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
 
 
 def before_schedules(old_code: pytest.MonkeyPatch) -> None:
-    """The store as the code before schema version 8 ran it: a claim reads no slot."""
+    """The store as the code before schema version 8 ran it: a claim reads no slot (nor,
+    as before version 10, writes its start: ``before_attempt_history``)."""
     current = sqlite_leases._claim_candidates_sql
 
     def candidates(queue_count: int, inline: bool) -> str:
@@ -406,6 +407,14 @@ def before_schedules(old_code: pytest.MonkeyPatch) -> None:
         )
 
     old_code.setattr(sqlite_leases, "_claim_candidates_sql", candidates)
+    before_attempt_history(old_code)
+
+
+def before_attempt_history(old_code: pytest.MonkeyPatch) -> None:
+    """The store as the code before schema version 10 ran it: a claim writes no start."""
+    claim = sqlite_leases._CLAIM_UPDATE.replace("leased_at = ?1, ", "")
+    assert claim != sqlite_leases._CLAIM_UPDATE
+    old_code.setattr(sqlite_leases, "_CLAIM_UPDATE", claim)
 
 
 def test_there_is_a_migration_for_every_version() -> None:
@@ -875,6 +884,7 @@ def test_a_version_8_file_migrates_to_schedule_defaults_and_keeps_its_schedules(
     path = str(tmp_path / "relay.db")
     with monkeypatch.context() as old_code:
         old_code.setattr(schema, "SCHEMA_VERSION", 8)
+        before_attempt_history(old_code)
         store = SqliteStore.open(path)
         [job] = store.jobs_submit([spec()], T0)
         store.close()
@@ -907,6 +917,117 @@ def test_a_version_8_file_migrates_to_schedule_defaults_and_keeps_its_schedules(
         [left] = [s for s in store.schedule_list(None, 10) if s.spec.name == "left"]
         assert (left.spec.max_attempts, left.spec.backoff) == (None, None)
         assert store.schedules_run_due(T0, 10)[0].name == "left"
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_9_file_migrates_to_attempt_history_and_bounds_its_histories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.protocol.model import AttemptEntry, AttemptOutcome
+    from relay.store.base import ATTEMPTS_KEPT, RESTART_ERROR
+
+    path = str(tmp_path / "relay.db")
+    # Rows as the code of version 9 wrote them: an unbounded error history (40 entries,
+    # of every kind that code wrote), a job leased and one succeeded, without a start.
+    errors = ["boom", "lease expired", "timed out after 5 ms", RESTART_ERROR] * 10
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 9)
+        before_attempt_history(old_code)
+        store = SqliteStore.open(path)
+        dead, leased, done = (r.job_id for r in store.jobs_submit([spec()] * 3, T0))
+        key = parse_job_id(dead)
+        store._db.execute(
+            "UPDATE jobs SET state = 'dead', attempt = 40, finished_at = ?, last_error = ? "
+            "WHERE id = ?",
+            (T0 + 40, errors[-1], key),
+        )
+        for n, error in enumerate(errors, 1):
+            store._db.execute(
+                "INSERT INTO job_errors (job_id, attempt, error, at) VALUES (?, ?, ?, ?)",
+                (key, n, error, T0 + n),
+            )
+        store._db.execute(
+            "UPDATE jobs SET state = 'leased', attempt = 1, lease_token = 't', "
+            "lease_worker = 'w1', lease_expires_at = ? WHERE id = ?",
+            (T0 + 60_000, parse_job_id(leased)),
+        )
+        store._db.execute(
+            "UPDATE jobs SET state = 'succeeded', attempt = 1, lease_worker = 'w2', "
+            "finished_at = ? WHERE id = ?",
+            (T0 + 50, parse_job_id(done)),
+        )
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 9
+    assert conn.execute("SELECT count(*) FROM job_errors").fetchone() == (40,)
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        # Cut to the last ATTEMPTS_KEPT rows, the ones dropped counted; each old row's
+        # outcome read from its error.
+        assert store._db.execute("SELECT count(*) FROM job_errors").fetchone() == (32,)
+        info = store.job_inspect(dead)
+        assert (len(info.attempts), info.attempts_dropped) == (ATTEMPTS_KEPT, 8)
+        outcomes = [a.outcome for a in info.attempts[:4]]
+        assert outcomes == [
+            AttemptOutcome.FAILED,
+            AttemptOutcome.EXPIRED,
+            AttemptOutcome.TIMED_OUT,
+            AttemptOutcome.INTERRUPTED,
+        ]
+        first = AttemptEntry(9, AttemptOutcome.FAILED, None, T0 + 9, None, "boom")
+        assert info.attempts[0] == first
+        assert [e.error for e in info.errors] == errors[8:]
+        assert store.job_inspect(done).attempts == (
+            AttemptEntry(1, AttemptOutcome.SUCCEEDED, None, T0 + 50, "w2"),
+        )
+        assert store.job_inspect(leased).attempts == (
+            AttemptEntry(1, AttemptOutcome.RUNNING, None, None, "w1"),
+        )
+        # The lease held across the migration ends with its history written as today's.
+        store.jobs_fail(leased, "w1", "t", "late", True, T0 + 100)
+        assert store.job_inspect(leased).attempts == (
+            AttemptEntry(1, AttemptOutcome.FAILED, None, T0 + 100, "w1", "late"),
+        )
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_10_file_migrates_to_the_job_browsers_index_and_lists_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 10)
+        store = SqliteStore.open(path)
+        first, second = (r.job_id for r in store.jobs_submit([spec(), spec()], T0))
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
+        store.jobs_ack(lease.job_id, "w1", lease.token, None, T0 + 1)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 10
+    assert (
+        conn.execute("SELECT name FROM sqlite_master WHERE name = 'jobs_queue_state'").fetchall()
+        == []
+    )
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        everyone = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
+        jobs, cursor = store.jobs_list("q", everyone, None, None, 10)
+        assert [(job.job_id, job.state) for job in jobs] == [
+            (second, "ready"),
+            (first, "succeeded"),
+        ]
+        assert cursor is None
+        assert store.dead_purge_queue("q", 10, ("succeeded",)) == 1
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION

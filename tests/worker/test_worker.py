@@ -386,6 +386,26 @@ async def test_a_failure_sends_its_traceback_and_logs_one_line(backend, kind):
     assert written["message"] == dead.getMessage()
 
 
+async def test_a_handlers_traceback_is_in_its_attempt_with_its_worker_and_times(backend):
+    submitted = await backend.client.submit("q", {"n": 7}, retries=0)
+
+    def handler(job: LeasedJob) -> None:
+        parse_the_row(job.payload)
+
+    worker = make_worker(backend.target, handler=handler, worker_id="w-attempts")
+    async with running(worker):
+        view = await wait_for_state(backend.client, submitted.job_id, "dead")
+    [attempt] = view.attempts
+    assert (attempt.attempt, attempt.outcome, attempt.worker_id) == (1, "failed", "w-attempts")
+    assert attempt.error == "ValueError: row 7 has no amount"
+    assert attempt.traceback is not None and attempt.traceback == view.errors[0].traceback
+    assert ", in parse_the_row\n" in attempt.traceback
+    assert attempt.traceback.endswith(attempt.error)
+    assert attempt.started_at is not None and attempt.ended_at is not None
+    assert attempt.started_at <= attempt.ended_at == view.finished_at
+    assert view.attempts_dropped == 0
+
+
 def handle_labelled(label: str, job: LeasedJob) -> None:
     parse_the_row(job.payload)
 

@@ -213,6 +213,13 @@ class Listener:
         """Close the listening sockets; sessions already open go on."""
         self._accepting.cancel()
 
+    def use_tls(self, context: ssl.SSLContext) -> None:
+        """Connections accepted from now on shake hands with ``context`` (a reloaded
+        certificate and key: relay/server/reload.py); those open keep theirs. Only a
+        listener that has TLS may change its context."""
+        assert self._tls_context is not None, "TLS is configured at start"
+        self._tls_context = context
+
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Run until cancelled. Cancellation ends every session (the nursery owns them)."""
         async with trio.open_nursery() as sessions:

@@ -234,6 +234,14 @@ class Session(DirectReplies):
         self._closing("unauthorized")
         self._reading.cancel()
 
+    def revoke(self) -> None:
+        """Its token was removed or given another role by a reload of the token file, and
+        the grace is over (relay/server/reload.py): take no more requests, write the
+        replies owed, then close (a WebSocket with the policy code)."""
+        event(log, logging.INFO, "auth.revoked", peer=self.peer, role=self.role.label)
+        self._closing("unauthorized")
+        self._reading.cancel()
+
     def flush(self) -> None:
         self._outbox.flush()
 

@@ -1,5 +1,6 @@
-"""``GET /metrics`` (Prometheus text format), ``GET /healthz`` and the dashboard page
-(``GET /``, relay/server/http/dashboard.py) over a small h11 handler.
+"""``GET /metrics`` (Prometheus text format), ``GET /healthz`` (ready), ``GET /livez``
+(alive) and the dashboard page (``GET /``, relay/server/http/dashboard.py) over a small h11
+handler.
 
 This is the only module that imports prometheus_client. Core components expose frozen
 ``statistics()`` snapshots and the store publishes its counts per queue (``QueueView``,
@@ -327,11 +328,13 @@ async def serve_metrics(
     authorize: Authorize | None = None,
     dashboard: Dashboard | None = None,
     *,
+    unready: Callable[[], str | None] = lambda: None,
     cache_s: float = DEFAULT_CACHE_S,
     head_timeout: float = HEAD_TIMEOUT_S,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve /metrics and /healthz, and with ``dashboard`` the page at /, until cancelled
+    """Serve /metrics, /healthz (ready: 200, or 503 with the word ``unready()`` gives),
+    /livez (200 while this loop answers), and with ``dashboard`` the page at /, until cancelled
     (one request per connection; who may connect, how long its request may take and, on
     loopback, which Host is answered: relay/server/http/admission.py). With ``authorize``, a request
     it refuses gets 401 and nothing else; the page needs no authorization (it holds no
@@ -344,7 +347,7 @@ async def serve_metrics(
     metrics = RenderCache(make, cache_s)
 
     async def respond(stream: trio.SocketStream, conn: h11.Connection, incoming: h11.Request):
-        await _exchange(stream, conn, incoming, metrics, authorize, dashboard)
+        await _exchange(stream, conn, incoming, metrics, authorize, dashboard, unready)
 
     await serve_http(listeners, respond, head_timeout=head_timeout, task_status=task_status)
 
@@ -356,6 +359,7 @@ async def _exchange(
     metrics: RenderCache,
     authorize: Authorize | None,
     dashboard: Dashboard | None,
+    unready: Callable[[], str | None],
 ) -> None:
     try:
         target = incoming.target.split(b"?", 1)[0]
@@ -379,6 +383,13 @@ async def _exchange(
                 event(log, logging.WARNING, "metrics.unavailable", error=repr(exc))
                 status, body = 503, b"unavailable\n"  # no error text
         elif target == b"/healthz":
+            # Ready for clients: the store open and the previous run's leases recovered,
+            # and not shutting down. A load balancer or orchestrator sends clients only
+            # while it answers 200.
+            reason = unready()
+            status, body = (200, b"ok\n") if reason is None else (503, f"{reason}\n".encode())
+        elif target == b"/livez":
+            # Alive: this event loop answers (the process is not stuck), ready or not.
             status, body = 200, b"ok\n"
         else:
             status, body = 404, b"not found\n"

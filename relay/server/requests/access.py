@@ -11,6 +11,7 @@ connection closed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ import trio
 
 from relay.protocol import wire
 from relay.protocol.errors import Unauthorized
-from relay.server.requests.auth import Role, Throttle, Tokens, required_role
+from relay.server.requests.auth import Role, Throttle, Tokens, _digest, required_role
 from relay.util.histogram import Histogram
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class Access:
         self.tokens = tokens
         self.first_role = Role.NONE if tokens is not None else Role.ADMIN
         self.throttle = Throttle()  # failed hellos, per peer host
+        # The digest of the token each connection said hello with: a reload of the token
+        # file (``use_tokens``) finds those whose token is gone or has another role.
+        self._said: weakref.WeakKeyDictionary[Connection, bytes] = weakref.WeakKeyDictionary()
         self._answer_now = answer_now
         self._histogram = histogram
         # The handlers each role may use; the others answer unauthorized.
@@ -71,8 +75,32 @@ class Access:
             reason = "no token" if token is None else "wrong token"
             self.refuse(connection, "hello", started, rid, reason)
             return False
+        assert token is not None
+        self._said[connection] = _digest(token)
         self.set_role(connection, role)
         return True
+
+    def use_tokens(self, tokens: Tokens) -> int:
+        """From now on, hellos are checked against ``tokens`` (a reload of the token file;
+        tokens stay on: a server started without them keeps none). Returns how many open
+        connections said hello with a token that is gone or now has another role:
+        ``stale`` names them, for closing after the grace (relay/server/reload.py)."""
+        assert self.tokens is not None, "tokens are configured at start, never turned on"
+        self.tokens = tokens
+        return len(self.stale())
+
+    def stale(self) -> list[Connection]:
+        """The open connections whose hello's token the tokens in force no longer give
+        their role (removed, or given another role). A later hello with a valid token
+        makes a connection current again."""
+        tokens = self.tokens
+        if tokens is None:
+            return []
+        return [
+            connection
+            for connection, digest in list(self._said.items())
+            if not connection.closed and tokens.role_of_digest(digest) is not connection.role
+        ]
 
     def forbidden(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         """An op the connection's role does not allow: unauthorized, and the connection

@@ -21,7 +21,7 @@ from relay.protocol.errors import RelayError, ShuttingDown, Unauthorized, Unknow
 from relay.server.requests import ops
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
+from relay.store.base import ATTEMPTS_KEPT, ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
 from relay.store.items import Item
 
 if TYPE_CHECKING:
@@ -41,14 +41,24 @@ def job_reply_bytes(limits: wire.Limits) -> int:
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
 
 
+def inspect_reply_bytes(limits: wire.Limits) -> int:
+    """The most an inspect reply can take: its job (``job_reply_bytes``) and the job's
+    attempts, the ATTEMPTS_KEPT ended ones with their errors and tracebacks and the one
+    running or succeeded, each with its worker id and fields."""
+    texts = ATTEMPTS_KEPT * 6 * (limits.max_error_bytes + limits.max_traceback_bytes)
+    entries = (ATTEMPTS_KEPT + 1) * (6 * limits.max_id_bytes + REPLY_OVERHEAD_BYTES)
+    return job_reply_bytes(limits) + texts + entries
+
+
 class AdminHandlers:
     """Handlers of ``Dispatcher``. They use the dispatcher's ``writer``, ``limits``,
-    ``watchers``, ``_job_bytes`` (``job_reply_bytes``) and its accounting: ``_typed``,
+    ``watchers``, ``_job_bytes`` (``job_reply_bytes``), ``_inspect_bytes``
+    (``inspect_reply_bytes``) and its accounting: ``_typed``,
     ``_queue``, ``_answer_now``, ``_count_in``, ``answered``."""
 
     def _inspect(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         r = self._typed(fields, "inspect")
-        args = ops.Reserving((r.job_id, r.prefix), self._job_bytes)
+        args = ops.Reserving((r.job_id, r.prefix), self._inspect_bytes)
         connection.reserve(args.reserved)
         self._queue(connection, (ops.INSPECT, connection, rid, started, args))
 
@@ -65,13 +75,29 @@ class AdminHandlers:
         connection.reserve(args.reserved)
         self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
 
+    def _jobs_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # No reservation: a page of at most MAX_JOBS_LIST summaries, each a few KiB at
+        # most (no payload, result or history; keys, worker id and a cut last error), as
+        # a queue_list page is small.
+        r = self._typed(fields, "jobs_list")
+        args = (r.queue, r.chosen_states, r.search, r.cursor, r.limit, r.order == "newest")
+        self._queue(connection, (ops.JOBS_LIST, connection, rid, started, args))
+
+    def _promote(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        job_id = self._typed(fields, "promote").job_id
+        self._queue(connection, (ops.PROMOTE, connection, rid, started, job_id))
+
     def _dead_retry(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_retry")
-        self._dead(connection, rid, started, request, ops.DEAD_RETRY, cmd.DeadRetryQueue)
+        states = tuple(request.states or ("dead",))
+        chunk = lambda queue, limit: cmd.DeadRetryQueue(queue, limit, states)  # noqa: E731
+        self._dead(connection, rid, started, request, ops.DEAD_RETRY, chunk)
 
     def _dead_purge(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "dead_purge")
-        self._dead(connection, rid, started, request, ops.DEAD_PURGE, cmd.DeadPurgeQueue)
+        states = tuple(request.states or ("dead",))
+        chunk = lambda queue, limit: cmd.DeadPurgeQueue(queue, limit, states)  # noqa: E731
+        self._dead(connection, rid, started, request, ops.DEAD_PURGE, chunk)
 
     def _dead(
         self,
@@ -141,6 +167,27 @@ class AdminHandlers:
         finally:
             # Also when cancelled (the connection closed): the request must be accounted
             # as answered, or shutdown would wait for it until its deadline.
+            self.answered(connection, item, trio.current_time())
+            connection.reply(data)
+
+    def _reload(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        self._typed(fields, "reload")
+        reloader = self.reloader
+        if reloader is None:  # the embedded mode: no token file, no certificate
+            nothing = {"tokens": None, "tls": False, "closing": 0, "grace_ms": 0, "errors": []}
+            self._answer_now(connection, "reload", started, wire.encode_ok(rid, nothing))
+            return
+        # Files are read in a thread: a task in the connection's nursery, as a whole
+        # queue's dead letters are, accounted until answered.
+        self._count_in(connection)
+        item = (ops.RELOAD, connection, rid, started, None)
+        connection.nursery.start_soon(self._reload_task, connection, item, reloader)
+
+    async def _reload_task(self, connection: Connection, item: Item, reloader: Callable) -> None:
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
+        try:
+            data = wire.encode_ok(item[2], await reloader("op"))
+        finally:
             self.answered(connection, item, trio.current_time())
             connection.reply(data)
 

@@ -22,7 +22,7 @@ import os
 import socket
 import stat
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -92,6 +92,12 @@ OP_ROLES: dict[str, Role] = {
     # (an extension) A producer may cancel one job that has not started; a leased job, or
     # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
     "cancel": Role.PRODUCER,
+    # (an extension) Reading the token file and the TLS pair again: an admin's.
+    "reload": Role.ADMIN,
+    # Extensions: the job browser shows what inspect and stats show; a promote changes
+    # when a job runs: an admin's.
+    "jobs_list": Role.PRODUCER,
+    "promote": Role.ADMIN,
 }
 
 ROLES_BY_NAME = {role.label: role for role in Role if role is not Role.NONE}
@@ -125,6 +131,14 @@ class Tokens:
             if hmac.compare_digest(candidate, digest):
                 found = role
         return found
+
+    def role_of_digest(self, digest: bytes) -> Role | None:
+        """The role of the token whose digest is ``digest``, or None (a token removed by a
+        reload: relay/server/reload.py). Not for a client's token: see ``role_of``."""
+        for known, role in self.entries:
+            if known == digest:
+                return role
+        return None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -249,14 +263,16 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-def bearer_guard(tokens: Tokens, throttle: Throttle):
+def bearer_guard(tokens: Tokens | Callable[[], Tokens | None], throttle: Throttle):
     """An ``authorize`` for the metrics endpoint (relay/server/http/metrics.py): a request
     passes with ``Authorization: Bearer TOKEN`` of any role; a refusal counts as a failed
-    authentication, and is slowed like one."""
+    authentication, and is slowed like one. ``tokens`` may be a function that gives the
+    tokens in force (they change when the token file is reloaded)."""
 
     async def authorize(headers: Iterable[tuple[bytes, bytes]], peer: str) -> bool:
         token = bearer_token(headers)
-        if token is not None and tokens.role_of(token) is not None:
+        current = tokens() if callable(tokens) else tokens
+        if token is not None and current is not None and current.role_of(token) is not None:
             return True
         reason = "metrics without a token" if token is None else "metrics with a wrong token"
         await trio.sleep(throttle.failed(peer, reason, trio.current_time()))

@@ -33,3 +33,6 @@ class Connection(Protocol):
     def still_wanted(self) -> bool: ...  # asked by the writer thread (Session.still_wanted)
     # Answer with ``data`` after ``delay`` seconds and close: read and run nothing more.
     def refuse(self, data: bytes, delay: float) -> None: ...
+    # Its token was removed (or given another role) by a reload and the grace is over:
+    # take no more requests, answer those taken, and close (relay/server/reload.py).
+    def revoke(self) -> None: ...

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -35,7 +35,7 @@ from relay.protocol.errors import (
 )
 from relay.server.requests import ops
 from relay.server.requests.access import Access
-from relay.server.requests.admin import AdminHandlers, job_reply_bytes
+from relay.server.requests.admin import AdminHandlers, inspect_reply_bytes, job_reply_bytes
 from relay.server.requests.auth import Role, Tokens
 from relay.server.requests.connection import Connection
 from relay.server.requests.durations import AnsweredNow, Durations
@@ -103,7 +103,11 @@ class Dispatcher(AdminHandlers):
         self._idle = trio.Event()
         self.idle_wanted = 0  # wait_idle under way (read by the writer thread)
         self.leasing = True  # cleared at shutdown: leases answer no jobs at once
+        # The ``reload`` op's work (relay/server/reload.py), which the server sets: it
+        # returns the reply's fields. None: nothing to reload (the embedded mode).
+        self.reloader: Callable[[str], Awaitable[dict[str, Any]]] | None = None
         self._job_bytes = job_reply_bytes(limits)  # (admin.py)
+        self._inspect_bytes = inspect_reply_bytes(limits)
         handlers: dict[str, Callable[[Connection, Any, float, dict], None]] = {
             "hello": self._hello,
             "ping": self._ping,
@@ -122,6 +126,8 @@ class Dispatcher(AdminHandlers):
             "dead_retry": self._dead_retry,
             "dead_purge": self._dead_purge,
             "cancel": self._cancel,
+            "jobs_list": self._jobs_list,
+            "promote": self._promote,
             "watch": self._watch,
             "unwatch": self._unwatch,
             "queue_pause": self._queue_pause,
@@ -133,6 +139,7 @@ class Dispatcher(AdminHandlers):
             "schedule_pause": self._schedule_pause,
             "schedule_resume": self._schedule_resume,
             "schedule_list": self._schedule_list,
+            "reload": self._reload,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

@@ -324,7 +324,7 @@ class _Inspect(RequestOp):
         return store.job_inspect_prefix(job_id) if prefix else store.job_inspect(job_id)
 
     def fields(self, outcome: JobInfo, args: Any) -> dict[str, Any]:
-        return {"job": wire.job_fields(outcome)}
+        return {"job": wire.job_fields(outcome, attempts=True)}
 
 
 class _ShortIds(RequestOp):
@@ -348,6 +348,27 @@ class _DeadList(RequestOp):
     def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
         jobs, next_cursor = outcome
         return {"jobs": [wire.job_fields(job) for job in jobs], "next_cursor": next_cursor}
+
+
+class _JobsList(RequestOp):
+    """``jobs_list``: args is (queue, states, search, cursor, limit, newest)."""
+
+    def run(self, store: Store, now: int, args: tuple) -> Any:
+        return store.jobs_list(*args)
+
+    def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
+        jobs, next_cursor = outcome
+        return {"jobs": [wire.job_summary_fields(job) for job in jobs], "next_cursor": next_cursor}
+
+
+class _Promote(RequestOp):
+    """``promote``: args is the job's id."""
+
+    def run(self, store: Store, now: int, job_id: str) -> Any:
+        return store.job_promote(job_id, now)
+
+    def fields(self, outcome: JobState, args: Any) -> dict[str, Any]:
+        return {"job_id": args, "state": "ready", "was": str(outcome)}
 
 
 class _Stats(RequestOp):
@@ -550,11 +571,14 @@ INSPECT = _Inspect("inspect")
 SHORT_IDS = _ShortIds("short_ids")
 DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
+JOBS_LIST = _JobsList("jobs_list")
+PROMOTE = _Promote("promote")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
 CANCEL = _Cancel("cancel")
 WATCH = _Watch("watch")
 QUEUE_PAUSE = _QueuePause("queue_pause")
+RELOAD = RequestOp("reload")  # (answered by its task: relay/server/requests/admin.py)
 QUEUE_RESUME = _QueuePause("queue_resume")
 QUEUE_LIST = _QueueList("queue_list")
 QUEUE_CONFIG = _QueueConfig("queue_config")

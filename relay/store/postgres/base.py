@@ -18,7 +18,7 @@ from psycopg.pq import TransactionStatus
 
 from relay.protocol.model import Rate
 from relay.store import claims as claims_
-from relay.store.base import LEASED, READY, Changes, StoreConfig
+from relay.store.base import ATTEMPTS_KEPT, LEASED, READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 from relay.store.postgres import notify
 from relay.store.postgres.schema import open_connection
@@ -74,6 +74,23 @@ _MARKED = (
     "AND queue > %s AND (%s::text IS NULL OR queue <= %s)"
 )
 _MARKS_OF = _MARKS + "queue = ANY(%s)"
+
+
+# The attempts of leased jobs ended otherwise (release, cancel), from their rows as they
+# are, with their count of ended attempts, for ``_trim_history``.
+_END_LEASES = (
+    "WITH e AS (INSERT INTO job_errors (job_id, attempt, error, at, started_at, worker, "
+    "outcome) SELECT id, attempt, %(error)s, %(now)s, leased_at, lease_worker, %(outcome)s "
+    "FROM jobs WHERE id = ANY(%(ids)s) RETURNING job_id) "
+    "UPDATE jobs SET attempts_ended = attempts_ended + 1 FROM e WHERE jobs.id = e.job_id "
+    "RETURNING jobs.id, jobs.attempts_ended"
+)
+# A job's rows past the ATTEMPTS_KEPT most recent: a scan of job_errors_job (job_id, seq)
+# that reads at most ATTEMPTS_KEPT + 1 entries.
+_TRIM_HISTORY = (
+    "DELETE FROM job_errors WHERE job_id = %(id)s AND seq <= (SELECT seq FROM job_errors "
+    f"WHERE job_id = %(id)s ORDER BY seq DESC OFFSET {ATTEMPTS_KEPT} LIMIT 1)"
+)
 
 
 class PostgresBase(CountsBook):
@@ -211,6 +228,19 @@ class PostgresBase(CountsBook):
         if cursor.rowcount > 0:
             self._rows += cursor.rowcount
         return cursor
+
+    def _end_leases(self, keys: list[int], outcome: str, error: str, now: int) -> None:
+        """Record the attempts of these leased jobs as ended now with ``outcome`` (before
+        their rows change), and keep each job's history to its bound."""
+        params = {"ids": keys, "error": error, "now": now, "outcome": outcome}
+        ended = self._write(_END_LEASES, params).fetchall()
+        self._trim_history([key for key, n in ended if n > ATTEMPTS_KEPT])
+
+    def _trim_history(self, keys: list[int]) -> None:
+        """Delete these jobs' ended attempts past the ATTEMPTS_KEPT most recent: called
+        only for jobs whose ``attempts_ended`` passed it, so most writes never run it."""
+        for key in keys:
+            self._write(_TRIM_HISTORY, {"id": key})
 
     # -- transactions (used by the writer) -------------------------------------------------
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.protocol.model import JobState, parse_job_id
-from relay.store.base import CANCELLED, check_cancel
+from relay.protocol.model import AttemptOutcome, JobState, parse_job_id
+from relay.store.base import CANCELLED, LEASED, check_cancel
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
 
@@ -78,6 +78,9 @@ class Cancel(PostgresBase):
         """Count and record these jobs (key, state it was in, attempt) as cancelled."""
         if not rows:
             return
+        leased = [key for key, state, _attempt in rows if state == LEASED]
+        if leased:  # their attempts ended (their rows keep worker and start)
+            self._end_leases(leased, AttemptOutcome.CANCELLED.value, "", now)
         for _key, state, _attempt in rows:
             self._move(queue, state, CANCELLED)
         self._count(queue, "cancelled", len(rows))

@@ -8,8 +8,11 @@ that two servers emptying one queue share the work.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import JobState, parse_job_id
+from relay.store.base import PURGEABLE, RETRYABLE
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
 
@@ -31,6 +34,11 @@ _PURGE_QUEUE = (
     "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
     "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
 )
+
+# The same of another finished state (cancelled, succeeded: a bulk retry or purge), a scan
+# of jobs_queue_state; dead ones keep the statements above, on jobs_dead_queue.
+_REVIVE_STATE = _REVIVE_QUEUE.replace("state = 'dead'", "state = %s", 1)
+_PURGE_STATE = _PURGE_QUEUE.replace("state = 'dead'", "state = %s", 1)
 
 
 class DeadLetters(PostgresBase):
@@ -61,21 +69,32 @@ class DeadLetters(PostgresBase):
         return 1
 
     @atomic
-    def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
-        """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
-        while it returns ``limit``: each call is one bounded piece of work."""
-        keys = sorted(key for (key,) in self._write(_REVIVE_QUEUE, (queue, limit, now)))
-        self._revived(keys, queue, now)
-        return len(keys)
+    def dead_retry_queue(
+        self, queue: str, now: int, limit: int, states: Sequence[str] = (DEAD,)
+    ) -> int:
+        """Make up to ``limit`` jobs of ``queue`` in ``states`` (dead, cancelled) ready;
+        return how many. Call again while it returns ``limit``: each call is one bounded
+        piece of work."""
+        done = 0
+        for state in RETRYABLE:
+            if state in states and done < limit:
+                if state == DEAD:
+                    sql, params = _REVIVE_QUEUE, (queue, limit - done, now)
+                else:
+                    sql, params = _REVIVE_STATE, (state, queue, limit - done, now)
+                keys = sorted(key for (key,) in self._write(sql, params))
+                self._revived(keys, queue, now, state)
+                done += len(keys)
+        return done
 
-    def _revived(self, keys: list[int], queue: str, now: int) -> None:
+    def _revived(self, keys: list[int], queue: str, now: int, state: str = DEAD) -> None:
         if not keys:
             return
-        self._move(queue, DEAD, READY, len(keys))
+        self._move(queue, state, READY, len(keys))
         self.changes.ready_queues.add(queue)
         if self.recording:  # with fresh attempts
             for key in keys:
-                self._record(key, queue, "dead", "ready", 0, now)
+                self._record(key, queue, state, "ready", 0, now)
 
     @atomic
     def dead_purge(self, job_id: str) -> int:
@@ -86,9 +105,18 @@ class DeadLetters(PostgresBase):
         return 1
 
     @atomic
-    def dead_purge_queue(self, queue: str, limit: int) -> int:
-        """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
-        n = len(self._write(_PURGE_QUEUE, (queue, limit)).fetchall())
-        if n:
-            self._move(queue, DEAD, None, n)
-        return n
+    def dead_purge_queue(self, queue: str, limit: int, states: Sequence[str] = (DEAD,)) -> int:
+        """Delete up to ``limit`` jobs of ``queue`` in ``states`` (dead, succeeded,
+        cancelled); return how many (see retry)."""
+        done = 0
+        for state in PURGEABLE:
+            if state in states and done < limit:
+                if state == DEAD:
+                    sql, params = _PURGE_QUEUE, (queue, limit - done)
+                else:
+                    sql, params = _PURGE_STATE, (state, queue, limit - done)
+                n = len(self._write(sql, params).fetchall())
+                if n:
+                    self._move(queue, state, None, n)
+                done += n
+        return done

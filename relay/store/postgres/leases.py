@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from relay.protocol.errors import RelayError
 from relay.protocol.model import (
     TIMEOUT_GRACE_MS,
+    AttemptOutcome,
     Backoff,
     FailOutcome,
     Lease,
@@ -26,6 +27,7 @@ from relay.protocol.model import (
 )
 from relay.store import claims as claims_
 from relay.store.base import (
+    ATTEMPTS_KEPT,
     DEAD,
     LEASED,
     READY,
@@ -71,11 +73,12 @@ _LOCK_LIMITS = (
 _SET_WINDOW = (
     "UPDATE queue_settings SET rate_window_start = %s, rate_window_count = %s WHERE queue = %s"
 )
-# A job with an execution timeout gets its attempt's deadline (its expiry is already no
-# later than that: claims.grant).
+# The attempt starts now (``leased_at``); a job with an execution timeout gets its
+# attempt's deadline (its expiry is already no later than that: claims.grant).
 _CLAIM = (
     "UPDATE jobs SET state = 'leased', attempt = jobs.attempt + 1, lease_token = v.token, "
-    "lease_worker = v.worker, lease_expires_at = v.expires_at, deadline_at = CASE WHEN "
+    "lease_worker = v.worker, lease_expires_at = v.expires_at, leased_at = %s, "
+    "deadline_at = CASE WHEN "
     f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
     "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
     "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id "
@@ -86,7 +89,7 @@ _CLAIM = (
 _LEASE_COLUMNS = (
     "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
     "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, "
-    "deadline_at"
+    "deadline_at, leased_at, attempts_ended"
 )
 _LEASE_ROW = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = %s FOR UPDATE"
 # In id order: two servers locking the same rows lock them in the same order.
@@ -100,12 +103,14 @@ _ACK_MANY = (
     "lease_expires_at = NULL FROM unnest(%s::bigint[], %s::text[]) AS v(id, result) "
     "WHERE jobs.id = v.id"
 )
-# A failed attempt: its error in the history and on the job, in one statement.
+# A failed attempt: its row in the history (its start and worker from the lease's row),
+# its error on the job and one more ended attempt counted, in one statement.
 _FAILED = (
-    "WITH e AS (INSERT INTO job_errors (job_id, attempt, error, at, traceback) "
-    "VALUES (%(id)s, %(attempt)s, %(error)s, %(now)s, %(traceback)s) RETURNING job_id, error) "
-    "UPDATE jobs SET {changes}, last_error = e.error, lease_expires_at = NULL "
-    "FROM e WHERE jobs.id = e.job_id"
+    "WITH e AS (INSERT INTO job_errors (job_id, attempt, error, at, traceback, started_at, "
+    "worker, outcome) VALUES (%(id)s, %(attempt)s, %(error)s, %(now)s, %(traceback)s, "
+    "%(started_at)s, %(worker)s, 'failed') RETURNING job_id, error) "
+    "UPDATE jobs SET {changes}, last_error = e.error, lease_expires_at = NULL, "
+    "attempts_ended = jobs.attempts_ended + 1 FROM e WHERE jobs.id = e.job_id"
 )
 _FAILED_RETRYING = _FAILED.format(changes="state = 'retrying', run_at = %(at)s")
 _FAILED_DEAD = _FAILED.format(changes="state = 'dead', finished_at = %(at)s")
@@ -174,6 +179,7 @@ class Leases(PostgresBase):
             for key, attempt, max_attempts, payload, slot in self._write(
                 _CLAIM,
                 (
+                    now,  # the attempt's start
                     now,
                     [u[0] for u in updates],
                     [u[1] for u in updates],
@@ -363,12 +369,15 @@ class Leases(PostgresBase):
             "error": encode_text(truncate_utf8(error, self.config.max_error_bytes)),
             "now": now,
             "traceback": traceback or None,
+            "started_at": row[13],
+            "worker": row[6],
         }
         self._count(queue, "failed")
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
             self._write(_FAILED_RETRYING, {**params, "at": retry_at})
+            self._failed_trim(key, row[14])
             self._move(queue, LEASED, RETRYING)
             self._count(queue, "retried")
             self.changes.due(retry_at)
@@ -376,11 +385,18 @@ class Leases(PostgresBase):
                 self._record(key, queue, "leased", "retrying", attempt, now)
             return FailOutcome(RETRYING, retry_at)
         self._write(_FAILED_DEAD, {**params, "at": now})
+        self._failed_trim(key, row[14])
         self._move(queue, LEASED, DEAD)
         self._count(queue, "dead")
         if self.recording:
             self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
+
+    def _failed_trim(self, key: int, ended: int) -> None:
+        """After a fail's row: the oldest rows go once the job's history passes its bound
+        (``ended``: its ended attempts before this one)."""
+        if ended >= ATTEMPTS_KEPT:
+            self._trim_history([key])
 
     @atomic
     def jobs_release(self, job_id: str, worker_id: str, token: str, now: int) -> None:
@@ -388,6 +404,7 @@ class Leases(PostgresBase):
         before this lease, and it keeps its place (ready_at) in the queue."""
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
+        self._end_leases([row[0]], AttemptOutcome.RELEASED.value, "", now)
         self._write(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = %s",

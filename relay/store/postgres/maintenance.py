@@ -12,7 +12,7 @@ dies: the remaining ones carry on at their own pace.
 from __future__ import annotations
 
 from relay.protocol.model import JobState, format_job_id
-from relay.store.base import LEASE_EXPIRED_ERROR, Reaped
+from relay.store.base import ATTEMPTS_KEPT, LEASE_EXPIRED_ERROR, Reaped
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
 
@@ -31,21 +31,25 @@ _PROMOTE = (
 # its attempt's deadline: model.timeout_error), and lease_expires_at stays, so that the
 # old token keeps answering lease_expired.
 _REAP = (
-    "WITH expired AS (SELECT id, attempt, max_attempts, lease_expires_at, "
+    "WITH expired AS (SELECT id, attempt, max_attempts, lease_expires_at, leased_at, "
+    "lease_worker, deadline_at IS NOT NULL AND lease_expires_at >= deadline_at AS timed_out, "
     "CASE WHEN deadline_at IS NOT NULL AND lease_expires_at >= deadline_at "
     "THEN 'timed out after ' || timeout_ms || ' ms' ELSE %(error)s END AS error FROM jobs "
     "WHERE state = 'leased' AND lease_expires_at <= %(now)s "
     "ORDER BY lease_expires_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
-    "errors AS (INSERT INTO job_errors (job_id, attempt, error, at) "
-    "SELECT id, attempt, error, %(now)s FROM expired ORDER BY lease_expires_at, id) "
-    "UPDATE jobs SET last_error = e.error, "
+    "errors AS (INSERT INTO job_errors (job_id, attempt, error, at, started_at, worker, "
+    "outcome) SELECT id, attempt, error, %(now)s, leased_at, lease_worker, "
+    "CASE WHEN timed_out THEN 'timed_out' ELSE 'expired' END "
+    "FROM expired ORDER BY lease_expires_at, id) "
+    "UPDATE jobs SET last_error = e.error, attempts_ended = jobs.attempts_ended + 1, "
     "state = CASE WHEN e.attempt < e.max_attempts THEN 'ready' ELSE 'dead' END, "
     "ready_at = CASE WHEN e.attempt < e.max_attempts THEN e.lease_expires_at "
     "ELSE jobs.ready_at END, "
     "finished_at = CASE WHEN e.attempt < e.max_attempts THEN jobs.finished_at "
     "ELSE %(now)s END "
     "FROM expired AS e WHERE jobs.id = e.id "
-    "RETURNING jobs.id, jobs.queue, jobs.state, jobs.attempt, e.lease_expires_at"
+    "RETURNING jobs.id, jobs.queue, jobs.state, jobs.attempt, e.lease_expires_at, "
+    "jobs.attempts_ended"
 )
 _PRUNE_KEYS = (
     "DELETE FROM idempotency_keys WHERE (queue, key) IN (SELECT queue, key "
@@ -100,8 +104,10 @@ class Maintenance(PostgresBase):
         ).fetchall()
         if len(rows) > 1:  # in the order of their expiry
             rows.sort(key=lambda row: (row[4], row[0]))
+        # (attempts_ended as updated: this attempt counted)
+        self._trim_history([row[0] for row in rows if row[5] > ATTEMPTS_KEPT])
         reaped = []
-        for key, queue, state, attempt, _expired_at in rows:
+        for key, queue, state, attempt, _expired_at, _ended in rows:
             self._count(queue, "expired")
             if state == DEAD:
                 self._count(queue, "dead")

@@ -13,17 +13,17 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import JobNotFound
 from relay.protocol.model import (
-    ErrorEntry,
     JobInfo,
     JobState,
     format_job_id,
     job_id_keys,
     parse_job_id,
 )
-from relay.store.base import ERRORS_SHOWN
+from relay.store.base import ATTEMPTS_KEPT
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import decode_text
 from relay.store.rows import (
+    HISTORY_COLUMNS,
     JOB_COLUMNS,
     PREFIX_KEYS_READ,
     cursor_bound,
@@ -48,11 +48,11 @@ _NEIGHBOURS = (
     "|| ARRAY(SELECT id FROM jobs WHERE id >= k ORDER BY id LIMIT 2) "
     "FROM unnest(%s::bigint[]) WITH ORDINALITY AS given(k, n) ORDER BY n"
 )
-# The most recent ERRORS_SHOWN entries of each job, oldest first: the history of a job
-# with a thousand retries would not fit a reply.
-_ERRORS = (
-    "SELECT job_id, attempt, error, at, traceback FROM (SELECT job_id, attempt, error, at, "
-    "traceback, seq, row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
+# The most recent ATTEMPTS_KEPT ended attempts of each job, oldest first (a job keeps no
+# more: base.ATTEMPTS_KEPT; the window bounds the read anyway).
+_HISTORY = (
+    f"SELECT job_id, {HISTORY_COLUMNS} FROM (SELECT job_id, {HISTORY_COLUMNS}, "
+    "seq, row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
     "FROM job_errors WHERE job_id = ANY(%s)) AS e WHERE back <= %s ORDER BY seq"
 )
 # Per queue, the least of each priority's first ready_at in jobs_ready.
@@ -113,14 +113,11 @@ class Reads(PostgresBase):
         ]
 
     def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
-        errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
+        history: dict[int, list[tuple]] = {row[0]: [] for row in rows}
         if rows:
-            for key, attempt, error, at, traceback in self._read(
-                _ERRORS, (list(errors), ERRORS_SHOWN)
-            ):
-                entry = ErrorEntry(attempt, decode_text(error), at, decode_text(traceback))
-                errors[key].append(entry)
-        return [job_info(row, errors[row[0]], decode_text) for row in rows]
+            for key, *entry in self._read(_HISTORY, (list(history), ATTEMPTS_KEPT)):
+                history[key].append(entry)
+        return [job_info(row, history[row[0]], decode_text) for row in rows]
 
     def queue_stats(self) -> dict[str, dict[str, int]]:
         """Jobs per queue and state (every state present, zeros included), over every

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 12
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -259,6 +259,35 @@ def _v10_schedule_defaults_and_refusals(conn: psycopg.Connection) -> None:
     )
 
 
+def _v11_attempt_history(conn: psycopg.Connection) -> None:
+    # As SQLite's version 10: each ended attempt's start, worker and outcome; the start of
+    # the job's latest attempt; its ended attempts counted; the histories cut to the last
+    # 32 rows. ADD COLUMN with a constant default rewrites no row.
+    conn.execute(
+        "ALTER TABLE job_errors ADD COLUMN started_at bigint, ADD COLUMN worker text, "
+        "ADD COLUMN outcome text"
+    )
+    conn.execute(
+        "ALTER TABLE jobs ADD COLUMN leased_at bigint, "
+        "ADD COLUMN attempts_ended integer NOT NULL DEFAULT 0"
+    )
+    conn.execute(
+        "UPDATE jobs SET attempts_ended = c.n FROM (SELECT job_id, count(*) AS n "
+        "FROM job_errors GROUP BY job_id) AS c WHERE jobs.id = c.job_id"
+    )
+    conn.execute(
+        "DELETE FROM job_errors WHERE seq IN (SELECT seq FROM (SELECT seq, "
+        "row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
+        "FROM job_errors) AS e WHERE back > 32)"
+    )
+
+
+def _v12_job_browser(conn: psycopg.Connection) -> None:
+    # The job browser (jobs_list) and the bulk retry and purge of a queue's jobs by state,
+    # as in SQLite: every job under (queue, state), by id.
+    conn.execute("CREATE INDEX jobs_queue_state ON jobs (queue, state, id)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -271,6 +300,8 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     8: _v8_queue_limits,
     9: _v9_schedules,
     10: _v10_schedule_defaults_and_refusals,
+    11: _v11_attempt_history,
+    12: _v12_job_browser,
 }
 
 

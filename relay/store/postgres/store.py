@@ -32,6 +32,7 @@ import random
 
 from relay.store.base import StoreConfig
 from relay.store.postgres.base import PostgresBase
+from relay.store.postgres.browse import Browse
 from relay.store.postgres.cancel import Cancel
 from relay.store.postgres.dead import DeadLetters
 from relay.store.postgres.jobs import Jobs
@@ -44,7 +45,16 @@ from relay.store.postgres.settings import Settings
 
 
 class PostgresStore(
-    Jobs, Leases, Maintenance, DeadLetters, Cancel, Reads, Settings, Schedules, PostgresBase
+    Jobs,
+    Leases,
+    Maintenance,
+    DeadLetters,
+    Cancel,
+    Reads,
+    Settings,
+    Schedules,
+    Browse,
+    PostgresBase,
 ):
     """The job store on one PostgreSQL connection, which it owns.
 

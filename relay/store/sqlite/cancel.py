@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.protocol.model import JobState, format_job_id, parse_job_id
+from relay.protocol.model import AttemptOutcome, JobState, format_job_id, parse_job_id
 from relay.store.base import CANCELLABLE, CANCELLED, LEASED, check_cancel
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids, _json_rows, _json_select
 
@@ -75,6 +75,9 @@ class SqliteCancel(SqliteBase):
 
     def _cancelled(self, queue: str, rows: list[tuple[int, str, int]], now: int) -> None:
         """Count and record these jobs (key, state it was in, attempt) as cancelled."""
+        leased = [key for key, state, _attempt in rows if state == LEASED]
+        if leased:  # their attempts ended (their rows keep worker and start)
+            self._end_leases(leased, AttemptOutcome.CANCELLED.value, "", now)
         for key, state, _attempt in rows:
             if state == LEASED:
                 self._held.pop(format_job_id(key), None)

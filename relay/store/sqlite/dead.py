@@ -4,14 +4,23 @@ one job or a bounded piece of a queue at a time. Listing them is a read (reads.p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import parse_job_id
-from relay.store.base import DEAD, READY
+from relay.store.base import DEAD, PURGEABLE, READY, RETRYABLE
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids, _json_rows, _json_select
 
 _DEAD_OF_QUEUE_SQL = _json_select(
     "id, queue",
     "FROM jobs INDEXED BY jobs_dead_queue WHERE state = 'dead' AND queue = ? ORDER BY id LIMIT ?",
+)
+
+# A queue's jobs of another finished state (cancelled, succeeded), for a bulk retry or
+# purge: a seek of jobs_queue_state.
+_OF_QUEUE_STATE_SQL = _json_select(
+    "id, queue",
+    "FROM jobs INDEXED BY jobs_queue_state WHERE queue = ? AND state = ? ORDER BY id LIMIT ?",
 )
 
 
@@ -36,14 +45,26 @@ class SqliteDead(SqliteBase):
         self._revive([(key, queue)], now)
         return 1
 
-    def dead_retry_queue(self, queue: str, now: int, limit: int) -> int:
-        """Make up to ``limit`` dead jobs of ``queue`` ready; return how many. Call again
-        while it returns ``limit``: each call is one bounded piece of work."""
-        rows = _json_rows(self._db, _DEAD_OF_QUEUE_SQL, (queue, limit))
-        self._revive(rows, now)
-        return len(rows)
+    def dead_retry_queue(
+        self, queue: str, now: int, limit: int, states: Sequence[str] = (DEAD,)
+    ) -> int:
+        """Make up to ``limit`` jobs of ``queue`` in ``states`` (dead, cancelled) ready;
+        return how many. Call again while it returns ``limit``: each call is one bounded
+        piece of work."""
+        done = 0
+        for state in RETRYABLE:
+            if state in states and done < limit:
+                rows = self._of_queue(queue, state, limit - done)
+                self._revive(rows, now, state)
+                done += len(rows)
+        return done
 
-    def _revive(self, rows: list[tuple[int, str]], now: int) -> None:
+    def _of_queue(self, queue: str, state: str, limit: int) -> list:
+        if state == DEAD:
+            return _json_rows(self._db, _DEAD_OF_QUEUE_SQL, (queue, limit))
+        return _json_rows(self._db, _OF_QUEUE_STATE_SQL, (queue, state, limit))
+
+    def _revive(self, rows: list[tuple[int, str]], now: int, state: str = DEAD) -> None:
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = 0, ready_at = ?, run_at = NULL, "
             "finished_at = NULL, lease_token = NULL, lease_worker = NULL, "
@@ -51,11 +72,11 @@ class SqliteDead(SqliteBase):
             (now, _json_ids([key for key, _queue in rows])),
         )
         for _key, queue in rows:
-            self._move(queue, DEAD, READY)
+            self._move(queue, state, READY)
             self.changes.ready_queues.add(queue)
         if self.recording:  # with fresh attempts
             for key, queue in rows:
-                self._record(key, queue, "dead", "ready", 0, now)
+                self._record(key, queue, state, "ready", 0, now)
 
     def dead_purge(self, job_id: str) -> int:
         """Delete one dead job and its history."""
@@ -63,8 +84,13 @@ class SqliteDead(SqliteBase):
         self._delete_jobs([(key, queue)], DEAD)
         return 1
 
-    def dead_purge_queue(self, queue: str, limit: int) -> int:
-        """Delete up to ``limit`` dead jobs of ``queue``; return how many (see retry)."""
-        rows = _json_rows(self._db, _DEAD_OF_QUEUE_SQL, (queue, limit))
-        self._delete_jobs(rows, DEAD)
-        return len(rows)
+    def dead_purge_queue(self, queue: str, limit: int, states: Sequence[str] = (DEAD,)) -> int:
+        """Delete up to ``limit`` jobs of ``queue`` in ``states`` (dead, succeeded,
+        cancelled); return how many (see retry)."""
+        done = 0
+        for state in PURGEABLE:
+            if state in states and done < limit:
+                rows = self._of_queue(queue, state, limit - done)
+                self._delete_jobs(rows, state)
+                done += len(rows)
+        return done

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from relay.protocol.errors import RelayError
 from relay.protocol.model import (
     TIMEOUT_GRACE_MS,
+    AttemptOutcome,
     Backoff,
     FailOutcome,
     Lease,
@@ -24,6 +25,7 @@ from relay.protocol.model import (
 )
 from relay.store import claims as claims_
 from relay.store.base import (
+    ATTEMPTS_KEPT,
     DEAD,
     LEASED,
     READY,
@@ -33,6 +35,7 @@ from relay.store.base import (
     check_lease,
 )
 from relay.store.sqlite.sql import (
+    _INSERT_ERROR,
     _JSON_IDS,
     _PRIORITIES_HIGH_FIRST,
     HELD_MAX,
@@ -47,13 +50,14 @@ from relay.store.sqlite.sql import (
 log = logging.getLogger("relay.store")
 
 _ACK_ROW = "(?, ?, ?, ?)"
+_FAILED, _RELEASED = AttemptOutcome.FAILED.value, AttemptOutcome.RELEASED.value
 _new_lease = tuple.__new__  # (a NamedTuple's own __new__ is a Python function)
 
 # A job's lease row: the columns ``check_lease`` reads, in its order, then the backoff.
 _LEASE_COLUMNS = (
     "id, queue, state, attempt, max_attempts, lease_token, lease_worker, "
     "lease_expires_at, backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, "
-    "deadline_at"
+    "deadline_at, leased_at, attempts_ended"
 )
 # The same for many jobs, as one row of JSON, without the backoff (what acks need).
 _ACK_ROWS_SQL = (
@@ -71,11 +75,12 @@ _ACK_HELD = (
 _LEASE_ROW_SQL = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE "
 
 # One statement leases a chunk of jobs, each with its own token, worker and expiry.
-# ?1 is now: a job with an execution timeout gets its attempt's deadline (its expiry,
-# column4, is already no later than that: claims.grant).
+# ?1 is now, the attempt's start: a job with an execution timeout gets its attempt's
+# deadline (its expiry, column4, is already no later than that: claims.grant).
 _CLAIM_UPDATE = (
     "UPDATE jobs SET state = 'leased', attempt = attempt + 1, lease_token = v.column2, "
-    "lease_worker = v.column3, lease_expires_at = v.column4, deadline_at = CASE WHEN "
+    "lease_worker = v.column3, lease_expires_at = v.column4, leased_at = ?1, "
+    "deadline_at = CASE WHEN "
     f"timeout_ms IS NULL THEN NULL ELSE ?1 + timeout_ms + {TIMEOUT_GRACE_MS} END "
     "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
 )
@@ -344,14 +349,19 @@ class SqliteLeases(SqliteBase):
         error = truncate_utf8(error, self.config.max_error_bytes)
         if traceback:
             traceback = truncate_utf8_end(traceback, self.config.max_traceback_bytes)
-        self._record_error(key, attempt, error, now, traceback or None)
+        # The attempt's row (its start and worker from the lease's row), and one more
+        # ended attempt counted in the job's update: the oldest row goes only past the bound.
+        entry = (key, attempt, error, now, traceback or None, row[13], row[6], _FAILED)
+        self._db.execute(_INSERT_ERROR, entry)
+        if row[14] >= ATTEMPTS_KEPT:
+            self._trim_history((key,))
         self._count(queue, "failed")
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
             self._db.execute(
                 "UPDATE jobs SET state = 'retrying', run_at = ?, last_error = ?, "
-                "lease_expires_at = NULL WHERE id = ?",
+                "lease_expires_at = NULL, attempts_ended = attempts_ended + 1 WHERE id = ?",
                 (retry_at, error, key),
             )
             self._move(queue, LEASED, RETRYING)
@@ -362,7 +372,7 @@ class SqliteLeases(SqliteBase):
             return FailOutcome(RETRYING, retry_at)
         self._db.execute(
             "UPDATE jobs SET state = 'dead', finished_at = ?, last_error = ?, "
-            "lease_expires_at = NULL WHERE id = ?",
+            "lease_expires_at = NULL, attempts_ended = attempts_ended + 1 WHERE id = ?",
             (now, error, key),
         )
         self._move(queue, LEASED, DEAD)
@@ -377,6 +387,7 @@ class SqliteLeases(SqliteBase):
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
         self._held.pop(format_job_id(row[0]), None)
+        self._end_leases((row[0],), _RELEASED, "", now)
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = ?",

@@ -5,8 +5,9 @@ loops (relay/server/services/maintenance.py) sleep until.
 
 from __future__ import annotations
 
-from relay.protocol.model import format_job_id, timeout_error
+from relay.protocol.model import AttemptOutcome, format_job_id, timeout_error
 from relay.store.base import (
+    ATTEMPTS_KEPT,
     CANCELLED,
     DEAD,
     LEASE_EXPIRED_ERROR,
@@ -27,12 +28,12 @@ from relay.store.sqlite.sql import (
 )
 
 _REAP_READY = (
-    "UPDATE jobs SET state = 'ready', ready_at = v.column2, last_error = v.column3 "
-    "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+    "UPDATE jobs SET state = 'ready', ready_at = v.column2, last_error = v.column3, "
+    "attempts_ended = attempts_ended + 1 FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
 )
 _REAP_DEAD = (
-    "UPDATE jobs SET state = 'dead', finished_at = ?1, last_error = v.column2 "
-    "FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
+    "UPDATE jobs SET state = 'dead', finished_at = ?1, last_error = v.column2, "
+    "attempts_ended = attempts_ended + 1 FROM (VALUES {values}) AS v WHERE jobs.id = v.column1"
 )
 _DUE_ROWS_SQL = _json_select(
     "id, queue, state",
@@ -44,9 +45,12 @@ _DUE_EVENT_ROWS_SQL = _json_select(
     "FROM jobs WHERE state IN ('pending', 'retrying') AND run_at <= ? ORDER BY run_at LIMIT ?",
 )
 _EXPIRED_ROWS_SQL = _json_select(
-    "id, queue, attempt, max_attempts, lease_expires_at, deadline_at, timeout_ms",
+    "id, queue, attempt, max_attempts, lease_expires_at, deadline_at, timeout_ms, leased_at, "
+    "lease_worker, attempts_ended",
     "FROM jobs WHERE state = 'leased' AND lease_expires_at <= ? ORDER BY lease_expires_at LIMIT ?",
 )
+_EXPIRED, _TIMED_OUT = AttemptOutcome.EXPIRED.value, AttemptOutcome.TIMED_OUT.value
+_INTERRUPTED = AttemptOutcome.INTERRUPTED.value
 _SUCCEEDED_BEFORE_SQL = _json_select(
     "id, queue", "FROM jobs WHERE state = 'succeeded' AND finished_at < ? LIMIT ?"
 )
@@ -95,14 +99,19 @@ class SqliteMaintenance(SqliteBase):
         reaped = []
         ready: list[tuple[int, int, str]] = []  # (id, expired at, error): ready from expiry
         dead: list[tuple[int, str]] = []
-        errors: list[tuple[int, int, str, int]] = []
-        for key, queue, attempt, max_attempts, expired_at, deadline_at, timeout_ms in rows:
+        errors: list[tuple] = []  # (id, attempt, error, now, started_at, worker, outcome)
+        over: list[int] = []  # the jobs whose history passes its bound
+        for row in rows:
+            key, queue, attempt, max_attempts, expired_at, deadline_at, timeout_ms = row[:7]
             self._held.pop(format_job_id(key), None)
             self._count(queue, "expired")
-            error = LEASE_EXPIRED_ERROR
+            error, outcome = LEASE_EXPIRED_ERROR, _EXPIRED
             if deadline_at is not None and expired_at >= deadline_at:
                 error = timeout_error(timeout_ms)  # its attempt ran out of time
-            errors.append((key, attempt, error, now))
+                outcome = _TIMED_OUT
+            errors.append((key, attempt, error, now, row[7], row[8], outcome))
+            if row[9] >= ATTEMPTS_KEPT:
+                over.append(key)
             if attempt < max_attempts:
                 ready.append((key, expired_at, error))
                 state = READY
@@ -113,7 +122,8 @@ class SqliteMaintenance(SqliteBase):
                 self._count(queue, "dead")
             self._move(queue, LEASED, state)
             reaped.append(Reaped(format_job_id(key), queue, state, attempt))
-        _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?)", errors)
+        _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?, ?, ?, ?)", errors)
+        self._trim_history(over)
         _execute_rows(self._db, _REAP_READY, "(?, ?, ?)", ready)
         _execute_rows(self._db, _REAP_DEAD, "(?, ?)", dead, (now,))
         if self.recording:  # in the order of their expiry (one change per job)
@@ -133,8 +143,9 @@ class SqliteMaintenance(SqliteBase):
             "SELECT id, queue, attempt FROM jobs WHERE state = 'leased'"
         ).fetchall()
         self._held.clear()
-        for key, queue, attempt in rows:
-            self._record_error(key, attempt, RESTART_ERROR, now)
+        if rows:
+            self._end_leases([row[0] for row in rows], _INTERRUPTED, RESTART_ERROR, now)
+        for _key, queue, _attempt in rows:
             self._move(queue, LEASED, READY)
             self.changes.ready_queues.add(queue)
         self._db.execute(

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import JobNotFound
 from relay.protocol.model import (
-    ErrorEntry,
     JobInfo,
     JobState,
     format_job_id,
     job_id_keys,
     parse_job_id,
 )
-from relay.store.base import ERRORS_SHOWN, READY
+from relay.store.base import ATTEMPTS_KEPT, READY
 from relay.store.rows import (
+    HISTORY_COLUMNS,
     JOB_COLUMNS,
     PREFIX_KEYS_READ,
     cursor_bound,
@@ -84,7 +84,7 @@ class SqliteReads(SqliteBase):
     """Inspect and the dead list: part of ``SqliteStore``."""
 
     def job_inspect(self, job_id: str) -> JobInfo:
-        """One job, with its latest ERRORS_SHOWN errors."""
+        """One job, with its attempts and errors (``Store.job_inspect``)."""
         key = parse_job_id(job_id)
         row = None
         if key is not None:
@@ -144,19 +144,19 @@ class SqliteReads(SqliteBase):
         return ages
 
     def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
-        errors: dict[int, list[ErrorEntry]] = {row[0]: [] for row in rows}
+        history: dict[int, list[tuple]] = {row[0]: [] for row in rows}
         if rows:
             marks = ", ".join("?" * len(rows))
-            # The most recent ERRORS_SHOWN entries of each job, oldest first: the history
-            # of a job with a thousand retries would not fit a reply.
-            for key, attempt, error, at, traceback in self._db.execute(
-                "SELECT job_id, attempt, error, at, traceback FROM (SELECT rowid AS seq, *, "
+            # The most recent ATTEMPTS_KEPT ended attempts of each job, oldest first (a
+            # job keeps no more: base.ATTEMPTS_KEPT; the window bounds the read anyway).
+            for key, *entry in self._db.execute(
+                f"SELECT job_id, {HISTORY_COLUMNS} FROM (SELECT rowid AS seq, *, "
                 "row_number() OVER (PARTITION BY job_id ORDER BY rowid DESC) AS back "
                 f"FROM job_errors WHERE job_id IN ({marks})) WHERE back <= ? ORDER BY seq",
-                [*errors, ERRORS_SHOWN],
+                [*history, ATTEMPTS_KEPT],
             ):
-                errors[key].append(ErrorEntry(attempt, error, at, traceback))
-        return [job_info(row, errors[row[0]]) for row in rows]
+                history[key].append(entry)
+        return [job_info(row, history[row[0]]) for row in rows]
 
     def dead_list(
         self,

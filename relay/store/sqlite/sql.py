@@ -15,17 +15,40 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from relay.protocol.model import JobIdGenerator, Priority
-from relay.store.base import LEASED, READY, Changes, StoreConfig
+from relay.store.base import ATTEMPTS_KEPT, LEASED, READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 
 _PRIORITIES_HIGH_FIRST = tuple(sorted((int(p) for p in Priority), reverse=True))
 
 # "id IN" this, bound to a JSON array of ids: any number of ids with one parameter.
 _JSON_IDS = "(SELECT value FROM json_each(?))"
-_INSERT_ERRORS = "INSERT INTO job_errors (job_id, attempt, error, at) VALUES {values}"
+# Ended attempts (the reaper's: no traceback), many rows a statement.
+_INSERT_ERRORS = (
+    "INSERT INTO job_errors (job_id, attempt, error, at, started_at, worker, outcome) "
+    "VALUES {values}"
+)
 # A failed attempt's entry: one statement, with or without its traceback.
 _INSERT_ERROR = (
-    "INSERT INTO job_errors (job_id, attempt, error, at, traceback) VALUES (?, ?, ?, ?, ?)"
+    "INSERT INTO job_errors (job_id, attempt, error, at, traceback, started_at, worker, "
+    "outcome) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# The attempts of leased jobs ended otherwise (release, cancel, recovery at start), from
+# their rows as they are: ?1 the ids, ?2 the error ('' for an outcome that is none), ?3
+# now, ?4 the outcome; then their count of ended attempts, for ``_trim_history``.
+_END_LEASES = (
+    "INSERT INTO job_errors (job_id, attempt, error, at, started_at, worker, outcome) "
+    "SELECT id, attempt, ?2, ?3, leased_at, lease_worker, ?4 FROM jobs "
+    "WHERE id IN (SELECT value FROM json_each(?1))"
+)
+_COUNT_ENDED = (
+    f"UPDATE jobs SET attempts_ended = attempts_ended + 1 WHERE id IN {_JSON_IDS} "
+    "RETURNING id, attempts_ended"
+)
+# A job's rows past the ATTEMPTS_KEPT most recent: a seek of job_errors_job (job_id, then
+# rowid) that reads at most ATTEMPTS_KEPT + 1 entries.
+_TRIM_HISTORY = (
+    "DELETE FROM job_errors WHERE job_id = ?1 AND rowid <= (SELECT rowid FROM job_errors "
+    f"WHERE job_id = ?1 ORDER BY rowid DESC LIMIT 1 OFFSET {ATTEMPTS_KEPT})"
 )
 
 
@@ -172,11 +195,19 @@ class SqliteBase(CountsBook):
         if dst is not None:
             self._bump(self._counts, (queue, dst), n)
 
-    def _record_error(
-        self, key: int, attempt: int, error: str, now: int, traceback: str | None = None
-    ) -> None:
-        """One entry of a job's error history (with its traceback, or NULL: none given)."""
-        self._db.execute(_INSERT_ERROR, (key, attempt, error, now, traceback))
+    def _end_leases(self, keys: Sequence[int], outcome: str, error: str, now: int) -> None:
+        """Record the attempts of these leased jobs as ended now with ``outcome`` (before
+        their rows change), and keep each job's history to its bound."""
+        ids = _json_ids(keys)
+        self._db.execute(_END_LEASES, (ids, error, now, outcome))
+        ended = self._db.execute(_COUNT_ENDED, (ids,)).fetchall()
+        self._trim_history([key for key, n in ended if n > ATTEMPTS_KEPT])
+
+    def _trim_history(self, keys: Iterable[int]) -> None:
+        """Delete these jobs' ended attempts past the ATTEMPTS_KEPT most recent: called
+        only for jobs whose ``attempts_ended`` passed it, so most writes never run it."""
+        for key in keys:
+            self._db.execute(_TRIM_HISTORY, (key,))
 
     def _save_last_id(self) -> None:
         # The high-water mark of issued ids, written only where jobs are deleted: with it,

@@ -20,6 +20,7 @@ from relay.protocol.model import JobIdGenerator, JobState
 from relay.store.base import Changes, StoreConfig
 from relay.store.counts import JournalEntry
 from relay.store.schema import open_database
+from relay.store.sqlite.browse import SqliteBrowse
 from relay.store.sqlite.cancel import SqliteCancel
 from relay.store.sqlite.dead import SqliteDead
 from relay.store.sqlite.jobs import SqliteJobs
@@ -40,6 +41,7 @@ class SqliteStore(
     SqliteReads,
     SqliteSettings,
     SqliteSchedules,
+    SqliteBrowse,
 ):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).

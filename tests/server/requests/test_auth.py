@@ -146,6 +146,8 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "dead_retry": lambda token: {"job_id": JOB},
     "dead_purge": lambda token: {"job_id": JOB},
     "cancel": lambda token: {"job_id": JOB},
+    "jobs_list": lambda token: {"queue": "q"},
+    "promote": lambda token: {"job_id": JOB},
     "watch": lambda token: {"queues": ["q"]},
     "unwatch": lambda token: {},
     "queue_pause": lambda token: {"queue": "q"},
@@ -157,24 +159,26 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "schedule_pause": lambda token: {"name": "s"},
     "schedule_resume": lambda token: {"name": "s"},
     "schedule_list": lambda token: {},
+    "reload": lambda token: {},
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
-    "cancel", "schedule_list",
+    "cancel", "schedule_list", "jobs_list",
 }  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
 }  # fmt: skip
 ADMIN_OPS = WORKER_OPS | {
     "dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume", "queue_config",
-    "schedule_put", "schedule_delete", "schedule_pause", "schedule_resume",
+    "schedule_put", "schedule_delete", "schedule_pause", "schedule_resume", "reload",
+    "promote",
 }  # fmt: skip
 ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 28
+    assert len(REQUESTS) == 31
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))
@@ -551,7 +555,7 @@ async def test_serve_on_every_interface_with_tokens_starts_and_needs_a_hello(
     assert "server.insecure" not in [r.getMessage() for r in logs.records]
 
 
-# -- /metrics and /healthz ------------------------------------------------------------------
+# -- /metrics, /healthz and /livez ---------------------------------------------------------
 
 
 @pytest.fixture
@@ -574,6 +578,7 @@ async def test_metrics_beyond_loopback_need_a_bearer_token(exposed_metrics, logs
         ("/metrics", None),
         ("/healthz", None),
         ("/healthz", f"Bearer {WRONG}"),
+        ("/livez", None),
         ("/metrics", f"Basic {ADMIN}"),
         ("/metrics", "Bearer"),
         ("/nowhere", None),
@@ -586,8 +591,9 @@ async def test_metrics_beyond_loopback_need_a_bearer_token(exposed_metrics, logs
         for token in ALL_TOKENS:
             assert token.encode() not in head + body
     for token in (PRODUCER, WORKER, ADMIN):
-        status, _, body = await http_get(address, "/healthz", f"Bearer {token}")
-        assert status == 200, body
+        for path in ("/healthz", "/livez"):
+            status, _, body = await http_get(address, path, f"Bearer {token}")
+            assert status == 200, (path, body)
     status, _, body = await http_get(address, "/metrics", f"Bearer {PRODUCER}")
     assert status == 200
     assert sample(body, "relay_auth_failures_total") == len(refusals)

@@ -1,0 +1,42 @@
+"""``relay-trio reload``: the server reads its token file and its TLS certificate and key
+again (the ``reload`` op; SIGHUP does the same), and says what it put in force."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from relay.client.client import Client
+from relay_cli.calls import call, print_json
+from relay_cli.errors import fail
+from relay_cli.options import address_option, json_option
+
+
+@click.command()
+@address_option
+@json_option
+def reload(address: str, as_json: bool) -> None:
+    """Have the server read its token file and TLS certificate and key again, without a
+    restart: new tokens work at once, removed ones are refused at their next hello, and
+    their connections are closed after the server's --token-grace-ms. A file that cannot
+    be used changes nothing and is named here (exit code 1). Needs an admin token."""
+
+    async def reloading(client: Client) -> dict[str, Any]:
+        return await client.reload()
+
+    reply = call(address, reloading)
+    if as_json:
+        print_json(reply)
+    else:
+        tokens = reply["tokens"]
+        said = [
+            "no token file" if tokens is None else f"{tokens} tokens in force",
+            "a new certificate in force" if reply["tls"] else "no new certificate",
+        ]
+        if reply["closing"]:
+            said.append(f"{reply['closing']} connections of removed tokens close in "
+                        f"{reply['grace_ms'] / 1000:g} s")  # fmt: skip
+        click.echo("reloaded: " + ", ".join(said))
+    if reply["errors"]:
+        fail("; ".join(reply["errors"]))
