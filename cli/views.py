@@ -47,6 +47,8 @@ from relay.client.client import (
     ScheduleInfo,
     SchedulePage,
     Stats,
+    WorkerInfo,
+    WorkersPage,
 )
 from relay.protocol.cron import zone
 from relay.protocol.model import (
@@ -1156,3 +1158,117 @@ def update_state_progress(progress: Progress, tasks: Mapping[str, TaskID], stats
     total = max(1, sum(totals.values()))
     for state, task in tasks.items():
         progress.update(task, completed=totals.get(state, 0), total=total)
+
+
+# -- workers ------------------------------------------------------------------------------
+
+# The widths the worker, client, address and queues columns of ``relay-trio workers`` get
+# first (or less, if their longest cell is shorter); the room left then goes to them in the
+# order of WORKER_ROOM_ORDER, up to their longest cell.
+WORKER_FIRST = {"worker": 12, "client": 8, "address": 15, "queues": 10}
+WORKER_ROOM_ORDER = ("worker", "queues", "address", "client")
+
+
+def idle_queues(stats: Stats, workers: Iterable[WorkerInfo]) -> list[str]:
+    """The queues of ``stats`` with ready jobs that no worker of ``workers`` asks for (a
+    queue not paused: a paused one's jobs wait on purpose), by name."""
+    asked = {queue for worker in workers for queue in worker.queues}
+    paused = set(stats.paused)
+    return [
+        queue for queue, counts in sorted(stats.queues.items())
+        if counts.get("ready", 0) and queue not in asked and queue not in paused
+    ]  # fmt: skip
+
+
+def workers_table(
+    page: WorkersPage, stats: Stats | None = None, *, more: int = 0, partial: bool = False
+) -> Fitted:
+    """``relay-trio workers``: one row per connected worker of the server ``page.server``:
+    its worker id, client name, address, the queues it asks for, the jobs it holds, the
+    longest it has held one ("?" when the server does not know since when: leased before a
+    reconnect), and how long since its last request. Under it, with ``stats`` (a page of
+    the server's counts), the queues with ready jobs that no worker asks for, as a second
+    table with how long their oldest ready job has waited: such a queue is stuck, not slow.
+    ``more``: the workers not shown (a line says how to see them); ``partial``: the
+    workers were not all read, so the second table may name a queue a worker asks for.
+
+    The three columns of numbers take 17 cells; the room left is shared by the texts
+    (WORKER_FIRST, then WORKER_ROOM_ORDER), each cut in the middle where it must be."""
+    return Fitted(functools.partial(_workers_layout, page, stats, more, partial))
+
+
+def _workers_layout(
+    page: WorkersPage, stats: Stats | None, more: int, partial: bool, width: int
+) -> RenderableType:
+    workers = page.workers
+    texts: dict[str, list[str]] = {"worker": [], "client": [], "address": [], "queues": []}
+    numbers: list[list[Text]] = []
+    for worker in workers:
+        texts["worker"].append(worker.worker_id)
+        texts["client"].append(worker.client or "-")
+        texts["address"].append(worker.peer)
+        queues = ",".join(worker.queues)
+        if worker.queues_total > len(worker.queues):
+            queues += f" +{worker.queues_total - len(worker.queues)}"
+        texts["queues"].append(queues)
+        longest = worker.longest_held_ms
+        held = "-" if not worker.jobs_held else "?" if longest is None else short_duration(longest)
+        idle = short_duration(max(0, page.at - worker.last_request_at))
+        numbers.append([Text(short_number(worker.jobs_held)), Text(held),
+                        Text(idle + (" *" if worker.parked else ""))])  # fmt: skip
+    headers = ["jobs", "longest\nheld", "idle"]
+    fixed = [column_width(h, [row[i] for row in numbers]) for i, h in enumerate(headers)]
+    longest_text = {name: column_width(name, cells) for name, cells in texts.items()}
+    widths = {name: min(longest_text[name], first) for name, first in WORKER_FIRST.items()}
+    widths = {name: max(w, len(name)) for name, w in widths.items()}
+    room = width - tables_width([*widths.values(), *fixed])
+    for name in WORKER_ROOM_ORDER:
+        more_room = max(0, min(room, longest_text[name] - widths[name]))
+        widths[name] += more_room
+        room -= more_room
+
+    title = f"Workers of {page.server}"
+    table = plain_table(title)
+    for name in WORKER_FIRST:
+        table.add_column(name, width=widths[name], no_wrap=True)
+    for header, w in zip(headers, fixed, strict=True):
+        table.add_column(header, width=w, justify="right", no_wrap=True)
+    for i, row in enumerate(numbers):
+        table.add_row(*(cut_middle(texts[name][i], widths[name]) for name in WORKER_FIRST),
+                      *row)  # fmt: skip
+    shown = f"{len(workers)} worker" + ("" if len(workers) == 1 else "s")
+    notes: list[RenderableType] = [table]
+    if not workers:
+        notes = [Text(title, style="table.title"), Text("no worker connected", style="dim")]
+    caption = f"{shown} · each server lists its own"
+    if any(worker.parked for worker in workers):
+        caption += " · * waiting for jobs"
+    notes.append(Text(caption, style="table.caption"))
+    if more:
+        notes.append(Text(f"and {more} more: --limit N shows more", style="table.caption"))
+    if stats is not None:
+        notes.append(_idle_queues_table(stats, workers, partial, width))
+    return Group(*notes)
+
+
+def _idle_queues_table(
+    stats: Stats, workers: Sequence[WorkerInfo], partial: bool, width: int
+) -> RenderableType:
+    idle = idle_queues(stats, workers)
+    if not idle:
+        return Text("every queue with ready jobs has a worker", style="table.caption")
+    oldest = stats.oldest_ready_ms or {}
+    rows = [[Text(short_number(stats.queues[q]["ready"]), style=STATE_STYLES["ready"]),
+             Text("-" if oldest.get(q) is None else short_duration(oldest[q]))]
+            for q in idle]  # fmt: skip
+    headers = ["ready", OLDEST_READY]
+    widths = [column_width(h, [row[i] for row in rows]) for i, h in enumerate(headers)]
+    queue = queue_width([*idle, "queue"], width - tables_width([0, *widths]))
+    title = "Ready jobs and no worker" + (" (of the workers read)" if partial else "")
+    table = plain_table()
+    table.add_column("queue", width=queue, no_wrap=True, style="bold red")
+    for header, w in zip(headers, widths, strict=True):
+        table.add_column(header, width=w, justify="right", no_wrap=True)
+    for name, row in zip(idle, rows, strict=True):
+        table.add_row(cut_middle(name, queue), *row)
+    return Group(Text(""), Text(title, style="table.title"), table)

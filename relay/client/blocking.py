@@ -45,6 +45,7 @@ from relay.client.replies import (
     ScheduleInfo,
     SchedulePage,
     Stats,
+    WorkersPage,
     config_fields,
     stats_reply,
     structure_reply,
@@ -394,6 +395,15 @@ class BlockingClient:
         if cursor is not None:
             fields["cursor"] = cursor
         return structure_reply(self.request("schedule_list", **fields), SchedulePage)
+
+    def workers_list(self, *, limit: int | None = None, cursor: str | None = None) -> WorkersPage:
+        """As ``Client.workers_list``: a page of the server's connected workers."""
+        fields: dict[str, Any] = {}
+        if limit is not None:
+            fields["limit"] = limit
+        if cursor is not None:
+            fields["cursor"] = cursor
+        return structure_reply(self.request("workers_list", **fields), WorkersPage)
 
     def cancel(self, job_id: str) -> JobState:
         """As ``Client.cancel``: the state the job was in."""

@@ -48,6 +48,8 @@ from relay.client.replies import (
     SchedulePage,
     ServerInfo,
     Stats,
+    WorkerInfo,
+    WorkersPage,
     config_fields,
     stats_reply,
     structure_reply,
@@ -499,6 +501,16 @@ class Client:
         reply = await self._call("schedule_list", limit=limit, cursor=cursor)
         return structure_reply(reply, SchedulePage)
 
+    async def workers_list(
+        self, *, limit: int | None = None, cursor: str | None = None
+    ) -> WorkersPage:
+        """A page of the connected workers of the server this client talks to (role
+        worker), at most ``limit`` (the server's default and most: 100) after ``cursor``
+        (the ``next_cursor`` of the page before); ``server`` names that server. An
+        extension: an older server raises ``UnknownOp``."""
+        reply = await self._call("workers_list", limit=limit, cursor=cursor)
+        return structure_reply(reply, WorkersPage)
+
 
 def schedule_fields(name: str, cron: str, queue: str, payload: Any, **optional: Any) -> dict:
     """A schedule_put's fields as the wire wants them (the ones given)."""
@@ -607,6 +619,8 @@ __all__ = [
     "SchedulePage",
     "ServerInfo",
     "Stats",
+    "WorkerInfo",
+    "WorkersPage",
     "job_fields",
     "open_client",
     "parse_address",

@@ -195,6 +195,49 @@ class SchedulePage:
 
 
 @attrs.frozen
+class HeldJob:
+    """A job a worker holds now (``workers_list``): ``held_ms`` since it was handed out on
+    that connection, None when not known (leased before a reconnect, or elsewhere)."""
+
+    job_id: str
+    queue: str
+    worker_id: str
+    held_ms: int | None
+    lease_expires_at: int
+
+
+@attrs.frozen
+class WorkerInfo:
+    """One connected worker of a server (``workers_list``; docs/protocol.md, Workers)."""
+
+    worker_id: str
+    worker_ids: list[str]
+    client: str | None
+    peer: str
+    queues: list[str]
+    queues_total: int
+    jobs: list[HeldJob]
+    jobs_held: int
+    longest_held_ms: int | None
+    connected_at: int
+    first_lease_at: int
+    last_request_at: int
+    parked: int
+
+
+@attrs.frozen
+class WorkersPage:
+    """A page of one server's connected workers, and which server (``server``) it is."""
+
+    server: str
+    workers: list[WorkerInfo]
+    total: int
+    next_cursor: str | None
+    held_truncated: bool = False
+    at: int = 0  # the server's clock (UTC ms) when it made the page
+
+
+@attrs.frozen
 class Hello:
     server: str
     version: str

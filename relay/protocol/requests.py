@@ -720,6 +720,27 @@ class ScheduleList:
                 raise _bad("cursor", "not a cursor returned by schedule_list") from None
 
 
+# Connections per workers_list reply at most, and by default.
+WORKERS_PAGE = 100
+
+
+@attrs.frozen
+class WorkersList:
+    """``workers_list`` (an extension): a page of at most ``limit`` of this server's
+    connections that have leased, in the order they first leased, after the one whose
+    ``next_cursor`` is ``cursor``."""
+
+    cursor: str | None = None
+    limit: int = WORKERS_PAGE
+
+    def check(self, limits: Limits) -> None:
+        check_range("limit", self.limit, 1, WORKERS_PAGE)
+        if self.cursor is not None and not (
+            self.cursor.isascii() and self.cursor.isdigit() and len(self.cursor) <= 20
+        ):
+            raise _bad("cursor", "not a cursor returned by workers_list")
+
+
 REQUEST_TYPES: dict[str, type] = {
     "hello": Hello,
     "ping": Ping,
@@ -752,4 +773,5 @@ REQUEST_TYPES: dict[str, type] = {
     "schedule_resume": ScheduleResume,
     "schedule_list": ScheduleList,
     "reload": Reload,
+    "workers_list": WorkersList,
 }

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,12 +68,14 @@ from relay.server.core import Core, ServerConfig, describe_db, open_core
 from relay.server.http.dashboard import Dashboard
 from relay.server.http.metrics import (
     MetricsSnapshot,
+    oldest_ready,
     schedule_ages,
     serve_metrics,
     snapshot_limits,
     snapshot_paused,
     snapshot_queues,
     snapshot_schedule_runs,
+    snapshot_workers,
 )
 from relay.server.reload import Reloader
 from relay.server.requests.auth import bearer_guard, check_exposure, is_loopback
@@ -149,6 +152,10 @@ async def serve(
             )  # fmt: skip
             listeners.append(websocket)
         dispatcher.connections = lambda: listener.connections
+        # How workers_list names this server: its host's name and its job port, which tell
+        # apart servers that share one PostgreSQL database.
+        jobs_port = sockets.jobs[0].socket.getsockname()[1]
+        dispatcher.server_name = f"{socket.gethostname()}:{jobs_port}"
 
         async def gather() -> MetricsSnapshot:
             w = core.writer.statistics()
@@ -176,6 +183,10 @@ async def serve(
                     scheduled.refused, config.metrics_max_queues
                 ),
                 schedule_ages_ms=await schedule_ages(core.writer, config.metrics_max_queues),
+                oldest_ready_ms=await oldest_ready(dispatcher.oldest, queues),
+                workers=snapshot_workers(
+                    dispatcher.workers.queue_counts(), queues, config.metrics_max_queues
+                ),
             )
 
         async with trio.open_nursery() as transports:

@@ -614,6 +614,13 @@ class Store(Protocol):
         """Per queue with ready jobs (of ``queues``; None: of every queue): how long its
         oldest ready job has waited (ms). A few index seeks per queue asked."""
 
+    def leases_held(
+        self, worker_ids: Sequence[str], now: int, limit: int
+    ) -> list[tuple[str, str, str, int]]:
+        """The unexpired leases held by any of ``worker_ids``: (job_id, queue, worker_id,
+        lease_expires_at) of at most ``limit`` of them, by job id. Reads the leased jobs'
+        index (``jobs_leased``): as many rows as jobs are leased, never the table."""
+
     def dead_list(
         self,
         queue: str | None,

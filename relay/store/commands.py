@@ -269,6 +269,17 @@ class OldestReadyAt:
 
 
 @attrs.frozen
+class LeasesHeld:
+    """The unexpired leases of these workers (``Store.leases_held``), and the store's now."""
+
+    worker_ids: tuple[str, ...]
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.leases_held(self.worker_ids, now, self.limit), now
+
+
+@attrs.frozen
 class EventTotals:
     def apply(self, store: Store, now: int) -> Any:
         return store.event_totals()

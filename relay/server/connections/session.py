@@ -81,6 +81,8 @@ class Session(DirectReplies):
         self.limits = dispatcher.limits
         self.idle_timeout = idle_timeout
         self.peer = peer
+        # When it was accepted and last read (trio time): workers_list shows them.
+        self.opened_at = self.last_request = trio.current_time()
         dispatcher.access.set_role(self, dispatcher.access.first_role)  # self.role, self.ops
         # A failed authentication's answer and its delay: the last thing sent (refuse).
         self._refusal: tuple[bytes, float] | None = None
@@ -324,6 +326,7 @@ class Session(DirectReplies):
                 self._prehello.release()
             self._outbox.close()
             self.stop_waiting()
+            self.dispatcher.workers.forget(self)
             await self._io.close()
 
     async def _send_refusal(self) -> None:
@@ -356,7 +359,7 @@ class Session(DirectReplies):
                 return  # reset by the peer: as good as EOF (and it reads nothing more)
             if not data:
                 return
-            watchdog.last_read = started = trio.current_time()
+            watchdog.last_read = self.last_request = started = trio.current_time()
             if self.role is Role.NONE:
                 data = await self._read_hello(data, started)
             await self._dispatch_all(self.splitter.feed(data), started)

@@ -35,6 +35,7 @@ from relay.server.connections.listener import peer_name
 from relay.server.http.admission import HEAD_TIMEOUT_S, serve_http
 from relay.server.http.dashboard import CONTENT_TYPE as PAGE_TYPE
 from relay.server.http.dashboard import Dashboard
+from relay.server.requests.oldest import OldestReady
 from relay.store import commands as cmd
 from relay.store.view import EVENTS, QueueView
 from relay.store.view import STATES as VIEW_STATES
@@ -91,6 +92,11 @@ class MetricsSnapshot:
     schedule_runs: dict[str, int] = attrs.Factory(dict)
     schedule_refused: dict[str, int] = attrs.Factory(dict)
     schedule_ages_ms: dict[str, int] = attrs.Factory(dict)
+    # queue -> ms its oldest ready job has waited, of the queues shown with ready jobs
+    # (``oldest_ready``); queue -> this server's connected workers asking for it
+    # (``snapshot_workers``)
+    oldest_ready_ms: dict[str, int] = attrs.Factory(dict)
+    workers: dict[str, int] = attrs.Factory(dict)
 
 
 async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
@@ -101,6 +107,36 @@ async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
         return await writer.execute(cmd.ScheduleAges(max_series))
     except RelayError:
         return {}
+
+
+async def oldest_ready(oldest: OldestReady, queues: dict[str, dict[str, int]]) -> dict[str, int]:
+    """``relay_queue_oldest_ready_seconds``'s series: of the queues ``snapshot_queues``
+    shows on their own that have ready jobs (so at most ``max_queues``), how long the oldest
+    has waited, read through ``OldestReady`` (at most once a second per queue, whoever
+    asks: stats shares the reads). No ``OTHER_QUEUES`` series (an age is no sum). Empty
+    while the store cannot answer (a scrape still answers)."""
+    ready = [q for q, counts in queues.items() if q != OTHER_QUEUES and counts.get("ready")]
+    if not ready:
+        return {}
+    try:
+        return await oldest.ages(ready)
+    except RelayError:
+        return {}
+
+
+def snapshot_workers(
+    counts: dict[str, int], queues: dict[str, dict[str, int]], max_queues: int
+) -> dict[str, int]:
+    """``relay_workers``'s series: per queue, this server's connected workers asking for
+    it (``WorkerBook.queue_counts``), 0 for a queue shown with jobs that none asks for (the
+    alert "ready jobs and no worker"). The first ``max_queues`` names of both by name, the
+    rest summed under ``OTHER_QUEUES`` (worker-queue pairs), as the per-queue series are."""
+    names = sorted((set(queues) | set(counts)) - {OTHER_QUEUES})
+    series = {name: counts.get(name, 0) for name in names[:max_queues]}
+    rest = sum(n for name, n in counts.items() if name not in series)
+    if rest or OTHER_QUEUES in queues or len(names) > max_queues:
+        series[OTHER_QUEUES] = rest
+    return series
 
 
 def snapshot_schedule_runs(runs: dict[str, int], max_series: int) -> dict[str, int]:
@@ -293,6 +329,13 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
         ("relay_queue_rate_limit", "gauge", "queue", s.rate_limit,
          "Leases per second the queue's rate allows (queue_config rate: limit / period), "
          "for the queues that have one."),
+        ("relay_queue_oldest_ready_seconds", "gauge", "queue",
+         {q: ms / 1000 for q, ms in s.oldest_ready_ms.items()},
+         "Seconds the queue's oldest ready job has waited, for the queues with ready jobs "
+         "(read at most once a second)."),
+        ("relay_workers", "gauge", "queue", s.workers,
+         "Connected workers of this server asking for the queue in their last lease "
+         "(workers_list)."),
         ("relay_schedule_runs_total", "counter", "schedule", s.schedule_runs,
          "Slots of the schedule this server passed (a job submitted, or refused by its "
          "queue)."),

@@ -73,6 +73,8 @@ OP_ROLES: dict[str, Role] = {
     "fail": Role.WORKER,
     "release": Role.WORKER,
     "watch": Role.WORKER,
+    # (an extension: the connected workers, with their addresses: not for producers)
+    "workers_list": Role.WORKER,
     "unwatch": Role.WORKER,
     "dead_list": Role.ADMIN,
     "dead_retry": Role.ADMIN,

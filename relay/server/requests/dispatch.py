@@ -42,6 +42,7 @@ from relay.server.requests.durations import AnsweredNow, Durations
 from relay.server.requests.longpoll import LongPolls
 from relay.server.requests.oldest import OldestReady
 from relay.server.requests.watch import Watchers
+from relay.server.requests.workers import ENTRY_BYTES, WorkerBook
 from relay.store.base import REPLY_OVERHEAD_BYTES
 from relay.store.items import Item
 from relay.store.view import QueueView
@@ -94,6 +95,10 @@ class Dispatcher(AdminHandlers):
         self.watchers = watchers  # None: no watch (embedded mode)
         # How many client connections are open, for stats; the transport sets it.
         self.connections: Callable[[], int] = lambda: 0
+        # This server's connections that have leased (workers_list, relay_workers), and how
+        # it names itself in workers_list ("host:port" of its job listener; serve sets it).
+        self.workers = WorkerBook()
+        self.server_name = "local"
         self._started_ns = time.monotonic_ns()
         self._durations = Durations(DURATION_BOUNDS)
         # Requests in flight: ``in_flight``, this count (trio thread) less those the writer
@@ -140,6 +145,7 @@ class Dispatcher(AdminHandlers):
             "schedule_resume": self._schedule_resume,
             "schedule_list": self._schedule_list,
             "reload": self._reload,
+            "workers_list": self._workers_list,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)
@@ -255,10 +261,11 @@ class Dispatcher(AdminHandlers):
         return parsing.parse_request(parsing.Frame(fields.get("id"), name, fields), self.limits)
 
     def _hello(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        token = self._typed(fields, "hello").token
+        hello = self._typed(fields, "hello")
         before = connection.role
-        if not self.access.admit(connection, rid, started, token):
+        if not self.access.admit(connection, rid, started, hello.token):
             return
+        self.workers.hello(connection, hello.client)
         if connection.role < before:
             self._lowered(connection, before)
         reply = {
@@ -305,9 +312,10 @@ class Dispatcher(AdminHandlers):
         # that may cross it): reserved until answered.
         job = self.limits.max_payload_bytes + REPLY_OVERHEAD_BYTES
         reply_bytes = min(count * job, self.limits.max_reply_bytes + job)
+        queues = tuple(dict.fromkeys(queues))
         lease = ops.PendingLease(
             connection=connection,
-            queues=tuple(dict.fromkeys(queues)),
+            queues=queues,
             worker_id=worker_id,
             count=count,
             lease_ms=lease_ms,
@@ -316,6 +324,7 @@ class Dispatcher(AdminHandlers):
             reply_bytes=reply_bytes,
             job_bytes=job,
             reserved=reply_bytes,
+            book=self.workers.leased(connection, worker_id, queues, started),
         )
         connection.reserve(reply_bytes)
         self._queue(connection, (ops.CLAIM, connection, rid, started, lease))
@@ -385,6 +394,31 @@ class Dispatcher(AdminHandlers):
             data = wire.encode_error(item[2], exc)
         finally:
             # Also when cancelled (the connection closed): counted as answered.
+            self.answered(connection, item, trio.current_time())
+            connection.reply(data)
+
+    def _workers_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        """This server's connected workers (relay/server/requests/workers.py), what each
+        holds read from the store: in a task, as stats with oldest_ready is."""
+        r = self._typed(fields, "workers_list")
+        args = ops.Reserving((r.cursor, r.limit), r.limit * ENTRY_BYTES)
+        connection.reserve(args.reserved)
+        self._count_in(connection)
+        item = (ops.WORKERS_LIST, connection, rid, started, args)
+        connection.nursery.start_soon(self._workers_page, connection, item)
+
+    async def _workers_page(self, connection: Connection, item: Item) -> None:
+        data = wire.encode_error(item[2], ShuttingDown("stopped before it finished"))
+        try:
+            cursor, limit = item[4].args
+            fields = await self.workers.page(
+                self.writer, self.oldest.clock, cursor, limit, self.server_name,
+                self.longpolls.parked_count,
+            )  # fmt: skip
+            data = wire.encode_ok(item[2], fields)
+        except RelayError as exc:
+            data = wire.encode_error(item[2], exc)
+        finally:
             self.answered(connection, item, trio.current_time())
             connection.reply(data)
 

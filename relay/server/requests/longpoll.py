@@ -238,6 +238,10 @@ class LongPolls:
     def parked_for(self, sink: LongPollSink) -> bool:
         return id(sink) in self._by_sink
 
+    def parked_count(self, sink: LongPollSink) -> int:
+        """Leases parked for ``sink`` (workers_list)."""
+        return len(self._by_sink.get(id(sink), ()))
+
     def short_of_room(self, sink: LongPollSink) -> bool:
         return id(sink) in self._short
 

@@ -64,6 +64,8 @@ class PendingLease:
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
     place: int = -1  # its place among parked leases, from its first park (LongPolls)
+    # Its connection's entry in the server's WorkerBook: told the jobs it hands out.
+    book: Any = None
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -262,6 +264,8 @@ class _Claim(RequestOp):
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
+            if jobs and leases[i].book is not None:
+                leases[i].book.handed_out(jobs, now)  # (workers_list: held since)
         ran = set(wanted)
         for i, lease in enumerate(leases):
             if lease.woken:
@@ -377,6 +381,13 @@ class _Stats(RequestOp):
 
     def run(self, store: Store, now: int, args: Any) -> Any:
         raise NotImplementedError("stats is answered by the dispatcher")
+
+
+class _WorkersList(_Stats):
+    """``workers_list``: never run by the writer; answered by the dispatcher
+    (relay/server/requests/workers.py). Its args are a ``Reserving``."""
+
+    reserves = True
 
 
 class _DeadOne(RequestOp):
@@ -573,6 +584,7 @@ DEAD_LIST = _DeadList("dead_list")
 STATS = _Stats("stats")
 JOBS_LIST = _JobsList("jobs_list")
 PROMOTE = _Promote("promote")
+WORKERS_LIST = _WorkersList("workers_list")
 DEAD_RETRY = _DeadOne("dead_retry")
 DEAD_PURGE = _DeadOne("dead_purge")
 CANCEL = _Cancel("cancel")

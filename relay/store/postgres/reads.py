@@ -55,6 +55,11 @@ _HISTORY = (
     "seq, row_number() OVER (PARTITION BY job_id ORDER BY seq DESC) AS back "
     "FROM job_errors WHERE job_id = ANY(%s)) AS e WHERE back <= %s ORDER BY seq"
 )
+# The leases held by some workers: the jobs_leased partial index holds only leased jobs.
+_LEASES_HELD = (
+    "SELECT id, queue, lease_worker, lease_expires_at FROM jobs WHERE state = 'leased' "
+    "AND lease_expires_at > %s AND lease_worker = ANY(%s::text[]) ORDER BY id LIMIT %s"
+)
 # Per queue, the least of each priority's first ready_at in jobs_ready.
 _OLDEST_READY = (
     "SELECT q, (SELECT min(first) FROM (SELECT (SELECT ready_at FROM jobs WHERE "
@@ -142,6 +147,16 @@ class Reads(PostgresBase):
             return {}
         rows = self._read(_OLDEST_READY, (queues,))
         return {queue: max(0, now - oldest) for queue, oldest in rows if oldest is not None}
+
+    def leases_held(
+        self, worker_ids: Sequence[str], now: int, limit: int
+    ) -> list[tuple[str, str, str, int]]:
+        """The unexpired leases of ``worker_ids`` (at most ``limit``, by job id), over
+        every server: the leased jobs' partial index, filtered by worker."""
+        if not worker_ids or limit <= 0:
+            return []
+        rows = self._read(_LEASES_HELD, (now, list(worker_ids), limit)).fetchall()
+        return [(format_job_id(key), queue, worker, at) for key, queue, worker, at in rows]
 
     def dead_list(
         self,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import orjson
+
 from relay.protocol.errors import JobNotFound
 from relay.protocol.model import (
     JobInfo,
@@ -80,6 +82,15 @@ _DEAD_PAGES = {
 }
 
 
+# The leases held by some workers (a JSON array of worker ids): the jobs_leased partial
+# index holds only leased jobs, so this reads as many rows as jobs are leased.
+_LEASES_HELD_SQL = (
+    "SELECT id, queue, lease_worker, lease_expires_at FROM jobs INDEXED BY jobs_leased "
+    "WHERE state = 'leased' AND lease_expires_at > ?2 "
+    "AND lease_worker IN (SELECT value FROM json_each(?1)) ORDER BY id LIMIT ?3"
+)
+
+
 class SqliteReads(SqliteBase):
     """Inspect and the dead list: part of ``SqliteStore``."""
 
@@ -142,6 +153,17 @@ class SqliteReads(SqliteBase):
                 if oldest is not None:
                     ages[queue] = max(0, now - oldest)
         return ages
+
+    def leases_held(
+        self, worker_ids: Sequence[str], now: int, limit: int
+    ) -> list[tuple[str, str, str, int]]:
+        """The unexpired leases of ``worker_ids`` (at most ``limit``, by job id): the
+        leased jobs' partial index, filtered by worker, never the table."""
+        if not worker_ids or limit <= 0:
+            return []
+        rows = self._db.execute(_LEASES_HELD_SQL, (orjson.dumps(list(worker_ids)).decode(),
+                                                   now, limit))  # fmt: skip
+        return [(format_job_id(key), queue, worker, at) for key, queue, worker, at in rows]
 
     def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
         history: dict[int, list[tuple]] = {row[0]: [] for row in rows}

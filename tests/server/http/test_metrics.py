@@ -22,6 +22,7 @@ from relay.server.http.metrics import (
     snapshot_paused,
     snapshot_queues,
     snapshot_schedule_runs,
+    snapshot_workers,
 )
 from relay.store.view import EVENTS, QueueView
 from relay.store.view import STATES as VIEW_STATES
@@ -209,3 +210,34 @@ def test_schedule_runs_are_bounded_as_queues_are_and_ages_render_in_seconds():
     gauge = families["relay_schedule_last_run_age_seconds"]
     assert gauge.type == "gauge"
     assert {s.labels["schedule"]: s.value for s in gauge.samples} == {"a": 1.5, "b": 90.0}
+
+
+def test_workers_per_queue_are_bounded_as_queues_are_and_ages_render_in_seconds():
+    queues = {"a": {"ready": 2}, "b": {"leased": 1}, "_other": {"ready": 5}}
+    counts = {"a": 1, "c": 2, "d": 1}
+    # Every queue shown with jobs has a series (0: no worker asks for it); past the bound,
+    # the worker-queue pairs of the others are summed.
+    assert snapshot_workers(counts, queues, 10) == {"a": 1, "b": 0, "c": 2, "d": 1, "_other": 0}
+    assert snapshot_workers(counts, queues, 2) == {"a": 1, "b": 0, "_other": 3}
+    assert snapshot_workers({}, {"a": {"ready": 1}}, 10) == {"a": 0}
+    histogram = Histogram((0.1,)).snapshot()
+    snapshot = MetricsSnapshot(
+        queues={}, events={}, connections=0, durations={}, batch_sizes=histogram,
+        commit_seconds=histogram, workers=snapshot_workers(counts, queues, 2),
+        oldest_ready_ms={"a": 1500},
+    )  # fmt: skip
+    text = render(snapshot).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["relay_workers"].type == "gauge"
+    assert {s.labels["queue"]: s.value for s in families["relay_workers"].samples} == {
+        "a": 1, "b": 0, "_other": 3,
+    }  # fmt: skip
+    ages = families["relay_queue_oldest_ready_seconds"]
+    assert ages.type == "gauge" and [(s.labels, s.value) for s in ages.samples] == [
+        ({"queue": "a"}, 1.5),
+    ]  # fmt: skip
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        done = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                              capture_output=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr

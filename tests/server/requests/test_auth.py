@@ -160,6 +160,7 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "schedule_resume": lambda token: {"name": "s"},
     "schedule_list": lambda token: {},
     "reload": lambda token: {},
+    "workers_list": lambda token: {},
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
@@ -167,6 +168,7 @@ PRODUCER_OPS = {
 }  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
+    "workers_list",
 }  # fmt: skip
 ADMIN_OPS = WORKER_OPS | {
     "dead_list", "dead_retry", "dead_purge", "queue_pause", "queue_resume", "queue_config",
@@ -178,7 +180,7 @@ ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 31
+    assert len(REQUESTS) == 32
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))

@@ -192,7 +192,17 @@ def test_roles_and_the_op_they_need():
             Role.PRODUCER,
         ),
         **dict.fromkeys(
-            ("lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch"),
+            (
+                "lease",
+                "renew",
+                "ack",
+                "ack_batch",
+                "fail",
+                "release",
+                "watch",
+                "unwatch",
+                "workers_list",
+            ),
             Role.WORKER,
         ),
         **dict.fromkeys(
