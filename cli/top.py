@@ -25,7 +25,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from relay.client.client import Client, open_client
+from relay.client.client import Client, WorkersPage, open_client
 from relay.client.tcp import tls_refused
 from relay.protocol.errors import BadRequest, RelayError, Unauthorized, UnknownOp, WrongServer
 from relay.protocol.model import JobState
@@ -153,24 +153,20 @@ class TopView:
         """The stats page's queues that have a limit (max_leased or rate), marked so."""
         self.limited = frozenset(limited)
 
-    def workers(self, page: Mapping[str, Any] | None) -> None:
-        """A workers_list reply (its first page: docs/protocol.md, Workers), or None for a
-        server without the op: the panel is hidden."""
+    def workers(self, page: WorkersPage | None) -> None:
+        """A workers_list page (its first: docs/protocol.md, Workers), or None for a server
+        without the op: the panel is hidden."""
         if page is None:
             self.connected = None
             return
-        at = int(page.get("at") or 0)
         rows = [
-            _Worker(w["worker_id"], w.get("client"), w.get("peer") or "",
-                    tuple(w.get("queues") or ()), int(w.get("queues_total") or 0),
-                    int(w.get("jobs_held") or 0),
-                    w.get("longest_held_ms"), max(0, at - int(w.get("last_request_at") or at)),
-                    int(w.get("parked") or 0))
-            for w in page.get("workers") or ()
+            _Worker(w.worker_id, w.client, w.peer, tuple(w.queues), w.queues_total,
+                    w.jobs_held, w.longest_held_ms, max(0, page.at - w.last_request_at),
+                    w.parked)
+            for w in page.workers
         ]  # fmt: skip
-        total = int(page.get("total") or len(rows))
-        whole = total == len(rows) and all(len(w.queues) >= w.queues_total for w in rows)
-        self.connected = _Workers(str(page.get("server") or ""), tuple(rows), total, whole)
+        whole = page.total == len(rows) and all(len(w.queues) >= w.queues_total for w in rows)
+        self.connected = _Workers(page.server, tuple(rows), page.total, whole)
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
@@ -579,7 +575,7 @@ async def _follow(client: Client, view: TopView) -> None:
         # answers unknown_op, and top then shows no panel and asks no more.
         while True:
             try:
-                page = await client._call("workers_list", limit=WORKERS_ASKED)
+                page = await client.workers_list(limit=WORKERS_ASKED)
             except (UnknownOp, Unauthorized):
                 view.workers(None)
                 return

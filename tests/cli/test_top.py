@@ -10,7 +10,8 @@ import trio
 from rich.console import Console
 
 import relay
-from relay.client.client import Client, ServerInfo
+from relay.client.client import Client, ServerInfo, WorkersPage
+from relay.client.replies import structure_reply
 from relay.protocol.errors import UnknownOp
 from relay_cli import views
 from relay_cli.top import SPARK_STEPS, SPARKS, TopView, _follow, age, follow, sparkline
@@ -408,15 +409,11 @@ def worker(worker_id: str, queues: list[str], held: int, longest: int | None, id
             "parked": more.get("parked", 0)}  # fmt: skip
 
 
-def workers_page(*workers: dict, total: int | None = None) -> dict:
-    return {
-        "server": "build-7:7400",
-        "workers": list(workers),
-        "at": AT,
-        "next_cursor": None,
-        "total": len(workers) if total is None else total,
-        "held_truncated": False,
-    }
+def workers_page(*workers: dict, total: int | None = None) -> WorkersPage:
+    """A workers_list reply, read as the client reads it."""
+    reply = {"server": "build-7:7400", "workers": list(workers), "at": AT, "next_cursor": None,
+             "total": len(workers) if total is None else total}  # fmt: skip
+    return structure_reply(reply, WorkersPage)
 
 
 @pytest.mark.parametrize("width", [80, 120, 200])
@@ -481,6 +478,26 @@ class OlderServer(Client):
         if op == "workers_list":
             raise UnknownOp("unknown op: workers_list")
         return await super()._call(op, **fields)
+
+
+async def test_top_shows_the_workers_the_server_lists(server):
+    view = TopView(clock=lambda: 0.0)
+    host, port = server.handle.address
+    address = f"{host}:{port}"
+    async with relay.open_client(address) as client, relay.open_client(address) as worker:
+        for n in range(3):
+            await client.submit("email", {"n": n})
+        await client.submit("stuck", {})
+        await worker.lease(["email", "sms"], "mailer-1", count=2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_follow, client, view)
+            with trio.fail_after(BOUND_S):
+                while view.connected is None or "stuck" not in view.queues:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    lines = lines_of(view.render(), 120)
+    assert row(lines, "mailer-1 ").split()[3:5] == ["email,sms", "2"]
+    assert "ready jobs and no worker on this server: stuck" in lines
 
 
 async def test_top_hides_the_workers_panel_for_a_server_without_workers_list(server):
