@@ -1,6 +1,6 @@
 """``relay-trio backup DEST``: a consistent copy of a SQLite database while its server runs
 (relay/store/backup.py), on the machine that holds the file. A PostgreSQL database is
-backed up with pg_dump (docs/operations-backup.md)."""
+backed up with pg_dump (docs/operations.md)."""
 
 from __future__ import annotations
 

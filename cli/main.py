@@ -10,11 +10,11 @@ operation, 130 for Ctrl-C.
 This module is the ``relay-trio`` group and the list of its commands. Each command lives in
 a module of its own, imported only when it runs (or its help is asked for): ``server`` in
 cli/server.py; ``worker`` and ``demo`` in cli/work.py; ``submit`` in cli/submit.py;
-``inspect``, ``stats``, ``watch`` and ``top`` in cli/reads.py; ``dead`` in cli/dead.py;
-``jobs`` in cli/jobs.py; ``queue`` in cli/queue.py; ``schedule`` in cli/schedule.py;
-``backup`` in cli/backup.py; ``reload`` in cli/reload.py; ``workers`` in cli/workers.py.
-So ``relay-trio --help`` and ``--version`` load click and nothing of the client or the
-server.
+``inspect``, ``stats``, ``watch``, ``top`` and ``history`` in cli/reads.py; ``dead`` in
+cli/dead.py; ``jobs`` in cli/jobs.py; ``queue`` in cli/queue.py; ``schedule`` in
+cli/schedule.py; ``backup`` in cli/backup.py; ``reload`` in cli/reload.py; ``workers`` in
+cli/workers.py. So ``relay-trio --help`` and ``--version`` load click and nothing of the
+client or the server.
 What the commands share: the options in cli/options.py, a one-shot command's call and output
 in cli/calls.py, failures as one line in cli/errors.py.
 """
@@ -44,6 +44,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "watch": ("relay_cli.reads", "watch", "Print job events as JSON lines."),
     "top": ("relay_cli.reads", "top", "A live view of the queues."),
     "workers": ("relay_cli.workers", "workers", "The connected workers and what they hold."),
+    "history": ("relay_cli.reads", "history", "Jobs per minute over the last hours."),
     "demo": ("relay_cli.work", "demo", "See jobs run, retry and die in a few seconds."),
     "backup": ("relay_cli.backup", "backup", "Copy a running server's SQLite database."),
     "reload": ("relay_cli.reload", "reload", "Reread the token file and TLS certificate."),

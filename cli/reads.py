@@ -1,8 +1,11 @@
 """The commands that look and change nothing: ``inspect`` (one job), ``stats``, ``watch``
-(job events as JSON lines) and ``top`` (a live view, drawn by cli/top.py).
+(job events as JSON lines), ``top`` (a live view, drawn by cli/top.py) and ``history``
+(the jobs per minute of the last hours).
 """
 
 from __future__ import annotations
+
+import time
 
 import click
 import orjson
@@ -14,6 +17,7 @@ from relay_cli import views
 from relay_cli.calls import call, console, converter, print_json
 from relay_cli.errors import run
 from relay_cli.options import (
+    DURATION_FORMS,
     JOB_HELP,
     abbreviated,
     address_option,
@@ -23,6 +27,7 @@ from relay_cli.options import (
     client_timeout,
     client_token,
     json_option,
+    parse_duration,
 )
 from relay_cli.queue import limited_queues
 
@@ -122,3 +127,54 @@ def stats(address: str, as_json: bool, queues: tuple[str, ...]) -> None:
         print_json(data)
     else:
         console().print(views.stats_table(result, limited))
+
+
+# What `history` may ask: a step of whole minutes, at most this many steps (the server's
+# bound on a reply's points), and no further back than the server keeps.
+HISTORY_STEP_MS = 60_000
+HISTORY_POINTS = 1_440
+HISTORY_KEPT_MS = 7 * 86_400_000
+
+
+def _history_duration(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        ms = parse_duration(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected {DURATION_FORMS}") from None
+    if param.name == "step" and (ms <= 0 or ms % HISTORY_STEP_MS):
+        raise click.BadParameter(f"{value!r}: a step is whole minutes (1m, 15m, 1h)")
+    if param.name == "since" and not 0 < ms <= HISTORY_KEPT_MS:
+        raise click.BadParameter(f"{value!r}: from 1m to 7d (the history is kept 7 days)")
+    return ms
+
+
+def _history_queue(ctx: click.Context, param: click.Parameter, value: str | None):
+    return None if value is None else check_queues(ctx, param, (value,))[0]
+
+
+@click.command()
+@click.option("--queue", callback=_history_queue,
+              help="Only this queue's jobs. Default: every queue, summed.")  # fmt: skip
+@click.option("--since", default="1h", show_default=True, callback=_history_duration,
+              help="How far back: 30m, 6h, 1d, at most 7d.")  # fmt: skip
+@click.option("--step", default="1m", show_default=True, callback=_history_duration,
+              help="One row per this long: whole minutes (1m, 15m, 1h).")  # fmt: skip
+@address_option
+@json_option
+def history(queue: str | None, since: int, step: int, address: str, as_json: bool) -> None:
+    """Jobs per step over the last hours: submitted, succeeded, failed (attempts: fail,
+    expiry, timeout) and dead, with the mean and longest run time (lease to ack or fail)
+    and wait (ready to lease); a bar per step and sparklines where the width allows.
+    Counted by every server, written every 5 s: the last seconds show a little late."""
+    if -(-since // step) > HISTORY_POINTS:
+        back = views.step_text(since) if since % step == 0 else views.format_duration(since)
+        raise click.UsageError(
+            f"--since {back} in steps of {views.step_text(step)} is more than "
+            f"{HISTORY_POINTS} rows: a longer --step or a shorter --since"
+        )
+    start = time.time_ns() // 1_000_000 - since
+    result = call(address, lambda client: client.history(queue, start=start, step=step))
+    if as_json:
+        print_json(result)
+    else:
+        console().print(views.history_table(result))

@@ -38,6 +38,8 @@ from rich.text import Text
 
 from relay.client.client import (
     DeadPage,
+    History,
+    HistoryPoint,
     JobsPage,
     JobSummary,
     JobView,
@@ -1130,6 +1132,109 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
         border_style=STATE_STYLES.get(str(job.state), ""),
         width=width,
     )
+
+
+# -- history ------------------------------------------------------------------------------
+
+# The history's sparkline, eight heights; a step with nothing is a space's width of "·".
+SPARKS = "▁▂▃▄▅▆▇█"
+# A step's bar (``history_table``, where the width leaves it room): succeeded, then failed.
+BAR_SUCCEEDED, BAR_FAILED = "█", "▒"
+BAR_MIN = 10  # cells: below this, no bar column
+HISTORY_COUNTS = ("submitted", "succeeded", "failed", "dead")
+
+
+def sparkline(values: Sequence[int]) -> str:
+    """One character per value, its height by its share of the largest ("·" for none)."""
+    top = max(values, default=0)
+    if not top:
+        return "·" * len(values)
+    last = len(SPARKS) - 1
+    return "".join("·" if not v else SPARKS[min(last, -(-v * last // top))] for v in values)
+
+
+def step_text(ms: int) -> str:
+    """A history's step, whole minutes: "1m", "15m", "1h", "90m", "1d"."""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms // 60_000}m"
+
+
+def _mean_text(total_ms: int, count: int) -> str:
+    return short_duration(round(total_ms / count)) if count else "-"
+
+
+def _max_text(ms: int, count: int) -> str:
+    return short_duration(ms) if count else "-"
+
+
+def history_table(history: History) -> Fitted:
+    """A ``history`` reply as a table: a row per step (its start, UTC), the jobs
+    submitted, succeeded, failed (attempts) and dead, the mean and longest run and wait;
+    a totals row. Where the width leaves room: a bar per step (succeeded █, failed ▒, to
+    the largest step's scale) and, when every step fits in a line, the sparklines of the
+    jobs succeeded and failed over the range."""
+    return Fitted(functools.partial(_history_layout, history))
+
+
+def _history_layout(history: History, width: int) -> RenderableType:
+    points = history.points
+    span_days = history.end - history.start > 86_400_000 or (
+        format_minute(history.start)[:10] != format_minute(history.end - 1)[:10]
+    )
+    label = (lambda ms: format_minute(ms)[5:]) if span_days else (lambda ms: format_minute(ms)[11:])
+    rows: list[list[str]] = []
+    for p in points:
+        rows.append([
+            label(p.at), *(short_number(getattr(p, name)) for name in HISTORY_COUNTS),
+            _mean_text(p.run_sum_ms, p.run_count), _max_text(p.run_max_ms, p.run_count),
+            _mean_text(p.wait_sum_ms, p.wait_count), _max_text(p.wait_max_ms, p.wait_count),
+        ])  # fmt: skip
+    sums = {name: sum(getattr(p, name) for p in points) for name in HistoryPoint.__annotations__}
+    run_count, wait_count = sums["run_count"], sums["wait_count"]
+    total = [
+        "total", *(short_number(sums[name]) for name in HISTORY_COUNTS),
+        _mean_text(sums["run_sum_ms"], run_count),
+        _max_text(max((p.run_max_ms for p in points), default=0), run_count),
+        _mean_text(sums["wait_sum_ms"], wait_count),
+        _max_text(max((p.wait_max_ms for p in points), default=0), wait_count),
+    ]  # fmt: skip
+    headers = ["UTC", "sub-\nmitted", "suc-\nceeded", "failed", "dead", "run\nmean", "run\nmax",
+               "wait\nmean", "wait\nmax"]  # fmt: skip
+    widths = [column_width(h, [r[i] for r in [*rows, total]]) for i, h in enumerate(headers)]
+    room = width - tables_width(widths, NUMBERS_GAP) - NUMBERS_GAP
+    bar = room if room >= BAR_MIN else 0
+    step = step_text(history.step)
+    title = (
+        f"{history.queue or 'every queue'} · {format_minute(history.start)} to "
+        f"{format_minute(history.end)[11 if not span_days else 0 :]} UTC · per {step}"
+    )
+    table = plain_table(title, gap=NUMBERS_GAP)
+    table.title_justify = "left"
+    table.add_column(headers[0], width=widths[0], no_wrap=True)
+    for header, column in zip(headers[1:], widths[1:], strict=True):
+        table.add_column(header, justify="right", width=column, no_wrap=True)
+    if bar:
+        table.add_column("", width=bar, no_wrap=True)
+    top = max((p.succeeded + p.failed for p in points), default=0)
+    for p, cells in zip(points, rows, strict=True):
+        extra: list[RenderableType] = []
+        if bar:
+            ok = -(-p.succeeded * bar // top) if top else 0
+            bad = -(-p.failed * bar // top) if top else 0
+            if ok + bad > bar:
+                ok = bar - bad
+            extra = [Text.assemble((BAR_SUCCEEDED * ok, "green"), (BAR_FAILED * bad, "red"))]
+        table.add_row(*cells, *extra)
+    table.add_section()
+    table.add_row(*total, *([""] if bar else []), style="bold")
+    parts: list[RenderableType] = [table]
+    if points and len(points) + 12 <= width:
+        for name, style in (("succeeded", "green"), ("failed", "red")):
+            line = sparkline([getattr(p, name) for p in points])
+            parts.append(Text.assemble((f"{name:>10} ", "bold"), (line, style)))
+    return Group(*parts)
 
 
 # -- demo progress ------------------------------------------------------------------------

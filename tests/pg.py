@@ -99,12 +99,13 @@ def server_url(conninfo: str, schema: str | None = None) -> str:
 
 def empty(store: PostgresStore) -> None:
     """Delete every job (their errors and keys go with them), every count, every queue's
-    settings and every schedule, and start the ids afresh: two stores emptied alike then
-    give the same calls the same ids."""
+    settings, every schedule and the history, and start the ids afresh: two stores emptied
+    alike then give the same calls the same ids."""
     store._db.execute("DELETE FROM jobs")
     store._db.execute("DELETE FROM job_counts")
     store._db.execute("DELETE FROM queue_settings")
     store._db.execute("DELETE FROM schedules")
+    store._db.execute("DELETE FROM history")
     store._db.execute("SELECT setval('job_ids', 1, false)")
     store.load_counts()  # (what it read as it opened, of the jobs deleted, is gone; and
     # what it knows of paused queues: none now)

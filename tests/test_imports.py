@@ -52,6 +52,7 @@ INTERFACE = {
         "relay.store.commands",  # what the writer runs
         "relay.store.items",  # a request on its way through the writer, and its reply sink
         "relay.store.view",  # the counts per queue as of the last commit
+        "relay.store.history",  # the history's values, bounds and histograms
         "relay.store.writer",  # the writer thread's trio side
         "relay.store.sqlite",  # SqliteStore
         "relay.store.postgres",  # PostgresStore

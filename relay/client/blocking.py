@@ -38,6 +38,7 @@ from relay.client.client import (
     schedule_fields,
 )
 from relay.client.replies import (
+    History,
     JobsPage,
     JobView,
     QueueConfig,
@@ -47,6 +48,8 @@ from relay.client.replies import (
     Stats,
     WorkersPage,
     config_fields,
+    history_fields,
+    history_reply,
     stats_reply,
     structure_reply,
     submit_result,
@@ -404,6 +407,17 @@ class BlockingClient:
         if cursor is not None:
             fields["cursor"] = cursor
         return structure_reply(self.request("workers_list", **fields), WorkersPage)
+
+    def history(
+        self,
+        queue: str | None = None,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        step: int | None = None,
+    ) -> History:
+        """As ``Client.history``."""
+        return history_reply(self.request("history", **history_fields(queue, start, end, step)))
 
     def cancel(self, job_id: str) -> JobState:
         """As ``Client.cancel``: the state the job was in."""

@@ -37,6 +37,8 @@ from relay.client.events import EventStream
 from relay.client.replies import (
     DeadPage,
     Hello,
+    History,
+    HistoryPoint,
     JobsPage,
     JobSummary,
     JobView,
@@ -51,6 +53,8 @@ from relay.client.replies import (
     WorkerInfo,
     WorkersPage,
     config_fields,
+    history_fields,
+    history_reply,
     stats_reply,
     structure_reply,
     submit_result,
@@ -511,6 +515,20 @@ class Client:
         reply = await self._call("workers_list", limit=limit, cursor=cursor)
         return structure_reply(reply, WorkersPage)
 
+    async def history(
+        self,
+        queue: str | None = None,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        step: int | None = None,
+    ) -> History:
+        """What the jobs of ``queue`` (None: every queue) did per ``step`` ms (a multiple of
+        60,000; default a minute) from ``start`` to ``end`` (ms since the epoch; default: the
+        60 steps to now): at most 1,440 points (role producer)."""
+        reply = await self._call("history", **history_fields(queue, start, end, step))
+        return history_reply(reply)
+
 
 def schedule_fields(name: str, cron: str, queue: str, payload: Any, **optional: Any) -> dict:
     """A schedule_put's fields as the wire wants them (the ones given)."""
@@ -608,6 +626,8 @@ __all__ = [
     "TLS_SCHEME",
     "Client",
     "DeadPage",
+    "History",
+    "HistoryPoint",
     "JobSummary",
     "JobView",
     "JobsPage",

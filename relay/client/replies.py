@@ -238,6 +238,61 @@ class WorkersPage:
 
 
 @attrs.frozen
+class HistoryPoint:
+    """The totals of one step of ``history``, from ``at`` (ms since the epoch): jobs
+    submitted, succeeded, failed (attempts: fail, expiry, timeout), dead; run times (lease
+    to ack or fail) and waits (ready to lease) timed: count, sum and longest, in ms. See
+    docs/protocol.md, History."""
+
+    at: int
+    submitted: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    dead: int = 0
+    run_count: int = 0
+    run_sum_ms: int = 0
+    run_max_ms: int = 0
+    wait_count: int = 0
+    wait_sum_ms: int = 0
+    wait_max_ms: int = 0
+
+    @property
+    def run_mean_ms(self) -> float | None:
+        return self.run_sum_ms / self.run_count if self.run_count else None
+
+    @property
+    def wait_mean_ms(self) -> float | None:
+        return self.wait_sum_ms / self.wait_count if self.wait_count else None
+
+
+@attrs.frozen
+class History:
+    """A ``history`` reply: the queue (None: every queue), the range it covers (``start``
+    and ``end``: the wire's ``from`` and ``to``, whole minutes), its step (ms) and one
+    point per step."""
+
+    queue: str | None
+    start: int
+    end: int
+    step: int
+    points: list[HistoryPoint]
+
+
+def history_reply(reply: dict[str, Any]) -> History:
+    """A history reply as ``History`` (its ``from`` and ``to`` as ``start`` and ``end``)."""
+    fields = {**reply, "start": reply.get("from"), "end": reply.get("to")}
+    return structure_reply(fields, History)
+
+
+def history_fields(
+    queue: str | None, start: int | None, end: int | None, step: int | None
+) -> dict[str, Any]:
+    """A history request's fields as the wire wants them (the ones given)."""
+    given = {"queue": queue, "from": start, "to": end, "step": step}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+@attrs.frozen
 class Hello:
     server: str
     version: str

@@ -14,10 +14,18 @@ from typing import Any
 import attrs
 import cattrs
 import orjson
+from cattrs.gen import make_dict_structure_fn, override
 from cattrs.preconf.orjson import make_converter
 
 from relay.protocol.errors import BadRequest, UnknownOp
-from relay.protocol.requests import REQUEST_TYPES, AckBatch, AckItem, Submit, SubmitBatch
+from relay.protocol.requests import (
+    REQUEST_TYPES,
+    AckBatch,
+    AckItem,
+    History,
+    Submit,
+    SubmitBatch,
+)
 from relay.protocol.wire import (
     Limits,
     _bad,
@@ -55,10 +63,21 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook_func(
         lambda t: t in (list[str], list[dict[str, Any]]), _strict_list
     )
+    # history's "from" and "to" are Python keywords: its fields are start and end.
+    converter.register_structure_hook(
+        History,
+        make_dict_structure_fn(
+            History, converter, start=override(rename="from"), end=override(rename="to")
+        ),
+    )
     return converter
 
 
 converter = _make_converter()
+
+
+# Fields whose wire name is not their attribute's (a Python keyword): for the errors.
+_WIRE_NAMES: dict[type, dict[str, str]] = {History: {"start": "from", "end": "to"}}
 
 
 def structure(data: dict[str, Any], cls: type, prefix: str = "") -> Any:
@@ -68,6 +87,7 @@ def structure(data: dict[str, Any], cls: type, prefix: str = "") -> Any:
     except cattrs.ClassValidationError as exc:
         message = cattrs.transform_error(exc)[0]
         problem, _, path = message.partition(" @ $.")
+        path = _WIRE_NAMES.get(cls, {}).get(path, path)
         field = prefix + (path or "?")
         raise BadRequest(f"{field}: {problem}", field=field) from None
     except (TypeError, ValueError) as exc:

@@ -741,6 +741,55 @@ class WorkersList:
             raise _bad("cursor", "not a cursor returned by workers_list")
 
 
+# history: steps are whole minutes; a reply holds at most this many points (a day of
+# minutes, or 60 days of hours: more than the history keeps).
+HISTORY_STEP_MS = 60_000
+HISTORY_MAX_STEP_MS = 86_400_000  # a day
+HISTORY_POINTS = 1_440
+
+
+@attrs.frozen
+class History:
+    """``history`` (an extension): the totals of ``queue`` (None: every queue) per
+    ``step`` ms from ``from`` to ``to`` (ms since the epoch; None: ``to`` is now, ``from``
+    60 steps before ``to``). On the wire the fields are ``from`` and ``to`` (parsing.py)."""
+
+    queue: str | None = None
+    start: int | None = None
+    end: int | None = None
+    step: int = HISTORY_STEP_MS
+
+    def check(self, limits: Limits) -> None:
+        if self.queue is not None:
+            check_queue("queue", self.queue)
+        check_range("step", self.step, HISTORY_STEP_MS, HISTORY_MAX_STEP_MS)
+        if self.step % HISTORY_STEP_MS:
+            raise _bad("step", f"must be a multiple of {HISTORY_STEP_MS} (whole minutes)")
+        for field, value in (("from", self.start), ("to", self.end)):
+            if value is not None:
+                check_range(field, value, 0, 2**53)
+        if self.start is not None and self.end is not None:
+            if self.start >= self.end:
+                raise _bad("from", "must be before to")
+            self.span(self.end)
+
+    def span(self, now: int) -> tuple[int, int, int]:
+        """(start, end, step), whole minutes: ``from`` down to its minute, ``to`` up to its
+        (the minute under way is in), each as defaulted; BadRequest naming ``step`` if
+        they are more than HISTORY_POINTS steps apart."""
+        minute = HISTORY_STEP_MS
+        end = now if self.end is None else self.end
+        end = -(-end // minute) * minute
+        start = end - 60 * self.step if self.start is None else self.start
+        start = max(0, start - start % minute)
+        if -(-(end - start) // self.step) > HISTORY_POINTS:
+            raise _bad(
+                "step", f"at most {HISTORY_POINTS} points a reply: a longer step, or a "
+                "shorter range from..to",
+            )  # fmt: skip
+        return start, end, self.step
+
+
 REQUEST_TYPES: dict[str, type] = {
     "hello": Hello,
     "ping": Ping,
@@ -774,4 +823,5 @@ REQUEST_TYPES: dict[str, type] = {
     "schedule_list": ScheduleList,
     "reload": Reload,
     "workers_list": WorkersList,
+    "history": History,
 }

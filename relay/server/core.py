@@ -7,6 +7,8 @@ whether it arrived over a socket or from the same process.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +18,7 @@ import attrs
 import trio
 
 from relay.protocol import wire
+from relay.protocol.errors import RelayError
 from relay.server.connections.outbox import DEFAULT_REPLY_BUFFER_BYTES
 from relay.server.connections.prehello import (
     HELLO_TIMEOUT_MS,
@@ -31,13 +34,16 @@ from relay.server.requests.watch import Watchers
 from relay.server.services.maintenance import (
     Alarm,
     commit_listener,
+    flush_history_once,
     run_counts_refresher,
+    run_history_flusher,
     run_promoter,
     run_pruner,
     run_reaper,
 )
 from relay.server.services.schedules import Scheduler, run_scheduler
 from relay.store.base import DEFAULT_MAX_SCHEDULES, Changes, Store, StoreConfig
+from relay.store.history import FLUSH_INTERVAL_S, Histograms
 from relay.store.view import QueueView
 from relay.store.writer import CommitListener, Writer, open_writer, wall_clock_ms
 from relay.util.nursery import open_service_nursery
@@ -51,6 +57,8 @@ DEFAULT_MAX_QUEUES = 10_000
 # Per-queue series on /metrics (--metrics-max-queues): 1,000 queues are 13,000 samples,
 # about 1 MB of text and a few ms to render; the rest are one queue="_other" series.
 DEFAULT_METRICS_MAX_QUEUES = 1_000
+# The last flush of the history at shutdown waits this long at most for the writer.
+FINAL_FLUSH_S = 2.0
 # One rendering of /metrics serves every scrape for this long (--metrics-cache-ms).
 DEFAULT_METRICS_CACHE_MS = 1_000
 
@@ -92,6 +100,9 @@ class ServerConfig:
     # (relay/server/http/metrics.py).
     metrics_max_queues: int = DEFAULT_METRICS_MAX_QUEUES
     metrics_cache_ms: int = DEFAULT_METRICS_CACHE_MS
+    # The history counted in memory is flushed to the store this often (a crash loses at
+    # most this long of it: relay/store/history.py).
+    history_flush_ms: int = round(FLUSH_INTERVAL_S * 1000)
     # PEM files of the job listener's certificate (chain) and key: both, or neither (plain
     # TCP). A client's handshake must finish within the timeout (relay/server/connections/tls.py).
     tls_cert: str | None = None
@@ -135,6 +146,7 @@ class ServerConfig:
             queue_depths=dict(self.queue_depths),
             max_queues=self.max_queues,
             max_schedules=self.max_schedules,
+            history_max_queues=self.metrics_max_queues,
         )
 
 
@@ -147,6 +159,9 @@ class Core:
     nursery: trio.Nursery  # the services nursery: for tasks that live as long as the core
     view: QueueView  # the store's counts per queue, as of the last commit (any thread reads)
     scheduler: Scheduler  # the schedules' service: its statistics for /metrics
+    # The run-time and wait-time histograms of this server's jobs, as the history flusher
+    # adds to them (relay/store/history.py): for /metrics.
+    histograms: Histograms = attrs.Factory(lambda: Histograms(DEFAULT_METRICS_MAX_QUEUES))
 
     def unready(self) -> str | None:
         """Why the server should get no new clients now (None: it is ready): "recovering"
@@ -242,6 +257,13 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
             await services.start(run_reaper, writer, reaper, config.clock)
             await services.start(run_pruner, writer)
             await services.start(run_scheduler, writer, scheduler, config.clock)
+            histograms = Histograms(config.metrics_max_queues)
+            await services.start(
+                functools.partial(
+                    run_history_flusher, interval_s=config.history_flush_ms / 1000
+                ),
+                writer, histograms,
+            )  # fmt: skip
             if is_postgres_url(config.db):  # other servers may commit too: follow them
                 from relay.server.services.feed import ChangeFeed
 
@@ -261,4 +283,15 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
                 feed = ChangeFeed(store.url, store.origin, deliver, recheck)
                 await services.start(feed.run)
                 await services.start(run_counts_refresher, writer)
-            yield Core(writer, dispatcher, longpolls, watchers, services, store.view, scheduler)
+            yield Core(
+                writer, dispatcher, longpolls, watchers, services, store.view, scheduler,
+                histograms,
+            )  # fmt: skip
+        # The history counted since the last flush, before the writer stops (a shutdown
+        # loses none of it; a crash loses up to FLUSH_INTERVAL_S of it).
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(FINAL_FLUSH_S),
+            contextlib.suppress(RelayError),
+        ):
+            await flush_history_once(writer, histograms)

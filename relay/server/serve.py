@@ -12,6 +12,7 @@ The task tree (every task has one owner; read top to bottom)::
             ├── run_reaper                    expired leases -> ready or dead
             ├── run_pruner                    succeeded, cancelled jobs past retention, old keys
             ├── run_scheduler                 schedules' due slots -> jobs, once each
+            ├── run_history_flusher           the history counted in memory -> the store
             └── ChangeFeed.run                (PostgreSQL) other servers' commits as wake-ups
         └── transports nursery                cancelled at the end of the grace period
             ├── Listener.serve                TCP accept loop (own cancel scope:
@@ -187,6 +188,7 @@ async def serve(
                 workers=snapshot_workers(
                     dispatcher.workers.queue_counts(), queues, config.metrics_max_queues
                 ),
+                job_times=core.histograms.snapshot(),
             )
 
         async with trio.open_nursery() as transports:

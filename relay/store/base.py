@@ -43,6 +43,7 @@ from relay.protocol.model import (
     SubmitResult,
     SubmitSpec,
 )
+from relay.store.history import HistoryFlushed, HistoryPoint
 from relay.store.view import QueueView
 
 PENDING, READY, LEASED = JobState.PENDING, JobState.READY, JobState.LEASED
@@ -302,6 +303,10 @@ class StoreConfig:
     # Schedules that may exist at once: a schedule_put of a new one past it is refused
     # with TooManySchedules.
     max_schedules: int = DEFAULT_MAX_SCHEDULES
+    # Queues with history rows of their own per flush (the first by name); the others'
+    # counts are summed as queue "_other" (relay/store/history.py). The server passes its
+    # --metrics-max-queues.
+    history_max_queues: int = 1_000
 
     def depth_limit(self, queue: str) -> int | None:
         return self.queue_depths.get(queue, self.max_depth)
@@ -736,6 +741,22 @@ class Store(Protocol):
 
     def next_schedule_at(self) -> int | None:
         """The earliest next slot of a schedule not paused, or None."""
+
+    # -- history (relay/store/history.py) ---------------------------------------------------
+
+    def history_flush(self, now: int) -> HistoryFlushed:
+        """Add what was counted since the last flush to the table ``history`` (one upsert
+        per flush) and return the histograms' deltas; a rollback counts it again."""
+
+    def history_read(
+        self, queue: str | None, start: int, end: int, step: int
+    ) -> list[HistoryPoint]:
+        """The totals of ``queue`` (None: every queue) per ``step`` ms from ``start`` to
+        ``end`` (minutes), every step given (zeros where nothing was counted): one range
+        read of an index."""
+
+    def history_prune(self, now: int, limit: int) -> int:
+        """Delete up to ``limit`` history rows older than HISTORY_KEEP_MS; return how many."""
 
     def schedule_last_slots(self, limit: int) -> list[tuple[str, int | None]]:
         """(name, the last slot that made a job, or None) of the first ``limit`` schedules

@@ -215,6 +215,23 @@ class Prune:
 
 
 @attrs.frozen
+class HistoryFlush:
+    """What was counted since the last flush, added to the history table
+    (relay/store/history.py); returns the histograms' deltas."""
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.history_flush(now)
+
+
+@attrs.frozen
+class HistoryPrune:
+    limit: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.history_prune(now, self.limit)
+
+
+@attrs.frozen
 class NextDeadlines:
     """(earliest due time of a pending/retrying job, earliest lease expiry), either None."""
 

@@ -11,11 +11,17 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from relay.protocol.errors import TooManyQueues
+from relay.store import history
 from relay.store.base import Changes
 from relay.store.view import EVENTS, Entry, QueueView
 
-# (counter, key, n): one counter change, undone on rollback by subtracting n.
-JournalEntry = tuple[Counter[tuple[str, str]], tuple[str, str], int]
+# (counter, key, n): one counter change, undone on rollback by subtracting n; or (None,
+# counter, 0): a flush took the history's counter, given back on rollback.
+JournalEntry = tuple[Counter | None, Any, int]
+
+# Lease starts kept for run times (``_starts``) at most: past it they are forgotten at
+# once (the run times of the leases then held are not observed).
+STARTS_MAX = 100_000
 
 
 class CountsBook:
@@ -51,10 +57,19 @@ class CountsBook:
         self._touched: set[str] = set()
         # Queues that submits since the last publish may create (``_check_queues``).
         self._new_queues: set[str] = set()
+        # (queue, minute, field) -> what was counted and not yet flushed (history.py).
+        self._history: Counter[history.HistoryKey] = Counter()
+        # job key -> when this store leased it (``now`` of its claim): its run time at
+        # ack or fail. Bounded by STARTS_MAX; leases it did not grant have none.
+        self._starts: dict[int, int] = {}
 
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
         for counter, key, n in reversed(self._journal[mark:]):
+            if counter is None:  # a flush took the history counted before it (``key``)
+                key.update(self._history)  # (what came after it is undone by now)
+                self._history = key
+                continue
             counter[key] -= n
         del self._journal[mark:]
 
@@ -93,8 +108,93 @@ class CountsBook:
         if self._journal is not None:
             self._journal.append((counter, key, n))
 
-    def _count(self, queue: str, event: str, n: int = 1) -> None:
+    def _count(self, queue: str, event: str, n: int = 1, now: int | None = None) -> None:
+        """Count ``n`` events of ``queue``; with ``now``, in its minute's history too."""
         self._bump(self._totals, (queue, event), n)
+        if now is not None:
+            field = history.EVENT_FIELDS.get(event)
+            if field is not None:
+                self._bump(self._history, (queue, now - now % history.MINUTE_MS, field), n)
+
+    def _started(self, keys: Iterable[int], now: int) -> None:
+        """These jobs were leased at ``now`` (for their run times)."""
+        starts = self._starts
+        if len(starts) >= STARTS_MAX:
+            starts.clear()
+        starts.update(dict.fromkeys(keys, now))
+
+    def _observe(self, queue: str, kind: int, values: list[int], now: int) -> None:
+        """Add ``values`` (ms) of ``kind`` (history.FIELD_RUN or FIELD_WAIT) to the queue's
+        minute: sum, buckets, and the max (raised by a journaled change, so a rollback
+        lowers it again). ``_bump``'s work, written out: this runs per claim and per ack."""
+        minute = now - now % history.MINUTE_MS
+        counter, journal = self._history, self._journal
+        for field, n in history.observe_fields(kind, values):
+            key = (queue, minute, field)
+            counter[key] += n
+            if journal is not None:
+                journal.append((counter, key, n))
+        key = (queue, minute, kind + 2)
+        rise = max(values) - counter.get(key, 0)
+        if rise > 0:
+            counter[key] += rise
+            if journal is not None:
+                journal.append((counter, key, rise))
+        self._touched.add(queue)
+
+    def _observe_each(
+        self, kind: int, queues: list[str], values: list[int | None], now: int
+    ) -> None:
+        """``_observe`` of ``values`` (None: not known, left out), each of the queue at its
+        place in ``queues``: grouped by queue (nearly always one, taken at once)."""
+        if len(set(queues)) == 1:
+            known = [value for value in values if value is not None]
+            if known:
+                self._observe(queues[0], kind, known, now)
+            return
+        by_queue: dict[str, list[int]] = {}
+        for queue, value in zip(queues, values, strict=True):
+            if value is not None:
+                by_queue.setdefault(queue, []).append(value)
+        for queue, known in by_queue.items():
+            self._observe(queue, kind, known, now)
+
+    def _observe_claimed(self, rows: list, queue_at: int, ready_at: int, now: int) -> None:
+        """The waits of the jobs of a claim (its candidate ``rows``: each one's queue and
+        ``ready_at`` at those places), and their lease starts (``_started``)."""
+        self._observe_each(
+            history.FIELD_WAIT, [row[queue_at] for row in rows],
+            [now - row[ready_at] for row in rows], now,
+        )  # fmt: skip
+
+    def _observe_ended(self, keys: list[int], queues: list[str], now: int) -> None:
+        """The run times of the attempts of these jobs (``keys``, of ``queues``) that ended
+        at ``now``, for the leases this store granted (``_starts``), which it forgets."""
+        pop = self._starts.pop
+        started = [pop(key, None) for key in keys]
+        runs = [None if at is None else now - at for at in started]
+        self._observe_each(history.FIELD_RUN, queues, runs, now)
+
+    def history_flush(self, now: int) -> history.HistoryFlushed:
+        """Write what was counted since the last flush to the table ``history`` (one
+        upsert: adds to the rows there), and return the histograms' deltas. In the open
+        transaction: if it rolls back, what it took is counted again (journaled)."""
+        counter = self._history
+        if not counter:
+            return history.HistoryFlushed(0, {})
+        rows, observed = history.take_rows(counter, self.config.history_max_queues)
+        if rows:
+            self._history_write(rows)
+        # Taken whole: one journal entry, which a rollback turns back (``_undo``), however
+        # many queues (not a change per counter, nor the queues published again).
+        self._history = Counter()
+        if self._journal is not None:
+            self._journal.append((None, counter, 0))
+        return history.HistoryFlushed(len(rows), observed)
+
+    def _history_write(self, rows: list[history.HistoryRow]) -> None:
+        """Add ``rows`` to the table (the store's dialect)."""
+        raise NotImplementedError
 
     def _record(self, key: int, queue: str, src: str, state: str, attempt: int, now: int) -> None:
         """One job's change from state ``src``, for ``changes.events`` (call only while

@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -270,6 +270,21 @@ def _v11_job_browser(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX jobs_queue_state ON jobs (queue, state, id)")
 
 
+def _v12_history(db: sqlite_utils.Database) -> None:
+    # History per queue and minute (relay/store/history.py): counts added by each flush,
+    # kept HISTORY_KEEP_MS. Read by queue and time (the key), or over every queue by
+    # time, and pruned by time (history_minute).
+    db.execute(
+        "CREATE TABLE history (queue TEXT NOT NULL, minute INTEGER NOT NULL, "
+        "submitted INTEGER NOT NULL, succeeded INTEGER NOT NULL, failed INTEGER NOT NULL, "
+        "dead INTEGER NOT NULL, run_count INTEGER NOT NULL, run_sum_ms INTEGER NOT NULL, "
+        "run_max_ms INTEGER NOT NULL, wait_count INTEGER NOT NULL, "
+        "wait_sum_ms INTEGER NOT NULL, wait_max_ms INTEGER NOT NULL, "
+        "PRIMARY KEY (queue, minute)) STRICT"
+    )
+    db.execute("CREATE INDEX history_minute ON history (minute)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -283,6 +298,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     9: _v9_schedule_defaults_and_refusals,
     10: _v10_attempt_history,
     11: _v11_job_browser,
+    12: _v12_history,
 }
 
 

@@ -15,6 +15,8 @@ from rich.console import Console, RenderableType
 
 from relay.client.client import (
     DeadPage,
+    History,
+    HistoryPoint,
     JobsPage,
     JobSummary,
     JobView,
@@ -904,3 +906,57 @@ async def test_stats_and_dead_list_read_at_80_columns_through_the_commands(addre
         # Ids made in one millisecond with another job's are whole (unique among all the
         # jobs): the error keeps 19 characters at least.
         assert "TimeoutError: ware" in line, lines
+
+
+# -- history ------------------------------------------------------------------------------
+
+
+def history_of(n: int, step: int = 60_000) -> History:
+    points = [
+        HistoryPoint(
+            T0 + i * step,
+            submitted=10 * i,
+            succeeded=8 * i,
+            failed=i % 3,
+            dead=int(i % 5 == 4),
+            run_count=8 * i,
+            run_sum_ms=8 * i * 250,
+            run_max_ms=1_000 + i,
+            wait_count=8 * i,
+            wait_sum_ms=8 * i * 40,
+            wait_max_ms=65_000 if i == 7 else 90,
+        )
+        for i in range(n)
+    ]
+    return History("email", T0, T0 + n * step, step, points)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_history_table_shows_a_row_per_step_totals_bars_and_sparklines(width):
+    lines = lines_of(views.history_table(history_of(12)), width)
+    assert lines[0] == "email · 2026-01-01 00:00 to 00:12 UTC · per 1m"
+    first = next(line for line in lines if line.startswith("00:00 "))
+    busiest = row(lines, "00:11 ")
+    assert first.split()[1:] == ["0", "0", "0", "0", "-", "-", "-", "-"]  # nothing timed
+    assert busiest.split()[1:5] == ["110", "88", "2", "0"]
+    assert "250 ms" in busiest and "1.0 s" in busiest
+    assert "1m 05s" in row(lines, "00:07 ")  # the longest wait, in its step
+    total = row(lines, "total").split()
+    assert total[1:5] == [str(10 * 66), str(8 * 66), "12", "2"]
+    # The bar: the busiest step's is the widest (succeeded █, failed ▒); none where nothing.
+    assert "█" in busiest and "▒" in busiest and "█" not in first
+    assert busiest.count("█") + busiest.count("▒") >= row(lines, "00:03 ").count("█")
+    sparks = row(lines, "succeeded ·")
+    assert len(sparks.split()[1]) == 12 and sparks.endswith("█")
+
+
+def test_history_table_leaves_the_sparklines_out_where_the_steps_do_not_fit():
+    lines = lines_of(views.history_table(history_of(100)), 80)
+    assert not any("succeeded ·" in line for line in lines)
+    assert "succeeded ·" in "\n".join(lines_of(views.history_table(history_of(100)), 120))
+
+
+def test_history_table_of_days_shows_dates():
+    lines = lines_of(views.history_table(history_of(30, step=3_600_000)), 80)
+    assert lines[0] == "email · 2026-01-01 00:00 to 2026-01-02 06:00 UTC · per 1h"
+    assert row(lines, "01-02 05:00").split()[2] == "290"

@@ -384,3 +384,28 @@ async def test_put_list_pause_and_delete_a_schedule(bclient):
     assert [s.name for s in page.schedules] == ["bs"] and page.next_cursor is None
     await call(bclient.schedule_delete, "bs")
     assert (await call(bclient.schedule_list)).schedules == []
+
+
+async def test_history_of_a_queue_and_of_every_queue(tmp_path):
+    from tests.worker.helpers import serving
+
+    start = functools.partial(start_server, history_flush_ms=20)
+    async with serving(start, str(tmp_path / "h.db")) as server:
+        with connect(server.address, timeout=5) as c:
+            await call(c.submit, "q", {"n": 1})
+            # (a producer's client: the worker's ops as plain requests)
+            [job] = (await call(c.request, "lease", queues=["q"], worker_id="w"))["jobs"]
+            await call(c.request, "fail", job_id=job["job_id"], worker_id="w",
+                       token=job["token"], error="boom", retryable=False)  # fmt: skip
+            with trio.fail_after(BOUND_S):  # (flushed every 20 ms)
+                while not (h := await call(c.history, "q")).points[-1].dead:  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            assert (h.queue, h.step, h.end - h.start) == ("q", 60_000, 60 * 60_000)
+            point = h.points[-1]
+            assert (point.submitted, point.failed, point.run_count) == (1, 1, 1)
+            assert point.run_mean_ms == point.run_sum_ms and point.wait_mean_ms is not None
+            every = await call(c.history, start=h.start, end=h.end, step=3_600_000)
+            assert every.queue is None and len(every.points) == 1  # the hour, one step
+            assert sum(p.submitted for p in every.points) == 1
+            with pytest.raises(BadRequest, match="step"):
+                await call(c.history, step=90_000)

@@ -580,6 +580,19 @@ OPS: list[tuple[str, dict[str, Field]]] = [
             "limit": int_field(1, 100),
         },
     ),
+    (
+        "history",
+        {
+            "queue": Field("str", queue_names, nullable=True, bad=bad_queue_names),
+            # (from before to, at most 1,440 steps apart: whatever each is, within these)
+            "from": Field("int", in_range(0, 1_000_000), nullable=True,
+                          bad=out_of_range(0, 2**53)),
+            "to": Field("int", in_range(2_000_000, 60_000_000), nullable=True,
+                        bad=out_of_range(0, 2**53)),
+            "step": Field("int", st.integers(1, 1440).map(lambda n: n * 60_000),
+                          bad=st.sampled_from([0, 59_999, 60_001, -60_000, 5_184_060_000])),
+        },
+    ),
 ]  # fmt: skip
 assert {op for op, _ in OPS} == set(REQUEST_TYPES)
 

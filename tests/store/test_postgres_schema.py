@@ -588,3 +588,29 @@ def test_a_version_11_schema_migrates_to_the_job_browsers_index_and_lists_its_jo
         assert store.dead_purge_queue("q", 10, ("succeeded",)) == 1
     finally:
         store.close()
+
+
+def test_a_version_12_schema_migrates_to_history_and_keeps_its_jobs(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 12)
+        store = PostgresStore.open(url)
+        [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('history')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0 + 250)
+        assert lease.job_id == old.job_id
+        store.jobs_submit([SubmitSpec("q", "{}")], T0 + 300)
+        store.history_flush(T0 + 400)
+        minute = T0 - T0 % 60_000
+        [point] = store.history_read("q", minute, minute + 60_000, 60_000)
+        # The job submitted before the migration was not counted; its wait since is.
+        assert point.as_fields()["submitted"] == 1
+        assert (point.as_fields()["wait_count"], point.as_fields()["wait_max_ms"]) == (1, 250)
+    finally:
+        store.close()

@@ -1031,3 +1031,35 @@ def test_a_version_10_file_migrates_to_the_job_browsers_index_and_lists_its_jobs
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_11_file_migrates_to_history_and_keeps_its_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 11)
+        store = SqliteStore.open(path)
+        [old] = store.jobs_submit([spec()], T0)
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 11
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
+    assert "history" not in tables
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0 + 250)
+        assert lease.job_id == old.job_id
+        store.jobs_submit([spec()], T0 + 300)
+        store.history_flush(T0 + 400)
+        minute = T0 - T0 % 60_000
+        [point] = store.history_read("q", minute, minute + 60_000, 60_000)
+        # The job submitted before the migration was not counted; its wait since is.
+        fields = point.as_fields()
+        assert (fields["submitted"], fields["wait_count"], fields["wait_max_ms"]) == (1, 1, 250)
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION

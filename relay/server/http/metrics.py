@@ -37,6 +37,7 @@ from relay.server.http.dashboard import CONTENT_TYPE as PAGE_TYPE
 from relay.server.http.dashboard import Dashboard
 from relay.server.requests.oldest import OldestReady
 from relay.store import commands as cmd
+from relay.store.history import BOUNDS_MS
 from relay.store.view import EVENTS, QueueView
 from relay.store.view import STATES as VIEW_STATES
 from relay.store.writer import Writer
@@ -97,6 +98,10 @@ class MetricsSnapshot:
     # (``snapshot_workers``)
     oldest_ready_ms: dict[str, int] = attrs.Factory(dict)
     workers: dict[str, int] = attrs.Factory(dict)
+    # Per queue, this server's jobs' run times and wait times as the history flushes them:
+    # (run buckets, run sum ms, wait buckets, wait sum ms), buckets not cumulative, the
+    # last above every bound (``Histograms.snapshot``, relay/store/history.py).
+    job_times: dict[str, tuple[tuple[int, ...], int, tuple[int, ...], int]] = attrs.Factory(dict)
 
 
 async def schedule_ages(writer: Writer, max_series: int) -> dict[str, int]:
@@ -350,7 +355,27 @@ def _per_queue_text(s: MetricsSnapshot) -> bytes:
     for metric, kind, label, series, text in families:
         lines.append(f"# HELP {metric} {text}\n# TYPE {metric} {kind}\n")
         lines += [f'{metric}{{{label}="{k}"}} {v}\n' for k, v in sorted(series.items())]
+    for metric, at, text in JOB_TIME_METRICS:
+        lines.append(f"# HELP {metric} {text}\n# TYPE {metric} histogram\n")
+        for queue in sorted(s.job_times):
+            buckets, total_ms = s.job_times[queue][at], s.job_times[queue][at + 1]
+            count = 0
+            for bound, n in zip(_JOB_TIME_LE, buckets, strict=True):
+                count += n
+                lines.append(f'{metric}_bucket{{queue="{queue}",le="{bound}"}} {count}\n')
+            lines.append(f'{metric}_sum{{queue="{queue}"}} {total_ms / 1000}\n')
+            lines.append(f'{metric}_count{{queue="{queue}"}} {count}\n')
     return "".join(lines).encode()
+
+
+# The job-time histograms: (metric, its place in a ``job_times`` entry, help).
+JOB_TIME_METRICS = (
+    ("relay_job_run_seconds", 0,
+     "From a job's lease to its ack or fail, for the leases this server granted."),
+    ("relay_job_wait_seconds", 2,
+     "From a job ready (or due, when delayed or retried) to its lease, by this server."),
+)  # fmt: skip
+_JOB_TIME_LE = [repr(ms / 1000) for ms in BOUNDS_MS] + ["+Inf"]
 
 
 def render(snapshot: MetricsSnapshot) -> bytes:

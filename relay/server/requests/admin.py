@@ -246,6 +246,13 @@ class AdminHandlers:
         connection.reserve(args.reserved)
         self._queue(connection, (ops.SCHEDULE_LIST, connection, rid, started, args))
 
+    def _history(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
+        # A reply of at most HISTORY_POINTS points, each about 250 bytes: reserved.
+        request = self._typed(fields, "history")
+        args = ops.Reserving(request, ops.HISTORY_REPLY_BYTES)
+        connection.reserve(args.reserved)
+        self._queue(connection, (ops.HISTORY, connection, rid, started, args))
+
     def _watch(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
         request = self._typed(fields, "watch")
         if self.watchers is None or not hasattr(connection, "push"):

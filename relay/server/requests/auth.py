@@ -91,6 +91,8 @@ OP_ROLES: dict[str, Role] = {
     "schedule_pause": Role.ADMIN,
     "schedule_resume": Role.ADMIN,
     "schedule_list": Role.PRODUCER,
+    # (an extension) Counts per minute: what stats shows, over time.
+    "history": Role.PRODUCER,
     # (an extension) A producer may cancel one job that has not started; a leased job, or
     # a whole queue, needs admin: the handler checks (relay/server/requests/admin.py).
     "cancel": Role.PRODUCER,

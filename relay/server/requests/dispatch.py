@@ -146,6 +146,7 @@ class Dispatcher(AdminHandlers):
             "schedule_list": self._schedule_list,
             "reload": self._reload,
             "workers_list": self._workers_list,
+            "history": self._history,
         }
         # Who may use which: a connection holds the table of its role (access.py).
         self.access = Access(tokens, handlers, self._answer_now, self._durations.histogram)

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import orjson
 
-from relay.protocol import wire
+from relay.protocol import requests, wire
 from relay.protocol.errors import RelayError
 from relay.protocol.model import FailOutcome, JobInfo, JobState, Lease, SubmitSpec
 from relay.server.requests.auth import Role
@@ -562,6 +562,29 @@ class _ScheduleList(RequestOp):
         }
 
 
+# The most a history reply takes: its points (each field a number of up to 16 digits).
+HISTORY_REPLY_BYTES = requests.HISTORY_POINTS * 320 + REPLY_OVERHEAD_BYTES
+
+
+class _History(RequestOp):
+    """``history``: args is a Reserving of the typed request; the writer's ``now`` ends a
+    range whose ``to`` is left out. A read of one queue's rows (or every queue's summed),
+    one range of the key."""
+
+    reserves = True
+
+    def run(self, store: Store, now: int, args: Reserving) -> Any:
+        start, end, step = args.args.span(now)
+        return start, end, step, store.history_read(args.args.queue, start, end, step)
+
+    def fields(self, outcome: tuple, args: Any) -> dict[str, Any]:
+        start, end, step, points = outcome
+        return {
+            "queue": args.args.queue, "from": start, "to": end, "step": step,
+            "points": [point.as_fields() for point in points],
+        }  # fmt: skip
+
+
 class _Watch(RequestOp):
     """``watch``: nothing to run; its reply comes after a commit made while recording
     (relay/server/requests/watch.py)."""
@@ -599,3 +622,4 @@ SCHEDULE_DELETE = _ScheduleDelete("schedule_delete")
 SCHEDULE_PAUSE = _SchedulePause("schedule_pause")
 SCHEDULE_RESUME = _SchedulePause("schedule_resume")
 SCHEDULE_LIST = _ScheduleList("schedule_list")
+HISTORY = _History("history")

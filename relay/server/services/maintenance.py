@@ -1,4 +1,5 @@
-"""Time-driven passes: promote due jobs, reap expired leases, prune old data.
+"""Time-driven passes: promote due jobs, reap expired leases, prune old data, flush the
+history counted in memory.
 
 Each service is one pass (``promote_once``, ``reap_once``, ``prune_once``), which tests call
 directly, and a loop that runs it. The promoter and the reaper sleep until the next due
@@ -18,6 +19,7 @@ from relay.protocol.errors import ShuttingDown, Unavailable
 from relay.protocol.model import JobState
 from relay.store import commands as cmd
 from relay.store.base import Changes, Reaped
+from relay.store.history import FLUSH_INTERVAL_S, Histograms
 from relay.store.writer import CommitListener, Writer
 from relay.util.log import event
 
@@ -117,7 +119,8 @@ async def reap_once(writer: Writer) -> list[Reaped]:
 
 
 async def prune_once(writer: Writer) -> int:
-    """Delete succeeded jobs past retention and expired idempotency keys."""
+    """Delete succeeded jobs past retention and expired idempotency keys, and history
+    rows past the period kept (HISTORY_KEEP_MS); return the jobs deleted."""
     total = 0
     while True:
         n = await writer.execute(cmd.Prune(PASS_LIMIT))
@@ -125,7 +128,41 @@ async def prune_once(writer: Writer) -> int:
         if n < PASS_LIMIT:
             if total:
                 event(log, logging.INFO, "jobs.pruned", count=total)
-            return total
+            break
+    while await writer.execute(cmd.HistoryPrune(PASS_LIMIT)) == PASS_LIMIT:
+        pass
+    return total
+
+
+async def flush_history_once(writer: Writer, histograms: Histograms) -> int:
+    """Add what the store counted since the last flush to the history table, and its
+    run and wait times to ``histograms`` (once committed); return the rows written."""
+    flushed = await writer.execute(cmd.HistoryFlush())
+    histograms.add(flushed.observed)
+    return flushed.rows
+
+
+async def run_history_flusher(
+    writer: Writer,
+    histograms: Histograms,
+    *,
+    interval_s: float = FLUSH_INTERVAL_S,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Flush the history every ``interval_s``. Runs until cancelled: what was counted
+    after the last flush is lost with the process (a crash, or a shutdown, whose last
+    flush the cancellation may cut short), at most ``interval_s`` of history."""
+    task_status.started()
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            await flush_history_once(writer, histograms)
+        except ShuttingDown:
+            return
+        except Unavailable:
+            log.debug("history_flusher.unavailable")  # kept in memory: the next flush
+        except Exception:
+            log.exception("history_flusher.failed")
 
 
 async def _run_timed(

@@ -258,7 +258,7 @@ class Jobs(PostgresBase):
                 self.changes.due(new[i].due_at(now))
         for (queue, state), n in moves.items():
             self._move(queue, None, state, n)
-            self._count(queue, "submitted", n)
+            self._count(queue, "submitted", n, now)
         if self.recording:  # (a duplicate created nothing: no event)
             self.changes.events += [
                 (f"job_{ids[i]:016x}", new[i].queue, states[i].value, 0, now, None) for i in made

@@ -210,6 +210,8 @@ class Leases(PostgresBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
+        self._observe_claimed(list(found.values()), 4, 2, now)  # (its history)
+        self._started(found, now)
         if self.recording:  # claim by claim
             self.changes.events += [
                 (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
@@ -304,7 +306,8 @@ class Leases(PostgresBase):
             return
         self._write(_ACK, (now, result, row[0]))
         self._move(row[1], LEASED, SUCCEEDED)
-        self._count(row[1], "acked")
+        self._count(row[1], "acked", 1, now)
+        self._observe_ended([row[0]], [row[1]], now)
         if self.recording:
             self._record(row[0], row[1], "leased", "succeeded", row[3], now)
 
@@ -338,7 +341,10 @@ class Leases(PostgresBase):
             self._write(_ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates]))
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
-            self._count(queue, "acked", n)
+            self._count(queue, "acked", n, now)
+        if updates:  # (their history)
+            keys = [key for key, _result in updates]
+            self._observe_ended(keys, [rows[key][1] for key in keys], now)
         if self.recording:
             for key, _result in updates:
                 row = rows[key]
@@ -372,7 +378,8 @@ class Leases(PostgresBase):
             "started_at": row[13],
             "worker": row[6],
         }
-        self._count(queue, "failed")
+        self._count(queue, "failed", 1, now)
+        self._observe_ended([key], [queue], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
@@ -387,7 +394,7 @@ class Leases(PostgresBase):
         self._write(_FAILED_DEAD, {**params, "at": now})
         self._failed_trim(key, row[14])
         self._move(queue, LEASED, DEAD)
-        self._count(queue, "dead")
+        self._count(queue, "dead", 1, now)
         if self.recording:
             self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
@@ -405,6 +412,7 @@ class Leases(PostgresBase):
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
         self._end_leases([row[0]], AttemptOutcome.RELEASED.value, "", now)
+        self._starts.pop(row[0], None)
         self._write(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = %s",

@@ -108,9 +108,10 @@ class Maintenance(PostgresBase):
         self._trim_history([row[0] for row in rows if row[5] > ATTEMPTS_KEPT])
         reaped = []
         for key, queue, state, attempt, _expired_at, _ended in rows:
-            self._count(queue, "expired")
+            self._starts.pop(key, None)
+            self._count(queue, "expired", 1, now)
             if state == DEAD:
-                self._count(queue, "dead")
+                self._count(queue, "dead", 1, now)
             else:
                 self.changes.ready_queues.add(queue)
             self._move(queue, JobState.LEASED, state)

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -288,6 +288,29 @@ def _v12_job_browser(conn: psycopg.Connection) -> None:
     conn.execute("CREATE INDEX jobs_queue_state ON jobs (queue, state, id)")
 
 
+def _v13_history(conn: psycopg.Connection) -> None:
+    # As SQLite's version 12: history per queue and minute, every server adding its counts
+    # to the same rows (an upsert that adds).
+    conn.execute(
+        """CREATE TABLE history (
+            queue text NOT NULL,
+            minute bigint NOT NULL,
+            submitted bigint NOT NULL,
+            succeeded bigint NOT NULL,
+            failed bigint NOT NULL,
+            dead bigint NOT NULL,
+            run_count bigint NOT NULL,
+            run_sum_ms bigint NOT NULL,
+            run_max_ms bigint NOT NULL,
+            wait_count bigint NOT NULL,
+            wait_sum_ms bigint NOT NULL,
+            wait_max_ms bigint NOT NULL,
+            PRIMARY KEY (queue, minute)
+        )"""
+    )
+    conn.execute("CREATE INDEX history_minute ON history (minute)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -302,6 +325,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     10: _v10_schedule_defaults_and_refusals,
     11: _v11_attempt_history,
     12: _v12_job_browser,
+    13: _v13_history,
 }
 
 

@@ -35,6 +35,7 @@ from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.browse import Browse
 from relay.store.postgres.cancel import Cancel
 from relay.store.postgres.dead import DeadLetters
+from relay.store.postgres.history import History
 from relay.store.postgres.jobs import Jobs
 from relay.store.postgres.leases import Leases
 from relay.store.postgres.maintenance import Maintenance
@@ -54,6 +55,7 @@ class PostgresStore(
     Settings,
     Schedules,
     Browse,
+    History,
     PostgresBase,
 ):
     """The job store on one PostgreSQL connection, which it owns.

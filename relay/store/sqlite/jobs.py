@@ -223,7 +223,7 @@ class SqliteJobs(SqliteBase):
         # leaves nothing to undo.
         for (queue, state), n in per_queue.items():
             self._move(queue, None, state, n)
-            self._count(queue, "submitted", n)
+            self._count(queue, "submitted", n, now)
         if self.recording:  # (a duplicate created nothing: no event)
             self.changes.events += [
                 (result[0], spec.queue, result[1].value, 0, now, None)
@@ -273,7 +273,7 @@ class SqliteJobs(SqliteBase):
         self.changes.ready_queues.update(per_queue)
         for queue, n in per_queue.items():
             self._move(queue, None, READY, n)
-            self._count(queue, "submitted", n)
+            self._count(queue, "submitted", n, now)
         if self.recording:
             self.changes.events += [
                 (result[0], spec[0], "ready", 0, now, None)

@@ -173,6 +173,8 @@ class SqliteLeases(SqliteBase):
         for queue, n in per_queue.items():
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
+        self._observe_claimed(list(found.values()), 4, 2, now)  # (its history)
+        self._started(found, now)
         if room is not None:
             self._claimed_limited(per_queue, now)
         if self.recording:  # in the order of the update: claim by claim
@@ -264,7 +266,9 @@ class SqliteLeases(SqliteBase):
             per_queue[queue] = per_queue.get(queue, 0) + 1
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
-            self._count(queue, "acked", n)
+            self._count(queue, "acked", n, now)
+        if held:  # (their history)
+            self._observe_ended([e[1] for e in held], [e[2] for e in held], now)
         if self.recording:  # in the order of the acks
             for _i, key, queue, attempt, _job_id in sorted(held):
                 self._record(key, queue, "leased", "succeeded", attempt, now)
@@ -355,7 +359,8 @@ class SqliteLeases(SqliteBase):
         self._db.execute(_INSERT_ERROR, entry)
         if row[14] >= ATTEMPTS_KEPT:
             self._trim_history((key,))
-        self._count(queue, "failed")
+        self._count(queue, "failed", 1, now)
+        self._observe_ended([key], [queue], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
@@ -376,7 +381,7 @@ class SqliteLeases(SqliteBase):
             (now, error, key),
         )
         self._move(queue, LEASED, DEAD)
-        self._count(queue, "dead")
+        self._count(queue, "dead", 1, now)
         if self.recording:
             self._record(key, queue, "leased", "dead", attempt, now)
         return FailOutcome(DEAD, None)
@@ -388,6 +393,7 @@ class SqliteLeases(SqliteBase):
         assert row is not None
         self._held.pop(format_job_id(row[0]), None)
         self._end_leases((row[0],), _RELEASED, "", now)
+        self._starts.pop(row[0], None)
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = ?",

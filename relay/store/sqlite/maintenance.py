@@ -104,7 +104,8 @@ class SqliteMaintenance(SqliteBase):
         for row in rows:
             key, queue, attempt, max_attempts, expired_at, deadline_at, timeout_ms = row[:7]
             self._held.pop(format_job_id(key), None)
-            self._count(queue, "expired")
+            self._starts.pop(key, None)
+            self._count(queue, "expired", 1, now)
             error, outcome = LEASE_EXPIRED_ERROR, _EXPIRED
             if deadline_at is not None and expired_at >= deadline_at:
                 error = timeout_error(timeout_ms)  # its attempt ran out of time
@@ -119,7 +120,7 @@ class SqliteMaintenance(SqliteBase):
             else:
                 dead.append((key, error))
                 state = DEAD
-                self._count(queue, "dead")
+                self._count(queue, "dead", 1, now)
             self._move(queue, LEASED, state)
             reaped.append(Reaped(format_job_id(key), queue, state, attempt))
         _execute_rows(self._db, _INSERT_ERRORS, "(?, ?, ?, ?, ?, ?, ?)", errors)

@@ -23,6 +23,7 @@ from relay.store.schema import open_database
 from relay.store.sqlite.browse import SqliteBrowse
 from relay.store.sqlite.cancel import SqliteCancel
 from relay.store.sqlite.dead import SqliteDead
+from relay.store.sqlite.history import SqliteHistory
 from relay.store.sqlite.jobs import SqliteJobs
 from relay.store.sqlite.leases import SqliteLeases
 from relay.store.sqlite.maintenance import SqliteMaintenance
@@ -42,6 +43,7 @@ class SqliteStore(
     SqliteSettings,
     SqliteSchedules,
     SqliteBrowse,
+    SqliteHistory,
 ):
     """The job store on one SQLite connection, which it owns (the ``Store`` interface of
     relay/store/base.py).

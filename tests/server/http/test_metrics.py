@@ -241,3 +241,47 @@ def test_workers_per_queue_are_bounded_as_queues_are_and_ages_render_in_seconds(
         done = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
                               capture_output=True, check=False)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_job_time_histograms_render_per_queue_and_pass_promtool():
+    from relay.store.history import BOUNDS_MS, N_BUCKETS, Histograms, QueueObserved
+
+    def observed(run_ms: list[int], wait_ms: list[int]) -> QueueObserved:
+        import bisect
+
+        run, wait = [0] * N_BUCKETS, [0] * N_BUCKETS
+        for ms in run_ms:
+            run[bisect.bisect_left(BOUNDS_MS, ms)] += 1
+        for ms in wait_ms:
+            wait[bisect.bisect_left(BOUNDS_MS, ms)] += 1
+        return QueueObserved(tuple(run), sum(run_ms), tuple(wait), sum(wait_ms))
+
+    histograms = Histograms(2)
+    histograms.add({"a": observed([5, 1_500], [0]), "b": observed([], [7_200_000])})
+    histograms.add({"c": observed([20], [30]), "a": observed([6], [])})  # c: beyond 2 queues
+    histogram = Histogram((0.1,)).snapshot()
+    snapshot = MetricsSnapshot(
+        queues={}, events={}, connections=0, durations={}, batch_sizes=histogram,
+        commit_seconds=histogram, job_times=histograms.snapshot(),
+    )  # fmt: skip
+    text = render(snapshot).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    run = families["relay_job_run_seconds"]
+    assert run.type == "histogram"
+    samples = {(s.name, s.labels["queue"], s.labels.get("le")): s.value for s in run.samples}
+    # 5 ms is in le="0.005" (bounds are inclusive), 6 ms in the next, 1.5 s under 2.5.
+    assert samples[("relay_job_run_seconds_bucket", "a", "0.005")] == 1
+    assert samples[("relay_job_run_seconds_bucket", "a", "0.01")] == 2
+    assert samples[("relay_job_run_seconds_bucket", "a", "1.0")] == 2
+    assert samples[("relay_job_run_seconds_bucket", "a", "2.5")] == 3
+    assert samples[("relay_job_run_seconds_count", "a", None)] == 3
+    assert samples[("relay_job_run_seconds_sum", "a", None)] == pytest.approx(1.511)
+    assert {queue for _, queue, _ in samples} == {"a", "b", "_other"}  # at most 2 + _other
+    wait = {(s.name, s.labels["queue"], s.labels.get("le")): s.value
+            for s in families["relay_job_wait_seconds"].samples}  # fmt: skip
+    assert wait[("relay_job_wait_seconds_bucket", "b", "3600.0")] == 0  # two hours: +Inf only
+    assert wait[("relay_job_wait_seconds_bucket", "b", "+Inf")] == 1
+    assert wait[("relay_job_wait_seconds_count", "_other", None)] == 1
+    done = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text.encode(),
+                          capture_output=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr

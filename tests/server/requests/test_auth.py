@@ -161,10 +161,11 @@ REQUESTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "schedule_list": lambda token: {},
     "reload": lambda token: {},
     "workers_list": lambda token: {},
+    "history": lambda token: {"queue": "q"},
 }
 PRODUCER_OPS = {
     "hello", "ping", "submit", "submit_batch", "inspect", "short_ids", "stats", "queue_list",
-    "cancel", "schedule_list", "jobs_list",
+    "cancel", "schedule_list", "jobs_list", "history",
 }  # fmt: skip
 WORKER_OPS = PRODUCER_OPS | {
     "lease", "renew", "ack", "ack_batch", "fail", "release", "watch", "unwatch",
@@ -180,7 +181,7 @@ ALLOWED = {"producer": PRODUCER_OPS, "worker": WORKER_OPS, "admin": ADMIN_OPS}
 
 def test_the_matrix_covers_every_op():
     assert set(REQUESTS) == set(OP_ROLES) == ADMIN_OPS
-    assert len(REQUESTS) == 32
+    assert len(REQUESTS) == 33
 
 
 @pytest.mark.parametrize("op", list(REQUESTS))

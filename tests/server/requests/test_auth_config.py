@@ -188,6 +188,7 @@ def test_roles_and_the_op_they_need():
                 "cancel",
                 "schedule_list",
                 "jobs_list",
+                "history",
             ),
             Role.PRODUCER,
         ),
