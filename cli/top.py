@@ -25,9 +25,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from relay.client.client import Client, open_client
+from relay.client.client import Client, WorkersPage, open_client
 from relay.client.tcp import tls_refused
-from relay.protocol.errors import BadRequest, RelayError, Unauthorized, WrongServer
+from relay.protocol.errors import BadRequest, RelayError, Unauthorized, UnknownOp, WrongServer
 from relay.protocol.model import JobState
 from relay_cli import views
 from relay_cli.errors import _leaves, _reason
@@ -40,6 +40,32 @@ REFRESH_PER_S = 4
 FAILURES_SHOWN = 8
 RECONNECT_S = 1.0
 STATES = [str(state) for state in JobState]
+# The throughput's sparkline per queue: jobs succeeded per SPARK_STEP_S, the last
+# SPARK_STEPS steps (5 minutes), counted from the events as they come (so it starts empty
+# when top starts), one character a step, the step under way left out.
+SPARK_STEP_S = 10.0
+SPARK_STEPS = 30
+# Shown for whole minutes, 2 at least (the header, "ok/10s, 2m", fits 12 cells); from
+# SPARK_WIDE columns on, the pending and succeeded counts make way for it if they must.
+SPARK_MINUTE = 6  # steps
+SPARK_MIN = 2 * SPARK_MINUTE
+SPARK_WIDE = 120
+# Eight heights, each value's by its share of the row's largest; a step without a job is
+# "·", a step before top started a space.
+SPARKS = "▁▂▃▄▅▆▇█"
+# The workers panel: one workers_list (the server's connected workers) every
+# WORKERS_EVERY_S, as it reads the leased jobs' index each time; its first page of up to
+# WORKERS_ASKED (the op's most), of which WORKERS_SHOWN rows, the most jobs held first.
+WORKERS_EVERY_S = 2.0
+WORKERS_ASKED = 100
+WORKERS_SHOWN = 8
+# The text columns of the panel (address and client from WORKERS_WIDE columns on) get
+# their longest cell where it fits, else a share of the room (WORKER_TEXT_MIN at least).
+WORKERS_WIDE = 120
+WORKER_TEXT_MIN = 8
+NO_WORKERS = "no worker connected"
+# (Each server lists its own workers: on PostgreSQL, a worker of another server may serve it.)
+UNSERVED = "ready jobs and no worker on this server: "
 
 
 # The rates, by the kind of event counted, with their columns' headers.
@@ -65,7 +91,17 @@ class TopView:
       at 80 columns, a name longer than 3 to 9 characters (as the counts and rates have
       six figures or one); at 100, longer than 23 to 29. The other columns then leave a
       name 21 to 27 characters at 80; a longer one is cut in the middle
-      (``views.cut_middle``): "billing.in…nightly-run".
+      (``views.cut_middle``): "billing.in…nightly-run". Last, where the names fit whole
+      beside it, a sparkline per queue of the jobs succeeded in each 10 s of the last
+      minutes (``throughput``: counted from the events since top started; the steps
+      before are blank), 2 to 5 whole minutes of it: none at 80 columns unless the names
+      are short, 4 minutes at 120 beside a 40-character name (where the pending and
+      succeeded counts make way for it), 5 at 200.
+    - the server's connected workers (``workers``, from a workers_list every
+      WORKERS_EVERY_S; no panel from a server without the op): the most jobs held first,
+      WORKERS_SHOWN of them, with the queues each asks for, the jobs it holds, the longest
+      held and how long since its last request (client and address from WORKERS_WIDE
+      columns); and under them the queues with ready jobs that no worker asks for.
     - the latest failures: the job's id (as the server abbreviates it, unique among all
       its jobs: ``short``, asked for as each failure comes and again with each stats;
       from a server without ``short_ids``, the shortest abbreviation unique among the
@@ -92,6 +128,12 @@ class TopView:
         self.total_queues: int | None = None  # more queues than the stats page listed
         self.paused: frozenset[str] = frozenset()  # the stats page's paused queues
         self.limited: frozenset[str] = frozenset()  # and those with a limit (``limits``)
+        # queue -> step (clock // SPARK_STEP_S) -> jobs succeeded in it, the last steps
+        self.done: dict[str, dict[int, int]] = {}
+        self.started = clock()
+        # The server's connected workers (``workers``); None: not known, or a server
+        # without workers_list: no panel.
+        self.connected: _Workers | None = None
 
     def stats(
         self,
@@ -111,6 +153,21 @@ class TopView:
         """The stats page's queues that have a limit (max_leased or rate), marked so."""
         self.limited = frozenset(limited)
 
+    def workers(self, page: WorkersPage | None) -> None:
+        """A workers_list page (its first: docs/protocol.md, Workers), or None for a server
+        without the op: the panel is hidden."""
+        if page is None:
+            self.connected = None
+            return
+        rows = [
+            _Worker(w.worker_id, w.client, w.peer, tuple(w.queues), w.queues_total,
+                    w.jobs_held, w.longest_held_ms, max(0, page.at - w.last_request_at),
+                    w.parked)
+            for w in page.workers
+        ]  # fmt: skip
+        whole = page.total == len(rows) and all(len(w.queues) >= w.queues_total for w in rows)
+        self.connected = _Workers(page.server, tuple(rows), page.total, whole)
+
     def event(self, event: dict[str, Any]) -> str | None:
         """Count one event; returns the job id of a failure (whose error to fetch)."""
         if event.get("event") == "lagged":
@@ -126,7 +183,12 @@ class TopView:
             kind = "failed"
         if kind is None:
             return None
-        self.recent.append((self.clock(), event["queue"], kind))
+        now = self.clock()
+        self.recent.append((now, event["queue"], kind))
+        if kind == "succeeded":
+            steps = self.done.setdefault(event["queue"], {})
+            step = int(now // SPARK_STEP_S)
+            steps[step] = steps.get(step, 0) + 1
         return event["job_id"] if kind == "failed" else None
 
     def failure(self, job_id: str, queue: str, attempt: int, error: str) -> None:
@@ -150,15 +212,37 @@ class TopView:
             counts[queue][kind] += 1
         return {q: {k: n / RATE_WINDOW_S for k, n in c.items()} for q, c in counts.items()}
 
+    def throughput(self, queues: Iterable[str]) -> dict[str, list[int | None]]:
+        """Per queue of ``queues``: the jobs succeeded in each of the last SPARK_STEPS whole
+        steps, oldest first (None for a step that ended before top started). Steps older
+        are forgotten here, and the queues without any left: the memory is SPARK_STEPS
+        numbers per queue at most."""
+        now = int(self.clock() // SPARK_STEP_S)
+        first = now - SPARK_STEPS
+        since = int(self.started // SPARK_STEP_S)
+        for queue, steps in list(self.done.items()):
+            for step in [step for step in steps if step < first]:
+                del steps[step]
+            if not steps:
+                del self.done[queue]
+        return {
+            queue: [self.done.get(queue, {}).get(step, 0) if step >= since else None
+                    for step in range(first, now)]
+            for queue in queues
+        }  # fmt: skip
+
     def render(self) -> views.Fitted:
         """The view as it is now, laid out at the width it is drawn at. What it shows is
         taken here, in the caller's thread: a Live redraws it from a thread of its own
         while events go on changing the view."""
         rates = self.rates()
+        names = sorted(set(self.queues) | set(rates))
+        done = self.throughput(names)
         rows = [
             _QueueRow(name, dict(self.queues.get(name, {})), self.oldest_ready_ms.get(name),
-                      rates.get(name, {}), name in self.paused, name in self.limited)
-            for name in sorted(set(self.queues) | set(rates))
+                      rates.get(name, {}), name in self.paused, name in self.limited,
+                      done[name])
+            for name in names
         ]  # fmt: skip
         status = Text(f"relay-trio top · {self.status}", style="bold", no_wrap=True,
                       overflow="ellipsis")  # fmt: skip
@@ -170,7 +254,7 @@ class TopView:
         if self.lagged:
             status.append(f" · {self.lagged} events lost to lag", style="yellow")
         layout = functools.partial(_layout, status, rows, list(self.failures), self.full_ids,
-                                   dict(self.short))  # fmt: skip
+                                   dict(self.short), self.connected)  # fmt: skip
         return views.Fitted(layout)
 
 
@@ -181,6 +265,26 @@ class _QueueRow(NamedTuple):
     rates: dict[str, float]
     paused: bool = False
     limited: bool = False
+    done: Sequence[int | None] = ()  # jobs succeeded per SPARK_STEP_S (``throughput``)
+
+
+class _Worker(NamedTuple):
+    worker_id: str
+    client: str | None
+    peer: str
+    queues: tuple[str, ...]  # the first 32 it asks for
+    queues_total: int
+    jobs_held: int
+    longest_held_ms: int | None  # None: since when not known (leased before a reconnect)
+    idle_ms: int  # since its last request, when the server made the page
+    parked: int  # long-polls waiting now
+
+
+class _Workers(NamedTuple):
+    server: str
+    rows: tuple[_Worker, ...]
+    total: int
+    whole: bool  # every worker, with every queue it asks for: no queue is missed
 
 
 def _layout(
@@ -189,10 +293,77 @@ def _layout(
     failures: Sequence[tuple[str, str, int, str]],
     full_ids: bool,
     short: Mapping[str, str],
+    workers: _Workers | None,
     width: int,
 ) -> Group:
-    failures_table = _failures_table(failures, full_ids, short, width)
-    return Group(status, _queues_table(rows, width), failures_table)
+    parts: list[Any] = [status, _queues_table(rows, width)]
+    if workers is not None:
+        parts.append(_workers_table(workers, _unserved(rows, workers), width))
+    parts.append(_failures_table(failures, full_ids, short, width))
+    return Group(*parts)
+
+
+def _unserved(rows: Sequence[_QueueRow], workers: _Workers) -> list[str]:
+    """The queues with ready jobs, not paused, that no worker connected to this server
+    asks for: stuck, not slow. None where the page is not whole (a worker's queues may be
+    missing from it)."""
+    if not workers.whole:
+        return []
+    asked = {queue for worker in workers.rows for queue in worker.queues}
+    return [row.name for row in rows
+            if row.counts.get("ready") and not row.paused and row.name not in asked]  # fmt: skip
+
+
+def _workers_table(workers: _Workers, unserved: Sequence[str], width: int) -> Group:
+    """The server's connected workers, the most jobs held first, WORKERS_SHOWN at most:
+    worker id, (from WORKERS_WIDE columns) client and address, the queues it asks for,
+    the jobs it holds, the longest it has held one ("?": not known), and how long since
+    its last request ("*": a long-poll waiting). Under it, how many are not shown, and
+    the queues with ready jobs that no worker asks for."""
+    shown = sorted(workers.rows, key=lambda w: -w.jobs_held)[:WORKERS_SHOWN]
+    texts: dict[str, list[str]] = {"worker": [w.worker_id for w in shown]}
+    if width >= WORKERS_WIDE:
+        texts["client"] = [w.client or "-" for w in shown]
+        texts["address"] = [w.peer for w in shown]
+    texts["queues"] = [",".join(w.queues) + (f" +{w.queues_total - len(w.queues)}"
+                                             if w.queues_total > len(w.queues) else "")
+                       for w in shown]  # fmt: skip
+    numbers = {
+        "jobs": [views.short_number(w.jobs_held) for w in shown],
+        "longest\nheld": ["-" if not w.jobs_held else "?" if w.longest_held_ms is None
+                          else views.short_duration(w.longest_held_ms) for w in shown],
+        "idle": [views.short_duration(w.idle_ms) + (" *" if w.parked else "") for w in shown],
+    }  # fmt: skip
+    fixed = [views.column_width(header, cells) for header, cells in numbers.items()]
+    room = width - views.tables_width([0] * len(texts) + fixed)
+    wants = {name: views.column_width(name, cells) for name, cells in texts.items()}
+    widths = dict(wants)
+    if sum(wants.values()) > room:  # each its share, the room a short one leaves to others
+        left, names = room, sorted(wants, key=wants.get)  # type: ignore[arg-type]
+        for n, name in enumerate(names):
+            widths[name] = max(min(wants[name], left // (len(names) - n)), WORKER_TEXT_MIN)
+            left -= widths[name]
+
+    title = f"Workers of {workers.server}" if workers.server else "Workers"
+    table = views.plain_table(title)
+    for name in texts:
+        table.add_column(name, width=widths[name], no_wrap=True)
+    for (header, _), w in zip(numbers.items(), fixed, strict=True):
+        table.add_column(header, width=w, justify="right", no_wrap=True)
+    for n in range(len(shown)):
+        # (Text, not str: a client's name or an address like "[::1]:5" is no markup)
+        table.add_row(*(Text(views.cut_middle(cells[n], widths[name]))
+                        for name, cells in texts.items()),
+                      *(Text(cells[n]) for cells in numbers.values()))  # fmt: skip
+    notes: list[Any] = [table]
+    if not shown:
+        notes = [Text(title, style="table.title"), Text(NO_WORKERS, style="dim")]
+    if workers.total > len(shown):
+        notes.append(Text(f"{len(shown)} of {workers.total} workers, the most jobs held first",
+                          style="table.caption"))  # fmt: skip
+    if unserved:  # (a line of its own: as wide as the terminal, not the table)
+        notes.append(Text(UNSERVED + ", ".join(unserved), style="bold red"))
+    return Group(*notes)
 
 
 def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
@@ -209,12 +380,23 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
 
     names = ["queue", *(views.marked(row.name, row.paused, row.limited) for row in rows)]
     longest = max(map(len, names))
-    if longest > width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP):
+
+    def room() -> int:  # for the queue names, beside the other columns
+        return width - views.tables_width([0, *widths.values()], views.NUMBERS_GAP)
+
+    # The throughput's sparkline where the names fit whole beside it; from SPARK_WIDE
+    # columns on, before the optional counts.
+    spark = spark_steps(room() - longest)
+    if longest > room() or (spark is None and width >= SPARK_WIDE and rows):
         for state in OPTIONAL_STATES:
             if state in columns:
                 del columns[state], widths[state]
-    queue = views.queue_width(names, width - views.tables_width([0, *widths.values()],
-                                                                 views.NUMBERS_GAP))  # fmt: skip
+        spark = spark_steps(room() - longest)
+    if spark is not None and rows:
+        header = f"ok/{SPARK_STEP_S:.0f}s, {spark * SPARK_STEP_S / 60:.0f}m"
+        columns[header] = [Text(sparkline(row.done[-spark:]), style="green") for row in rows]
+        widths[header] = spark + views.NUMBERS_GAP  # (one more cell before it)
+    queue = views.queue_width(names, room())
 
     table = views.plain_table("Queues", gap=views.NUMBERS_GAP)
     table.add_column("queue", width=queue, no_wrap=True)
@@ -256,6 +438,22 @@ def _failures_table(
     if not failures:
         table.add_row(Text(NO_FAILURES, style="dim"), "", "", "")
     return table
+
+
+def spark_steps(room: int) -> int | None:
+    """How many steps of the sparkline to show in ``room`` cells (a column of them and
+    its gap, and one more cell before it), whole minutes of them; None if not SPARK_MIN."""
+    steps = min(SPARK_STEPS, room - 2 * views.NUMBERS_GAP) // SPARK_MINUTE * SPARK_MINUTE
+    return steps if steps >= SPARK_MIN else None
+
+
+def sparkline(values: Sequence[int | None]) -> str:
+    """One character per value, its height by its share of the largest: "·" for none, a
+    space for a value not known."""
+    top = max((v for v in values if v), default=0)
+    n = len(SPARKS)
+    return "".join(" " if v is None else "·" if not v else SPARKS[-(-v * n // top) - 1]
+                   for v in values)  # fmt: skip
 
 
 def age(ms: int | None) -> str:
@@ -372,6 +570,18 @@ async def _follow(client: Client, view: TopView) -> None:
             view.shorten(await short_ids(view.failure_ids()))
             await trio.sleep(STATS_EVERY_S)
 
+    async def poll_workers() -> None:
+        # workers_list is an extension (docs/protocol.md, Workers): a server without it
+        # answers unknown_op, and top then shows no panel and asks no more.
+        while True:
+            try:
+                page = await client.workers_list(limit=WORKERS_ASKED)
+            except (UnknownOp, Unauthorized):
+                view.workers(None)
+                return
+            view.workers(page)
+            await trio.sleep(WORKERS_EVERY_S)
+
     async def fetch_errors() -> None:
         async for job_id in failed_out:
             job = await client.inspect(job_id)
@@ -383,6 +593,7 @@ async def _follow(client: Client, view: TopView) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(poll_stats)
         nursery.start_soon(fetch_errors)
+        nursery.start_soon(poll_workers)
         events = client.watch()
         async with events:
             async for event in events:

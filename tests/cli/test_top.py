@@ -3,14 +3,18 @@ a line per queue and per failure at 80 columns as at 200."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 from rich.console import Console
 
 import relay
-from relay.client.client import ServerInfo
+from relay.client.client import Client, ServerInfo, WorkersPage
+from relay.client.replies import structure_reply
+from relay.protocol.errors import UnknownOp
 from relay_cli import views
-from relay_cli.top import TopView, _follow, age, follow
+from relay_cli.top import SPARK_STEPS, SPARKS, TopView, _follow, age, follow, sparkline
 from tests.conftest import T0
 from tests.server.conftest import BOUND_S, start_server
 
@@ -66,13 +70,24 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
     assert cells[8:11] == ["0.5", "0.1", "0.1"]
     failure = next(line for line in text.splitlines() if "smtp said no" in line)
     assert failure.startswith(short + " ") and "trace" not in text
+    assert spark(text, "mail ") == ""  # no step of 10 s has ended since top started
     now[0] += 11  # the window moves on: the rates fall to zero, the counts stay
     assert mail_row(draw(view))[8:11] == ["0.0", "0.0", "0.0"]
+    # and the step that ended shows its 1 job succeeded, at the sparkline's full height
+    assert spark(draw(view), "mail ") == "█"
+
+
+def spark(text: str, start: str) -> str:
+    """The sparkline at the end of the row that starts with ``start``."""
+    line = next(line for line in text.splitlines() if line.startswith(start))
+    return line.split()[-1] if set(line.split()[-1]) <= set(SPARKS + "·") else ""
 
 
 def mail_row(text: str) -> list[str]:
     """The cells of the queue "mail"'s row: its name, six counts, the wait, three rates."""
     words = next(line for line in text.splitlines() if line.startswith("mail ")).split()
+    if spark(text, "mail "):
+        words = words[:-1]
     return [*words[:7], " ".join(words[7:-3]), *words[-3:]]
 
 
@@ -175,24 +190,28 @@ def test_top_reads_as_a_line_per_queue_and_per_failure(width):
     lines, failures = lines[:split], lines[split:]
     assert lines[0] == "relay-trio top · connected to 127.0.0.1:7400 · 3 connections"
     # Every header whole, on one line (with "oldest" above "ready"); at 80 columns the
-    # pending and succeeded counts make way for the queue names.
+    # pending and succeeded counts make way for the queue names, at 120 for the sparkline
+    # (4 minutes of it), at 200 all fit.
     headers = ["queue", *BASE_STATES, "ready", "sub/s", "ok/s", "fail/s"]
-    if width == 80:
+    if width < 200:
         headers = [header for header in headers if header not in ("pending", "succeeded")]
+    if width >= 120:
+        headers += ["ok/10s,", "4m" if width == 120 else "5m"]
     assert row(lines, "sub/s").split() == headers
     assert "oldest" in lines[2]
     cells = row(lines, "thumbnails.resize ").split()
     assert cells[-3:] == ["60.0", "60.0", "0.0"]  # 600 in the 10 s window
     email = row(lines, "email ").split()
-    assert email[1:3] == (["1.23M", "16"] if width == 80 else ["0", "1.23M"])
+    assert email[1:3] == (["1.23M", "16"] if width < 200 else ["0", "1.23M"])
     assert email[-5:-3] == ["3h", "00m"]
-    assert ("987M" in email) == (width > 80)
+    assert ("987M" in email) == (width == 200)
     long = row(lines, "billing.i")
     if width == 80:
         name = long.split()[0]
         assert len(name) >= 20 and "…" in name and name.endswith("run-eu")
     else:
-        assert long.startswith(QUEUE_40 + " ") and "250000" in long
+        assert long.startswith(QUEUE_40 + " ")
+        assert ("250000" in long) == (width == 200)
     assert long.split()[-3:] == ["0.0", "0.0", "0.1"]
 
     assert failures[1].split() == ["job", "queue", "attempt", "error"]
@@ -316,3 +335,184 @@ async def test_top_learns_which_queues_are_paused_from_stats(server):
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert row(lines_of(view.render(), 80), "held ").startswith("held paused ")
+
+
+# -- the throughput's sparkline -----------------------------------------------------------
+
+
+def test_a_sparkline_gives_each_value_a_height_by_its_share_of_the_largest():
+    assert sparkline([None, 0, 1, 2, 4, 8]) == " ·▁▂▄█"
+    assert sparkline([0, 0]) == "··" and sparkline([]) == ""
+    assert sparkline([3, 3, 1_000_000]) == "▁▁█"  # a little is never drawn as nothing
+
+
+def succeed(view: TopView, queue: str, n: int = 1) -> None:
+    for _ in range(n):
+        view.event({"event": "job", "job_id": "j", "queue": queue, "attempt": 1,
+                    "state": "succeeded", "from": "leased", "at": 1})  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_top_draws_each_queues_last_minutes_where_they_fit(width):
+    """Jobs succeeded per 10 s, a character a step: none at 80 columns (the counts keep
+    their room), 4 minutes at 120 beside a 40-character name, 5 at 200."""
+    now = [1_000.0]
+    view = TopView(clock=lambda: now[0])
+    zeros = dict.fromkeys(views.STATES, 0)
+    view.stats({"mail": zeros, "sms": zeros, QUEUE_40: zeros}, ServerInfo("0.1.0", 1, 1), {})
+    for n in [1, 2, 4, 8, 0, 4]:  # a step each, mail's jobs doubling
+        succeed(view, "mail", n)
+        succeed(view, QUEUE_40, 1)
+        now[0] += 10
+    lines = lines_of(view.render(), width)
+    if width == 80:
+        assert "ok/10s" not in "\n".join(lines)
+        assert row(lines, "mail ").split()[-1] == "0.0"
+        return
+    steps = 24 if width == 120 else 30
+    assert row(lines, "sub/s").split()[-1] == f"{steps // 6}m"
+    # top started 6 steps ago: the steps before are blank, not zero
+    assert row(lines, "mail ").endswith(" " * (steps - 6 + 1) + "▁▂▄█·▄")
+    assert row(lines, "billing").endswith(" ██████")
+    assert row(lines, "sms ").endswith(" ······")  # top saw none succeed
+    now[0] += 300  # 5 minutes on: mail's steps scrolled out, and forgotten
+    lines = lines_of(view.render(), width)
+    assert row(lines, "mail ").endswith(" " + "·" * steps)
+    assert view.done == {}
+
+
+def test_top_keeps_a_few_numbers_per_queue_for_its_sparklines():
+    now = [0.0]
+    view = TopView(clock=lambda: now[0])
+    for _ in range(3_000):  # 50 minutes of jobs, one a second
+        succeed(view, "mail")
+        now[0] += 1
+    view.render()
+    assert len(view.done["mail"]) <= SPARK_STEPS + 1
+    assert view.throughput(["mail", "sms"]) == {"mail": [10] * SPARK_STEPS,
+                                                "sms": [0] * SPARK_STEPS}  # fmt: skip
+
+
+# -- the workers panel --------------------------------------------------------------------
+
+AT = 1_700_000_000_000
+
+
+def worker(worker_id: str, queues: list[str], held: int, longest: int | None, idle_ms: int,
+           **more) -> dict:  # fmt: skip
+    """A worker as workers_list gives it (docs/protocol.md, Workers)."""
+    return {"worker_id": worker_id, "worker_ids": [worker_id], "client": more.get("client"),
+            "peer": more.get("peer", "10.0.3.17:51234"), "queues": queues,
+            "queues_total": more.get("queues_total", len(queues)), "jobs": [],
+            "jobs_held": held, "longest_held_ms": longest, "connected_at": AT - 60_000,
+            "first_lease_at": AT - 59_000, "last_request_at": AT - idle_ms,
+            "parked": more.get("parked", 0)}  # fmt: skip
+
+
+def workers_page(*workers: dict, total: int | None = None) -> WorkersPage:
+    """A workers_list reply, read as the client reads it."""
+    reply = {"server": "build-7:7400", "workers": list(workers), "at": AT, "next_cursor": None,
+             "total": len(workers) if total is None else total}  # fmt: skip
+    return structure_reply(reply, WorkersPage)
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_top_shows_the_connected_workers_and_the_queues_none_serves(width):
+    view = busy_view()
+    view.workers(workers_page(
+        worker("thumbs-1f3a9c", ["thumbnails.resize"], 8, 4_200, 1_000, client="thumbnailer/2"),
+        worker("mailer-0", ["email"], 17, None, 60_000, parked=1, peer="[fd00::17]:40000"),
+    ))  # fmt: skip
+    lines = lines_of(view.render(), width)
+    assert "Workers of build-7:7400" in row(lines, "Workers of")
+    headers = ["worker", "queues", "jobs", "held", "idle"]
+    if width >= 120:
+        headers[1:1] = ["client", "address"]
+    assert row(lines, "idle").split() == headers
+    mailer = row(lines, "mailer-0 ").split()
+    # the most jobs held first; "?": held since a time the server does not know; "*": a
+    # long-poll waiting
+    assert lines.index(row(lines, "mailer-0 ")) < lines.index(row(lines, "thumbs-1f3a9c "))
+    assert mailer[-5:] == ["17", "?", "1m", "00s", "*"]
+    assert row(lines, "thumbs-1f3a9c ").split()[-5:] == ["8", "4.2", "s", "1.0", "s"]
+    assert ("thumbnailer/2" in row(lines, "thumbs-1f3a9c ")) == (width >= 120)
+    assert ("[fd00::17]:40000" in mailer) == (width >= 120)
+    # The 40-character queue has ready jobs and no worker asks for it: stuck, not slow.
+    said = " ".join(line.strip() for line in lines)  # (the line folds at 80 columns)
+    assert f"ready jobs and no worker on this server: {QUEUE_40} Latest failures" in said
+
+
+def test_top_shows_the_first_workers_and_says_how_many_more():
+    view = busy_view()
+    many = [worker(f"w-{n:02}", ["email"], n, 1_000, 0) for n in range(12)]
+    view.workers(workers_page(*many, total=140))
+    lines = lines_of(view.render(), 80)
+    assert "w-11 " in row(lines, "w-11 ") and not any("w-03 " in line for line in lines)
+    assert sum(line.startswith("w-") for line in lines) == 8
+    assert any("8 of 140 workers" in line for line in lines)
+    # not every worker known: no queue is said to have none
+    assert not any("no worker" in line for line in lines)
+
+
+def test_top_names_no_stuck_queue_where_a_workers_queues_were_cut():
+    view = busy_view()
+    view.workers(workers_page(worker("w", ["a"] * 32, 1, 1_000, 0, queues_total=40)))
+    lines = lines_of(view.render(), 120)
+    assert "+8" in row(lines, "w ")  # 8 more queues than listed
+    assert not any("no worker" in line for line in lines)
+
+
+def test_top_says_when_no_worker_is_connected():
+    view = busy_view()
+    view.workers(workers_page())
+    lines = lines_of(view.render(), 80)
+    assert row(lines, "no worker connected").strip() == "no worker connected"
+    said = " ".join(line.strip() for line in lines)
+    assert f"no worker on this server: {QUEUE_40}, email, thumbnails.resize Latest" in said
+
+
+class OlderServer(Client):
+    """A client of a server from before workers_list: it answers unknown_op."""
+
+    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        if op == "workers_list":
+            raise UnknownOp("unknown op: workers_list")
+        return await super()._call(op, **fields)
+
+
+async def test_top_shows_the_workers_the_server_lists(server):
+    view = TopView(clock=lambda: 0.0)
+    host, port = server.handle.address
+    address = f"{host}:{port}"
+    async with relay.open_client(address) as client, relay.open_client(address) as worker:
+        for n in range(3):
+            await client.submit("email", {"n": n})
+        await client.submit("stuck", {})
+        await worker.lease(["email", "sms"], "mailer-1", count=2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_follow, client, view)
+            with trio.fail_after(BOUND_S):
+                while view.connected is None or "stuck" not in view.queues:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    lines = lines_of(view.render(), 120)
+    assert row(lines, "mailer-1 ").split()[3:5] == ["email,sms", "2"]
+    assert "ready jobs and no worker on this server: stuck" in lines
+
+
+async def test_top_hides_the_workers_panel_for_a_server_without_workers_list(server):
+    """An extension: a server that answers workers_list with unknown_op gets no panel (a
+    view that showed one, for the server before a restart, hides it), and top goes on."""
+    view = TopView(clock=lambda: 0.0)
+    view.workers(workers_page(worker("w", ["email"], 1, 1_000, 0)))
+    assert "Workers" in "\n".join(lines_of(view.render(), 80))
+    host, port = server.handle.address
+    async with relay.open_client(f"{host}:{port}") as client, trio.open_nursery() as nursery:
+        await client.submit("email", {})
+        nursery.start_soon(_follow, OlderServer(client._transport), view)
+        with trio.fail_after(BOUND_S):
+            while view.connected is not None or "email" not in view.queues:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    lines = lines_of(view.render(), 80)
+    assert "Workers" not in "\n".join(lines) and row(lines, "email ")

@@ -169,8 +169,11 @@ async def test_client_not_reading_large_replies_is_closed_within_bounds(tmp_path
 async def test_client_leaving_too_many_reply_bytes_unread_is_closed_at_once(tmp_path, monkeypatch):
     """max_in_flight counts replies, not bytes: 40 inspects of a big job owe ~8 MB. Past
     MAX_UNSENT_BYTES the connection is closed at once, not at the idle timeout, and the
-    memory is let go."""
+    memory is let go. (The reader takes inspects while their reservations, each an
+    inspect's most with its attempt history, ~6.6 MiB, fit under MAX_OWED_BYTES: raised
+    here so that more replies than MAX_UNSENT_BYTES can be owed at once.)"""
     monkeypatch.setattr(outbox_module, "MAX_UNSENT_BYTES", 2 * 1024 * 1024)
+    monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 128 * 1024 * 1024)
     async with custom_server(tmp_path) as srv, connected(srv) as good:  # idle timeout 300 s
         with session_events() as events:
             stalled = await stall_with_big_replies(srv, good)
