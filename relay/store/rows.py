@@ -20,6 +20,7 @@ from relay.protocol.model import (
     JobState,
     format_job_id,
     job_id_abbreviation,
+    job_id_keys,
     parse_job_id,
 )
 from relay.store.base import LEASE_EXPIRED_ERROR, RESTART_ERROR, info_size
@@ -208,6 +209,20 @@ def merged(
         itertools.islice(heapq.merge(*runs, key=lambda row: row[0], reverse=newest), limit + 1)
     )
     return rows[:limit], len(rows) > limit
+
+
+def search_ids(queue: str | None, search: str) -> range | None:
+    """The job keys whose ids begin with ``search`` (``job_id_keys``), or None for a key
+    prefix; refuses (``BadRequest`` naming search) a key prefix without a queue, whose keys
+    are looked up per queue."""
+    keys = job_id_keys(search)
+    if keys is None and queue is None:
+        raise BadRequest(
+            "search: not the start of a job id (job_ and 7 to 16 hex digits); "
+            "a key prefix needs queue",
+            field="search",
+        )
+    return keys
 
 
 def key_matches(prefix: str, found: Sequence[Sequence]) -> list[int]:

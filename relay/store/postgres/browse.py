@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.protocol.errors import BadRequest, InvalidState, JobNotFound
-from relay.protocol.model import JobInfo, JobState, job_id_keys, parse_job_id
+from relay.protocol.errors import InvalidState, JobNotFound
+from relay.protocol.model import JobInfo, JobState, parse_job_id
 from relay.store.base import PROMOTABLE, READY
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic, decode_text, encode_text
@@ -23,6 +23,7 @@ from relay.store.rows import (
     key_matches,
     list_page,
     merged,
+    search_ids,
     summaries,
 )
 
@@ -97,13 +98,7 @@ class Browse(PostgresBase):
         limit: int,
         newest: bool,
     ) -> list:
-        keys = job_id_keys(search)
-        if keys is None and queue is None:
-            raise BadRequest(
-                "search: not the start of a job id (job_ and 7 to 16 hex digits); "
-                "a key prefix needs queue",
-                field="search",
-            )
+        keys = search_ids(queue, search)
         filters = (list(states), queue, queue, bound, limit + 1)
         runs = []
         if keys:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.protocol.errors import BadRequest, InvalidState, JobNotFound
-from relay.protocol.model import JobInfo, JobState, job_id_keys, parse_job_id
+from relay.protocol.errors import InvalidState, JobNotFound
+from relay.protocol.model import JobInfo, JobState, parse_job_id
 from relay.store.base import PROMOTABLE, READY
 from relay.store.rows import (
     KEY_SEARCH_MAX,
@@ -20,6 +20,7 @@ from relay.store.rows import (
     key_matches,
     list_page,
     merged,
+    search_ids,
     summaries,
 )
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids
@@ -88,13 +89,7 @@ class SqliteBrowse(SqliteBase):
         limit: int,
         newest: bool,
     ) -> list:
-        keys = job_id_keys(search)
-        if keys is None and queue is None:
-            raise BadRequest(
-                "search: not the start of a job id (job_ and 7 to 16 hex digits); "
-                "a key prefix needs queue",
-                field="search",
-            )
+        keys = search_ids(queue, search)
         filters = (_json_ids(list(states)), queue, queue, bound, limit + 1)
         runs = []
         if keys:
