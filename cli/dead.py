@@ -68,23 +68,19 @@ def dead_list(
     if as_json:
         print_json(page)
         return
-    caption = _caption(oldest, page.next_cursor)
+    caption = paging_caption(oldest, page.next_cursor)
     console().print(views.dead_table(page, full_ids=full, caption=caption, short=short))
 
 
-def _caption(oldest: bool, next_cursor: str | None) -> str:
-    """The dead table's caption: which order, and the option that gives the next page
-    (on a line of its own, so that it is never wrapped in two)."""
+def paging_caption(oldest: bool, next_cursor: str | None, cursor_option: str = "--cursor") -> str:
+    """A job table's caption (``dead list``, ``jobs list``): which order, and the option
+    that gives the next page (on a line of its own, so that it is never wrapped in two)."""
     if oldest:
-        order, more = (
-            "oldest first (--oldest)",
-            f"next page (newer): --oldest --cursor {next_cursor}",
-        )
+        order = "oldest first (--oldest)"
+        more = f"next page (newer): --oldest {cursor_option} {next_cursor}"
     else:
-        order, more = (
-            "newest first (--oldest: oldest first)",
-            f"next page (older): --cursor {next_cursor}",
-        )
+        order = "newest first (--oldest: oldest first)"
+        more = f"next page (older): {cursor_option} {next_cursor}"
     return order if next_cursor is None else f"{order}\n{more}"
 
 

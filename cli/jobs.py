@@ -16,7 +16,7 @@ from relay.protocol.model import JobState
 from relay.protocol.requests import MAX_JOBS_LIST, PURGE_STATES, RETRY_STATES
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
-from relay_cli.dead import WHOLE_QUEUE_TIMEOUT_S, _whole
+from relay_cli.dead import WHOLE_QUEUE_TIMEOUT_S, _whole, paging_caption
 from relay_cli.ids import server_short_ids
 from relay_cli.options import DEFAULT_TIMEOUT_S, JOB_HELP, address_option, check_job, json_option
 
@@ -85,20 +85,8 @@ def jobs_list(
     if as_json:
         print_json(page)
         return
-    caption = _caption(oldest, page.next_cursor)
+    caption = paging_caption(oldest, page.next_cursor, "--after")
     console().print(views.jobs_table(page, full_ids=full, caption=caption, short=short))
-
-
-def _caption(oldest: bool, next_cursor: str | None) -> str:
-    """The table's caption: which order, and the option that gives the next page (on a
-    line of its own, so that it is never wrapped in two)."""
-    if oldest:
-        order = "oldest first (--oldest)"
-        more = f"next page (newer): --oldest --after {next_cursor}"
-    else:
-        order = "newest first (--oldest: oldest first)"
-        more = f"next page (older): --after {next_cursor}"
-    return order if next_cursor is None else f"{order}\n{more}"
 
 
 def _bulk(verb: str, allowed: tuple[str, ...], what: str) -> Callable[..., None]:

@@ -50,9 +50,7 @@ SPARK_STEPS = 30
 SPARK_MINUTE = 6  # steps
 SPARK_MIN = 2 * SPARK_MINUTE
 SPARK_WIDE = 120
-# Eight heights, each value's by its share of the row's largest; a step without a job is
-# "·", a step before top started a space.
-SPARKS = "▁▂▃▄▅▆▇█"
+# (Drawn by views.sparkline: a step without a job "·", a step before top started a space.)
 # The workers panel: one workers_list (the server's connected workers) every
 # WORKERS_EVERY_S, as it reads the leased jobs' index each time; its first page of up to
 # WORKERS_ASKED (the op's most), of which WORKERS_SHOWN rows, the most jobs held first.
@@ -394,7 +392,7 @@ def _queues_table(rows: Sequence[_QueueRow], width: int) -> Table:
         spark = spark_steps(room() - longest)
     if spark is not None and rows:
         header = f"ok/{SPARK_STEP_S:.0f}s, {spark * SPARK_STEP_S / 60:.0f}m"
-        columns[header] = [Text(sparkline(row.done[-spark:]), style="green") for row in rows]
+        columns[header] = [Text(views.sparkline(row.done[-spark:]), style="green") for row in rows]
         widths[header] = spark + views.NUMBERS_GAP  # (one more cell before it)
     queue = views.queue_width(names, room())
 
@@ -445,15 +443,6 @@ def spark_steps(room: int) -> int | None:
     its gap, and one more cell before it), whole minutes of them; None if not SPARK_MIN."""
     steps = min(SPARK_STEPS, room - 2 * views.NUMBERS_GAP) // SPARK_MINUTE * SPARK_MINUTE
     return steps if steps >= SPARK_MIN else None
-
-
-def sparkline(values: Sequence[int | None]) -> str:
-    """One character per value, its height by its share of the largest: "·" for none, a
-    space for a value not known."""
-    top = max((v for v in values if v), default=0)
-    n = len(SPARKS)
-    return "".join(" " if v is None else "·" if not v else SPARKS[-(-v * n // top) - 1]
-                   for v in values)  # fmt: skip
 
 
 def age(ms: int | None) -> str:

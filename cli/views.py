@@ -1144,13 +1144,13 @@ BAR_MIN = 10  # cells: below this, no bar column
 HISTORY_COUNTS = ("submitted", "succeeded", "failed", "dead")
 
 
-def sparkline(values: Sequence[int]) -> str:
-    """One character per value, its height by its share of the largest ("·" for none)."""
-    top = max(values, default=0)
-    if not top:
-        return "·" * len(values)
-    last = len(SPARKS) - 1
-    return "".join("·" if not v else SPARKS[min(last, -(-v * last // top))] for v in values)
+def sparkline(values: Sequence[int | None]) -> str:
+    """One character per value, its height by its share of the largest: "·" for none, a
+    space for a value not known (``top``'s steps before it started)."""
+    top = max((v for v in values if v), default=0)
+    n = len(SPARKS)
+    return "".join(" " if v is None else "·" if not v else SPARKS[-(-v * n // top) - 1]
+                   for v in values)  # fmt: skip
 
 
 def step_text(ms: int) -> str:

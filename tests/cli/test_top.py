@@ -14,7 +14,8 @@ from relay.client.client import Client, ServerInfo, WorkersPage
 from relay.client.replies import structure_reply
 from relay.protocol.errors import UnknownOp
 from relay_cli import views
-from relay_cli.top import SPARK_STEPS, SPARKS, TopView, _follow, age, follow, sparkline
+from relay_cli.top import SPARK_STEPS, TopView, _follow, age, follow
+from relay_cli.views import SPARKS, sparkline
 from tests.conftest import T0
 from tests.server.conftest import BOUND_S, start_server
 
