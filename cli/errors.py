@@ -81,7 +81,7 @@ class RelayGroup(click.Group):
             fail(exc.format_message(), exc.exit_code)
         except click.Abort as exc:
             if interrupted(exc):
-                sys.exit(EXIT_INTERRUPTED)  # click wrote the newline
+                exit_interrupted()  # (click ends a prompt's line only for hidden input)
             fail("aborted")
         except LogConfigError as exc:  # RELAY_LOG or RELAY_LOG_FORMAT, as any command reads them
             fail(str(exc), EXIT_USAGE)

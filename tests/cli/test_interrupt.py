@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import pty
+import select
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,7 +32,15 @@ from tests.tls_helpers import TlsFiles
 from tests.tls_helpers import tls_files as tls_files  # the fixture
 from tests.worker.helpers import serving
 
-from .conftest import BOUND_S, RELAY, address_of, assert_one_line_error, cli_env, relay_trio
+from .conftest import (
+    BOUND_S,
+    COMMAND_TIMEOUT_S,
+    RELAY,
+    address_of,
+    assert_one_line_error,
+    cli_env,
+    relay_trio,
+)
 from .test_commands import free_port
 
 
@@ -418,3 +430,45 @@ async def test_a_token_of_the_wrong_role_is_told_which_to_give(authed, tmp_path)
                               address=authed)  # fmt: skip
     last = result.stderr.splitlines()[-1]
     assert "needs the worker role" in last and "give a token of that role" in last, last
+
+
+def _ctrl_c_at_the_prompt(argv: list[str], env: dict[str, str]) -> tuple[bytes, int]:
+    """Run ``argv`` on a terminal (a pty), answer its confirmation prompt with Ctrl-C, and
+    return what the terminal showed and the exit code. Every read is bounded."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command, on the pty
+        os.execve(argv[0], argv, env)
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    shown = b""
+    try:
+        while b"[y/N]" not in shown:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, shown
+            shown += os.read(fd, 4096)
+        os.write(fd, b"\x03")
+        while True:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, shown
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the command ended: the pty is closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    return shown, os.waitstatus_to_exitcode(status)
+
+
+async def test_ctrl_c_at_a_confirmation_ends_its_line_and_exits_130(address, client):
+    """The shell's prompt starts on a line of its own after a Ctrl-C answered to "[y/N]"
+    (click writes no newline for it)."""
+    await client.submit("doomed", {"fail": True}, retries=0)
+    argv = [str(RELAY), "jobs", "purge", "--queue", "doomed", "--state", "dead"]
+    shown, code = await trio.to_thread.run_sync(
+        _ctrl_c_at_the_prompt, argv, cli_env(address, TERM="xterm")
+    )
+    assert code == 130, shown
+    assert shown.rstrip(b" ").endswith(b"\r\n") and b"Traceback" not in shown, shown
