@@ -621,9 +621,9 @@ class Store(Protocol):
 
     def leases_held(
         self, worker_ids: Sequence[str], now: int, limit: int
-    ) -> list[tuple[str, str, str, int]]:
+    ) -> list[tuple[str, str, str, int, int | None]]:
         """The unexpired leases held by any of ``worker_ids``: (job_id, queue, worker_id,
-        lease_expires_at) of at most ``limit`` of them, by job id. Reads the leased jobs'
+        lease_expires_at, leased_at) of at most ``limit`` of them, by job id. Reads the leased jobs'
         index (``jobs_leased``): as many rows as jobs are leased, never the table."""
 
     def dead_list(

@@ -5,7 +5,7 @@ A store counts as it commits, never a row per job: each transition it makes alre
 counts per queue (``CountsBook._count``), and adds there to a ``Counter`` keyed by
 (queue, minute, field) (``FIELD_*``); a claim observes each job's wait (from ``ready_at``,
 a delayed or retried job's due time, to now) and an ack or fail each attempt's run time
-(from its lease, as this store granted it, to now), summed per queue and call
+(from its lease's start, the job's ``leased_at``, to now), summed per queue and call
 (``observe``). Every change goes through the counts' journal, so a rolled-back command
 or transaction takes its counts back. ``history_flush`` (the maintenance service's, every
 FLUSH_INTERVAL_S) writes what was counted as one upsert per flush into the table

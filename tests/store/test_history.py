@@ -129,16 +129,19 @@ def test_pruning_deletes_rows_past_the_kept_period(store: Store) -> None:
     assert rows(store, "SELECT count(*) FROM history") == [(0,)]
 
 
-def test_a_release_and_a_lease_not_granted_here_have_no_run_time(stores: Stores) -> None:
-    store = stores.open()
+def test_a_release_has_no_run_time_and_a_lease_from_before_a_restart_has_one(
+    stores: Stores,
+) -> None:
+    store = stores.open("a")
     submit(store, "q", T, 2)
     first, second = store.jobs_claim(["q"], "w", 2, 30_000, T)
     store.jobs_release(first.job_id, "w", first.token, T + 100)
-    store._starts.clear()  # as if another server (or this one before a restart) leased it
+    store.close()
+    store = stores.open("a")  # a restart (or another server): the lease's start is the row's
     store.jobs_ack(second.job_id, "w", second.token, None, T + 200)
     store.history_flush(T + 300)
     p = point(store, "q", T)
-    assert (p["succeeded"], p["run_count"]) == (1, 0)
+    assert (p["succeeded"], p["run_count"], p["run_max_ms"]) == (1, 1, 200)
 
 
 @postgres_only

@@ -64,8 +64,6 @@ class PendingLease:
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
     place: int = -1  # its place among parked leases, from its first park (LongPolls)
-    # Its connection's entry in the server's WorkerBook: told the jobs it hands out.
-    book: Any = None
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -264,8 +262,6 @@ class _Claim(RequestOp):
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
-            if jobs and leases[i].book is not None:
-                leases[i].book.handed_out(jobs, now)  # (workers_list: held since)
         ran = set(wanted)
         for i, lease in enumerate(leases):
             if lease.woken:

@@ -108,7 +108,6 @@ class Maintenance(PostgresBase):
         self._trim_history([row[0] for row in rows if row[5] > ATTEMPTS_KEPT])
         reaped = []
         for key, queue, state, attempt, _expired_at, _ended in rows:
-            self._starts.pop(key, None)
             self._count(queue, "expired", 1, now)
             if state == DEAD:
                 self._count(queue, "dead", 1, now)
