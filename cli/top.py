@@ -319,9 +319,9 @@ def _workers_table(workers: _Workers, unserved: Sequence[str], width: int) -> Gr
     its last request ("*": a long-poll waiting). Under it, how many are not shown, and
     the queues with ready jobs that no worker asks for."""
     shown = sorted(workers.rows, key=lambda w: -w.jobs_held)[:WORKERS_SHOWN]
-    texts: dict[str, list[str]] = {"worker": [w.worker_id for w in shown]}
+    texts: dict[str, list[str]] = {"worker": [views.printable(w.worker_id) for w in shown]}
     if width >= WORKERS_WIDE:
-        texts["client"] = [w.client or "-" for w in shown]
+        texts["client"] = [views.printable(w.client or "-") for w in shown]
         texts["address"] = [w.peer for w in shown]
     texts["queues"] = [",".join(w.queues) + (f" +{w.queues_total - len(w.queues)}"
                                              if w.queues_total > len(w.queues) else "")
@@ -575,7 +575,7 @@ async def _follow(client: Client, view: TopView) -> None:
         async for job_id in failed_out:
             job = await client.inspect(job_id)
             short = await short_ids([job.job_id, *view.failure_ids()[: FAILURES_SHOWN - 1]])
-            error = (job.last_error or "").splitlines()[0] if job.last_error else ""
+            error = views.truncate(job.last_error)
             view.failure(job.job_id, job.queue, job.attempt, error)
             view.shorten(short)
 
