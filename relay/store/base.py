@@ -303,7 +303,7 @@ class StoreConfig:
     # Schedules that may exist at once: a schedule_put of a new one past it is refused
     # with TooManySchedules.
     max_schedules: int = DEFAULT_MAX_SCHEDULES
-    # Queues with history rows of their own per flush (the first by name); the others'
+    # Queues with history rows of their own (the first seen since the store opened); the others'
     # counts are summed as queue "_other" (relay/store/history.py). The server passes its
     # --metrics-max-queues.
     history_max_queues: int = 1_000

@@ -55,6 +55,9 @@ class CountsBook:
         self._new_queues: set[str] = set()
         # (queue, minute, field) -> what was counted and not yet flushed (history.py).
         self._history: Counter[history.HistoryKey] = Counter()
+        # The queues whose history has rows of its own (``history.take_rows``): the first
+        # seen since the store opened, at most ``config.history_max_queues``.
+        self._history_queues: set[str] = set()
 
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
@@ -167,7 +170,9 @@ class CountsBook:
         counter = self._history
         if not counter:
             return history.HistoryFlushed(0, {})
-        rows, observed = history.take_rows(counter, self.config.history_max_queues)
+        rows, observed = history.take_rows(
+            counter, self.config.history_max_queues, self._history_queues
+        )
         if rows:
             self._history_write(rows)
         # Taken whole: one journal entry, which a rollback turns back (``_undo``), however

@@ -134,12 +134,14 @@ class HistoryPoint:
 
 
 def take_rows(
-    pending: dict[HistoryKey, int], max_queues: int
+    pending: dict[HistoryKey, int], max_queues: int, kept: set[str]
 ) -> tuple[list[HistoryRow], dict[str, QueueObserved]]:
     """The rows and histogram deltas of what ``pending`` holds (its zero entries left
-    alone). At most ``max_queues`` queues (the first by name) get rows of their own per
-    flush; the others are summed into ``OTHER_QUEUES`` (maxima as maxima). Every minute
-    also gets the row of every queue summed (``ALL_QUEUES``)."""
+    alone). The queues in ``kept`` get rows of their own, and so do new ones, added to it,
+    while it holds fewer than ``max_queues`` (the first seen keep theirs: queues made
+    later, however named, cannot push them out); the others are summed into
+    ``OTHER_QUEUES`` (maxima as maxima). Every minute also gets the row of every queue
+    summed (``ALL_QUEUES``)."""
     fields: dict[tuple[str, int], list[int]] = {}
     for (queue, minute, field), n in pending.items():
         if n:
@@ -150,8 +152,12 @@ def take_rows(
     for row in fields.values():  # a count is its buckets' sum (``observe_fields``)
         row[FIELD_RUN] = sum(row[RUN_BUCKETS:WAIT_BUCKETS])
         row[FIELD_WAIT] = sum(row[WAIT_BUCKETS:])
-    names = sorted({queue for queue, _ in fields})
-    own = {name for name in names[:max_queues] if name != OTHER_QUEUES}
+    for name in sorted({queue for queue, _ in fields} - kept):
+        if len(kept) >= max_queues:
+            break
+        if name != OTHER_QUEUES:
+            kept.add(name)
+    own = kept
     merged: dict[tuple[str, int], list[int]] = {}
     observed: dict[str, list[int]] = {}
     for (queue, minute), values in fields.items():

@@ -117,6 +117,22 @@ def test_queues_beyond_the_bound_are_summed_as_other(stores: Stores) -> None:
     assert point(store, None, T)["submitted"] == 4
 
 
+def test_queues_made_later_cannot_push_a_queue_out_of_its_rows(stores: Stores) -> None:
+    """The queues first counted keep their rows: a client making queues whose names sort
+    first sends those to ``_other``, not the busy queue counted before them."""
+    store = stores.open(config=StoreConfig(history_max_queues=2))
+    submit(store, "orders", T, 5)
+    store.history_flush(T + 1_000)
+    later = T + MINUTE_MS
+    submit(store, "orders", later, 5)
+    for queue in ("0000", "0001", "0002"):
+        submit(store, queue, later, 1)
+    store.history_flush(later + 1_000)
+    assert point(store, "orders", later)["submitted"] == 5
+    assert point(store, "0000", later)["submitted"] == 1  # the one place left
+    assert point(store, "_other", later)["submitted"] == 2
+
+
 def test_pruning_deletes_rows_past_the_kept_period(store: Store) -> None:
     submit(store, "q", T, 1)
     submit(store, "q", T + MINUTE_MS, 1)
