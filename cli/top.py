@@ -129,6 +129,7 @@ class TopView:
         # queue -> step (clock // SPARK_STEP_S) -> jobs succeeded in it, the last steps
         self.done: dict[str, dict[int, int]] = {}
         self.started = clock()
+        self.counting_since = self.started  # the events' watch began (``watching``)
         # The server's connected workers (``workers``); None: not known, or a server
         # without workers_list: no panel.
         self.connected: _Workers | None = None
@@ -200,15 +201,25 @@ class TopView:
         shown = set(self.failure_ids())
         self.short = {k: v for k, v in {**self.short, **short}.items() if k in shown}
 
+    def watching(self) -> None:
+        """A watch of the events begins (at start, and again after a reconnect, when the
+        events in between are lost): the rates count afresh from now."""
+        self.counting_since = self.clock()
+        self.recent.clear()
+
     def rates(self) -> dict[str, dict[str, float]]:
-        """Per queue: submitted, succeeded and failed per second over the window."""
-        horizon = self.clock() - RATE_WINDOW_S
+        """Per queue: submitted, succeeded and failed per second over the window, or over
+        the time the events have been watched while that is shorter (a second at least):
+        in the first seconds a rate is not divided by time it did not watch."""
+        now = self.clock()
+        horizon = now - RATE_WINDOW_S
         while self.recent and self.recent[0][0] < horizon:
             self.recent.popleft()
         counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for _, queue, kind in self.recent:
             counts[queue][kind] += 1
-        return {q: {k: n / RATE_WINDOW_S for k, n in c.items()} for q, c in counts.items()}
+        window = min(RATE_WINDOW_S, max(1.0, now - self.counting_since))
+        return {q: {k: n / window for k, n in c.items()} for q, c in counts.items()}
 
     def throughput(self, queues: Iterable[str]) -> dict[str, list[int | None]]:
         """Per queue of ``queues``: the jobs succeeded in each of the last SPARK_STEPS whole
@@ -583,6 +594,7 @@ async def _follow(client: Client, view: TopView) -> None:
         nursery.start_soon(poll_stats)
         nursery.start_soon(fetch_errors)
         nursery.start_soon(poll_workers)
+        view.watching()
         events = client.watch()
         async with events:
             async for event in events:
