@@ -1430,7 +1430,9 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     # The bulk actions' states (extension), and the job browser.
     ("dead_retry", {"queue": "q", "all": True, "states": ["succeeded"]}, ("states[0]",)),
     ("dead_retry", {"queue": "q", "all": True, "states": []}, ("states",)),
-    ("dead_retry", {"job_id": "job_0000000000000001", "states": ["dead"]}, ("states",)),
+    # (by id too: the same states, checked before the job is looked up)
+    ("dead_retry", {"job_id": "job_0000000000000001", "states": ["succeeded"]}, ("states[0]",)),
+    ("dead_purge", {"job_id": "job_0000000000000001", "states": []}, ("states",)),
     ("dead_purge", {"queue": "q", "all": True, "states": ["ready"]}, ("states[0]",)),
     ("dead_purge", {"queue": "q", "all": True, "states": "dead"}, ("states",)),
     ("jobs_list", {"limit": 0}, ("limit",)),
