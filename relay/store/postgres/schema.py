@@ -96,7 +96,8 @@ _V1 = (
         idempotency_key text
     )""",
     # A job's history and its key go with it: deleting a job (prune, purge) is one
-    # statement, the cascade is PostgreSQL's.
+    # statement, the cascade is PostgreSQL's. (Its idempotency key no longer since
+    # version 14: it stays until it expires.)
     """CREATE TABLE job_errors (
         job_id bigint NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
         attempt integer NOT NULL,
