@@ -387,12 +387,13 @@ class _WorkersList(_Stats):
 
 
 class _DeadOne(RequestOp):
-    """``dead_retry`` / ``dead_purge`` of one job: args is its id."""
+    """``dead_retry`` / ``dead_purge`` of one job: args is (its id, the states allowed)."""
 
-    def run(self, store: Store, now: int, job_id: str) -> Any:
+    def run(self, store: Store, now: int, args: tuple[str, tuple[str, ...]]) -> Any:
+        job_id, states = args
         if self.name == "dead_retry":
-            return store.dead_retry(job_id, now)
-        return store.dead_purge(job_id)
+            return store.dead_retry(job_id, now, states)
+        return store.dead_purge(job_id, states)
 
     def fields(self, outcome: int, args: Any) -> dict[str, Any]:
         return {"count": outcome}

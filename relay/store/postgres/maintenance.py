@@ -55,7 +55,8 @@ _PRUNE_KEYS = (
     "DELETE FROM idempotency_keys WHERE (queue, key) IN (SELECT queue, key "
     "FROM idempotency_keys WHERE expires_at <= %s LIMIT %s FOR UPDATE SKIP LOCKED)"
 )
-# Their errors and keys go with them (ON DELETE CASCADE). Succeeded and cancelled jobs,
+# Their errors go with them (ON DELETE CASCADE), their idempotency keys stay until they
+# expire (_keys_outlive). Succeeded and cancelled jobs,
 # each state a scan of its own partial index (jobs_succeeded, jobs_cancelled): the state
 # is written in the text, since a prepared statement's generic plan cannot match a
 # parameter to an index's predicate.
@@ -160,6 +161,7 @@ class Maintenance(PostgresBase):
             if deleted >= limit:
                 break
             rows = self._write(_PRUNE[state], (before, limit - deleted)).fetchall()
+            self._keys_outlive([key for key, _queue in rows], state)
             for _key, queue in rows:
                 self._move(queue, state, None)
             deleted += len(rows)

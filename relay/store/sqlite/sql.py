@@ -221,15 +221,19 @@ class SqliteBase(CountsBook):
         )
 
     def _delete_jobs(self, rows: Iterable[tuple[int, str]], state: str) -> None:
-        """Delete these jobs (id, queue), all in ``state``, with their errors and keys (their
-        idempotency and unique keys)."""
+        """Delete these jobs (id, queue), all in ``state``, with their errors and unique
+        keys. Their idempotency keys stay until they expire (jobs_prune), naming the job
+        and the state it was deleted in: a submit with one is still a duplicate."""
         rows = list(rows)
         if not rows:
             return
         self._save_last_id()
         keys = (_json_ids([row[0] for row in rows]),)
         self._db.execute(f"DELETE FROM job_errors WHERE job_id IN {_JSON_IDS}", keys)
-        self._db.execute(f"DELETE FROM idempotency_keys WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(
+            f"UPDATE idempotency_keys SET final_state = ? WHERE job_id IN {_JSON_IDS}",
+            (state, *keys),
+        )
         self._db.execute(f"DELETE FROM unique_keys WHERE job_id IN {_JSON_IDS}", keys)
         self._db.execute(f"DELETE FROM jobs WHERE id IN {_JSON_IDS}", keys)
         for _key, queue in rows:
