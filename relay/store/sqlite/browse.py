@@ -1,9 +1,13 @@
 """The job browser, as SQLite: a page of any states' jobs (``jobs_list``), and a promote
 of one waiting job (``job_promote``).
 
-A page is one seek of ``jobs_queue_state`` (queue, state, id) per (queue, state) asked
+A page of one queue is one seek of ``jobs_queue_state`` (queue, state, id) per state asked
 that holds jobs (the counts in memory say which), each read lazily and merged by id: the
-page costs those seeks and its own rows, at any number of jobs.
+page costs those seeks and its own rows, at any number of jobs. A page of every queue
+does the same while at most MERGED_RUNS_MAX (queue, state) hold jobs in the states asked;
+past that it reads the jobs by id (the table's key; the dead ones by ``jobs_dead``), at
+most ROWS_EXAMINED_MAX of them, as a search by an id's start reads its range of ids: a
+page costs at most that many rows whatever the number of queues or jobs (rows.py).
 """
 
 from __future__ import annotations
@@ -11,39 +15,57 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from relay.protocol.errors import InvalidState, JobNotFound
-from relay.protocol.model import JobInfo, JobState, parse_job_id
+from relay.protocol.model import ID_MAX, JobInfo, JobState, parse_job_id
+from relay.store import rows as browse_rows
 from relay.store.base import PROMOTABLE, READY
 from relay.store.rows import (
     KEY_SEARCH_MAX,
     SUMMARY_COLUMNS,
     cursor_bound,
+    held_runs,
     key_matches,
     list_page,
-    merged,
     search_ids,
     summaries,
+    window_page,
 )
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids
 
-# One (queue, state)'s jobs beyond the cursor's bound, oldest or newest first.
+# Where a page's jobs are, beyond the cursor's bound, oldest or newest first.
+_BOUND = {False: ("id > ?", "", "id <= ?"), True: ("id <= ?", "DESC", "id >= ?")}
+# One (queue, state)'s jobs beyond the cursor's bound.
 _RUN = {
-    False: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
-    "WHERE queue = ? AND state = ? AND id > ? ORDER BY id LIMIT ?",
-    True: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
-    "WHERE queue = ? AND state = ? AND id <= ? ORDER BY id DESC LIMIT ?",
+    newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
+    f"WHERE queue = ? AND state = ? AND {bound} ORDER BY id {order} LIMIT ?"
+    for newest, (bound, order, _) in _BOUND.items()
 }
-# A search's jobs: those of an id range (a range of the key) or of a list of keys, of the
-# states asked, beyond the cursor's bound.
+# Every queue's dead jobs (the partial index ``jobs_dead`` by id).
+_DEAD = {
+    newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+    f"WHERE state = 'dead' AND {bound} ORDER BY id {order} LIMIT ?"
+    for newest, (bound, order, _) in _BOUND.items()
+}
+# The edge of a read by id: the key ROWS_EXAMINED_MAX jobs on from the cursor's bound
+# (within an id range, or none), past which a page examines nothing. None: fewer are left.
+_EDGE = {
+    (by_range, newest): "SELECT id FROM jobs NOT INDEXED WHERE "
+    + ("id BETWEEN ? AND ? AND " if by_range else "")
+    + f"{bound} ORDER BY id {order} LIMIT 1 OFFSET ?"
+    for by_range in (False, True)
+    for newest, (bound, order, _) in _BOUND.items()
+}
+# The jobs of the states asked (of a queue, or of any) among those up to the edge (-1 or
+# the largest key: none), of an id range (or every id), or of a list of keys.
 _FILTER = (
     "AND state IN (SELECT value FROM json_each(?)) AND (? IS NULL OR queue = ?) "
-    "AND {bound} ORDER BY id {order} LIMIT ?"
+    "AND {bound} AND {edge} ORDER BY id {order} LIMIT ?"
 )
 _SEARCH = {
-    (by_range, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs WHERE "
-    + ("id BETWEEN ? AND ? " if by_range else f"id IN {_JSON_IDS} ")
-    + _FILTER.format(bound="id <= ?" if newest else "id > ?", order="DESC" if newest else "")
-    for by_range in (False, True)
-    for newest in (False, True)
+    (by, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs NOT INDEXED WHERE "
+    + {"range": "id BETWEEN ? AND ? ", "all": "1 ", "keys": f"id IN {_JSON_IDS} "}[by]
+    + _FILTER.format(bound=bound, edge=edge, order=order)
+    for by in ("range", "all", "keys")
+    for newest, (bound, order, edge) in _BOUND.items()
 }
 # The first keys of a queue that begin with a prefix: a range of each key table's primary
 # key (queue, key); a key sorts below the prefix followed by the highest character.
@@ -67,18 +89,46 @@ class SqliteBrowse(SqliteBase):
         newest: bool = True,
     ) -> tuple[list[JobInfo], str | None]:
         bound = cursor_bound(cursor, newest)
+        edge = None
         if search is not None:
-            runs = self._search_runs(queue, states, search, bound, limit, newest)
+            runs, edge = self._search_runs(queue, states, search, bound, limit, newest)
+        elif queue is None and tuple(states) == ("dead",):
+            runs = [self._db.execute(_DEAD[newest], (bound, limit + 1))]
         else:
-            queues = [queue] if queue is not None else sorted({q for q, _ in self._counts})
-            runs = [
-                self._db.execute(_RUN[newest], (q, state, bound, limit + 1))
-                for q in queues
-                for state in states
-                if self._counts.get((q, state))
-            ]
-        rows, more = merged(runs, limit, newest)
-        return list_page(summaries(rows), more)
+            counts = (
+                self._counts.items()
+                if queue is None
+                else (((queue, state), self._counts.get((queue, state), 0)) for state in states)
+            )
+            pairs = held_runs(counts, states, browse_rows.MERGED_RUNS_MAX)
+            if pairs is None:  # too many to merge: the jobs by id
+                edge = self._edge(None, bound, newest)
+                filters = (_json_ids(list(states)), queue, queue, bound)
+                sql = _SEARCH["all", newest]
+                runs = [self._db.execute(sql, (*filters, self._no_edge(edge, newest), limit + 1))]
+            else:
+                runs = [
+                    self._db.execute(_RUN[newest], (q, state, bound, limit + 1))
+                    for q, state in pairs
+                ]
+        rows, after = window_page(runs, edge, limit, newest)
+        return list_page(summaries(rows), after)
+
+    def _edge(self, keys: range | None, bound: int, newest: bool) -> int | None:
+        """The last key a read by id from ``bound`` (within ``keys``) may examine; None:
+        fewer than ROWS_EXAMINED_MAX jobs are left to read."""
+        span = () if keys is None else (keys.start, keys[-1])
+        row = self._db.execute(
+            _EDGE[keys is not None, newest], (*span, bound, browse_rows.ROWS_EXAMINED_MAX - 1)
+        ).fetchone()
+        return None if row is None else row[0]
+
+    @staticmethod
+    def _no_edge(edge: int | None, newest: bool) -> int:
+        """The edge as the statements take it: without one, a key beyond every job's."""
+        if edge is not None:
+            return edge
+        return -1 if newest else ID_MAX
 
     def _search_runs(
         self,
@@ -88,12 +138,14 @@ class SqliteBrowse(SqliteBase):
         bound: int,
         limit: int,
         newest: bool,
-    ) -> list:
+    ) -> tuple[list, int | None]:
         keys = search_ids(queue, search)
-        filters = (_json_ids(list(states)), queue, queue, bound, limit + 1)
+        edge = None if not keys else self._edge(keys, bound, newest)
+        filters = (_json_ids(list(states)), queue, queue, bound, self._no_edge(edge, newest))
         runs = []
         if keys:
-            runs.append(self._db.execute(_SEARCH[True, newest], (keys.start, keys[-1], *filters)))
+            sql = _SEARCH["range", newest]
+            runs.append(self._db.execute(sql, (keys.start, keys[-1], *filters, limit + 1)))
         if queue is not None:
             found: set[int] = set()
             for sql in _KEYS.values():
@@ -102,8 +154,9 @@ class SqliteBrowse(SqliteBase):
             if keys:  # (those of the id range are listed by it already)
                 found = {key for key in found if key not in keys}
             if found:
-                runs.append(self._db.execute(_SEARCH[False, newest], (_json_ids(found), *filters)))
-        return runs
+                sql = _SEARCH["keys", newest]
+                runs.append(self._db.execute(sql, (_json_ids(found), *filters, limit + 1)))
+        return runs, edge
 
     def job_promote(self, job_id: str, now: int) -> JobState:
         key = parse_job_id(job_id)
