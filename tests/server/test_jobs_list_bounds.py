@@ -1,6 +1,7 @@
 """What one ``jobs_list`` may cost the server, over real sockets, on both stores: a page of
 every queue at many queues, and a search by an id's start, examine a bounded number of
-jobs (a short page then says where to go on with its cursor) (docs/protocol.md).
+jobs (a short page then says where to go on with its cursor); a page's reply bytes are
+reserved, so a client that sends many and reads none is no longer read (docs/protocol.md).
 
 The bounds are made small here (rows.py's MERGED_RUNS_MAX and ROWS_EXAMINED_MAX, read per
 page), so that a few hundred jobs cross them.
@@ -12,15 +13,21 @@ import os
 import sqlite3
 from typing import Any
 
+import orjson
 import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked
 
+from relay.server.connections import session as session_module
 from relay.store import rows as rows_module
 from relay.store.sqlite.browse import SqliteBrowse
-from tests.server.conftest import LineClient, RunningServer
+from tests.server.conftest import BOUND_S, LineClient, RunningServer, writer_barrier
+from tests.server.connections.test_session import open_raw, pipelined, request_count
 from tests.server.test_protocol import (
     connected,
     custom_server,
     server,  # noqa: F401 (a fixture: both stores)
+    well_behaved_round,
 )
 
 DAY = 86_400_000
@@ -164,3 +171,40 @@ async def test_the_work_of_a_page_of_every_queue_does_not_grow_with_the_queues(
             assert len(reply["jobs"]) == 50
             work[queues] = steps[0]
     assert 0 < work[2_000] <= 2 * work[40], work
+
+
+async def big_page_jobs(c: LineClient, queue: str) -> None:
+    """100 leased jobs of ``queue`` whose summaries are near their largest: a long
+    idempotency key and worker id each (a page of them is ~75 KB)."""
+    jobs = [{"queue": queue, "payload": {}, "idempotency_key": f"{i:03d}" + "k" * 253}
+            for i in range(100)]  # fmt: skip
+    await submit_batch(c, jobs)
+    reply = await c.ok("lease", queues=[queue], worker_id="w" * 256, count=100, lease_ms=600_000)
+    assert len(reply["jobs"]) == 100
+
+
+async def test_reading_stops_while_the_jobs_list_replies_owed_reach_max_owed_bytes(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """256 jobs_list pages of 100 big summaries (~19 MB of replies) from a client that
+    reads none: each reserves its most until answered, so the reader stops at
+    MAX_OWED_BYTES rather than taking all 256 (max_in_flight) at once, while others are
+    served."""
+    monkeypatch.setattr(session_module, "MAX_OWED_BYTES", 3 * 1024 * 1024)
+    async with custom_server(tmp_path) as srv, connected(srv) as good:
+        await big_page_jobs(good, "big")
+        page = await good.ok("jobs_list", queue="big", limit=100)
+        assert len(page["jobs"]) == 100 and 70_000 < len(orjson.dumps(page)) < 80_000
+        stalled = await open_raw(srv)
+        try:
+            request = {"op": "jobs_list", "queue": "big", "limit": 100}
+            data = pipelined([{**request, "id": i} for i in range(256)])
+            with trio.fail_after(BOUND_S):
+                await stalled.send(data)  # (~14 KB: it fits in the socket buffers)
+            await wait_all_tasks_blocked()
+            await writer_barrier(good)  # the writer answered what the reader took before this
+            answered = await request_count(srv, "jobs_list")
+            assert 1 <= answered < 200, answered
+            await well_behaved_round(good, "good")  # others are served meanwhile
+        finally:
+            stalled.close()
