@@ -1,7 +1,8 @@
 """What one ``jobs_list`` may cost the server, over real sockets, on both stores: a page of
 every queue at many queues, and a search by an id's start, examine a bounded number of
 jobs (a short page then says where to go on with its cursor); a page's reply bytes are
-reserved, so a client that sends many and reads none is no longer read (docs/protocol.md).
+reserved, so a client that sends many and reads none is no longer read; and ``history``
+refuses a ``from`` after now as it refuses one after ``to`` (docs/protocol.md).
 
 The bounds are made small here (rows.py's MERGED_RUNS_MAX and ROWS_EXAMINED_MAX, read per
 page), so that a few hundred jobs cross them.
@@ -24,6 +25,7 @@ from relay.store.sqlite.browse import SqliteBrowse
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, writer_barrier
 from tests.server.connections.test_session import open_raw, pipelined, request_count
 from tests.server.test_protocol import (
+    assert_error,
     connected,
     custom_server,
     server,  # noqa: F401 (a fixture: both stores)
@@ -208,3 +210,14 @@ async def test_reading_stops_while_the_jobs_list_replies_owed_reach_max_owed_byt
             await well_behaved_round(good, "good")  # others are served meanwhile
         finally:
             stalled.close()
+
+
+async def test_history_from_after_now_without_to_is_refused_as_after_to(
+    server: RunningServer,  # noqa: F811
+):
+    async with connected(server) as c:
+        reply = await c.ok("history")
+        later = reply["to"] + DAY
+        for fields in ({"from": later}, {"from": later, "to": later - 60_000}):
+            error = assert_error(await c.request("history", **fields), "bad_request")
+            assert error["message"] == "from: must be before to", error
