@@ -61,12 +61,15 @@ _EDGE = {
     for newest, (bound, order, _) in _DIRECTION.items()
 }
 # A search's jobs, or a page's read by id: those of an id range (of jobs_pkey), of every
-# id, or of a list of keys, of the states asked, beyond the cursor's bound and up to the
-# edge (-1 or the largest key: none).
+# id, or of a list of keys, beyond the cursor's bound and up to the edge (-1 or the
+# largest key: none), then of the states (and queue) asked. The jobs are read by id in a
+# subquery whose LIMIT keeps the planner from filtering by state first (a partial index
+# of a state, read whole, is as many rows as jobs are in it).
 _SEARCH = {
-    (by, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs WHERE "
+    (by, newest): f"SELECT {SUMMARY_COLUMNS} FROM (SELECT * FROM jobs WHERE "
     + {"range": "id BETWEEN %s AND %s ", "all": "TRUE ", "keys": "id = ANY(%s) "}[by]
-    + f"AND state = ANY(%s) AND (%s::text IS NULL OR queue = %s) AND {bound} AND {edge} "
+    + f"AND {bound} AND {edge} ORDER BY id {order} LIMIT %s) AS w "
+    "WHERE state = ANY(%s) AND (%s::text IS NULL OR queue = %s) "
     f"ORDER BY id {order} LIMIT %s"
     for by in ("range", "all", "keys")
     for newest, (bound, order, edge) in _DIRECTION.items()
@@ -113,8 +116,8 @@ class Browse(PostgresBase):
             runs = []
             if pairs is None:  # too many to merge: the jobs by id
                 edge = self._edge(None, bound, newest)
-                params = (list(states), queue, queue, bound, self._no_edge(edge, newest))
-                runs.append(self._read(_SEARCH["all", newest], (*params, limit + 1)).fetchall())
+                params = self._window(bound, edge, newest, states, queue, limit)
+                runs.append(self._read(_SEARCH["all", newest], params).fetchall())
             elif pairs:
                 params = ([q for q, _ in pairs], [s for _, s in pairs], bound, limit + 1)
                 runs.append(self._read(_RUNS[newest], (*params, limit + 1)).fetchall())
@@ -146,11 +149,21 @@ class Browse(PostgresBase):
         return None if row is None else row[0]
 
     @staticmethod
-    def _no_edge(edge: int | None, newest: bool) -> int:
-        """The edge as the statements take it: without one, a key beyond every job's."""
-        if edge is not None:
-            return edge
-        return -1 if newest else ID_MAX
+    def _window(
+        bound: int,
+        edge: int | None,
+        newest: bool,
+        states: Sequence[str],
+        queue: str | None,
+        limit: int,
+    ) -> tuple:
+        """The parameters of ``_SEARCH`` after its keys: the jobs from ``bound`` to
+        ``edge`` (None: a key beyond every job's), at most ROWS_EXAMINED_MAX, then those
+        of ``states`` and ``queue``, a page's worth and one."""
+        if edge is None:
+            edge = -1 if newest else ID_MAX
+        examined = browse_rows.ROWS_EXAMINED_MAX
+        return (bound, edge, examined, list(states), queue, queue, limit + 1)
 
     def _search_runs(
         self,
@@ -163,7 +176,7 @@ class Browse(PostgresBase):
     ) -> tuple[list, int | None]:
         keys = search_ids(queue, search)
         edge = None if not keys else self._edge(keys, bound, newest)
-        filters = (list(states), queue, queue, bound, self._no_edge(edge, newest), limit + 1)
+        filters = self._window(bound, edge, newest, states, queue, limit)
         runs = []
         if keys:
             runs.append(
