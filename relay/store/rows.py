@@ -235,6 +235,15 @@ def held_runs(
     return sorted(pairs)
 
 
+def window(keys: range | None, bound: int, newest: bool) -> tuple[int, int]:
+    """The keys (lowest, highest) a read by id from the cursor's ``bound``
+    (``cursor_bound``) may take, within ``keys`` (an id prefix's, or None: any)."""
+    low, high = (-1, bound) if newest else (bound + 1, ID_MAX)
+    if keys:
+        low, high = max(low, keys.start), min(high, keys[-1])
+    return low, high
+
+
 def window_page(
     runs: Iterable[Iterable[Sequence]], edge: int | None, limit: int, newest: bool
 ) -> tuple[list[Sequence], int | None]:

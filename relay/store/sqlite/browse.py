@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from relay.protocol.errors import InvalidState, JobNotFound
-from relay.protocol.model import ID_MAX, JobInfo, JobState, parse_job_id
+from relay.protocol.model import JobInfo, JobState, parse_job_id
 from relay.store import rows as browse_rows
 from relay.store.base import PROMOTABLE, READY
 from relay.store.rows import (
@@ -27,45 +27,43 @@ from relay.store.rows import (
     list_page,
     search_ids,
     summaries,
+    window,
     window_page,
 )
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids
 
 # Where a page's jobs are, beyond the cursor's bound, oldest or newest first.
-_BOUND = {False: ("id > ?", "", "id <= ?"), True: ("id <= ?", "DESC", "id >= ?")}
+_BOUND = {False: ("id > ?", ""), True: ("id <= ?", "DESC")}
 # One (queue, state)'s jobs beyond the cursor's bound.
 _RUN = {
     newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
     f"WHERE queue = ? AND state = ? AND {bound} ORDER BY id {order} LIMIT ?"
-    for newest, (bound, order, _) in _BOUND.items()
+    for newest, (bound, order) in _BOUND.items()
 }
 # Every queue's dead jobs (the partial index ``jobs_dead`` by id).
 _DEAD = {
     newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_dead "
     f"WHERE state = 'dead' AND {bound} ORDER BY id {order} LIMIT ?"
-    for newest, (bound, order, _) in _BOUND.items()
+    for newest, (bound, order) in _BOUND.items()
 }
-# The edge of a read by id: the key ROWS_EXAMINED_MAX jobs on from the cursor's bound
-# (within an id range, or none), past which a page examines nothing. None: fewer are left.
+# The edge of a read by id: the key ROWS_EXAMINED_MAX jobs on within a window of keys (the
+# cursor's bound to the end, within an id range or not), past which a page examines
+# nothing. None: fewer are left. (One range of the key: given several bounds of the same
+# side, SQLite may seek by the loosest and filter by the others row by row.)
 _EDGE = {
-    (by_range, newest): "SELECT id FROM jobs NOT INDEXED WHERE "
-    + ("id BETWEEN ? AND ? AND " if by_range else "")
-    + f"{bound} ORDER BY id {order} LIMIT 1 OFFSET ?"
-    for by_range in (False, True)
-    for newest, (bound, order, _) in _BOUND.items()
+    newest: "SELECT id FROM jobs NOT INDEXED WHERE id BETWEEN ? AND ? "
+    f"ORDER BY id {'DESC' if newest else ''} LIMIT 1 OFFSET ?"
+    for newest in (False, True)
 }
-# The jobs of the states asked (of a queue, or of any) among those up to the edge (-1 or
-# the largest key: none), of an id range (or every id), or of a list of keys.
-_FILTER = (
-    "AND state IN (SELECT value FROM json_each(?)) AND (? IS NULL OR queue = ?) "
-    "AND {bound} AND {edge} ORDER BY id {order} LIMIT ?"
-)
+# The jobs of the states asked (of a queue, or of any) in a window of keys, or of a list of
+# keys in it.
 _SEARCH = {
-    (by, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs NOT INDEXED WHERE "
-    + {"range": "id BETWEEN ? AND ? ", "all": "1 ", "keys": f"id IN {_JSON_IDS} "}[by]
-    + _FILTER.format(bound=bound, edge=edge, order=order)
-    for by in ("range", "all", "keys")
-    for newest, (bound, order, edge) in _BOUND.items()
+    (by_keys, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs NOT INDEXED WHERE "
+    + (f"id IN {_JSON_IDS} AND " if by_keys else "")
+    + "id BETWEEN ? AND ? AND state IN (SELECT value FROM json_each(?)) "
+    f"AND (? IS NULL OR queue = ?) ORDER BY id {'DESC' if newest else ''} LIMIT ?"
+    for by_keys in (False, True)
+    for newest in (False, True)
 }
 # The first keys of a queue that begin with a prefix: a range of each key table's primary
 # key (queue, key); a key sorts below the prefix followed by the highest character.
@@ -102,10 +100,9 @@ class SqliteBrowse(SqliteBase):
             )
             pairs = held_runs(counts, states, browse_rows.MERGED_RUNS_MAX)
             if pairs is None:  # too many to merge: the jobs by id
-                edge = self._edge(None, bound, newest)
-                filters = (_json_ids(list(states)), queue, queue, bound)
-                sql = _SEARCH["all", newest]
-                runs = [self._db.execute(sql, (*filters, self._no_edge(edge, newest), limit + 1))]
+                span, edge = self._window(window(None, bound, newest), newest)
+                filters = (_json_ids(list(states)), queue, queue, limit + 1)
+                runs = [self._db.execute(_SEARCH[False, newest], (*span, *filters))]
             else:
                 runs = [
                     self._db.execute(_RUN[newest], (q, state, bound, limit + 1))
@@ -114,21 +111,15 @@ class SqliteBrowse(SqliteBase):
         rows, after = window_page(runs, edge, limit, newest)
         return list_page(summaries(rows), after)
 
-    def _edge(self, keys: range | None, bound: int, newest: bool) -> int | None:
-        """The last key a read by id from ``bound`` (within ``keys``) may examine; None:
-        fewer than ROWS_EXAMINED_MAX jobs are left to read."""
-        span = () if keys is None else (keys.start, keys[-1])
-        row = self._db.execute(
-            _EDGE[keys is not None, newest], (*span, bound, browse_rows.ROWS_EXAMINED_MAX - 1)
-        ).fetchone()
-        return None if row is None else row[0]
-
-    @staticmethod
-    def _no_edge(edge: int | None, newest: bool) -> int:
-        """The edge as the statements take it: without one, a key beyond every job's."""
-        if edge is not None:
-            return edge
-        return -1 if newest else ID_MAX
+    def _window(self, span: tuple[int, int], newest: bool) -> tuple[tuple[int, int], int | None]:
+        """``span``, the keys (lowest, highest) a read by id may take, cut at its edge:
+        the key ROWS_EXAMINED_MAX jobs into it in the order asked (None: it holds fewer)."""
+        offset = browse_rows.ROWS_EXAMINED_MAX - 1
+        row = self._db.execute(_EDGE[newest], (*span, offset)).fetchone()
+        if row is None:
+            return span, None
+        edge = row[0]
+        return ((edge, span[1]) if newest else (span[0], edge)), edge
 
     def _search_runs(
         self,
@@ -140,12 +131,14 @@ class SqliteBrowse(SqliteBase):
         newest: bool,
     ) -> tuple[list, int | None]:
         keys = search_ids(queue, search)
-        edge = None if not keys else self._edge(keys, bound, newest)
-        filters = (_json_ids(list(states)), queue, queue, bound, self._no_edge(edge, newest))
-        runs = []
+        low, high = window(None, bound, newest)  # (the keys' jobs: any id from the cursor)
+        filters = (_json_ids(list(states)), queue, queue, limit + 1)
+        runs, edge = [], None
         if keys:
-            sql = _SEARCH["range", newest]
-            runs.append(self._db.execute(sql, (keys.start, keys[-1], *filters, limit + 1)))
+            span, edge = self._window(window(keys, bound, newest), newest)
+            runs.append(self._db.execute(_SEARCH[False, newest], (*span, *filters)))
+            if edge is not None:  # (none beyond the range's edge: the next page has them)
+                low, high = (edge, high) if newest else (low, edge)
         if queue is not None:
             found: set[int] = set()
             for sql in _KEYS.values():
@@ -154,8 +147,8 @@ class SqliteBrowse(SqliteBase):
             if keys:  # (those of the id range are listed by it already)
                 found = {key for key in found if key not in keys}
             if found:
-                sql = _SEARCH["keys", newest]
-                runs.append(self._db.execute(sql, (_json_ids(found), *filters, limit + 1)))
+                sql = _SEARCH[True, newest]
+                runs.append(self._db.execute(sql, (_json_ids(found), low, high, *filters)))
         return runs, edge
 
     def job_promote(self, job_id: str, now: int) -> JobState:
