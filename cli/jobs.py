@@ -14,7 +14,7 @@ import click
 from relay.client.client import Client, JobsPage
 from relay.protocol.errors import InvalidState
 from relay.protocol.model import JobState
-from relay.protocol.requests import MAX_JOBS_LIST, PURGE_STATES, RETRY_STATES
+from relay.protocol.requests import DEFAULT_JOBS_LIST, MAX_JOBS_LIST, PURGE_STATES, RETRY_STATES
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
 from relay_cli.dead import WHOLE_QUEUE_TIMEOUT_S, _whole, paging_caption, refused
@@ -87,6 +87,10 @@ def jobs_list(
         print_json(page)
         return
     caption = paging_caption(oldest, page.next_cursor, "--after")
+    if page.next_cursor is not None and len(page.jobs) < (limit or DEFAULT_JOBS_LIST):
+        # A short page with a cursor: the server read its bounded stretch of jobs.
+        order, more = caption.split("\n", 1)
+        caption = f"{order}\nfewer than a page here: each page reads a stretch of jobs\n{more}"
     console().print(views.jobs_table(page, full_ids=full, caption=caption, short=short))
 
 

@@ -7,6 +7,7 @@ and ``dead_list`` beside them for comparison; prints the median of each in micro
 one JSON line per store. Used for docs/benchmarking.md.
 
     python -m relay_scripts.bench_browse [--db postgresql://.../its_own_db] [--jobs 1000000]
+    python -m relay_scripts.bench_browse [--db ...] --queues 10000 --reps 5
 
 With --db, it fills that database and empties its jobs at the end: give it one of its own.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.protocol.model import SubmitSpec, format_job_id
+from relay.store import rows
 from relay.store.base import Store
 
 QUEUES = ("b0", "b1", "b2", "b3")
@@ -88,12 +90,62 @@ def timed(store: Store, call: Callable[[], Any], reps: int) -> float:
     return round(statistics.median(times) * 1e6)
 
 
+def by_id(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with no (queue, state) runs merged: the page is read by id."""
+
+    def forced() -> Any:
+        merged = rows.MERGED_RUNS_MAX
+        rows.MERGED_RUNS_MAX = 0
+        try:
+            return call()
+        finally:
+            rows.MERGED_RUNS_MAX = merged
+
+    return forced
+
+
+def many_queues(store: Store, queues: int, reps: int) -> dict[str, int]:
+    """``--queues N``: N queues of one ready and one delayed job each; the median of a
+    page of 50 of every queue, in some states."""
+    for start in range(0, queues, 1_000):
+        names = [f"q{i:05d}" for i in range(start, min(queues, start + 1_000))]
+        store.jobs_submit([SubmitSpec(q, "{}") for q in names], T0)
+        store.jobs_submit([SubmitSpec(q, "{}", delay_ms=10**9) for q in names], T0 + 1)
+    cases = {
+        "every state": EVERY,
+        "ready": ("ready",),
+        "ready, pending": ("ready", "pending"),
+        "dead (none)": ("dead",),
+        "leased (none)": ("leased",),
+    }
+    return {
+        name: timed(
+            store, lambda states=states: store.jobs_list(None, states, None, None, 50), reps
+        )
+        for name, states in cases.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--db", help="a PostgreSQL URL (default: a fresh SQLite file)")
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--queues", type=int, help="instead: pages of every queue at this many")
     args = parser.parse_args()
+    if args.queues:
+        with tempfile.TemporaryDirectory() as directory:
+            store = open_store(args.db, directory)
+            try:
+                us = many_queues(store, args.queues, args.reps)
+                store_name = "postgresql" if args.db else "sqlite"
+                print(json.dumps({"store": store_name, "queues": args.queues, "us": us}))
+            finally:
+                if args.db is not None:
+                    for statement in ("DELETE FROM jobs", "DELETE FROM job_counts"):
+                        store._db.execute(statement)
+                store.close()
+        return
     with tempfile.TemporaryDirectory() as directory:
         store = open_store(args.db, directory)
         try:
@@ -117,9 +169,23 @@ def main() -> None:
                 "search id prefix": lambda: store.jobs_list(None, EVERY, prefix, None, 50),
                 "search key prefix": lambda: store.jobs_list("b0", EVERY, "order-1234", None, 50),
                 "dead_list b1 (compare)": lambda: store.dead_list("b1", 50, None, None, True),
+                # The read by id (as past MERGED_RUNS_MAX pairs), and a search's at its
+                # most: 10,000 jobs examined for a page that finds none.
+                "all queues by id, every state": by_id(
+                    lambda: store.jobs_list(None, EVERY, None, None, 50)
+                ),
+                "all queues by id, ready": by_id(
+                    lambda: store.jobs_list(None, ["ready"], None, None, 50)
+                ),
+                "all queues by id, retrying": by_id(
+                    lambda: store.jobs_list(None, ["retrying"], None, None, 50)
+                ),
+                "search id prefix, leased (none)": lambda: store.jobs_list(
+                    None, ["leased"], prefix, None, 50
+                ),
             }
-            for call in cases.values():
-                assert call()[0], "an empty page measures nothing"
+            for name, call in cases.items():
+                assert call()[0] or "(none)" in name, "an empty page measures nothing"
             medians = {name: timed(store, call, args.reps) for name, call in cases.items()}
             print(json.dumps({"store": "postgresql" if args.db else "sqlite", "jobs": args.jobs,
                               "fill_s": fill_s, "us": medians}))  # fmt: skip

@@ -385,7 +385,9 @@ class Client:
     ) -> JobsPage:
         """A page of jobs in ``states`` (None: every state), of ``queue`` or of all, by
         job id: newest first (the default) or ``order="oldest"``; pass its
-        ``next_cursor`` as ``cursor`` (with the same order) for the next page. ``search``:
+        ``next_cursor`` as ``cursor`` (with the same order) for the next page, until it is
+        None: a page may hold fewer than ``limit`` jobs, even none, while more follow (a
+        page reads a bounded number of jobs). ``search``:
         the start of a job id, or with ``queue`` of an idempotency or unique key. Items
         carry no payload (``inspect`` has it). An extension: an older server raises
         ``UnknownOp``."""

@@ -35,7 +35,8 @@ ID_HEX_DIGITS = 16
 ID_ABBREV_MIN = 7
 _ID_ABBREV_RE = re.compile(rf"job_[0-9a-f]{{{ID_ABBREV_MIN},{ID_HEX_DIGITS}}}")  # fullmatch
 
-QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # always fullmatch
+QUEUE_NAME_MAX = 128
+QUEUE_NAME_RE = re.compile(rf"[A-Za-z0-9._:-]{{1,{QUEUE_NAME_MAX}}}")  # always fullmatch
 
 
 class JobState(enum.StrEnum):

@@ -771,10 +771,13 @@ class History:
 
     def span(self, now: int) -> tuple[int, int, int]:
         """(start, end, step), whole minutes: ``from`` down to its minute, ``to`` up to its
-        (the minute under way is in), each as defaulted; BadRequest naming ``step`` if
-        they are more than HISTORY_POINTS steps apart."""
+        (the minute under way is in), each as defaulted; BadRequest naming ``from`` if
+        ``from`` is not before ``to`` (``now`` when left out), naming ``step`` if they are
+        more than HISTORY_POINTS steps apart."""
         minute = HISTORY_STEP_MS
         end = now if self.end is None else self.end
+        if self.start is not None and self.start >= end:
+            raise _bad("from", "must be before to")
         end = -(-end // minute) * minute
         start = end - 60 * self.step if self.start is None else self.start
         start = max(0, start - start % minute)

@@ -211,6 +211,56 @@ def merged(
     return rows[:limit], len(rows) > limit
 
 
+# What one page may cost, at any number of queues or jobs (docs/protocol.md, "The job
+# browser"). A page of every queue merges one run of the index by (queue, state, id) per
+# (queue, state) asked that holds jobs, while there are at most MERGED_RUNS_MAX; past that
+# (or for an id prefix's range), it reads the jobs by id, and examines at most
+# ROWS_EXAMINED_MAX of them: if those run out before the page is full, the page is short
+# and its cursor is the last job examined (more may follow).
+MERGED_RUNS_MAX = 32
+ROWS_EXAMINED_MAX = 10_000
+
+
+def held_runs(
+    counts: Iterable[tuple[tuple[str, str], int]], states: Sequence[str], most: int
+) -> list[tuple[str, str]] | None:
+    """The (queue, state) pairs of ``counts`` in ``states`` that hold jobs, sorted; None
+    once there are more than ``most``."""
+    pairs = []
+    for pair, n in counts:
+        if n > 0 and pair[1] in states:
+            pairs.append(pair)
+            if len(pairs) > most:
+                return None
+    return sorted(pairs)
+
+
+def window(keys: range | None, bound: int, newest: bool) -> tuple[int, int]:
+    """The keys (lowest, highest) a read by id from the cursor's ``bound``
+    (``cursor_bound``) may take, within ``keys`` (an id prefix's, or None: any)."""
+    low, high = (-1, bound) if newest else (bound + 1, ID_MAX)
+    if keys:
+        low, high = max(low, keys.start), min(high, keys[-1])
+    return low, high
+
+
+def window_page(
+    runs: Iterable[Iterable[Sequence]], edge: int | None, limit: int, newest: bool
+) -> tuple[list[Sequence], int | None]:
+    """A page of ``runs`` (as ``merged`` takes them) of which one stopped at ``edge``,
+    the last key its read examined (None: it read to its end), and the key of its next
+    cursor: the page's last row's if more rows follow it, else ``edge`` (a short page:
+    the rows beyond the edge are left for the next), else None."""
+    rows, more = merged(runs, limit, newest)
+    if edge is not None:
+        before = [row for row in rows if (row[0] >= edge if newest else row[0] <= edge)]
+        if len(before) < len(rows):
+            rows, more = before, False
+    if more:
+        return rows, rows[-1][0]
+    return rows, edge
+
+
 def search_ids(queue: str | None, search: str) -> range | None:
     """The job keys whose ids begin with ``search`` (``job_id_keys``), or None for a key
     prefix; refuses (``BadRequest`` naming search) a key prefix without a queue, whose keys
@@ -237,6 +287,7 @@ def key_matches(prefix: str, found: Sequence[Sequence]) -> list[int]:
     return [row[1] for row in found]
 
 
-def list_page(infos: list[JobInfo], more: bool) -> tuple[list[JobInfo], str | None]:
-    """A browser's page and its next cursor (the id of its last job, if more follow)."""
-    return infos, (infos[-1].job_id if more and infos else None)
+def list_page(infos: list[JobInfo], after: int | None) -> tuple[list[JobInfo], str | None]:
+    """A browser's page and its next cursor: the id of the key ``after`` (its last job's,
+    or the last job examined for a short page), None on the last page."""
+    return infos, (None if after is None else format_job_id(after))

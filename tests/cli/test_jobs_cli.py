@@ -163,3 +163,28 @@ async def test_jobs_refuses_what_it_cannot_do_in_one_line(address):
     assert_one_line_error(results["retry ready"], "--state", "ready", code=2)
     assert_one_line_error(results["purge without queue"], "--queue", code=2)
     assert_one_line_error(results["promote unknown"], "not_found", "job_0000000000000001")
+
+
+async def test_jobs_list_offers_the_next_page_after_a_short_or_empty_one(
+    address, client, monkeypatch
+):
+    """A page of every queue reads a bounded stretch of jobs (10 here): one may hold none
+    of the states asked and still have a cursor. The caption says so and gives --after."""
+    from relay.store import rows
+
+    monkeypatch.setattr(rows, "MERGED_RUNS_MAX", 1, raising=False)
+    monkeypatch.setattr(rows, "ROWS_EXAMINED_MAX", 10, raising=False)
+    late = [(await client.submit(q, 0, delay_ms=3_600_000)).job_id for q in ("a", "b")]
+    for i in range(15):  # newer: the first page reads 10 of them, the next the rest
+        await client.submit(f"r{i % 2}", i)
+    shown = await relay_trio("jobs", "list", "--state", "pending", address=address)
+    assert shown.code == 0, shown
+    lines = shown.stdout.splitlines()
+    assert "no jobs" in shown.stdout and all(len(line) <= 80 for line in lines), lines
+    assert lines[-2] == "fewer than a page here: each page reads a stretch of jobs", lines
+    after = lines[-1].removeprefix("next page (older): --after ")
+    rest = await relay_trio("jobs", "list", "--state", "pending", "--after", after, "--json",
+                            address=address)  # fmt: skip
+    page = rest.json()
+    assert [job["job_id"] for job in page["jobs"]] == late[::-1], page
+    assert page["next_cursor"] is None

@@ -14,6 +14,7 @@ import pytest
 
 from relay.protocol.errors import BadRequest, InvalidState, JobNotFound, StaleToken
 from relay.protocol.model import JobState
+from relay.store import rows
 from relay.store.rows import SUMMARY_ERROR_CHARS
 from tests.conftest import T0
 from tests.store.conformance import Store
@@ -119,6 +120,63 @@ def test_a_key_search_matching_too_many_keys_is_refused(store):
     with pytest.raises(BadRequest, match="give more of it"):
         store.jobs_list("q", EVERY, "k", None, 10, True)
     assert len(every_page(store, 100, queue="q", search="k0000")) == 10
+
+
+# -- what one page may cost ---------------------------------------------------------------
+
+
+@pytest.fixture
+def small_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages of every queue past 2 (queue, state) held are read by id, 5 jobs at most."""
+    monkeypatch.setattr(rows, "MERGED_RUNS_MAX", 2)
+    monkeypatch.setattr(rows, "ROWS_EXAMINED_MAX", 5)
+
+
+def test_pages_read_by_id_within_a_budget_give_what_merged_pages_give(store, monkeypatch):
+    """Every queue's pages (and a search's by an id's start) are the same jobs, in the
+    same order, whether merged from the index by (queue, state, id) or read by id a few
+    jobs at a time, in any states; the ones read by id are short where their budget ran
+    out, and their cursors go on."""
+    made = mixed(store)
+    first = made["retrying"][0]
+    submit(store, T0 + 1_000, "b", idempotency_key=first[:11] + "-k")  # (found by its key)
+    cases = [{"states": [wanted], "newest": newest} for wanted in made for newest in (True, False)]
+    cases += [{"states": EVERY}, {"states": ["dead", "cancelled"], "newest": False}]
+    cases += [{"search": first[:11]}, {"search": first[:11], "states": ["ready"]}]
+    cases += [{"search": first[:11], "queue": "b", "newest": newest} for newest in (True, False)]
+    merged = [every_page(store, 2, **case) for case in cases]
+    monkeypatch.setattr(rows, "MERGED_RUNS_MAX", 1)
+    monkeypatch.setattr(rows, "ROWS_EXAMINED_MAX", 5)
+    assert [every_page(store, 2, **case) for case in cases] == merged
+    # Ready jobs (of 2 queues) are the 6 newest: the first page of the oldest examines 5 jobs, finds
+    # none, and says where to go on.
+    jobs, cursor = store.jobs_list(None, ["ready"], None, None, 2, False)
+    assert (jobs, cursor) == ([], every_page(store, 100, newest=False)[4])
+    jobs, cursor = store.jobs_list(None, ["ready"], first[:11], None, 2, False)
+    assert (jobs, cursor) == ([], every_page(store, 100, newest=False)[4])
+
+
+def test_a_page_of_every_queues_dead_jobs_needs_no_budget(store, small_bounds):
+    """Every queue's dead jobs have an index by id of their own: full pages."""
+    made = mixed(store)
+    for _ in range(10):
+        submit(store, T0 + 1_000, "c")  # newer than all of them
+    jobs, _ = store.jobs_list(None, ["dead"], None, None, 2, True)
+    assert [job.job_id for job in jobs] == made["dead"][:-3:-1]
+    assert every_page(store, 2, states=["dead"]) == made["dead"][::-1]
+
+
+def test_a_page_counts_the_jobs_of_its_own_transaction(store, small_bounds):
+    """A page read in the transaction that submitted jobs (the writer batches requests)
+    lists them, merged or read by id."""
+    store.begin()
+    try:
+        ids = [submit(store, T0, q) for q in ("x", "y")]
+        assert every_page(store, 10, states=["ready"]) == ids[::-1]
+        ids += [submit(store, T0, q) for q in ("z", "w")]
+        assert every_page(store, 10, states=["ready"]) == ids[::-1]
+    finally:
+        store.rollback()
 
 
 # -- bulk retry and purge by state ---------------------------------------------------------

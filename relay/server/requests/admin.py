@@ -18,11 +18,13 @@ import trio
 
 from relay.protocol import requests, wire
 from relay.protocol.errors import RelayError, ShuttingDown, Unauthorized, UnknownOp
+from relay.protocol.model import QUEUE_NAME_MAX
 from relay.server.requests import ops
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
 from relay.store.base import ATTEMPTS_KEPT, ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
 from relay.store.items import Item
+from relay.store.rows import SUMMARY_ERROR_CHARS
 
 if TYPE_CHECKING:
     from relay.server.requests.connection import Connection
@@ -39,6 +41,15 @@ def job_reply_bytes(limits: wire.Limits) -> int:
     errors = (ERRORS_SHOWN + 1) * 6 * limits.max_error_bytes
     errors += ERRORS_SHOWN * 6 * limits.max_traceback_bytes
     return limits.max_payload_bytes + limits.max_result_bytes + errors + REPLY_OVERHEAD_BYTES
+
+
+def summary_reply_bytes(limits: wire.Limits) -> int:
+    """The most one item of a jobs_list reply can take: its texts, each byte at most 6
+    once escaped as JSON (the worker id and idempotency key, max_id_bytes each; the last
+    error, cut to SUMMARY_ERROR_CHARS characters; the queue name), and its other fields
+    (ids, states and up to nine numbers)."""
+    texts = 6 * (2 * limits.max_id_bytes + SUMMARY_ERROR_CHARS) + QUEUE_NAME_MAX
+    return texts + 2 * REPLY_OVERHEAD_BYTES
 
 
 def inspect_reply_bytes(limits: wire.Limits) -> int:
@@ -76,11 +87,14 @@ class AdminHandlers:
         self._queue(connection, (ops.DEAD_LIST, connection, rid, started, args))
 
     def _jobs_list(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:
-        # No reservation: a page of at most MAX_JOBS_LIST summaries, each a few KiB at
-        # most (no payload, result or history; keys, worker id and a cut last error), as
-        # a queue_list page is small.
+        # A page of at most `limit` summaries (no payload, result or history; keys,
+        # worker id and a cut last error), each at most summary_reply_bytes: reserved
+        # until answered, as a dead_list page is.
         r = self._typed(fields, "jobs_list")
-        args = (r.queue, r.chosen_states, r.search, r.cursor, r.limit, r.order == "newest")
+        page = (r.queue, r.chosen_states, r.search, r.cursor, r.limit, r.order == "newest")
+        reply_bytes = r.limit * summary_reply_bytes(self.limits) + REPLY_OVERHEAD_BYTES
+        args = ops.Reserving(page, reply_bytes)
+        connection.reserve(args.reserved)
         self._queue(connection, (ops.JOBS_LIST, connection, rid, started, args))
 
     def _promote(self, connection: Connection, rid: Any, started: float, fields: dict) -> None:

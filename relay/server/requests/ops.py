@@ -351,10 +351,13 @@ class _DeadList(RequestOp):
 
 
 class _JobsList(RequestOp):
-    """``jobs_list``: args is (queue, states, search, cursor, limit, newest)."""
+    """``jobs_list``: args is a Reserving of (queue, states, search, cursor, limit,
+    newest)."""
 
-    def run(self, store: Store, now: int, args: tuple) -> Any:
-        return store.jobs_list(*args)
+    reserves = True
+
+    def run(self, store: Store, now: int, args: Reserving) -> Any:
+        return store.jobs_list(*args.args)
 
     def fields(self, outcome: tuple[list[JobInfo], str | None], args: Any) -> dict[str, Any]:
         jobs, next_cursor = outcome

@@ -1,9 +1,13 @@
 """The job browser, as SQLite: a page of any states' jobs (``jobs_list``), and a promote
 of one waiting job (``job_promote``).
 
-A page is one seek of ``jobs_queue_state`` (queue, state, id) per (queue, state) asked
+A page of one queue is one seek of ``jobs_queue_state`` (queue, state, id) per state asked
 that holds jobs (the counts in memory say which), each read lazily and merged by id: the
-page costs those seeks and its own rows, at any number of jobs.
+page costs those seeks and its own rows, at any number of jobs. A page of every queue
+does the same while at most MERGED_RUNS_MAX (queue, state) hold jobs in the states asked;
+past that it reads the jobs by id (the table's key; the dead ones by ``jobs_dead``), at
+most ROWS_EXAMINED_MAX of them, as a search by an id's start reads its range of ids: a
+page costs at most that many rows whatever the number of queues or jobs (rows.py).
 """
 
 from __future__ import annotations
@@ -12,37 +16,53 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import JobInfo, JobState, parse_job_id
+from relay.store import rows as browse_rows
 from relay.store.base import PROMOTABLE, READY
 from relay.store.rows import (
     KEY_SEARCH_MAX,
     SUMMARY_COLUMNS,
     cursor_bound,
+    held_runs,
     key_matches,
     list_page,
-    merged,
     search_ids,
     summaries,
+    window,
+    window_page,
 )
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids
 
-# One (queue, state)'s jobs beyond the cursor's bound, oldest or newest first.
+# Where a page's jobs are, beyond the cursor's bound, oldest or newest first.
+_BOUND = {False: ("id > ?", ""), True: ("id <= ?", "DESC")}
+# One (queue, state)'s jobs beyond the cursor's bound.
 _RUN = {
-    False: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
-    "WHERE queue = ? AND state = ? AND id > ? ORDER BY id LIMIT ?",
-    True: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
-    "WHERE queue = ? AND state = ? AND id <= ? ORDER BY id DESC LIMIT ?",
+    newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
+    f"WHERE queue = ? AND state = ? AND {bound} ORDER BY id {order} LIMIT ?"
+    for newest, (bound, order) in _BOUND.items()
 }
-# A search's jobs: those of an id range (a range of the key) or of a list of keys, of the
-# states asked, beyond the cursor's bound.
-_FILTER = (
-    "AND state IN (SELECT value FROM json_each(?)) AND (? IS NULL OR queue = ?) "
-    "AND {bound} ORDER BY id {order} LIMIT ?"
-)
+# Every queue's dead jobs (the partial index ``jobs_dead`` by id).
+_DEAD = {
+    newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_dead "
+    f"WHERE state = 'dead' AND {bound} ORDER BY id {order} LIMIT ?"
+    for newest, (bound, order) in _BOUND.items()
+}
+# The edge of a read by id: the key ROWS_EXAMINED_MAX jobs on within a window of keys (the
+# cursor's bound to the end, within an id range or not), past which a page examines
+# nothing. None: fewer are left. (One range of the key: given several bounds of the same
+# side, SQLite may seek by the loosest and filter by the others row by row.)
+_EDGE = {
+    newest: "SELECT id FROM jobs NOT INDEXED WHERE id BETWEEN ? AND ? "
+    f"ORDER BY id {'DESC' if newest else ''} LIMIT 1 OFFSET ?"
+    for newest in (False, True)
+}
+# The jobs of the states asked (of a queue, or of any) in a window of keys, or of a list of
+# keys in it.
 _SEARCH = {
-    (by_range, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs WHERE "
-    + ("id BETWEEN ? AND ? " if by_range else f"id IN {_JSON_IDS} ")
-    + _FILTER.format(bound="id <= ?" if newest else "id > ?", order="DESC" if newest else "")
-    for by_range in (False, True)
+    (by_keys, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs NOT INDEXED WHERE "
+    + (f"id IN {_JSON_IDS} AND " if by_keys else "")
+    + "id BETWEEN ? AND ? AND state IN (SELECT value FROM json_each(?)) "
+    f"AND (? IS NULL OR queue = ?) ORDER BY id {'DESC' if newest else ''} LIMIT ?"
+    for by_keys in (False, True)
     for newest in (False, True)
 }
 # The first keys of a queue that begin with a prefix: a range of each key table's primary
@@ -67,18 +87,39 @@ class SqliteBrowse(SqliteBase):
         newest: bool = True,
     ) -> tuple[list[JobInfo], str | None]:
         bound = cursor_bound(cursor, newest)
+        edge = None
         if search is not None:
-            runs = self._search_runs(queue, states, search, bound, limit, newest)
+            runs, edge = self._search_runs(queue, states, search, bound, limit, newest)
+        elif queue is None and tuple(states) == ("dead",):
+            runs = [self._db.execute(_DEAD[newest], (bound, limit + 1))]
         else:
-            queues = [queue] if queue is not None else sorted({q for q, _ in self._counts})
-            runs = [
-                self._db.execute(_RUN[newest], (q, state, bound, limit + 1))
-                for q in queues
-                for state in states
-                if self._counts.get((q, state))
-            ]
-        rows, more = merged(runs, limit, newest)
-        return list_page(summaries(rows), more)
+            counts = (
+                self._counts.items()
+                if queue is None
+                else (((queue, state), self._counts.get((queue, state), 0)) for state in states)
+            )
+            pairs = held_runs(counts, states, browse_rows.MERGED_RUNS_MAX)
+            if pairs is None:  # too many to merge: the jobs by id
+                span, edge = self._window(window(None, bound, newest), newest)
+                filters = (_json_ids(list(states)), queue, queue, limit + 1)
+                runs = [self._db.execute(_SEARCH[False, newest], (*span, *filters))]
+            else:
+                runs = [
+                    self._db.execute(_RUN[newest], (q, state, bound, limit + 1))
+                    for q, state in pairs
+                ]
+        rows, after = window_page(runs, edge, limit, newest)
+        return list_page(summaries(rows), after)
+
+    def _window(self, span: tuple[int, int], newest: bool) -> tuple[tuple[int, int], int | None]:
+        """``span``, the keys (lowest, highest) a read by id may take, cut at its edge:
+        the key ROWS_EXAMINED_MAX jobs into it in the order asked (None: it holds fewer)."""
+        offset = browse_rows.ROWS_EXAMINED_MAX - 1
+        row = self._db.execute(_EDGE[newest], (*span, offset)).fetchone()
+        if row is None:
+            return span, None
+        edge = row[0]
+        return ((edge, span[1]) if newest else (span[0], edge)), edge
 
     def _search_runs(
         self,
@@ -88,12 +129,16 @@ class SqliteBrowse(SqliteBase):
         bound: int,
         limit: int,
         newest: bool,
-    ) -> list:
+    ) -> tuple[list, int | None]:
         keys = search_ids(queue, search)
-        filters = (_json_ids(list(states)), queue, queue, bound, limit + 1)
-        runs = []
+        low, high = window(None, bound, newest)  # (the keys' jobs: any id from the cursor)
+        filters = (_json_ids(list(states)), queue, queue, limit + 1)
+        runs, edge = [], None
         if keys:
-            runs.append(self._db.execute(_SEARCH[True, newest], (keys.start, keys[-1], *filters)))
+            span, edge = self._window(window(keys, bound, newest), newest)
+            runs.append(self._db.execute(_SEARCH[False, newest], (*span, *filters)))
+            if edge is not None:  # (none beyond the range's edge: the next page has them)
+                low, high = (edge, high) if newest else (low, edge)
         if queue is not None:
             found: set[int] = set()
             for sql in _KEYS.values():
@@ -102,8 +147,9 @@ class SqliteBrowse(SqliteBase):
             if keys:  # (those of the id range are listed by it already)
                 found = {key for key in found if key not in keys}
             if found:
-                runs.append(self._db.execute(_SEARCH[False, newest], (_json_ids(found), *filters)))
-        return runs
+                sql = _SEARCH[True, newest]
+                runs.append(self._db.execute(sql, (_json_ids(found), low, high, *filters)))
+        return runs, edge
 
     def job_promote(self, job_id: str, now: int) -> JobState:
         key = parse_job_id(job_id)

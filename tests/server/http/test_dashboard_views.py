@@ -688,3 +688,41 @@ async def test_at_500_px_the_token_form_breaks_no_word_and_a_producer_sees_no_ra
             assert rates == {"email": dict.fromkeys(["submitted", "succeeded", "failed"], "-")}
     finally:
         await on_page(browser.set_window_size, 1280, 800)
+
+
+async def test_jobs_view_pages_on_past_a_short_or_empty_page_that_has_a_cursor(
+    server, browser, monkeypatch
+):
+    """A page of every queue reads a bounded stretch of jobs (made 50 here, as many as the
+    view shows): one may be short, or empty, and still say that older ones may follow.
+    The view offers Older on each, and does not take an empty one for the end."""
+    from relay.store import rows
+
+    monkeypatch.setattr(rows, "MERGED_RUNS_MAX", 2, raising=False)  # (3 queues pending)
+    monkeypatch.setattr(rows, "ROWS_EXAMINED_MAX", 50, raising=False)
+    address = "{}:{}".format(*server.handle.address)
+    queues = [f"q{i:02d}" for i in range(20)]
+
+    async def batch(jobs: list[dict[str, Any]]) -> list[str]:
+        return [r.job_id for r in await client.submit_batch(jobs)]
+
+    async with relay.open_client(address) as client:
+        # Oldest first: 3 pending, 100 ready, 2 pending, 40 ready.
+        old = await batch([{"queue": q, "payload": {}, "delay_ms": 3_600_000} for q in queues[:3]])
+        await batch([{"queue": q, "payload": {}} for q in queues for _ in range(5)])
+        new = await batch([{"queue": q, "payload": {}, "delay_ms": 3_600_000} for q in queues[:2]])
+        await batch([{"queue": q, "payload": {}} for q in queues for _ in range(2)])
+
+        await open_page(browser, server, "#/jobs?state=pending")
+        await see(browser, status_is("connected"), "connected")
+        await shows_jobs(browser, [[j, "pending"] for j in new[::-1]], "the 2 newest pending")
+        await see(browser, lambda d: "Fewer than a page" in d.find_element(By.ID, "jobs-note").text,
+                  "the note on a short page")  # fmt: skip
+        await see(browser, click("#jobs-older"), "older")
+        # The next 50 jobs are all ready: an empty page, and Older still offered.
+        await see(browser, lambda d: jobs_shown(d) == [] and "page 2" in
+                  d.find_element(By.ID, "jobs-count").text, "an empty page 2")  # fmt: skip
+        await see(browser, click("#jobs-older"), "older again")
+        await shows_jobs(browser, [[j, "pending"] for j in old[::-1]], "the 3 oldest pending")
+        assert "page 3" in await on_page(lambda: browser.execute_script(JOBS_JS)[1])
+        assert await on_page(no_console_errors, browser) == []
