@@ -71,7 +71,7 @@ def console() -> Console:
     a pipe or a file, a paragraph is one line (soft wrap), as ``git`` writes: rich would
     end each wrapped line in the space it broke at, and whatever reads the output wraps
     as it likes. Tables are laid out for the width either way (``views.Fitted``)."""
-    out = Console()
+    out = Console(markup=False, emoji=False)  # (no text from a server is read as markup)
     out.soft_wrap = not out.is_terminal
     return out
 

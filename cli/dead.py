@@ -13,6 +13,8 @@ from typing import Any
 import click
 
 from relay.client.client import Client, DeadPage
+from relay.protocol.errors import InvalidState
+from relay.protocol.requests import PURGE_STATES, RETRY_STATES
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
 from relay_cli.ids import server_short_ids
@@ -131,6 +133,23 @@ async def _whole(client: Client, target: dict[str, Any]) -> dict[str, Any]:
     return {"job_id": (await client.inspect(job_id, prefix=True)).job_id}
 
 
+async def refused(client: Client, exc: InvalidState, job_id: str) -> click.ClickException:
+    """The one-line error for a job refused for its state: where another command takes a
+    job in that state, the server's advice (in the wire's words) is replaced by it."""
+    state = str((await client.inspect(job_id)).state)
+    operation = exc.message.split(" ", 2)[1]  # "cannot retry job_...: it is ..."
+    reason = exc.message.split(" (", 1)[0]
+    if operation == "promote" and state in RETRY_STATES:
+        hint = f"relay-trio jobs retry {job_id} makes it ready again"
+    elif operation == "retry" and state in RETRY_STATES:
+        hint = f"relay-trio jobs retry {job_id} takes a {state} job"
+    elif operation == "purge" and state in PURGE_STATES:
+        hint = f"relay-trio jobs purge {job_id} takes a {state} job"
+    else:
+        return click.ClickException(f"{exc.code}: {exc.message}")
+    return click.ClickException(f"{exc.code}: {reason} ({hint})")
+
+
 def _done(verb: str, count: int, given: str | None, whole: str | None) -> str:
     """What was done ("retried 1 dead job"), and the whole id if the JOB was abbreviated."""
     done = f"{verb} {plural(count, 'dead job')}"
@@ -151,7 +170,10 @@ def dead_retry(
 
     async def retry(client: Client) -> int:
         target.update(await _whole(client, target))
-        return await client.dead_retry(**target)
+        try:
+            return await client.dead_retry(**target)
+        except InvalidState as exc:
+            raise await refused(client, exc, target["job_id"]) from None
 
     count = call(address, retry, timeout=_timeout(every))
     if as_json:
@@ -183,7 +205,10 @@ def dead_purge(
 
     async def purge(client: Client) -> int:
         target.update(await _whole(client, target))
-        return await client.dead_purge(**target)
+        try:
+            return await client.dead_purge(**target)
+        except InvalidState as exc:
+            raise await refused(client, exc, target["job_id"]) from None
 
     count = call(address, purge, timeout=_timeout(every))
     if as_json:

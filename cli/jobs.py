@@ -1,6 +1,6 @@
 """``relay-trio jobs``: the job browser. ``list`` any state's jobs a page at a time (newest
-first, or ``--oldest``; by queue, state and a search); ``retry`` or ``purge`` a queue's
-finished jobs by state, after a confirmation that names how many; ``promote`` a delayed or
+first, or ``--oldest``; by queue, state and a search); ``retry`` or ``purge`` one finished
+job by id, or a queue's by state after a confirmation that names how many; ``promote`` a delayed or
 retrying job to run now.
 """
 
@@ -12,11 +12,12 @@ from collections.abc import Callable
 import click
 
 from relay.client.client import Client, JobsPage
+from relay.protocol.errors import InvalidState
 from relay.protocol.model import JobState
 from relay.protocol.requests import DEFAULT_JOBS_LIST, MAX_JOBS_LIST, PURGE_STATES, RETRY_STATES
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
-from relay_cli.dead import WHOLE_QUEUE_TIMEOUT_S, _whole, paging_caption
+from relay_cli.dead import WHOLE_QUEUE_TIMEOUT_S, _whole, paging_caption, refused
 from relay_cli.ids import server_short_ids
 from relay_cli.options import DEFAULT_TIMEOUT_S, JOB_HELP, address_option, check_job, json_option
 
@@ -93,18 +94,60 @@ def jobs_list(
     console().print(views.jobs_table(page, full_ids=full, caption=caption, short=short))
 
 
+def _one_or_queue(job_id: str | None, queue: str | None, states: tuple[str, ...]) -> None:
+    """Check the selection of ``jobs retry``/``jobs purge``: a JOB, or --queue and --state."""
+    if job_id is not None:
+        if queue is not None or states:
+            raise click.UsageError("give a JOB id, or --queue Q --state S, not both")
+    elif queue is None or not states:
+        raise click.UsageError(
+            "give a JOB id, or --queue Q and --state S (every job of the queue in that state)"
+        )
+
+
+def _one(verb: str, allowed: tuple[str, ...], job_id: str, address: str, as_json: bool) -> None:
+    """Retry or purge the one job ``job_id`` in any of the states ``allowed``."""
+
+    async def one(client: Client) -> str:
+        whole = (await _whole(client, {"job_id": job_id}))["job_id"]
+        action = client.dead_retry if verb == "retry" else client.dead_purge
+        try:
+            await action(whole, states=allowed)
+        except InvalidState as exc:
+            raise await refused(client, exc, whole) from None
+        return whole
+
+    whole = call(address, one, timeout=DEFAULT_TIMEOUT_S)
+    if as_json:
+        print_json({"count": 1, "job_id": whole})
+    else:
+        click.echo(f"{'retried' if verb == 'retry' else 'purged'} {whole}")
+
+
 def _bulk(verb: str, allowed: tuple[str, ...], what: str) -> Callable[..., None]:
-    @click.option("--queue", required=True, help="The queue whose jobs to take.")
+    @click.argument("job_id", metavar="[JOB]", required=False, callback=check_job)
+    @click.option("--queue", help="Without JOB: the queue whose jobs to take.")
     @click.option(
-        "--state", "states", multiple=True, required=True, type=click.Choice(allowed),
-        help=f"Take the jobs in this state (repeat it for several; of {', '.join(allowed)}).",
+        "--state", "states", multiple=True, type=click.Choice(allowed),
+        help=f"With --queue: take its jobs in this state (repeat it for several; of "
+        f"{', '.join(allowed)}).",
     )  # fmt: skip
-    @click.option("--yes", is_flag=True, help="Do not ask first.")
+    @click.option("--yes", is_flag=True, help="Do not ask first (a whole queue's).")
     @address_option
     @json_option
     def command(
-        queue: str, states: tuple[str, ...], yes: bool, address: str, as_json: bool
+        job_id: str | None,
+        queue: str | None,
+        states: tuple[str, ...],
+        yes: bool,
+        address: str,
+        as_json: bool,
     ) -> None:
+        _one_or_queue(job_id, queue, states)
+        if job_id is not None:
+            _one(verb, allowed, job_id, address, as_json)
+            return
+        assert queue is not None
         chosen = [state for state in allowed if state in states]
         named = f"queue {queue} ({', '.join(chosen)})"
         if not yes:
@@ -139,17 +182,19 @@ def _bulk(verb: str, allowed: tuple[str, ...], what: str) -> Callable[..., None]
 
 jobs.command(
     "retry",
-    short_help="Make a queue's dead or cancelled jobs ready again.",
-    help="Make every job of a queue in the --state given (dead, cancelled) ready again, with "
-    "fresh attempts, after a confirmation that names how many (--yes: without). Done in "
-    "transactions of 1,000 jobs (--timeout defaults to 600 s).",
+    short_help="Make a dead or cancelled job (or a queue's) ready again.",
+    help="Make a dead or cancelled JOB ready again, with fresh attempts; or every job of "
+    "--queue in the --state given (dead, cancelled), after a confirmation that names how "
+    "many (--yes: without), in transactions of 1,000 jobs (--timeout defaults to 600 s). "
+    + JOB_HELP,
 )(_bulk("retry", RETRY_STATES, " with fresh attempts?"))
 jobs.command(
     "purge",
-    short_help="Delete a queue's finished jobs for good.",
-    help="Delete every job of a queue in the --state given (dead, succeeded, cancelled) for "
-    "good, after a confirmation that names how many (--yes: without). Done in "
-    "transactions of 1,000 jobs (--timeout defaults to 600 s).",
+    short_help="Delete a finished job (or a queue's) for good.",
+    help="Delete a dead, succeeded or cancelled JOB for good (its idempotency key stays "
+    "until it expires); or every job of --queue in the --state given (dead, succeeded, "
+    "cancelled), after a confirmation that names how many (--yes: without), in "
+    "transactions of 1,000 jobs (--timeout defaults to 600 s). " + JOB_HELP,
 )(_bulk("purge", PURGE_STATES, " for good? This cannot be undone"))
 
 
@@ -165,7 +210,10 @@ jobs.command(
 def jobs_promote(job_id: str, address: str, as_json: bool) -> None:
     async def promote(client: Client) -> dict[str, str]:
         whole = (await _whole(client, {"job_id": job_id}))["job_id"]
-        was = await client.promote(whole)
+        try:
+            was = await client.promote(whole)
+        except InvalidState as exc:
+            raise await refused(client, exc, whole) from None
         return {"job_id": whole, "state": "ready", "was": str(was)}
 
     reply = call(address, promote, timeout=DEFAULT_TIMEOUT_S)

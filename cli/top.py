@@ -129,6 +129,7 @@ class TopView:
         # queue -> step (clock // SPARK_STEP_S) -> jobs succeeded in it, the last steps
         self.done: dict[str, dict[int, int]] = {}
         self.started = clock()
+        self.counting_since = self.started  # the events' watch began (``watching``)
         # The server's connected workers (``workers``); None: not known, or a server
         # without workers_list: no panel.
         self.connected: _Workers | None = None
@@ -200,15 +201,25 @@ class TopView:
         shown = set(self.failure_ids())
         self.short = {k: v for k, v in {**self.short, **short}.items() if k in shown}
 
+    def watching(self) -> None:
+        """A watch of the events begins (at start, and again after a reconnect, when the
+        events in between are lost): the rates count afresh from now."""
+        self.counting_since = self.clock()
+        self.recent.clear()
+
     def rates(self) -> dict[str, dict[str, float]]:
-        """Per queue: submitted, succeeded and failed per second over the window."""
-        horizon = self.clock() - RATE_WINDOW_S
+        """Per queue: submitted, succeeded and failed per second over the window, or over
+        the time the events have been watched while that is shorter (a second at least):
+        in the first seconds a rate is not divided by time it did not watch."""
+        now = self.clock()
+        horizon = now - RATE_WINDOW_S
         while self.recent and self.recent[0][0] < horizon:
             self.recent.popleft()
         counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for _, queue, kind in self.recent:
             counts[queue][kind] += 1
-        return {q: {k: n / RATE_WINDOW_S for k, n in c.items()} for q, c in counts.items()}
+        window = min(RATE_WINDOW_S, max(1.0, now - self.counting_since))
+        return {q: {k: n / window for k, n in c.items()} for q, c in counts.items()}
 
     def throughput(self, queues: Iterable[str]) -> dict[str, list[int | None]]:
         """Per queue of ``queues``: the jobs succeeded in each of the last SPARK_STEPS whole
@@ -319,9 +330,9 @@ def _workers_table(workers: _Workers, unserved: Sequence[str], width: int) -> Gr
     its last request ("*": a long-poll waiting). Under it, how many are not shown, and
     the queues with ready jobs that no worker asks for."""
     shown = sorted(workers.rows, key=lambda w: -w.jobs_held)[:WORKERS_SHOWN]
-    texts: dict[str, list[str]] = {"worker": [w.worker_id for w in shown]}
+    texts: dict[str, list[str]] = {"worker": [views.printable(w.worker_id) for w in shown]}
     if width >= WORKERS_WIDE:
-        texts["client"] = [w.client or "-" for w in shown]
+        texts["client"] = [views.printable(w.client or "-") for w in shown]
         texts["address"] = [w.peer for w in shown]
     texts["queues"] = [",".join(w.queues) + (f" +{w.queues_total - len(w.queues)}"
                                              if w.queues_total > len(w.queues) else "")
@@ -575,7 +586,7 @@ async def _follow(client: Client, view: TopView) -> None:
         async for job_id in failed_out:
             job = await client.inspect(job_id)
             short = await short_ids([job.job_id, *view.failure_ids()[: FAILURES_SHOWN - 1]])
-            error = (job.last_error or "").splitlines()[0] if job.last_error else ""
+            error = views.truncate(job.last_error)
             view.failure(job.job_id, job.queue, job.attempt, error)
             view.shorten(short)
 
@@ -583,6 +594,7 @@ async def _follow(client: Client, view: TopView) -> None:
         nursery.start_soon(poll_stats)
         nursery.start_soon(fetch_errors)
         nursery.start_soon(poll_workers)
+        view.watching()
         events = client.watch()
         async with events:
             async for event in events:

@@ -60,6 +60,7 @@ from relay.protocol.model import (
     job_id_abbreviation,
     parse_job_id,
 )
+from relay.util.printable import printable
 
 STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
 UNFINISHED: tuple[str, ...] = tuple(str(s) for s in JobState if not s.terminal)
@@ -153,11 +154,11 @@ def short_duration(ms: int) -> str:
 
 
 def truncate(text: str | None, limit: int | None = None) -> str:
-    """The first line of ``text``, at most ``limit`` cells wide; it ends in "…" if it was cut
-    or if more lines follow."""
+    """The first line of ``text`` (``printable``), at most ``limit`` cells wide; it ends in
+    "…" if it was cut or if more lines follow."""
     if not text:
         return ""
-    lines = text.strip().splitlines()
+    lines = printable(text.strip()).splitlines()
     line = Text(lines[0] if lines else "")
     if len(lines) > 1:
         line.append(ELLIPSIS)
@@ -929,7 +930,7 @@ def _jobs_layout(
     if width < JOBS_YEAR_AT:
         times = [time[5:] if time != "-" else time for time in times]
     errors = [truncate(job.last_error) for job in jobs]
-    workers = [job.worker_id or "-" for job in jobs]
+    workers = [printable(job.worker_id or "-") for job in jobs]
     headers = ("id", "queue", "state", "tries", "at (UTC)", "worker", "last error")
     shown_ids = list(ids.values()) or ["no jobs"]
     fixed = [column_width(headers[0], shown_ids), column_width(headers[2], states),
@@ -1034,7 +1035,7 @@ def _attempts_table(job: JobView, width: int) -> Table:
             str(entry.attempt),
             _attempt_start(entry.started_at, wide),
             _attempt_took(entry),
-            Text(entry.worker_id or "-"),  # (a Text: no markup or emoji codes read in it)
+            Text(printable(entry.worker_id or "-")),
             Text(outcome.replace("_", " "), style=OUTCOME_STYLES.get(outcome, "")),
             Text(truncate(entry.error)),
         )
@@ -1088,11 +1089,11 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
     if job.finished_at is not None:
         fields.add_row("total time", format_duration(max(0, job.finished_at - job.created_at)))
     if job.worker_id is not None:
-        fields.add_row("worker", job.worker_id)
+        fields.add_row("worker", printable(job.worker_id))
     if job.idempotency_key is not None:
-        fields.add_row("idempotency key", job.idempotency_key)
+        fields.add_row("idempotency key", printable(job.idempotency_key))
     if job.last_error is not None:
-        fields.add_row("last error", Text(job.last_error, style="red"))
+        fields.add_row("last error", Text(printable(job.last_error), style="red"))
 
     parts: list[RenderableType] = [fields]
     if job.attempts:
@@ -1118,7 +1119,7 @@ def _job_layout(job: JobView, width: int) -> RenderableType:
             parts += [
                 Text(),
                 Text(f"traceback of attempt {traced.attempt}", style="bold"),
-                Text(traced.traceback, style="dim", overflow="fold"),
+                Text(printable(traced.traceback), style="dim", overflow="fold"),
             ]
     parts += [Text(), Text("payload", style="bold"), _json(job.payload)]
     if job.result is not None:
@@ -1309,8 +1310,8 @@ def _workers_layout(
     texts: dict[str, list[str]] = {"worker": [], "client": [], "address": [], "queues": []}
     numbers: list[list[Text]] = []
     for worker in workers:
-        texts["worker"].append(worker.worker_id)
-        texts["client"].append(worker.client or "-")
+        texts["worker"].append(printable(worker.worker_id))
+        texts["client"].append(printable(worker.client or "-"))
         texts["address"].append(worker.peer)
         queues = ",".join(worker.queues)
         if worker.queues_total > len(worker.queues):

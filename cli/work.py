@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from rich.text import Text
 
 from relay.protocol.errors import BadRequest
 from relay.util import log as relay_log
@@ -168,13 +169,15 @@ def demo(db: str | None, jobs: int, concurrency: int, seed: int | None) -> None:
             raise click.BadParameter(f"{db}: no such directory", param_hint="'--db'")
         counts = demo_counts(jobs)
         out.print(
-            f"[bold]relay-trio demo[/]: {jobs} jobs into an embedded queue ({path}), one "
+            Text("relay-trio demo", style="bold"),
+            f": {jobs} jobs into an embedded queue ({path}), one "
             f"worker with {concurrency} slots.\n"
             f"  {counts['quick']} quick (email), {counts['slow']} slow (thumbnails), "
             f"{counts['delayed']} delayed (reports), {counts['flaky']} failing once then "
             f"retried (payments), {counts['doomed'] + counts['rejected']} failing for good "
             "(payments, webhooks).",
             highlight=False,
+            sep="",
         )
         outcome = run(functools.partial(run_demo, out, path, jobs, concurrency=concurrency,
                                         seed=seed))  # fmt: skip

@@ -98,10 +98,11 @@ def server_url(conninfo: str, schema: str | None = None) -> str:
 
 
 def empty(store: PostgresStore) -> None:
-    """Delete every job (their errors and keys go with them), every count, every queue's
+    """Delete every job (their errors go with them) and idempotency key, every count, every queue's
     settings, every schedule and the history, and start the ids afresh: two stores emptied
     alike then give the same calls the same ids."""
     store._db.execute("DELETE FROM jobs")
+    store._db.execute("DELETE FROM idempotency_keys")  # (they outlive their jobs)
     store._db.execute("DELETE FROM job_counts")
     store._db.execute("DELETE FROM queue_settings")
     store._db.execute("DELETE FROM schedules")

@@ -334,9 +334,9 @@ class Client:
         all: bool = False,
         states: Sequence[str] | None = None,
     ) -> int:
-        """Make one dead job, or every job of ``queue`` (with ``all=True``) in ``states``
-        (of dead, cancelled; None: dead), ready again with fresh attempts; return how
-        many. ``states`` is an extension."""
+        """Make one job, or every job of ``queue`` (with ``all=True``), in ``states`` (of
+        dead, cancelled; None: dead) ready again with fresh attempts; return how many.
+        ``states`` is an extension (with ``job_id`` too)."""
         reply = await self._call(
             "dead_retry",
             job_id=job_id,
@@ -354,9 +354,9 @@ class Client:
         all: bool = False,
         states: Sequence[str] | None = None,
     ) -> int:
-        """Delete one dead job, or every job of ``queue`` (with ``all=True``) in ``states``
-        (of dead, succeeded, cancelled; None: dead); return how many. ``states`` is an
-        extension."""
+        """Delete one job, or every job of ``queue`` (with ``all=True``), in ``states`` (of
+        dead, succeeded, cancelled; None: dead); return how many. Idempotency keys stay
+        until they expire. ``states`` is an extension (with ``job_id`` too)."""
         reply = await self._call(
             "dead_purge",
             job_id=job_id,

@@ -196,8 +196,8 @@ class SchedulePage:
 
 @attrs.frozen
 class HeldJob:
-    """A job a worker holds now (``workers_list``): ``held_ms`` since it was handed out on
-    that connection, None when not known (leased before a reconnect, or elsewhere)."""
+    """A job a worker holds now (``workers_list``): ``held_ms`` since its lease began,
+    None when not known (leased before an upgrade that began recording it)."""
 
     job_id: str
     queue: str

@@ -25,6 +25,7 @@ import os
 import random
 import socket
 import ssl
+import sys
 from collections import deque
 from contextlib import suppress
 from typing import Any
@@ -55,6 +56,8 @@ READ_BYTES = 64 * 1024
 # A hello's reply is a few hundred bytes; a peer that sends this much without a line end
 # is not a relay-trio server (and is not read further).
 MAX_HELLO_REPLY_BYTES = 64 * 1024
+# The name a connection gives itself in its hello (``client_name``), in bytes at most.
+CLIENT_NAME_BYTES = 128
 # Job events a watch may have unread before the client drops (and counts) more.
 MAX_EVENTS = 10_000
 
@@ -347,11 +350,21 @@ async def _say_hello(stream: trio.abc.Stream, token: str | None, plain: bool = F
 
 
 def hello_line(token: str | None) -> bytes:
-    """The hello a connection begins with (id 0: the calls' ids start at 1)."""
-    hello: dict[str, Any] = {"op": "hello", "id": 0}
+    """The hello a connection begins with (id 0: the calls' ids start at 1), naming this
+    process (``client_name``) for the server's workers list."""
+    hello: dict[str, Any] = {"op": "hello", "id": 0, "client": client_name()}
     if token is not None:
         hello["token"] = token
     return orjson.dumps(hello) + b"\n"
+
+
+def client_name() -> str:
+    """This process as a server's ``workers_list`` shows it: its program, host and pid
+    ("relay-trio on build-7, pid 4242"), at most CLIENT_NAME_BYTES (the server takes 256).
+    Read at each connection: a forked worker process names its own pid."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    name = f"{program or 'python'} on {socket.gethostname()}, pid {os.getpid()}"
+    return name.encode()[:CLIENT_NAME_BYTES].decode(errors="ignore")
 
 
 def hello_read(data: bytes, more: bytes, plain: bool) -> bytes:

@@ -136,8 +136,10 @@ class InvalidState(RelayError):
 
     code = "invalid_state"
 
-    def __init__(self, job_id: str, state: str, operation: str) -> None:
-        super().__init__(f"cannot {operation} {job_id}: it is {state}")
+    def __init__(self, job_id: str, state: str, operation: str, hint: str | None = None) -> None:
+        # ``hint``: what to do instead, said after the reason.
+        reason = f"cannot {operation} {job_id}: it is {state}"
+        super().__init__(reason if hint is None else f"{reason} ({hint})")
         self.job_id = job_id
         self.state = state
         self.operation = operation

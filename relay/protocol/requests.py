@@ -344,8 +344,8 @@ class DeadSelect:
             raise _bad("all", "must be true to act on a whole queue")
 
 
-# A whole queue's bulk retry and purge (an extension, ``states``): the states each may
-# name, the finished ones (retry: those that did not succeed); omitted, dead only.
+# Retry and purge of one job or of a whole queue (an extension, ``states``): the states
+# each may name, the finished ones (retry: those that did not succeed); omitted, dead only.
 RETRY_STATES = ("dead", "cancelled")
 PURGE_STATES = ("dead", "succeeded", "cancelled")
 
@@ -362,26 +362,22 @@ def _check_bulk_states(states: list[str] | None, allowed: tuple[str, ...]) -> No
 
 @attrs.frozen
 class DeadRetry(DeadSelect):
-    """``{job_id}``, or ``{queue, all: true, states?}`` (states: an extension)."""
+    """``{job_id, states?}``, or ``{queue, all: true, states?}`` (states: an extension)."""
 
     states: list[str] | None = None
 
     def check(self, limits: Limits) -> None:
-        if self.job_id is not None and self.states is not None:
-            raise _bad("states", "only with queue and all: true")
         super().check(limits)
         _check_bulk_states(self.states, RETRY_STATES)
 
 
 @attrs.frozen
 class DeadPurge(DeadSelect):
-    """``{job_id}``, or ``{queue, all: true, states?}`` (states: an extension)."""
+    """``{job_id, states?}``, or ``{queue, all: true, states?}`` (states: an extension)."""
 
     states: list[str] | None = None
 
     def check(self, limits: Limits) -> None:
-        if self.job_id is not None and self.states is not None:
-            raise _bad("states", "only with queue and all: true")
         super().check(limits)
         _check_bulk_states(self.states, PURGE_STATES)
 

@@ -61,6 +61,22 @@ RETRYABLE = (DEAD, CANCELLED)
 PURGEABLE = (DEAD, SUCCEEDED, CANCELLED)
 PROMOTABLE = (PENDING, RETRYING)
 
+
+def refusal_hint(operation: str, state: str, states: Sequence[str]) -> str:
+    """What to do about a job in ``state`` that a retry or purge of one job (in
+    ``states``) refused: the words after ``InvalidState``'s reason."""
+    allowed = RETRYABLE if operation == "retry" else PURGEABLE
+    if state in allowed:  # allowed, but not asked for
+        return f'name "{state}" in states to {operation} it'
+    if operation == "purge":
+        return "only a finished job is purged: cancel it first"
+    if state == SUCCEEDED:
+        return "a succeeded job is not retried: submit it again to run it again"
+    if state in PROMOTABLE:
+        return "it waits to run: promote it to run it now"
+    return "only a dead or cancelled job is retried: it has not finished"
+
+
 LEASE_EXPIRED_ERROR = "lease expired"
 RESTART_ERROR = "lease lost: the server restarted while the job was leased"
 
@@ -303,7 +319,7 @@ class StoreConfig:
     # Schedules that may exist at once: a schedule_put of a new one past it is refused
     # with TooManySchedules.
     max_schedules: int = DEFAULT_MAX_SCHEDULES
-    # Queues with history rows of their own per flush (the first by name); the others'
+    # Queues with history rows of their own (the first seen since the store opened); the others'
     # counts are summed as queue "_other" (relay/store/history.py). The server passes its
     # --metrics-max-queues.
     history_max_queues: int = 1_000
@@ -621,9 +637,9 @@ class Store(Protocol):
 
     def leases_held(
         self, worker_ids: Sequence[str], now: int, limit: int
-    ) -> list[tuple[str, str, str, int]]:
+    ) -> list[tuple[str, str, str, int, int | None]]:
         """The unexpired leases held by any of ``worker_ids``: (job_id, queue, worker_id,
-        lease_expires_at) of at most ``limit`` of them, by job id. Reads the leased jobs'
+        lease_expires_at, leased_at) of at most ``limit`` of them, by job id. Reads the leased jobs'
         index (``jobs_leased``): as many rows as jobs are leased, never the table."""
 
     def dead_list(
@@ -679,9 +695,10 @@ class Store(Protocol):
 
     # -- dead letters ------------------------------------------------------------------------
 
-    def dead_retry(self, job_id: str, now: int) -> int:
-        """Make one dead job ready with fresh attempts, keeping its errors; return 1;
-        raises ``JobNotFound``, or ``InvalidState`` if it is not dead."""
+    def dead_retry(self, job_id: str, now: int, states: Sequence[str] = (DEAD,)) -> int:
+        """Make one job in ``states`` (of RETRYABLE) ready with fresh attempts, keeping
+        its errors; return 1; raises ``JobNotFound``, or ``InvalidState`` (with
+        ``refusal_hint``) if it is in another state."""
 
     def dead_retry_queue(
         self, queue: str, now: int, limit: int, states: Sequence[str] = (DEAD,)
@@ -689,8 +706,9 @@ class Store(Protocol):
         """Make up to ``limit`` jobs of ``queue`` in ``states`` (of RETRYABLE) ready with
         fresh attempts; return how many."""
 
-    def dead_purge(self, job_id: str) -> int:
-        """Delete one dead job and its history; return 1; raises as ``dead_retry`` does."""
+    def dead_purge(self, job_id: str, states: Sequence[str] = (DEAD,)) -> int:
+        """Delete one job in ``states`` (of PURGEABLE) and its history (its idempotency
+        key stays until it expires); return 1; raises as ``dead_retry`` does."""
 
     def dead_purge_queue(self, queue: str, limit: int, states: Sequence[str] = (DEAD,)) -> int:
         """Delete up to ``limit`` jobs of ``queue`` in ``states`` (of PURGEABLE); return

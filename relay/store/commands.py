@@ -317,9 +317,10 @@ class DeadList:
 @attrs.frozen
 class DeadRetry:
     job_id: str
+    states: tuple[str, ...] = ("dead",)
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_retry(self.job_id, now)
+        return store.dead_retry(self.job_id, now, self.states)
 
 
 @attrs.frozen
@@ -335,9 +336,10 @@ class DeadRetryQueue:
 @attrs.frozen
 class DeadPurge:
     job_id: str
+    states: tuple[str, ...] = ("dead",)
 
     def apply(self, store: Store, now: int) -> Any:
-        return store.dead_purge(self.job_id)
+        return store.dead_purge(self.job_id, self.states)
 
 
 @attrs.frozen

@@ -19,10 +19,6 @@ from relay.store.view import EVENTS, Entry, QueueView
 # counter, 0): a flush took the history's counter, given back on rollback.
 JournalEntry = tuple[Counter | None, Any, int]
 
-# Lease starts kept for run times (``_starts``) at most: past it they are forgotten at
-# once (the run times of the leases then held are not observed).
-STARTS_MAX = 100_000
-
 
 class CountsBook:
     """What every store counts in memory beside its database: events per (queue, event)
@@ -59,9 +55,9 @@ class CountsBook:
         self._new_queues: set[str] = set()
         # (queue, minute, field) -> what was counted and not yet flushed (history.py).
         self._history: Counter[history.HistoryKey] = Counter()
-        # job key -> when this store leased it (``now`` of its claim): its run time at
-        # ack or fail. Bounded by STARTS_MAX; leases it did not grant have none.
-        self._starts: dict[int, int] = {}
+        # The queues whose history has rows of its own (``history.take_rows``): the first
+        # seen since the store opened, at most ``config.history_max_queues``.
+        self._history_queues: set[str] = set()
 
     def _undo(self, mark: int) -> None:
         assert self._journal is not None
@@ -116,13 +112,6 @@ class CountsBook:
             if field is not None:
                 self._bump(self._history, (queue, now - now % history.MINUTE_MS, field), n)
 
-    def _started(self, keys: Iterable[int], now: int) -> None:
-        """These jobs were leased at ``now`` (for their run times)."""
-        starts = self._starts
-        if len(starts) >= STARTS_MAX:
-            starts.clear()
-        starts.update(dict.fromkeys(keys, now))
-
     def _observe(self, queue: str, kind: int, values: list[int], now: int) -> None:
         """Add ``values`` (ms) of ``kind`` (history.FIELD_RUN or FIELD_WAIT) to the queue's
         minute: sum, buckets, and the max (raised by a journaled change, so a rollback
@@ -161,17 +150,16 @@ class CountsBook:
 
     def _observe_claimed(self, rows: list, queue_at: int, ready_at: int, now: int) -> None:
         """The waits of the jobs of a claim (its candidate ``rows``: each one's queue and
-        ``ready_at`` at those places), and their lease starts (``_started``)."""
+        ``ready_at`` at those places)."""
         self._observe_each(
             history.FIELD_WAIT, [row[queue_at] for row in rows],
             [now - row[ready_at] for row in rows], now,
         )  # fmt: skip
 
-    def _observe_ended(self, keys: list[int], queues: list[str], now: int) -> None:
-        """The run times of the attempts of these jobs (``keys``, of ``queues``) that ended
-        at ``now``, for the leases this store granted (``_starts``), which it forgets."""
-        pop = self._starts.pop
-        started = [pop(key, None) for key in keys]
+    def _observe_ended(self, queues: list[str], started: list[int | None], now: int) -> None:
+        """The run times of attempts (of ``queues``) that ended at ``now``, from their
+        starts (the jobs' ``leased_at``; None: not known, as for a lease granted before
+        the column was)."""
         runs = [None if at is None else now - at for at in started]
         self._observe_each(history.FIELD_RUN, queues, runs, now)
 
@@ -182,7 +170,9 @@ class CountsBook:
         counter = self._history
         if not counter:
             return history.HistoryFlushed(0, {})
-        rows, observed = history.take_rows(counter, self.config.history_max_queues)
+        rows, observed = history.take_rows(
+            counter, self.config.history_max_queues, self._history_queues
+        )
         if rows:
             self._history_write(rows)
         # Taken whole: one journal entry, which a rollback turns back (``_undo``), however

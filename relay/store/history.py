@@ -5,7 +5,7 @@ A store counts as it commits, never a row per job: each transition it makes alre
 counts per queue (``CountsBook._count``), and adds there to a ``Counter`` keyed by
 (queue, minute, field) (``FIELD_*``); a claim observes each job's wait (from ``ready_at``,
 a delayed or retried job's due time, to now) and an ack or fail each attempt's run time
-(from its lease, as this store granted it, to now), summed per queue and call
+(from its lease's start, the job's ``leased_at``, to now), summed per queue and call
 (``observe``). Every change goes through the counts' journal, so a rolled-back command
 or transaction takes its counts back. ``history_flush`` (the maintenance service's, every
 FLUSH_INTERVAL_S) writes what was counted as one upsert per flush into the table
@@ -134,12 +134,14 @@ class HistoryPoint:
 
 
 def take_rows(
-    pending: dict[HistoryKey, int], max_queues: int
+    pending: dict[HistoryKey, int], max_queues: int, kept: set[str]
 ) -> tuple[list[HistoryRow], dict[str, QueueObserved]]:
     """The rows and histogram deltas of what ``pending`` holds (its zero entries left
-    alone). At most ``max_queues`` queues (the first by name) get rows of their own per
-    flush; the others are summed into ``OTHER_QUEUES`` (maxima as maxima). Every minute
-    also gets the row of every queue summed (``ALL_QUEUES``)."""
+    alone). The queues in ``kept`` get rows of their own, and so do new ones, added to it,
+    while it holds fewer than ``max_queues`` (the first seen keep theirs: queues made
+    later, however named, cannot push them out); the others are summed into
+    ``OTHER_QUEUES`` (maxima as maxima). Every minute also gets the row of every queue
+    summed (``ALL_QUEUES``)."""
     fields: dict[tuple[str, int], list[int]] = {}
     for (queue, minute, field), n in pending.items():
         if n:
@@ -150,8 +152,12 @@ def take_rows(
     for row in fields.values():  # a count is its buckets' sum (``observe_fields``)
         row[FIELD_RUN] = sum(row[RUN_BUCKETS:WAIT_BUCKETS])
         row[FIELD_WAIT] = sum(row[WAIT_BUCKETS:])
-    names = sorted({queue for queue, _ in fields})
-    own = {name for name in names[:max_queues] if name != OTHER_QUEUES}
+    for name in sorted({queue for queue, _ in fields} - kept):
+        if len(kept) >= max_queues:
+            break
+        if name != OTHER_QUEUES:
+            kept.add(name)
+    own = kept
     merged: dict[tuple[str, int], list[int]] = {}
     observed: dict[str, list[int]] = {}
     for (queue, minute), values in fields.items():

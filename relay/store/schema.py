@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -285,6 +285,26 @@ def _v12_history(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX history_minute ON history (minute)")
 
 
+def _v13_keys_outlive_jobs(db: sqlite_utils.Database) -> None:
+    # An idempotency key lasts its window whatever becomes of its job: a purge or a prune
+    # deletes the job and leaves the key, which then answers a submit with the deleted job's
+    # id and final_state (the state it was deleted in; NULL while the job exists). SQLite
+    # cannot drop a foreign key, so the table is made again without it, and copied.
+    db.execute(
+        "CREATE TABLE idempotency_keys_new (queue TEXT NOT NULL, key TEXT NOT NULL, "
+        "job_id INTEGER NOT NULL, expires_at INTEGER NOT NULL, final_state TEXT, "
+        "PRIMARY KEY (queue, key)) STRICT"
+    )
+    db.execute(
+        "INSERT INTO idempotency_keys_new (queue, key, job_id, expires_at) "
+        "SELECT queue, key, job_id, expires_at FROM idempotency_keys"
+    )
+    db.execute("DROP TABLE idempotency_keys")
+    db.execute("ALTER TABLE idempotency_keys_new RENAME TO idempotency_keys")
+    db.execute("CREATE INDEX idempotency_keys_job ON idempotency_keys (job_id)")
+    db.execute("CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at)")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -299,6 +319,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     10: _v10_attempt_history,
     11: _v11_job_browser,
     12: _v12_history,
+    13: _v13_keys_outlive_jobs,
 }
 
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import orjson
 
+from relay.util.printable import printable
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 # The formats by the names RELAY_LOG_FORMAT (and the server's --log-format) take: "text" is
 # "human"'s former name; "auto" (or nothing): human on a terminal, JSON elsewhere.
@@ -98,9 +100,9 @@ class TextFormatter(logging.Formatter):
             text = " ".join([name, *(f"{key}={text_value(v)}" for key, v in fields.items())])
         clock = time.strftime("%H:%M:%S", time.localtime(record.created))
         tag = LEVEL_TAGS.get(record.levelno, record.levelname.lower())
-        line = f"{clock} {tag:<5} {text}"
+        line = f"{clock} {tag:<5} {printable(text)}"  # (a worker's error may be in it)
         if traceback:
-            line += "\n" + textwrap.indent(str(traceback).rstrip("\n"), "    ")
+            line += "\n" + textwrap.indent(printable(str(traceback)).rstrip("\n"), "    ")
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

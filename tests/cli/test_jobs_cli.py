@@ -4,12 +4,71 @@ errors as one line: through the command line against a real server."""
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import AsyncIterator
+
+import pytest
 import trio
 
-from relay import JobState
+from relay import JobState, open_client
+from tests import pg
+from tests.server.conftest import start_server
+from tests.worker.helpers import serving
 
-from .conftest import assert_one_line_error, cli_env, relay_trio
+from .conftest import address_of, assert_one_line_error, cli_env, relay_trio
 from .test_commands import on_a_terminal
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def either_address(request, tmp_path) -> AsyncIterator[str]:
+    """A server's address, on each store in turn."""
+    db = str(tmp_path / "relay.db")
+    if request.param == "postgres":
+        db = pg.server_url(request.getfixturevalue("pg_url"), f"cli_{secrets.token_hex(4)}")
+    async with serving(start_server, db) as running:
+        yield address_of(running)
+
+
+async def test_retry_a_cancelled_job_and_purge_a_succeeded_one_by_id(either_address):
+    address = either_address
+    async with open_client(address) as client:
+        cancelled = (await client.submit("one", 1)).job_id
+        await client.cancel(cancelled)
+        done = (await client.submit("one", 2, idempotency_key="K")).job_id
+        (lease,) = await client.lease(["one"], "w1")
+        await client.ack(done, "w1", lease.token)
+        ready = (await client.submit("one", 3)).job_id
+        # A dead job's command names the one that takes the job.
+        dead = await relay_trio("dead", "retry", cancelled, address=address)
+        assert_one_line_error(
+            dead, "invalid_state", f"cannot retry {cancelled}: it is cancelled",
+            f"relay-trio jobs retry {cancelled}",
+        )  # fmt: skip
+        retried = await relay_trio("jobs", "retry", cancelled, address=address)
+        assert retried.code == 0 and retried.stdout == f"retried {cancelled}\n", retried
+        assert (await client.inspect(cancelled)).state == JobState.READY
+        refused = await relay_trio("jobs", "retry", done, address=address)
+        assert_one_line_error(refused, "invalid_state", "it is succeeded", "submit it again")
+        refused = await relay_trio("jobs", "purge", ready, address=address)
+        assert_one_line_error(refused, "invalid_state", "it is ready", "cancel it first")
+        purged = await relay_trio("jobs", "purge", done, "--json", address=address)
+        assert purged.code == 0 and purged.json() == {"count": 1, "job_id": done}, purged
+        # Its idempotency key outlives it: the same submit is the purged job, not a new run.
+        again = await client.submit("one", 2, idempotency_key="K")
+        assert (again.job_id, again.duplicate) == (done, True)
+        both = await relay_trio("jobs", "purge", done, "--queue", "one", address=address)
+        assert_one_line_error(both, "JOB", "not both", code=2)
+
+
+async def test_promote_of_a_dead_job_names_jobs_retry(address, client):
+    job = (await client.submit("pd", 1, retries=0)).job_id
+    (lease,) = await client.lease(["pd"], "w1")
+    await client.fail(job, "w1", lease.token, "boom", retryable=False)
+    refused = await relay_trio("jobs", "promote", job, address=address)
+    assert_one_line_error(
+        refused, "invalid_state", f"cannot promote {job}: it is dead",
+        f"relay-trio jobs retry {job} makes it ready again",
+    )  # fmt: skip
 
 
 async def test_jobs_list_pages_newest_first_with_the_after_hint(address, client):

@@ -14,7 +14,7 @@ from relay.client.client import Client, ServerInfo, WorkersPage
 from relay.client.replies import structure_reply
 from relay.protocol.errors import UnknownOp
 from relay_cli import views
-from relay_cli.top import SPARK_STEPS, TopView, _follow, age, follow
+from relay_cli.top import RATE_WINDOW_S, SPARK_STEPS, TopView, _follow, age, follow
 from relay_cli.views import SPARKS, sparkline
 from tests.conftest import T0
 from tests.server.conftest import BOUND_S, start_server
@@ -67,8 +67,9 @@ async def test_top_shows_the_counts_rates_and_failures_the_server_reports(server
     assert counts == {s: str(n) for s, n in stats.queues["mail"].items() if s != "cancelled"}
     assert counts["ready"] == "3" and counts["succeeded"] == "1" and counts["dead"] == "1"
     assert cells[7] == age(view.oldest_ready_ms["mail"])  # the 3 ready jobs' wait
-    # 5 submitted, 1 succeeded, 1 failed within the 10 s window: per second.
-    assert cells[8:11] == ["0.5", "0.1", "0.1"]
+    # 5 submitted, 1 succeeded, 1 failed in top's first second (the clock stands still):
+    # per second over that second, not over the 10 s window it has not watched.
+    assert cells[8:11] == ["5.0", "1.0", "1.0"]
     failure = next(line for line in text.splitlines() if "smtp said no" in line)
     assert failure.startswith(short + " ") and "trace" not in text
     assert spark(text, "mail ") == ""  # no step of 10 s has ended since top started
@@ -136,6 +137,7 @@ async def test_top_follows_the_server_across_a_restart(tmp_path):
 
 def test_only_a_job_just_made_counts_as_submitted():
     view = TopView(clock=lambda: 0.0)
+    view.counting_since = -10.0
     base = {"event": "job", "job_id": "job_1", "queue": "q", "attempt": 0, "at": 1}
     view.event({**base, "state": "ready"})  # submitted
     view.event({**base, "state": "pending", "job_id": "job_2"})  # submitted, delayed
@@ -143,6 +145,28 @@ def test_only_a_job_just_made_counts_as_submitted():
     view.event({**base, "state": "ready", "from": "leased"})  # its first lease released
     view.event({**base, "state": "ready", "from": "pending", "job_id": "job_2"})  # due
     assert view.rates() == {"q": {"submitted": 2 / 10}}
+
+
+def test_a_rate_in_the_first_seconds_is_over_the_time_watched():
+    """Three jobs in top's first 3 s are 1 a second, not 0.3 (the window is 10 s); in its
+    first second, over a second; from 10 s on, over the window; after a reconnect (the
+    events in between lost), afresh."""
+    now = [100.0]
+    view = TopView(clock=lambda: now[0])
+    base = {"event": "job", "queue": "q", "attempt": 0, "at": 1, "state": "ready"}
+    now[0] = 100.2
+    view.event({**base, "job_id": "job_1"})
+    assert view.rates() == {"q": {"submitted": 1.0}}
+    now[0] = 103.0
+    view.event({**base, "job_id": "job_2"})
+    view.event({**base, "job_id": "job_3"})
+    assert view.rates() == {"q": {"submitted": 1.0}}
+    now[0] = 110.1
+    assert view.rates() == {"q": {"submitted": 3 / 10}}
+    now[0] = 111.0
+    view.watching()  # a reconnect
+    view.event({**base, "job_id": "job_4"})
+    assert view.rates() == {"q": {"submitted": 1.0}}
 
 
 # -- the layout ---------------------------------------------------------------------------
@@ -173,6 +197,7 @@ def busy_view(full_ids: bool = False) -> TopView:
     view.failure(job_id(T0 + 3_000), "thumbnails.resize", 1, "PIL.UnidentifiedImageError: "
                  "cannot identify image file 'img-4-2.jpg'")  # fmt: skip
     view.status = "connected to 127.0.0.1:7400"
+    view.counting_since = -RATE_WINDOW_S  # (watched for the whole window)
     return view
 
 

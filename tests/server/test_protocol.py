@@ -1430,7 +1430,9 @@ ILL_TYPED: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     # The bulk actions' states (extension), and the job browser.
     ("dead_retry", {"queue": "q", "all": True, "states": ["succeeded"]}, ("states[0]",)),
     ("dead_retry", {"queue": "q", "all": True, "states": []}, ("states",)),
-    ("dead_retry", {"job_id": "job_0000000000000001", "states": ["dead"]}, ("states",)),
+    # (by id too: the same states, checked before the job is looked up)
+    ("dead_retry", {"job_id": "job_0000000000000001", "states": ["succeeded"]}, ("states[0]",)),
+    ("dead_purge", {"job_id": "job_0000000000000001", "states": []}, ("states",)),
     ("dead_purge", {"queue": "q", "all": True, "states": ["ready"]}, ("states[0]",)),
     ("dead_purge", {"queue": "q", "all": True, "states": "dead"}, ("states",)),
     ("jobs_list", {"limit": 0}, ("limit",)),
@@ -2256,6 +2258,61 @@ async def test_jobs_list_pages_summaries_newest_first_through_the_wire(client):
     assert (await client.ok("jobs_list", states=["dead"]))["jobs"] == []
     found = await client.ok("jobs_list", search=ids[2])
     assert [j["job_id"] for j in found["jobs"]] == [ids[2]]
+
+
+async def test_retry_and_purge_of_one_job_take_the_states_the_bulk_forms_take(client):
+    cancelled = await submit(client, "one", {"n": 1})
+    assert (await client.ok("cancel", job_id=cancelled))["state"] == "cancelled"
+    done = await submit(client, "one", {"n": 2})
+    job = await lease_one(client, "one")
+    await client.ok("ack", worker_id=W, job_id=job["job_id"], token=job["token"], result=1)
+    # By default, as before: a dead job only, and the refusal says what to do.
+    error = await client.error("dead_retry", job_id=cancelled)
+    assert error["code"] == "invalid_state", error
+    assert error["message"] == (
+        f'cannot retry {cancelled}: it is cancelled (name "cancelled" in states to retry it)'
+    )
+    error = await client.error("dead_retry", job_id=done, states=["dead", "cancelled"])
+    assert error["code"] == "invalid_state", error
+    assert "submit it again" in error["message"], error
+    error = await client.error("dead_purge", job_id=done)
+    assert error["code"] == "invalid_state" and '"succeeded" in states' in error["message"]
+    # With states: a cancelled job retried, a succeeded one purged, by id.
+    reply = await client.ok("dead_retry", job_id=cancelled, states=["dead", "cancelled"])
+    assert reply["count"] == 1
+    assert (await inspect(client, cancelled))["state"] == "ready"
+    error = await client.error("dead_purge", job_id=cancelled, states=PURGE_STATES)
+    assert error["code"] == "invalid_state", error
+    assert "cancel it first" in error["message"], error
+    reply = await client.ok("dead_purge", job_id=done, states=["succeeded"])
+    assert reply["count"] == 1
+    assert (await client.error("inspect", job_id=done))["code"] == "not_found"
+    counts = await queue_stats(client, "one")
+    assert (counts["succeeded"], counts["ready"], counts["cancelled"]) == (0, 1, 0)
+    # A state outside the allowed set is the request's fault, as in the bulk form.
+    error = await client.error("dead_retry", job_id=cancelled, states=["succeeded"])
+    assert error["code"] == "bad_request" and error["message"].startswith("states[0]: ")
+
+
+PURGE_STATES = ["dead", "succeeded", "cancelled"]
+
+
+@pytest.mark.parametrize("by_id", [True, False], ids=["by-id", "bulk"])
+async def test_a_purged_job_keeps_its_idempotency_key_until_the_key_expires(client, by_id):
+    first = await submit(client, "ik", {"n": 1}, idempotency_key="K")
+    job = await lease_one(client, "ik")
+    await client.ok("ack", worker_id=W, job_id=first, token=job["token"])
+    if by_id:
+        purged = await client.ok("dead_purge", job_id=first, states=["succeeded"])
+    else:
+        purged = await client.ok("dead_purge", queue="ik", all=True, states=["succeeded"])
+    assert purged["count"] == 1
+    assert (await client.error("inspect", job_id=first))["code"] == "not_found"
+    # The same key within its window: the purged job, not a second run of it.
+    again = await client.ok("submit", queue="ik", payload={"n": 1}, idempotency_key="K")
+    assert (again["job_id"], again["state"], again["duplicate"]) == (first, "succeeded", True)
+    assert (await queue_stats(client, "ik"))["ready"] == 0
+    assert (await client.ok("lease", queues=["ik"], worker_id=W))["jobs"] == []
 
 
 async def test_promote_and_bulk_retry_and_purge_through_the_wire(client):

@@ -117,6 +117,22 @@ def test_queues_beyond_the_bound_are_summed_as_other(stores: Stores) -> None:
     assert point(store, None, T)["submitted"] == 4
 
 
+def test_queues_made_later_cannot_push_a_queue_out_of_its_rows(stores: Stores) -> None:
+    """The queues first counted keep their rows: a client making queues whose names sort
+    first sends those to ``_other``, not the busy queue counted before them."""
+    store = stores.open(config=StoreConfig(history_max_queues=2))
+    submit(store, "orders", T, 5)
+    store.history_flush(T + 1_000)
+    later = T + MINUTE_MS
+    submit(store, "orders", later, 5)
+    for queue in ("0000", "0001", "0002"):
+        submit(store, queue, later, 1)
+    store.history_flush(later + 1_000)
+    assert point(store, "orders", later)["submitted"] == 5
+    assert point(store, "0000", later)["submitted"] == 1  # the one place left
+    assert point(store, "_other", later)["submitted"] == 2
+
+
 def test_pruning_deletes_rows_past_the_kept_period(store: Store) -> None:
     submit(store, "q", T, 1)
     submit(store, "q", T + MINUTE_MS, 1)
@@ -129,16 +145,19 @@ def test_pruning_deletes_rows_past_the_kept_period(store: Store) -> None:
     assert rows(store, "SELECT count(*) FROM history") == [(0,)]
 
 
-def test_a_release_and_a_lease_not_granted_here_have_no_run_time(stores: Stores) -> None:
-    store = stores.open()
+def test_a_release_has_no_run_time_and_a_lease_from_before_a_restart_has_one(
+    stores: Stores,
+) -> None:
+    store = stores.open("a")
     submit(store, "q", T, 2)
     first, second = store.jobs_claim(["q"], "w", 2, 30_000, T)
     store.jobs_release(first.job_id, "w", first.token, T + 100)
-    store._starts.clear()  # as if another server (or this one before a restart) leased it
+    store.close()
+    store = stores.open("a")  # a restart (or another server): the lease's start is the row's
     store.jobs_ack(second.job_id, "w", second.token, None, T + 200)
     store.history_flush(T + 300)
     p = point(store, "q", T)
-    assert (p["succeeded"], p["run_count"]) == (1, 0)
+    assert (p["succeeded"], p["run_count"], p["run_max_ms"]) == (1, 1, 200)
 
 
 @postgres_only

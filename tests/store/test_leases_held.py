@@ -26,8 +26,8 @@ def test_the_leases_of_the_workers_asked_for_and_no_others(store: Store) -> None
     held = store.leases_held(["w1", "w3"], T0 + 1, 100)
     expires = T0 + LEASE_MS
     assert held == [
-        (a[0], "a", "w1", expires), (a[1], "a", "w1", expires), (a[2], "a", "w1", expires),
-        (b[1], "b", "w3", T0 + 1_000),
+        (a[0], "a", "w1", expires, T0), (a[1], "a", "w1", expires, T0),
+        (a[2], "a", "w1", expires, T0), (b[1], "b", "w3", T0 + 1_000, T0),
     ]  # fmt: skip
     assert [job_id for job_id, *_ in store.leases_held(["w2"], T0 + 1, 100)] == [b[0]]
     assert theirs[0].job_id == b[0] and mine_too[0].job_id == b[1]
@@ -47,3 +47,13 @@ def test_an_ended_or_expired_lease_is_not_held(store: Store) -> None:
     assert [job_id for job_id, *_ in store.leases_held(["w1"], T0 + 2, 100)] == [jobs[3]]
     # Past its expiry (not yet reaped), a lease is held by nobody.
     assert store.leases_held(["w1"], T0 + LEASE_MS, 100) == []
+
+
+def test_worker_ids_of_any_text_are_found_as_given(store: Store) -> None:
+    """A worker id with a NUL or the PostgreSQL store's escape character (both stored
+    escaped there) is looked up and answered as the worker gave it."""
+    [job] = submit(store, "q", 1)
+    odd = "w\x00x\x01y"
+    [lease] = store.jobs_claim(["q"], odd, 1, LEASE_MS, T0)
+    assert store.leases_held([odd, "other"], T0 + 1, 100) == [(job, "q", odd, T0 + LEASE_MS, T0)]
+    assert lease.job_id == job

@@ -614,3 +614,38 @@ def test_a_version_12_schema_migrates_to_history_and_keeps_its_jobs(url, monkeyp
         assert (point.as_fields()["wait_count"], point.as_fields()["wait_max_ms"]) == (1, 250)
     finally:
         store.close()
+
+
+def test_a_version_13_schema_migrates_to_keys_that_outlive_their_jobs(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 13)
+        store = PostgresStore.open(url)
+        [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        # The key as version 13 wrote it (its columns, its cascade from jobs).
+        conn.execute(
+            "INSERT INTO idempotency_keys (queue, key, job_id, expires_at) VALUES (%s, %s, %s, %s)",
+            ("q", "K", parse_job_id(old.job_id), T0 + 86_400_000),
+        )
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        [again] = store.jobs_submit([SubmitSpec("q", "{}", idempotency_key="K")], T0 + 1)
+        assert (again.job_id, again.duplicate) == (old.job_id, True)
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0 + 2)
+        store.jobs_ack(lease.job_id, "w1", lease.token, None, T0 + 3)
+        assert store.dead_purge(old.job_id, ("succeeded",)) == 1
+        # The job is gone, its key is not: the same submit is still the purged job.
+        [again] = store.jobs_submit([SubmitSpec("q", "{}", idempotency_key="K")], T0 + 4)
+        assert (again.job_id, again.state, again.duplicate) == (old.job_id, "succeeded", True)
+        # Until the key expires: then a submit with it makes a job.
+        assert store.jobs_prune(T0 + 86_400_000, 100) == 0
+        [new] = store.jobs_submit([SubmitSpec("q", "{}", idempotency_key="K")], T0 + 86_400_001)
+        assert new.duplicate is False and new.job_id != old.job_id
+        [again] = store.jobs_submit([SubmitSpec("q", "{}", idempotency_key="K")], T0 + 86_400_002)
+        assert (again.job_id, again.state, again.duplicate) == (new.job_id, "ready", True)
+    finally:
+        store.close()

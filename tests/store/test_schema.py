@@ -1063,3 +1063,54 @@ def test_a_version_11_file_migrates_to_history_and_keeps_its_jobs(
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
+
+
+def test_a_version_12_file_migrates_to_keys_that_outlive_their_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "relay.db")
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema, "SCHEMA_VERSION", 12)
+        store = SqliteStore.open(path)
+        [old] = store.jobs_submit([spec()], T0)
+        # The key as version 12 wrote it (its columns, its foreign key to jobs).
+        store._db.execute(
+            "INSERT INTO idempotency_keys (queue, key, job_id, expires_at) VALUES (?, ?, ?, ?)",
+            ("q", "K", parse_job_id(old.job_id), T0 + 86_400_000),
+        )
+        store.close()
+    conn = sqlite3.connect(path)
+    assert pragma(conn, "user_version") == 12
+    assert (
+        "REFERENCES"
+        in conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'idempotency_keys'").fetchone()[
+            0
+        ]
+    )
+    conn.close()
+
+    store = SqliteStore.open(path)
+    try:
+        assert pragma(store._db, "user_version") == SCHEMA_VERSION
+        [again] = store.jobs_submit([spec(idempotency_key="K")], T0 + 1)
+        assert (again.job_id, again.duplicate) == (old.job_id, True)
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0 + 2)
+        store.jobs_ack(lease.job_id, "w1", lease.token, None, T0 + 3)
+        assert store.dead_purge(old.job_id, ("succeeded",)) == 1
+        # The job is gone, its key is not: the same submit is still the purged job.
+        [again] = store.jobs_submit([spec(idempotency_key="K")], T0 + 4)
+        assert (again.job_id, again.state, again.duplicate) == (
+            old.job_id,
+            JobState.SUCCEEDED,
+            True,
+        )
+        # Until the key expires: then a submit with it makes a job.
+        assert store.jobs_prune(T0 + 86_400_000, 100) == 0
+        [new] = store.jobs_submit([spec(idempotency_key="K")], T0 + 86_400_001)
+        assert new.duplicate is False and new.job_id != old.job_id
+        [again] = store.jobs_submit([spec(idempotency_key="K")], T0 + 86_400_002)
+        assert (again.job_id, again.state, again.duplicate) == (new.job_id, JobState.READY, True)
+        assert sql_recount(store)["q"]["ready"] == 1
+    finally:
+        store.close()
+    assert inspect_file(path) == SCHEMA_VERSION

@@ -1151,16 +1151,34 @@ def test_dead_retry_and_purge_of_a_queue_are_bounded_by_limit(store, action):
     assert state(store, other) == DEAD
 
 
-def test_dead_purge_deletes_the_job_its_errors_and_its_idempotency_key(store):
+def test_dead_purge_deletes_the_job_and_its_errors_and_keeps_its_key_until_it_expires(store):
     job = make_dead(store, T0, idempotency_key="k")
     assert store.dead_purge(job) == 1
     with pytest.raises(JobNotFound):
         store.job_inspect(job)
     key = parse_job_id(job)
     assert scalar(store, "SELECT count(*) FROM job_errors WHERE job_id = ?", key) == 0
-    assert scalar(store, "SELECT count(*) FROM idempotency_keys") == 0
     [again] = store.jobs_submit([spec(idempotency_key="k")], T0 + 1)
+    assert (again.job_id, again.state, again.duplicate) == (job, DEAD, True)
+    assert store.queue_stats().get("q", {}).get("ready", 0) == 0
+    expired = T0 + store.config.idempotency_window_ms
+    store.jobs_prune(expired, 100)
+    assert scalar(store, "SELECT count(*) FROM idempotency_keys") == 0
+    [again] = store.jobs_submit([spec(idempotency_key="k")], expired + 1)
     assert again.duplicate is False and again.job_id != job
+
+
+def test_a_job_pruned_within_its_keys_window_keeps_its_key(stores):
+    store = stores.open(config=StoreConfig(retention_ms=DAY // 4))
+    job = submit(store, T0, idempotency_key="k")
+    lease = claim_one(store, T0)
+    store.jobs_ack(job, "w1", lease.token, None, T0 + 5)
+    assert store.jobs_prune(T0 + 6 + DAY // 4, 100) == 1
+    with pytest.raises(JobNotFound):
+        store.job_inspect(job)
+    [again] = store.jobs_submit([spec(idempotency_key="k")], T0 + DAY // 2)
+    assert (again.job_id, again.state, again.duplicate) == (job, SUCCEEDED, True)
+    assert store.queue_stats() == recount(store) == {}
 
 
 # -- prune -------------------------------------------------------------------------------

@@ -170,6 +170,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.now = T0
         self.jobs: dict[str, ModelJob] = {}
         self.gone: list[str] = []  # ids of purged or pruned jobs
+        # The state each was deleted in: its idempotency key, until it expires, answers
+        # with it.
+        self.gone_states: dict[str, JobState] = {}
         self.keys: dict[tuple[str, str], tuple[str, int]] = {}  # -> (job id, expires_at)
         # (queue, unique key) -> the job that last took it, and for how long it holds it.
         self.uniques: dict[tuple[str, str], tuple[str, str]] = {}
@@ -367,7 +370,7 @@ class StoreMachine(RuleBasedStateMachine):
                 continue
             if k is not None and k in self.keys:
                 job_id, expires_at = self.keys[k]
-                if expires_at > self.now and job_id in self.jobs:
+                if expires_at > self.now and (job_id in self.jobs or job_id in self.gone_states):
                     expected.append(("dup", job_id))
                     continue
             u = (s.queue, s.unique_key) if s.unique_key is not None else None
@@ -415,7 +418,10 @@ class StoreMachine(RuleBasedStateMachine):
             if kind == "dup":
                 assert result.duplicate, "a key within its window, or a held unique key, made a job"
                 assert result.job_id == ref
-                assert result.state is self.jobs[ref].state
+                if ref in self.jobs:
+                    assert result.state is self.jobs[ref].state
+                else:  # deleted since, within its key's window
+                    assert result.state is self.gone_states[ref]
                 continue
             assert not result.duplicate
             assert result.job_id not in self.jobs and result.job_id not in self.gone
@@ -775,6 +781,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert count == 1
         del self.jobs[job_id]
         self.gone.append(job_id)
+        self.gone_states[job_id] = DEAD
         self.may_change.add(job_id)
         with pytest.raises(JobNotFound):
             self.store.job_inspect(job_id)
@@ -854,6 +861,7 @@ class StoreMachine(RuleBasedStateMachine):
         for job in self.chosen(old, pruned, lambda j: 0):
             del self.jobs[job.job_id]
             self.gone.append(job.job_id)
+            self.gone_states[job.job_id] = job.state
             self.may_change.add(job.job_id)
 
     # -- invariants ------------------------------------------------------------------------
@@ -918,11 +926,16 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_row_refers_to_a_deleted_job(self) -> None:
-        for table in ("job_errors", "idempotency_keys"):
+        # Only an idempotency key outlives its job (until it expires), with the state the
+        # job was deleted in.
+        for table, orphan in (
+            ("job_errors", "j.id IS NULL"),
+            ("idempotency_keys", "j.id IS NULL AND t.final_state IS NULL"),
+        ):
             orphans = scalar(
                 self.store,
                 f"SELECT count(*) FROM {table} AS t LEFT JOIN jobs AS j ON j.id = t.job_id "
-                "WHERE j.id IS NULL",
+                f"WHERE {orphan}",
             )
             assert orphans == 0, table
 

@@ -231,3 +231,15 @@ def test_a_text_line_of_an_event_with_a_message_is_the_message_then_its_tracebac
     lines = TextFormatter().format(record).splitlines()
     assert lines[0].endswith("warn  job j failed: ValueError: no; dead"), lines
     assert lines[1:] == ["    Traceback (most recent call last):", "      x"]
+
+
+def test_a_text_line_shows_a_workers_control_characters_as_escapes():
+    """A worker's error and traceback reach a human log line (the server's dead-letter
+    warning quotes the error): an escape sequence in them must not act on the terminal."""
+    record = logging.LogRecord("relay.dispatch", logging.WARNING, __file__, 1, "%s",
+                               ("job j dead: x\x1b[2J\x1b]0;title\x07",), None)  # fmt: skip
+    record.event = "job.dead"
+    record.fields = {"traceback": "Traceback\n  \x1b[31mred\n"}
+    lines = TextFormatter().format(record).splitlines()
+    assert lines[0].endswith("job j dead: x\\x1b[2J\\x1b]0;title\\x07"), lines
+    assert lines[1:] == ["    Traceback", "      \\x1b[31mred"]

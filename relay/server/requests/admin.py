@@ -118,12 +118,13 @@ class AdminHandlers:
         connection: Connection,
         rid: Any,
         started: float,
-        request: requests.DeadSelect,
+        request: requests.DeadRetry | requests.DeadPurge,
         one: ops.RequestOp,
         chunk: Callable[[str, int], Any],
     ) -> None:
         if request.job_id is not None:
-            self._queue(connection, (one, connection, rid, started, request.job_id))
+            states = tuple(request.states or ("dead",))
+            self._queue(connection, (one, connection, rid, started, (request.job_id, states)))
             return
         # A whole queue: a rare admin request that may take many transactions. It gets a
         # task in the connection's nursery (the one exception to "no task per request"),

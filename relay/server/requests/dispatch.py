@@ -325,8 +325,8 @@ class Dispatcher(AdminHandlers):
             reply_bytes=reply_bytes,
             job_bytes=job,
             reserved=reply_bytes,
-            book=self.workers.leased(connection, worker_id, queues, started),
         )
+        self.workers.leased(connection, worker_id, queues, started)
         connection.reserve(reply_bytes)
         self._queue(connection, (ops.CLAIM, connection, rid, started, lease))
 

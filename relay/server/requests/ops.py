@@ -64,8 +64,6 @@ class PendingLease:
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
     place: int = -1  # its place among parked leases, from its first park (LongPolls)
-    # Its connection's entry in the server's WorkerBook: told the jobs it hands out.
-    book: Any = None
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes
@@ -264,8 +262,6 @@ class _Claim(RequestOp):
         claims = [leases[i].claim_args() for i in wanted]
         for i, jobs in zip(wanted, cmd.claim_in_pieces(store, now, claims), strict=True):
             outcomes[i] = jobs
-            if jobs and leases[i].book is not None:
-                leases[i].book.handed_out(jobs, now)  # (workers_list: held since)
         ran = set(wanted)
         for i, lease in enumerate(leases):
             if lease.woken:
@@ -394,12 +390,13 @@ class _WorkersList(_Stats):
 
 
 class _DeadOne(RequestOp):
-    """``dead_retry`` / ``dead_purge`` of one job: args is its id."""
+    """``dead_retry`` / ``dead_purge`` of one job: args is (its id, the states allowed)."""
 
-    def run(self, store: Store, now: int, job_id: str) -> Any:
+    def run(self, store: Store, now: int, args: tuple[str, tuple[str, ...]]) -> Any:
+        job_id, states = args
         if self.name == "dead_retry":
-            return store.dead_retry(job_id, now)
-        return store.dead_purge(job_id)
+            return store.dead_retry(job_id, now, states)
+        return store.dead_purge(job_id, states)
 
     def fields(self, outcome: int, args: Any) -> dict[str, Any]:
         return {"count": outcome}

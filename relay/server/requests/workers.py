@@ -5,41 +5,33 @@ A worker here is a connection that has sent a lease (its role worker or admin), 
 the worker id of its last lease; one connection may lease under several worker ids (the
 last ``WORKER_IDS_KEPT`` are kept), and it is one worker, listed once. The book is kept
 off the hot path: a lease request costs one dict look-up and a few attribute writes
-(``leased``), and a lease that gives jobs records when each was handed out on its
-connection (``WorkerRecord.handed_out``, in the writer thread, at most ``HANDED_KEPT``
-per connection); an ack, a fail or a renew costs nothing here.
+(``leased``); an ack, a fail or a renew costs nothing here.
 
 What a worker holds now is read from the store when asked (``Store.leases_held``: the
-unexpired leases of its worker ids), so it is true whichever connection acked a job (a
-worker that reconnected acks on its new one), and a lease that expired is not shown. How
-long a job has been held is known when it was handed out on a connection of this server
-(its ``held_ms``); a job leased before a reconnect, or by another server under the same
-worker id, shows ``held_ms: null``.
+unexpired leases of its worker ids, with each attempt's start), so it is true whichever
+connection acked a job (a worker that reconnected acks on its new one) and however long
+ago a job was leased, and a lease that expired is not shown.
 
-Trio thread only, except ``handed_out`` (the writer thread; the trio thread reads that
-dict with one ``copy()``, atomic under the GIL).
+Trio thread only.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import trio
 
-from relay.protocol.model import Lease
 from relay.protocol.requests import WORKERS_PAGE
 from relay.server.requests.connection import Connection
 from relay.store import commands as cmd
 from relay.store.writer import Writer
 
-# Per connection: the worker ids of its last leases kept (the oldest forgotten first), the
-# jobs handed out whose time is kept (the oldest half forgotten past it), and in a reply
-# the jobs and queues shown (``jobs_held`` and ``queues_total`` count them all).
+# Per connection: the worker ids of its last leases kept (the oldest forgotten first), and
+# in a reply the jobs and queues shown (``jobs_held`` and ``queues_total`` count them all).
 WORKER_IDS_KEPT = 4
-HANDED_KEPT = 512
 JOBS_SHOWN = 10
 QUEUES_SHOWN = 32
 # Leases read from the store per request, at most (past it, ``held_truncated``).
@@ -60,17 +52,6 @@ class WorkerRecord:
     last_lease: float
     # worker id -> the queues of its last lease (the most recently changed last)
     worker_ids: dict[str, tuple[str, ...]]
-    # job id -> when it was handed out on this connection (store ms); the writer thread's
-    handed: dict[str, int] = attrs.Factory(dict)
-
-    def handed_out(self, jobs: Iterable[Lease], now: int) -> None:
-        """Writer thread: ``jobs`` were leased to this connection at ``now``."""
-        handed = self.handed
-        for job in jobs:
-            handed[job.job_id] = now
-        if len(handed) > HANDED_KEPT:
-            for key in list(itertools.islice(handed, len(handed) - HANDED_KEPT // 2)):
-                del handed[key]
 
     def queues(self) -> set[str]:
         return {queue for queues in self.worker_ids.values() for queue in queues}
@@ -144,29 +125,24 @@ class WorkerBook:
         more = len(chosen) > limit
         chosen = chosen[:limit]
         names = sorted({w for _, record in chosen for w in record.worker_ids})
-        held: list[tuple[str, str, str, int]] = []
+        held: list[tuple[str, str, str, int, int | None]] = []
         now_ms = None
         if names:
             held, now_ms = await writer.execute(cmd.LeasesHeld(tuple(names), HELD_READ))
         trio_now = trio.current_time()
         if now_ms is None:
             now_ms = clock()
-        handed = {id(record): record.handed.copy() for _, record in chosen}
         by_worker: dict[str, list[WorkerRecord]] = {}
         for _, record in chosen:
             for w in record.worker_ids:
                 by_worker.setdefault(w, []).append(record)
         jobs_of: dict[int, list[dict[str, Any]]] = {id(r): [] for _, r in chosen}
-        for job_id, queue, worker_id, expires in held:
+        for job_id, queue, worker_id, expires, at in held:
             owners = by_worker.get(worker_id, ())
             if not owners:
                 continue
-            # One connection: its own. Several under one worker id: the one it was handed
-            # out on, else the one that leased last.
-            owner = next((r for r in owners if job_id in handed[id(r)]), None)
-            if owner is None:
-                owner = max(owners, key=lambda r: r.last_lease)
-            at = handed[id(owner)].get(job_id)
+            # One connection: its own. Several under one worker id: the one that leased last.
+            owner = max(owners, key=lambda r: r.last_lease)
             jobs_of[id(owner)].append({
                 "job_id": job_id, "queue": queue, "worker_id": worker_id,
                 "held_ms": None if at is None else max(0, now_ms - at),

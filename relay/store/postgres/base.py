@@ -347,6 +347,15 @@ class PostgresBase(CountsBook):
             raise
         return result
 
+    def _keys_outlive(self, keys: list[int], state: str) -> None:
+        """Before these jobs (all in ``state``) are deleted: their idempotency keys stay,
+        until they expire, naming the job and the state it was deleted in."""
+        if keys:
+            self._write(
+                "UPDATE idempotency_keys SET final_state = %s WHERE job_id = ANY(%s)",
+                (state, keys),
+            )
+
     # -- counts ------------------------------------------------------------------------------
 
     def _move(self, queue: str, src: str | None, dst: str | None, n: int = 1) -> None:

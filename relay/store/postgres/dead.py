@@ -2,7 +2,7 @@
 at a time.
 
 One named job is locked (``FOR UPDATE``) before its state is checked, so that it is still
-dead when it is changed; a queue's dead jobs are taken with ``FOR UPDATE SKIP LOCKED``, so
+in that state when it is changed; a queue's dead jobs are taken with ``FOR UPDATE SKIP LOCKED``, so
 that two servers emptying one queue share the work.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import JobState, parse_job_id
-from relay.store.base import PURGEABLE, RETRYABLE
+from relay.store.base import PURGEABLE, RETRYABLE, refusal_hint
 from relay.store.postgres.base import PostgresBase
 from relay.store.postgres.sql import atomic
 
@@ -29,7 +29,8 @@ _REVIVE_QUEUE = (
     f"ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) UPDATE jobs {_REVIVE} "
     "FROM d WHERE jobs.id = d.id RETURNING jobs.id"
 )
-# Errors and keys go with the jobs (ON DELETE CASCADE).
+# Errors go with the jobs (ON DELETE CASCADE); idempotency keys stay until they expire
+# (_keys_outlive).
 _PURGE_QUEUE = (
     "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
     "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
@@ -44,9 +45,11 @@ _PURGE_STATE = _PURGE_QUEUE.replace("state = 'dead'", "state = %s", 1)
 class DeadLetters(PostgresBase):
     """The dead-letter commands of ``PostgresStore``."""
 
-    def _dead_job(self, job_id: str, operation: str) -> tuple[int, str]:
-        """(key, queue) of a dead job, locked; else the refusal, raised, having written
-        nothing."""
+    def _finished_job(
+        self, job_id: str, operation: str, states: Sequence[str]
+    ) -> tuple[int, str, str]:
+        """(key, queue, state) of the job, locked, if it is in ``states``; else the
+        refusal, raised, having written nothing."""
         key = parse_job_id(job_id)
         row = None
         if key is not None:
@@ -55,17 +58,18 @@ class DeadLetters(PostgresBase):
             ).fetchone()
         if row is None:
             raise JobNotFound(job_id)
-        if row[1] != DEAD:
-            raise InvalidState(job_id, row[1], operation)
+        if row[1] not in states:
+            raise InvalidState(job_id, row[1], operation, refusal_hint(operation, row[1], states))
         assert key is not None
-        return key, row[0]
+        return key, row[0], row[1]
 
     @atomic
-    def dead_retry(self, job_id: str, now: int) -> int:
-        """Make one dead job ready with fresh attempts. Its error history is kept."""
-        key, queue = self._dead_job(job_id, "retry")
+    def dead_retry(self, job_id: str, now: int, states: Sequence[str] = (DEAD,)) -> int:
+        """Make one job in ``states`` (dead, cancelled) ready with fresh attempts. Its
+        error history is kept."""
+        key, queue, state = self._finished_job(job_id, "retry", states)
         self._write(_REVIVE_ONE, (now, key))
-        self._revived([key], queue, now)
+        self._revived([key], queue, now, state)
         return 1
 
     @atomic
@@ -97,11 +101,12 @@ class DeadLetters(PostgresBase):
                 self._record(key, queue, state, "ready", 0, now)
 
     @atomic
-    def dead_purge(self, job_id: str) -> int:
-        """Delete one dead job and its history."""
-        key, queue = self._dead_job(job_id, "purge")
+    def dead_purge(self, job_id: str, states: Sequence[str] = (DEAD,)) -> int:
+        """Delete one job in ``states`` (dead, succeeded, cancelled) and its history."""
+        key, queue, state = self._finished_job(job_id, "purge", states)
+        self._keys_outlive([key], state)
         self._write("DELETE FROM jobs WHERE id = %s", (key,))
-        self._move(queue, DEAD, None)
+        self._move(queue, state, None)
         return 1
 
     @atomic
@@ -115,7 +120,9 @@ class DeadLetters(PostgresBase):
                     sql, params = _PURGE_QUEUE, (queue, limit - done)
                 else:
                     sql, params = _PURGE_STATE, (state, queue, limit - done)
-                n = len(self._write(sql, params).fetchall())
+                keys = [key for (key,) in self._write(sql, params)]
+                self._keys_outlive(keys, state)
+                n = len(keys)
                 if n:
                     self._move(queue, state, None, n)
                 done += n

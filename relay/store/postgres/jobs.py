@@ -104,11 +104,13 @@ _INSERT_JOBS = (
     "state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, "
     f"key, timeout) {_defaults('%s')}"
 )
-# The keys among these that name a job within their window.
+# The keys among these within their window, with their job's state (or, for a job
+# deleted since, by a purge or a prune, the state it was deleted in).
 _LIVE_KEYS = (
-    "SELECT k.queue, k.key, k.job_id, j.state FROM unnest(%s::text[], %s::text[]) "
-    "AS w(queue, key) JOIN idempotency_keys k ON k.queue = w.queue AND k.key = w.key "
-    "JOIN jobs j ON j.id = k.job_id WHERE k.expires_at > %s"
+    "SELECT k.queue, k.key, k.job_id, coalesce(j.state, k.final_state) "
+    "FROM unnest(%s::text[], %s::text[]) AS w(queue, key) JOIN idempotency_keys k "
+    "ON k.queue = w.queue AND k.key = w.key LEFT JOIN jobs j ON j.id = k.job_id "
+    "WHERE k.expires_at > %s AND coalesce(j.state, k.final_state) IS NOT NULL"
 )
 # Take keys for new jobs: a key whose window has passed is taken over; a live one (another
 # server's, committed since we looked, or in flight: then this waits for its commit) is
@@ -118,7 +120,8 @@ _TAKE_KEYS = (
     "SELECT queue, key, job_id, %(expires_at)s "
     "FROM unnest(%(queues)s::text[], %(keys)s::text[], %(ids)s::bigint[]) AS t(queue, key, job_id) "
     "ON CONFLICT (queue, key) DO UPDATE SET job_id = EXCLUDED.job_id, "
-    "expires_at = EXCLUDED.expires_at WHERE idempotency_keys.expires_at <= %(now)s "
+    "expires_at = EXCLUDED.expires_at, final_state = NULL "
+    "WHERE idempotency_keys.expires_at <= %(now)s "
     "RETURNING queue, key"
 )
 
@@ -378,7 +381,7 @@ class Jobs(PostgresBase):
         found = self._live_keys(set(lost), now)
         if len(found) != len(lost):
             # The other server's job held the key within its window (else it would have
-            # been taken over): only its purge since then can make it missing.
+            # been taken over), and a key outlives its job within its window.
             raise RuntimeError("an idempotency key was taken by a job that is gone since")
         return found
 

@@ -211,7 +211,6 @@ class Leases(PostgresBase):
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
         self._observe_claimed(list(found.values()), 4, 2, now)  # (its history)
-        self._started(found, now)
         if self.recording:  # claim by claim
             self.changes.events += [
                 (lease.job_id, lease.queue, "leased", lease.attempt, now, "ready")
@@ -307,7 +306,7 @@ class Leases(PostgresBase):
         self._write(_ACK, (now, result, row[0]))
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked", 1, now)
-        self._observe_ended([row[0]], [row[1]], now)
+        self._observe_ended([row[1]], [row[13]], now)
         if self.recording:
             self._record(row[0], row[1], "leased", "succeeded", row[3], now)
 
@@ -343,8 +342,8 @@ class Leases(PostgresBase):
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
         if updates:  # (their history)
-            keys = [key for key, _result in updates]
-            self._observe_ended(keys, [rows[key][1] for key in keys], now)
+            ended = [rows[key] for key, _result in updates]
+            self._observe_ended([row[1] for row in ended], [row[13] for row in ended], now)
         if self.recording:
             for key, _result in updates:
                 row = rows[key]
@@ -379,7 +378,7 @@ class Leases(PostgresBase):
             "worker": row[6],
         }
         self._count(queue, "failed", 1, now)
-        self._observe_ended([key], [queue], now)
+        self._observe_ended([queue], [row[13]], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
@@ -412,7 +411,6 @@ class Leases(PostgresBase):
         row = self._held_lease(job_id, worker_id, token, now, "release")
         assert row is not None
         self._end_leases([row[0]], AttemptOutcome.RELEASED.value, "", now)
-        self._starts.pop(row[0], None)
         self._write(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = %s",

@@ -55,7 +55,8 @@ _PRUNE_KEYS = (
     "DELETE FROM idempotency_keys WHERE (queue, key) IN (SELECT queue, key "
     "FROM idempotency_keys WHERE expires_at <= %s LIMIT %s FOR UPDATE SKIP LOCKED)"
 )
-# Their errors and keys go with them (ON DELETE CASCADE). Succeeded and cancelled jobs,
+# Their errors go with them (ON DELETE CASCADE), their idempotency keys stay until they
+# expire (_keys_outlive). Succeeded and cancelled jobs,
 # each state a scan of its own partial index (jobs_succeeded, jobs_cancelled): the state
 # is written in the text, since a prepared statement's generic plan cannot match a
 # parameter to an index's predicate.
@@ -108,7 +109,6 @@ class Maintenance(PostgresBase):
         self._trim_history([row[0] for row in rows if row[5] > ATTEMPTS_KEPT])
         reaped = []
         for key, queue, state, attempt, _expired_at, _ended in rows:
-            self._starts.pop(key, None)
             self._count(queue, "expired", 1, now)
             if state == DEAD:
                 self._count(queue, "dead", 1, now)
@@ -161,6 +161,7 @@ class Maintenance(PostgresBase):
             if deleted >= limit:
                 break
             rows = self._write(_PRUNE[state], (before, limit - deleted)).fetchall()
+            self._keys_outlive([key for key, _queue in rows], state)
             for _key, queue in rows:
                 self._move(queue, state, None)
             deleted += len(rows)

@@ -21,7 +21,7 @@ from relay.protocol.model import (
 )
 from relay.store.base import ATTEMPTS_KEPT
 from relay.store.postgres.base import PostgresBase
-from relay.store.postgres.sql import decode_text
+from relay.store.postgres.sql import decode_text, encode_text
 from relay.store.rows import (
     HISTORY_COLUMNS,
     JOB_COLUMNS,
@@ -57,7 +57,8 @@ _HISTORY = (
 )
 # The leases held by some workers: the jobs_leased partial index holds only leased jobs.
 _LEASES_HELD = (
-    "SELECT id, queue, lease_worker, lease_expires_at FROM jobs WHERE state = 'leased' "
+    "SELECT id, queue, lease_worker, lease_expires_at, leased_at FROM jobs "
+    "WHERE state = 'leased' "
     "AND lease_expires_at > %s AND lease_worker = ANY(%s::text[]) ORDER BY id LIMIT %s"
 )
 # Per queue, the least of each priority's first ready_at in jobs_ready.
@@ -150,13 +151,17 @@ class Reads(PostgresBase):
 
     def leases_held(
         self, worker_ids: Sequence[str], now: int, limit: int
-    ) -> list[tuple[str, str, str, int]]:
+    ) -> list[tuple[str, str, str, int, int | None]]:
         """The unexpired leases of ``worker_ids`` (at most ``limit``, by job id), over
         every server: the leased jobs' partial index, filtered by worker."""
         if not worker_ids or limit <= 0:
             return []
-        rows = self._read(_LEASES_HELD, (now, list(worker_ids), limit)).fetchall()
-        return [(format_job_id(key), queue, worker, at) for key, queue, worker, at in rows]
+        names = [encode_text(name) for name in worker_ids]  # (as leases store them)
+        rows = self._read(_LEASES_HELD, (now, names, limit)).fetchall()
+        return [
+            (format_job_id(key), queue, decode_text(worker), expires_at, leased_at)
+            for key, queue, worker, expires_at, leased_at in rows
+        ]
 
     def dead_list(
         self,

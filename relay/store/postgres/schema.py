@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -96,7 +96,8 @@ _V1 = (
         idempotency_key text
     )""",
     # A job's history and its key go with it: deleting a job (prune, purge) is one
-    # statement, the cascade is PostgreSQL's.
+    # statement, the cascade is PostgreSQL's. (Its idempotency key no longer since
+    # version 14: it stays until it expires.)
     """CREATE TABLE job_errors (
         job_id bigint NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
         attempt integer NOT NULL,
@@ -311,6 +312,15 @@ def _v13_history(conn: psycopg.Connection) -> None:
     conn.execute("CREATE INDEX history_minute ON history (minute)")
 
 
+def _v14_keys_outlive_jobs(conn: psycopg.Connection) -> None:
+    # As SQLite's version 13: an idempotency key lasts its window whatever becomes of its
+    # job (no cascade from jobs any more); final_state is the state its job was deleted in.
+    conn.execute(
+        "ALTER TABLE idempotency_keys DROP CONSTRAINT IF EXISTS idempotency_keys_job_id_fkey"
+    )
+    conn.execute("ALTER TABLE idempotency_keys ADD COLUMN final_state text")
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -326,6 +336,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     11: _v11_attempt_history,
     12: _v12_job_browser,
     13: _v13_history,
+    14: _v14_keys_outlive_jobs,
 }
 
 

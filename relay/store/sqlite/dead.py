@@ -1,5 +1,6 @@
-"""The dead letters, as SQLite: retry (ready again with fresh attempts) and purge (delete),
-one job or a bounded piece of a queue at a time. Listing them is a read (reads.py).
+"""The dead letters (and other finished jobs), as SQLite: retry (ready again with fresh
+attempts) and purge (delete), one job or a bounded piece of a queue at a time. Listing
+them is a read (reads.py).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import parse_job_id
-from relay.store.base import DEAD, PURGEABLE, READY, RETRYABLE
+from relay.store.base import DEAD, PURGEABLE, READY, RETRYABLE, refusal_hint
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids, _json_rows, _json_select
 
 _DEAD_OF_QUEUE_SQL = _json_select(
@@ -27,22 +28,26 @@ _OF_QUEUE_STATE_SQL = _json_select(
 class SqliteDead(SqliteBase):
     """Dead-letter retry and purge: part of ``SqliteStore``."""
 
-    def _dead_job(self, job_id: str, operation: str) -> tuple[int, str]:
+    def _finished_job(
+        self, job_id: str, operation: str, states: Sequence[str]
+    ) -> tuple[int, str, str]:
+        """(key, queue, state) of the job if it is in ``states``; else the refusal."""
         key = parse_job_id(job_id)
         row = None
         if key is not None:
             row = self._db.execute("SELECT queue, state FROM jobs WHERE id = ?", (key,)).fetchone()
         if row is None:
             raise JobNotFound(job_id)
-        if row[1] != DEAD:
-            raise InvalidState(job_id, row[1], operation)
+        if row[1] not in states:
+            raise InvalidState(job_id, row[1], operation, refusal_hint(operation, row[1], states))
         assert key is not None
-        return key, row[0]
+        return key, row[0], row[1]
 
-    def dead_retry(self, job_id: str, now: int) -> int:
-        """Make one dead job ready with fresh attempts. Its error history is kept."""
-        key, queue = self._dead_job(job_id, "retry")
-        self._revive([(key, queue)], now)
+    def dead_retry(self, job_id: str, now: int, states: Sequence[str] = (DEAD,)) -> int:
+        """Make one job in ``states`` (dead, cancelled) ready with fresh attempts. Its
+        error history is kept."""
+        key, queue, state = self._finished_job(job_id, "retry", states)
+        self._revive([(key, queue)], now, state)
         return 1
 
     def dead_retry_queue(
@@ -78,10 +83,10 @@ class SqliteDead(SqliteBase):
             for key, queue in rows:
                 self._record(key, queue, state, "ready", 0, now)
 
-    def dead_purge(self, job_id: str) -> int:
-        """Delete one dead job and its history."""
-        key, queue = self._dead_job(job_id, "purge")
-        self._delete_jobs([(key, queue)], DEAD)
+    def dead_purge(self, job_id: str, states: Sequence[str] = (DEAD,)) -> int:
+        """Delete one job in ``states`` (dead, succeeded, cancelled) and its history."""
+        key, queue, state = self._finished_job(job_id, "purge", states)
+        self._delete_jobs([(key, queue)], state)
         return 1
 
     def dead_purge_queue(self, queue: str, limit: int, states: Sequence[str] = (DEAD,)) -> int:

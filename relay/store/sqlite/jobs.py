@@ -323,10 +323,12 @@ class SqliteJobs(SqliteBase):
 
     def _idempotent_hit(self, queue: str, key: str, now: int) -> SubmitResult | None:
         row = self._db.execute(
-            "SELECT k.job_id, j.state FROM idempotency_keys k JOIN jobs j ON j.id = k.job_id "
+            # The job, or one deleted since (purged, pruned): the state it was deleted in.
+            "SELECT k.job_id, coalesce(j.state, k.final_state) FROM idempotency_keys k "
+            "LEFT JOIN jobs j ON j.id = k.job_id "
             "WHERE k.queue = ? AND k.key = ? AND k.expires_at > ?",
             (queue, key, now),
         ).fetchone()
-        if row is None:
+        if row is None or row[1] is None:
             return None
         return SubmitResult(format_job_id(row[0]), JobState(row[1]), duplicate=True)

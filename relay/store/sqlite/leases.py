@@ -62,7 +62,7 @@ _LEASE_COLUMNS = (
 # The same for many jobs, as one row of JSON, without the backoff (what acks need).
 _ACK_ROWS_SQL = (
     "SELECT json_group_array(json_array(id, queue, state, attempt, max_attempts, lease_token, "
-    f"lease_worker, lease_expires_at)) FROM jobs WHERE id IN {_JSON_IDS}"
+    f"lease_worker, lease_expires_at, leased_at)) FROM jobs WHERE id IN {_JSON_IDS}"
 )
 # Acks the jobs whose lease the (token, worker) holds unexpired, and only those: the
 # condition of ``check_lease`` accepting, as SQL (jobs_ack_many checks it first as well).
@@ -166,7 +166,7 @@ class SqliteLeases(SqliteBase):
                     self.changes.expiry(expires_at)  # (perhaps before the claim's, below)
                 per_queue[queue] = per_queue.get(queue, 0) + 1
                 if len(book) < HELD_MAX:
-                    book[job_id] = (key, token, worker, expires_at, queue, attempt + 1)
+                    book[job_id] = (key, token, worker, expires_at, queue, attempt + 1, now)
             if leases:
                 self.changes.expiry(now + claim[3])  # one expiry for all of a claim's leases
             results.append(leases)
@@ -174,7 +174,6 @@ class SqliteLeases(SqliteBase):
             self._move(queue, READY, LEASED, n)
             self._count(queue, "leased", n)
         self._observe_claimed(list(found.values()), 4, 2, now)  # (its history)
-        self._started(found, now)
         if room is not None:
             self._claimed_limited(per_queue, now)
         if self.recording:  # in the order of the update: claim by claim
@@ -237,13 +236,14 @@ class SqliteLeases(SqliteBase):
         book = self._held
         outcomes: list[RelayError | None] = [None] * len(acks)
         updates: list[tuple] = []
-        held: list[tuple] = []  # (position, key, queue, attempt, job id) of each ack to make
+        # (position, key, queue, attempt, job id, leased at) of each ack to make
+        held: list[tuple] = []
         unknown: list[int] = []  # positions of the acks the book cannot vouch for
         for i, (job_id, worker_id, token, result) in enumerate(acks):
-            lease = book.get(job_id)  # (key, token, worker, expires_at, queue, attempt)
+            lease = book.get(job_id)  # (key, token, worker, expires_at, queue, attempt, at)
             if lease is not None and lease[1] == token and lease[2] == worker_id and now < lease[3]:
                 updates.append((lease[0], token, worker_id, result))
-                held.append((i, lease[0], lease[4], lease[5], job_id))
+                held.append((i, lease[0], lease[4], lease[5], job_id, lease[6]))
             else:
                 unknown.append(i)
         keys = [entry[1] for entry in held]
@@ -262,15 +262,15 @@ class SqliteLeases(SqliteBase):
             for entry in held:
                 book.pop(entry[4], None)
         per_queue: dict[str, int] = {}
-        for _i, _key, queue, _attempt, _job_id in held:
-            per_queue[queue] = per_queue.get(queue, 0) + 1
+        for entry in held:
+            per_queue[entry[2]] = per_queue.get(entry[2], 0) + 1
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
         if held:  # (their history)
-            self._observe_ended([e[1] for e in held], [e[2] for e in held], now)
+            self._observe_ended([e[2] for e in held], [e[5] for e in held], now)
         if self.recording:  # in the order of the acks
-            for _i, key, queue, attempt, _job_id in sorted(held):
+            for _i, key, queue, attempt, *_ in sorted(held):
                 self._record(key, queue, "leased", "succeeded", attempt, now)
         return outcomes
 
@@ -300,7 +300,7 @@ class SqliteLeases(SqliteBase):
                 continue
             assert row is not None and key is not None
             updates.append((key, token, worker_id, result))
-            held.append((i, key, row[1], row[3], format_job_id(key)))  # (the book's id)
+            held.append((i, key, row[1], row[3], format_job_id(key), row[8]))  # (book's id)
 
     def _ack_checked(
         self,
@@ -360,7 +360,7 @@ class SqliteLeases(SqliteBase):
         if row[14] >= ATTEMPTS_KEPT:
             self._trim_history((key,))
         self._count(queue, "failed", 1, now)
-        self._observe_ended([key], [queue], now)
+        self._observe_ended([queue], [row[13]], now)
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
@@ -393,7 +393,6 @@ class SqliteLeases(SqliteBase):
         assert row is not None
         self._held.pop(format_job_id(row[0]), None)
         self._end_leases((row[0],), _RELEASED, "", now)
-        self._starts.pop(row[0], None)
         self._db.execute(
             "UPDATE jobs SET state = 'ready', attempt = attempt - 1, lease_expires_at = NULL "
             "WHERE id = ?",

@@ -104,7 +104,6 @@ class SqliteMaintenance(SqliteBase):
         for row in rows:
             key, queue, attempt, max_attempts, expired_at, deadline_at, timeout_ms = row[:7]
             self._held.pop(format_job_id(key), None)
-            self._starts.pop(key, None)
             self._count(queue, "expired", 1, now)
             error, outcome = LEASE_EXPIRED_ERROR, _EXPIRED
             if deadline_at is not None and expired_at >= deadline_at:

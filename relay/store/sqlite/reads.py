@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import orjson
-
 from relay.protocol.errors import JobNotFound
 from relay.protocol.model import (
     JobInfo,
@@ -82,12 +80,13 @@ _DEAD_PAGES = {
 }
 
 
-# The leases held by some workers (a JSON array of worker ids): the jobs_leased partial
-# index holds only leased jobs, so this reads as many rows as jobs are leased.
+# The leases held by some workers ({marks}: one parameter each, so that any text, a NUL
+# too, is compared as given): the jobs_leased partial index holds only leased jobs, so
+# this reads as many rows as jobs are leased.
 _LEASES_HELD_SQL = (
-    "SELECT id, queue, lease_worker, lease_expires_at FROM jobs INDEXED BY jobs_leased "
-    "WHERE state = 'leased' AND lease_expires_at > ?2 "
-    "AND lease_worker IN (SELECT value FROM json_each(?1)) ORDER BY id LIMIT ?3"
+    "SELECT id, queue, lease_worker, lease_expires_at, leased_at FROM jobs "
+    "INDEXED BY jobs_leased WHERE state = 'leased' AND lease_expires_at > ? "
+    "AND lease_worker IN ({marks}) ORDER BY id LIMIT ?"
 )
 
 
@@ -156,14 +155,14 @@ class SqliteReads(SqliteBase):
 
     def leases_held(
         self, worker_ids: Sequence[str], now: int, limit: int
-    ) -> list[tuple[str, str, str, int]]:
+    ) -> list[tuple[str, str, str, int, int | None]]:
         """The unexpired leases of ``worker_ids`` (at most ``limit``, by job id): the
         leased jobs' partial index, filtered by worker, never the table."""
         if not worker_ids or limit <= 0:
             return []
-        rows = self._db.execute(_LEASES_HELD_SQL, (orjson.dumps(list(worker_ids)).decode(),
-                                                   now, limit))  # fmt: skip
-        return [(format_job_id(key), queue, worker, at) for key, queue, worker, at in rows]
+        sql = _LEASES_HELD_SQL.format(marks=", ".join("?" * len(worker_ids)))
+        rows = self._db.execute(sql, (now, *worker_ids, limit))
+        return [(format_job_id(key), *rest) for key, *rest in rows]
 
     def _job_infos(self, rows: list[tuple]) -> list[JobInfo]:
         history: dict[int, list[tuple]] = {row[0]: [] for row in rows}

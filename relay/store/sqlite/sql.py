@@ -166,7 +166,8 @@ class SqliteBase(CountsBook):
     # (queue, state) -> jobs, every one in memory: loaded at open, moved by each transition
     # (``_move``), undone with the journal (``CountsBook``), so never a scan of the table.
     _counts: Counter[tuple[str, str]]
-    # job id, as the lease gave it -> (key, token, worker, expires_at, queue, attempt) of
+    # job id, as the lease gave it -> (key, token, worker, expires_at, queue, attempt,
+    # leased_at) of
     # each lease this store granted (jobs_claim_many) and has not seen end: what an ack of
     # it needs to know, without a read of its row or a parse of its id (an id written
     # otherwise, in capitals say, is not found here and takes the read). A cache: every ack
@@ -174,7 +175,7 @@ class SqliteBase(CountsBook):
     # expected reads them (jobs_ack_many). A rolled-back claim leaves leases nobody holds
     # (their tokens were never sent); a rolled-back ack, fail or release forgets a lease
     # still held (its ack then reads its row).
-    _held: dict[str, tuple[int, str, str, int, str, int]]
+    _held: dict[str, tuple[int, str, str, int, str, int, int]]
     # The queues with a concurrency or rate limit, as committed (settings.py).
     _limited: frozenset[str] = frozenset()
 
@@ -220,15 +221,19 @@ class SqliteBase(CountsBook):
         )
 
     def _delete_jobs(self, rows: Iterable[tuple[int, str]], state: str) -> None:
-        """Delete these jobs (id, queue), all in ``state``, with their errors and keys (their
-        idempotency and unique keys)."""
+        """Delete these jobs (id, queue), all in ``state``, with their errors and unique
+        keys. Their idempotency keys stay until they expire (jobs_prune), naming the job
+        and the state it was deleted in: a submit with one is still a duplicate."""
         rows = list(rows)
         if not rows:
             return
         self._save_last_id()
         keys = (_json_ids([row[0] for row in rows]),)
         self._db.execute(f"DELETE FROM job_errors WHERE job_id IN {_JSON_IDS}", keys)
-        self._db.execute(f"DELETE FROM idempotency_keys WHERE job_id IN {_JSON_IDS}", keys)
+        self._db.execute(
+            f"UPDATE idempotency_keys SET final_state = ? WHERE job_id IN {_JSON_IDS}",
+            (state, *keys),
+        )
         self._db.execute(f"DELETE FROM unique_keys WHERE job_id IN {_JSON_IDS}", keys)
         self._db.execute(f"DELETE FROM jobs WHERE id IN {_JSON_IDS}", keys)
         for _key, queue in rows:

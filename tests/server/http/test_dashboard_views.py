@@ -8,7 +8,9 @@ slow to show a job's move fails its 2 s wait.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import secrets
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -17,6 +19,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
 import relay
+from relay.server.requests.auth import Role, Tokens, _digest
+from relay_scripts.browser import page_rates
+from tests import pg
 from tests.server.conftest import BOUND_S, RunningServer, start_server
 from tests.server.http.test_dashboard import (
     ADMIN,
@@ -33,6 +38,7 @@ from tests.server.http.test_dashboard import (
     see,
     shows_stats,
     status_is,
+    wait_until_gone,
 )
 from tests.server.http.test_dashboard import browser as browser  # the fixture
 from tests.worker.helpers import running, serving, wait_for_state
@@ -239,7 +245,7 @@ async def test_job_view_shows_payload_result_attempts_and_the_buttons_its_state_
         await client.ack(job_id, "worker-b", second.token, {"id": 7, "sent": ["ada"]})
         view = await job_view(browser, lambda v: v["state"] == "succeeded", "the ack")
         assert json.loads(view["result"]) == {"id": 7, "sent": ["ada"]}
-        assert view["attempts"][1][1] == "succeeded" and view["buttons"] == []
+        assert view["attempts"][1][1] == "succeeded" and view["buttons"] == ["purge"]
 
         # A delayed job with a payload past 64 KiB: cut, said; Run now makes it ready.
         big = {"text": "x" * 70_000}
@@ -558,3 +564,165 @@ async def test_jobs_view_pages_on_past_a_short_or_empty_page_that_has_a_cursor(
         await shows_jobs(browser, [[j, "pending"] for j in old[::-1]], "the 3 oldest pending")
         assert "page 3" in await on_page(lambda: browser.execute_script(JOBS_JS)[1])
         assert await on_page(no_console_errors, browser) == []
+
+
+# -- the actions of one job by id, their notes, what a row shows (review findings) -------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def either_server(request, tmp_path) -> AsyncIterator[RunningServer]:
+    """A server on each store in turn."""
+    db = str(tmp_path / "relay.db")
+    if request.param == "postgres":
+        db = pg.server_url(request.getfixturevalue("pg_url"), f"page_{secrets.token_hex(4)}")
+    async with serving(start_server, db) as running_server:
+        yield running_server
+
+
+def note_of(note_id: str) -> Callable[[Any], str]:
+    return lambda d: d.find_element(By.ID, note_id).text
+
+
+async def test_job_view_retries_a_cancelled_job_and_purges_a_succeeded_one(either_server, browser):
+    server = either_server
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        cancelled = (await client.submit("email", {"n": 1})).job_id
+        await client.cancel(cancelled)
+        await open_page(browser, server, f"#/job/{cancelled}")
+        await see(browser, status_is("connected"), "connected")
+        view = await job_view(browser, lambda v: v["state"] == "cancelled", "the cancelled job")
+        assert view["buttons"] == ["retry", "purge"]
+        await see(browser, click('#job-actions button[data-action="retry"]'), "Retry")
+        await wait_for_state(client, cancelled, "ready")
+        await job_view(browser, lambda v: v["state"] == "ready", "retried")
+        assert await see(browser, note_of("job-note"), "the note") == f"Retried {cancelled}."
+
+        done = (await client.submit("email", {"n": 2}, idempotency_key="K")).job_id
+        leases = {j.job_id: j for j in await client.lease(["email"], W, count=2)}
+        await client.ack(done, W, leases[done].token)
+        await see(browser, go(f"#/job/{done}"), "the succeeded job")
+        view = await job_view(browser, lambda v: v["state"] == "succeeded", "the succeeded job")
+        assert view["buttons"] == ["purge"]
+        text = await see(browser, confirm_text('#job-actions button[data-action="purge"]'), "Purge")
+        assert text == f"Purge {done}? Its record is deleted for good."
+        await wait_until_gone(client, done)
+        # The result stays over the refreshes that find the job gone.
+        purged = f"Purged {done}. Its record is deleted."
+        assert await see(browser, note_of("job-note"), "the note") == purged
+        await see(browser, lambda d: d.execute_script(JOB_JS)["state"] == "", "cleared", MOVE_S)
+        assert await on_page(note_of("job-note"), browser) == purged
+        # Its key outlives it: the producer's retry is the purged job, not a second run.
+        again = await client.submit("email", {"n": 2}, idempotency_key="K")
+        assert (again.job_id, again.duplicate) == (done, True)
+    assert await on_page(no_console_errors, browser) == []
+
+
+async def test_an_actions_result_stays_in_the_jobs_note_over_the_refreshes(server, browser):
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        for n in range(3):
+            await client.submit("email", {"n": n})
+        assert await client.cancel_queue("email") == 3
+        await open_page(browser, server, "#/jobs?queue=email&state=cancelled")
+        await see(browser, status_is("connected"), "connected")
+        await see(browser, lambda d: len(jobs_shown(d)) == 3, "the cancelled jobs", MOVE_S)
+        await see(browser, confirm_text('#bulk button[data-bulk="purge"]'), "purge all")
+        await counts_become(client, "email", {})
+        said = "Purged 3 cancelled jobs of email."
+        assert await see(browser, lambda d: note_of("jobs-note")(d) == said and said, "the note")
+        # Refreshed since (no job left shown), and the count the server answered still said.
+        await shows_jobs(browser, [], "none left")
+        await see(browser, go("#/jobs?queue=email"), "every state")
+        assert await on_page(note_of("jobs-note"), browser) == ""  # (another view: cleared)
+
+        # A row's action: its result stays too.
+        dead = await dead_in(client, "email", "boom")
+        await see(browser, go("#/jobs?queue=email&state=dead"), "the dead job")
+        await see(browser, click(f'#jobs tr[data-job="{dead}"] button[data-action="retry"]'),
+                  "Retry")  # fmt: skip
+        await wait_for_state(client, dead, "ready")
+        await shows_jobs(browser, [], "retried: not dead")
+        assert await on_page(note_of("jobs-note"), browser) == f"Retried {dead}."
+    assert await on_page(no_console_errors, browser) == []
+
+
+ROWS_JS = """
+const fields = ["priority", "worker", "when"];
+return [[...document.querySelectorAll("#jobs thead th")].map((th) => th.textContent),
+        Object.fromEntries([...document.querySelectorAll("#jobs tbody tr[data-job]")].map((r) =>
+          [r.dataset.job,
+           fields.map((f) => r.querySelector(`td[data-field="${f}"]`).textContent)])),
+        document.getElementById("zone").textContent];
+"""
+
+
+async def test_a_job_row_shows_priority_worker_and_the_time_of_its_state(server, browser):
+    address = "{}:{}".format(*server.handle.address)
+    async with relay.open_client(address) as client:
+        late = await client.submit("rows", {}, delay_ms=3_600_000, priority="low")
+        held = (await client.submit("rows", {}, priority="high")).job_id
+        (lease,) = await client.lease(["rows"], "worker-7")
+        assert lease.job_id == held
+        done = (await client.submit("rows", {})).job_id
+        (second,) = await client.lease(["rows"], W)
+        await client.ack(done, W, second.token)
+        jobs = {job.job_id: job for job in (await client.jobs_list("rows")).jobs}
+        await open_page(browser, server, "#/jobs?queue=rows")
+        await see(browser, status_is("connected"), "connected")
+        await see(browser, lambda d: len(jobs_shown(d)) == 3, "the jobs", MOVE_S)
+        headers, rows, zone = await on_page(browser.execute_script, ROWS_JS)
+        assert headers[3:7] == ["priority", "attempt", "worker", "runs at / finished"], headers
+        # (The page's times in the browser's zone, said once: the test's browser runs in UTC.)
+        assert zone == "times in UTC"
+        when = jobs[late.job_id].run_at, jobs[done].finished_at
+        assert rows[late.job_id] == ["low", "", time_text(when[0])]
+        assert rows[held] == ["high", "worker-7", ""]
+        assert rows[done] == ["normal", "", time_text(when[1])]
+    assert await on_page(no_console_errors, browser) == []
+
+
+def time_text(ms: int | None) -> str:
+    """A time as the page shows it in UTC: 2026-12-03 13:05:09."""
+    assert ms is not None
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# The rectangles of the text of each element: one per line it takes.
+LINES_JS = """
+return arguments[0].map((sel) => { const range = document.createRange();
+  range.selectNodeContents(document.querySelector(sel));
+  return range.getClientRects().length; });
+"""
+PRODUCER = "producer-token-for-dashboard-tests"
+
+
+async def test_at_500_px_the_token_form_breaks_no_word_and_a_producer_sees_no_rates(
+    tmp_path, browser
+):
+    tokens = Tokens(((_digest(ADMIN), Role.ADMIN), (_digest(PRODUCER), Role.PRODUCER)))
+
+    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
+        return await start_server(nursery, db, tokens=tokens)
+
+    await on_page(browser.set_window_size, 500, 900)
+    try:
+        async with (
+            serving(start, str(tmp_path / "relay.db")) as server,
+            relay.open_client("{}:{}".format(*server.handle.address), token=ADMIN) as client,
+        ):
+            await client.submit("email", {})
+            await open_page(browser, server)
+            await see(browser, status_is("token"), "the token form")
+            lines = await on_page(
+                browser.execute_script, LINES_JS, ['label[for="token"]', "#token-submit"]
+            )
+            assert lines == [1, 1]  # "Token", "Connect": not "Tok|en", "Conn|ect"
+            await see(browser, say_token(PRODUCER), "the form")
+            await see(browser, status_is("connected"), "connected as producer")
+            await shows_stats(browser, client)
+            # A producer cannot watch: its rates are not known, not 0.0.
+            rates = await on_page(page_rates, browser)
+            assert rates == {"email": dict.fromkeys(["submitted", "succeeded", "failed"], "-")}
+    finally:
+        await on_page(browser.set_window_size, 1280, 800)

@@ -7,6 +7,7 @@ metrics endpoint beyond loopback. Every wait is bounded."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -624,3 +625,28 @@ async def test_metrics_on_loopback_need_no_token_even_with_tokens(authed):
     status, _, body = await http_get(address, "/metrics")
     assert status == 200 and sample(body, "relay_auth_failures_total") == 0
     assert (await http_get(address, "/healthz"))[0] == 200
+
+
+def test_the_roles_table_of_the_protocol_names_each_op_once_in_its_roles_row():
+    """docs/protocol.md's table of roles says what the server enforces (``OP_ROLES``):
+    each op in the row of the least role that may use it (``cancel`` also in admin's, for
+    a leased job or a whole queue), no row twice."""
+    text = (Path(__file__).parents[3] / "docs" / "protocol.md").read_text()
+    table = text[text.index("| role | ops |") :].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [line.split(" | ", 1) for line in table]
+    roles = [role.strip("| `") for role, _ in rows]
+    assert roles == ["producer", "worker", "admin"], roles
+    listed = {
+        role: set(re.findall(r"`([a-z_]+)`", ops))
+        for role, (_, ops) in zip(roles, rows, strict=True)
+    }
+    expected = {
+        role: {
+            op
+            for op, r in OP_ROLES.items()
+            if r.label == role or (op, role) == ("hello", "producer")
+        }
+        for role in roles
+    }
+    expected["admin"].add("cancel")
+    assert listed == expected

@@ -99,7 +99,7 @@ async def test_a_leasing_connection_is_listed_with_what_it_holds(any_server) -> 
         await each.aclose()
 
 
-async def test_a_job_leased_before_a_reconnect_is_held_with_no_known_start(server) -> None:
+async def test_a_job_leased_before_a_reconnect_is_held_with_its_start(server) -> None:
     admin = await server.connect()
     [job] = await submit(admin, "q", 1)
     first = await server.connect()
@@ -113,12 +113,32 @@ async def test_a_job_leased_before_a_reconnect_is_held_with_no_known_start(serve
         return page if len(page["workers"]) == 1 else None
 
     [entry] = (await wait_until(one, what="the first connection forgotten"))["workers"]
-    assert entry["jobs"] == [
-        {"job_id": job, "queue": "q", "worker_id": "w1", "held_ms": None,
-         "lease_expires_at": entry["jobs"][0]["lease_expires_at"]},
-    ]  # fmt: skip
-    assert entry["longest_held_ms"] is None and entry["jobs_held"] == 1
+    [held] = entry["jobs"]
+    assert (held["job_id"], held["worker_id"], entry["jobs_held"]) == (job, "w1", 1)
+    assert 0 <= held["held_ms"] < BOUND_S * 1000
+    assert entry["longest_held_ms"] == held["held_ms"]
     for each in (admin, again):
+        await each.aclose()
+
+
+async def test_the_oldest_job_of_a_busy_worker_keeps_its_time(server) -> None:
+    """A worker stuck on one job while it runs hundreds of others: the stuck job is the
+    longest held, with its time (it was the one forgotten when each connection kept only
+    its last hand-outs)."""
+    admin = await server.connect()
+    [stuck] = await submit(admin, "slow", 1)
+    worker = await server.connect()
+    await worker.ok("lease", queues=["slow"], worker_id="w1", lease_ms=LEASE_MS)
+    await submit(admin, "q", 600)
+    for _ in range(6):
+        reply = await worker.ok("lease", queues=["q"], worker_id="w1", count=100, lease_ms=LEASE_MS)
+        for job in reply["jobs"]:
+            await worker.ok("ack", job_id=job["job_id"], worker_id="w1", token=job["token"])
+    [entry] = (await workers(admin))["workers"]
+    assert [job["job_id"] for job in entry["jobs"]] == [stuck]
+    assert entry["jobs"][0]["held_ms"] is not None
+    assert entry["longest_held_ms"] == entry["jobs"][0]["held_ms"]
+    for each in (admin, worker):
         await each.aclose()
 
 
@@ -239,3 +259,18 @@ async def test_the_clients_read_a_page_of_workers(server) -> None:
     same = await trio.to_thread.run_sync(blocking)
     assert [w.worker_id for w in same.workers] == ["w1"] and same.server == page.server
     await conn.aclose()
+
+
+async def test_a_worker_id_with_a_nul_is_listed_with_its_job(any_server) -> None:
+    """A worker id may be any text: one with a NUL (which PostgreSQL's text cannot hold,
+    so it is stored escaped) neither breaks ``workers_list`` nor hides its jobs."""
+    server = any_server
+    admin = await server.connect()
+    [job] = await submit(admin, "q", 1)
+    worker = await server.connect()
+    await worker.ok("lease", queues=["q"], worker_id="w\x00x", lease_ms=LEASE_MS)
+    [entry] = (await workers(admin))["workers"]
+    assert entry["worker_id"] == "w\x00x" and entry["jobs_held"] == 1
+    assert [(j["job_id"], j["worker_id"]) for j in entry["jobs"]] == [(job, "w\x00x")]
+    for each in (admin, worker):
+        await each.aclose()
