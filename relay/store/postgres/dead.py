@@ -31,9 +31,12 @@ _REVIVE_QUEUE = (
 )
 # Errors go with the jobs (ON DELETE CASCADE); idempotency keys stay until they expire
 # (_keys_outlive).
+# (The rows chosen once, in a materialized CTE: as "id IN (SELECT ... LIMIT)" the planner
+# may run the limited subquery again per row of a join, and delete past the limit.)
 _PURGE_QUEUE = (
-    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
-    "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
+    "WITH d AS MATERIALIZED (SELECT id FROM jobs WHERE state = 'dead' AND queue = %s "
+    "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) "
+    "DELETE FROM jobs USING d WHERE jobs.id = d.id RETURNING jobs.id"
 )
 
 # The same of another finished state (cancelled, succeeded: a bulk retry or purge), a scan

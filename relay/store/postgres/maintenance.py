@@ -51,9 +51,12 @@ _REAP = (
     "RETURNING jobs.id, jobs.queue, jobs.state, jobs.attempt, e.lease_expires_at, "
     "jobs.attempts_ended"
 )
+# Each the rows chosen once, in a materialized CTE: as "IN (SELECT ... LIMIT)" the
+# planner may run the limited subquery again per row of a join, and delete past the limit.
 _PRUNE_KEYS = (
-    "DELETE FROM idempotency_keys WHERE (queue, key) IN (SELECT queue, key "
-    "FROM idempotency_keys WHERE expires_at <= %s LIMIT %s FOR UPDATE SKIP LOCKED)"
+    "WITH d AS MATERIALIZED (SELECT queue, key FROM idempotency_keys WHERE expires_at <= %s "
+    "LIMIT %s FOR UPDATE SKIP LOCKED) DELETE FROM idempotency_keys AS k USING d "
+    "WHERE k.queue = d.queue AND k.key = d.key"
 )
 # Their errors go with them (ON DELETE CASCADE), their idempotency keys stay until they
 # expire (_keys_outlive). Succeeded and cancelled jobs,
@@ -61,8 +64,9 @@ _PRUNE_KEYS = (
 # is written in the text, since a prepared statement's generic plan cannot match a
 # parameter to an index's predicate.
 _PRUNE_STATE = (
-    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state = '{state}' "
-    "AND finished_at < %s LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id, queue"
+    "WITH d AS MATERIALIZED (SELECT id FROM jobs WHERE state = '{state}' "
+    "AND finished_at < %s LIMIT %s FOR UPDATE SKIP LOCKED) "
+    "DELETE FROM jobs USING d WHERE jobs.id = d.id RETURNING jobs.id, jobs.queue"
 )
 _PRUNE_JOBS = _PRUNE_STATE.format(state="succeeded")
 _PRUNE_CANCELLED = _PRUNE_STATE.format(state="cancelled")
