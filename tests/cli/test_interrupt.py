@@ -405,6 +405,10 @@ async def test_watch_ends_with_one_line_when_its_server_goes(tmp_path):
         async with command("watch", env=cli_env(address)) as watching:
             async with open_client(address) as client:
                 await wait_for_connections(client, 2)
+                # Watching (its hello answered, its watch begun), not only connected: a
+                # loaded machine could otherwise shut the server down inside its hello.
+                job = (await client.submit("q", 1)).job_id
+                await watching.wait_for(lambda c: job.encode() in c.stdout)
             server.handle.shutdown()
             with trio.fail_after(BOUND_S):
                 code = await watching.process.wait()
