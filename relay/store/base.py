@@ -60,15 +60,6 @@ NOT_STARTED = (PENDING, READY, RETRYING)
 RETRYABLE = (DEAD, CANCELLED)
 PURGEABLE = (DEAD, SUCCEEDED, CANCELLED)
 PROMOTABLE = (PENDING, RETRYING)
-# The states of SQLite's job browser index by (queue, state, id): every state but the two
-# a job passes through on the hot path (ready, leased), so that a submit, a lease and an
-# ack write it once between them (the ack's succeeded row), not five times. A page of
-# ready or leased jobs reads their own indexes instead (relay/store/rows.py). (PostgreSQL
-# keeps the whole index: docs/design-decisions.md.)
-BROWSED_STATES = (PENDING, RETRYING, SUCCEEDED, DEAD, CANCELLED)
-# The index's condition, as its statements repeat it word for word so that SQLite sees
-# that the partial index answers a bound state.
-BROWSED = "state IN (" + ", ".join(f"'{state}'" for state in BROWSED_STATES) + ")"
 
 
 def refusal_hint(operation: str, state: str, states: Sequence[str]) -> str:
@@ -675,14 +666,11 @@ class Store(Protocol):
         """The job browser: jobs in ``states`` (of ``queue``, or of every queue) by job id,
         newest first (or oldest), at most ``limit`` after ``cursor``'s job in that order,
         each without payload, result or errors (``rows.summaries``), and the next cursor.
-        One seek per (queue, state) holding jobs (of ``jobs_queue_state``; of
-        ``jobs_ready`` or ``jobs_leased``, sorted, for ready and leased jobs), each read
-        only for what the page takes; past rows.MERGED_RUNS_MAX such runs, or
-        rows.SORTED_MAX jobs to sort, the jobs by id, at most rows.ROWS_EXAMINED_MAX.
-        ``search``: ids that begin with it ("job_" and 7 to 16 hex digits: one range of
-        the key), or, with ``queue``, jobs whose idempotency or unique key begins with
-        it (at most KEY_SEARCH_MAX of each; more is ``BadRequest`` naming search, as is
-        a search that is no id without ``queue``)."""
+        One seek of ``jobs_queue_state`` per (queue, state) holding jobs, each read only
+        for what the page takes. ``search``: ids that begin with it ("job_" and 7 to 16
+        hex digits: one range of the key), or, with ``queue``, jobs whose idempotency or
+        unique key begins with it (at most KEY_SEARCH_MAX of each; more is
+        ``BadRequest`` naming search, as is a search that is no id without ``queue``)."""
 
     # -- queue settings ----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from relay.protocol.model import (
     job_id_keys,
     parse_job_id,
 )
-from relay.store.base import LEASE_EXPIRED_ERROR, LEASED, READY, RESTART_ERROR, info_size
+from relay.store.base import LEASE_EXPIRED_ERROR, RESTART_ERROR, info_size
 
 # The columns of a job's row, in the order ``job_info`` reads them.
 JOB_COLUMNS = (
@@ -219,22 +219,6 @@ def merged(
 # and its cursor is the last job examined (more may follow).
 MERGED_RUNS_MAX = 32
 ROWS_EXAMINED_MAX = 10_000
-# On SQLite the ready and leased jobs are not in the browser's index (base.BROWSED): a run
-# of one queue's ready jobs reads them all from jobs_ready, and one of leased jobs every
-# leased job from jobs_leased, each sorted by id, while that is at most SORTED_MAX jobs.
-# Past it the page reads the jobs by id, as above.
-SORTED_MAX = 10_000
-
-
-def sortable(pairs: list[tuple[str, str]], count: Callable[[str, str], int]) -> bool:
-    """Whether the runs of ``pairs`` read at most SORTED_MAX jobs each to sort:
-    ``count(queue, state)`` jobs (queue None: of every queue)."""
-    for queue, state in pairs:
-        if state == READY and count(queue, READY) > SORTED_MAX:
-            return False
-        if state == LEASED and count(None, LEASED) > SORTED_MAX:
-            return False
-    return True
 
 
 def held_runs(

@@ -36,7 +36,7 @@ log = logging.getLogger("relay.store")
 # "RLYT" as a big-endian 32-bit integer: marks the file as relay-trio's in its header, so
 # `file(1)` and our own check can tell it from any other SQLite database.
 APPLICATION_ID = 0x524C5954
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 13
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SYNCHRONOUS_MODES = ("full", "normal")
@@ -305,18 +305,6 @@ def _v13_keys_outlive_jobs(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at)")
 
 
-def _v14_browser_index_off_the_hot_path(db: sqlite_utils.Database) -> None:
-    # The job browser's index without the ready and leased jobs (base.BROWSED): a submit,
-    # a lease and an ack wrote it five times between them (an insert, two moves), which
-    # measured ~10 us of the writer's CPU per job leased and acked; now an ack's insert.
-    # Pages of ready and leased jobs read jobs_ready and jobs_leased. Reads the table once.
-    db.execute("DROP INDEX jobs_queue_state")
-    db.execute(
-        "CREATE INDEX jobs_queue_state ON jobs (queue, state, id) "
-        "WHERE state IN ('pending', 'retrying', 'succeeded', 'dead', 'cancelled')"
-    )
-
-
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _create_v1,
@@ -332,7 +320,6 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     11: _v11_job_browser,
     12: _v12_history,
     13: _v13_keys_outlive_jobs,
-    14: _v14_browser_index_off_the_hot_path,
 }
 
 

@@ -269,24 +269,3 @@ def test_a_delayed_job_promoted_is_not_promoted_again_by_the_clock(store):
     store.job_promote(job, T0 + 1)
     assert store.jobs_promote_due(T0 + DAY + 1, 100) == 0
     assert state(store, job) == "ready"
-
-
-@pytest.mark.parametrize("sorted_max", [rows.SORTED_MAX, 1])
-def test_ready_and_leased_jobs_are_listed_from_their_own_indexes_or_by_id(
-    store: Store, monkeypatch: pytest.MonkeyPatch, sorted_max: int
-) -> None:
-    """Ready and leased jobs are not in the browser's index: a page reads a queue's ready
-    jobs and every leased job and sorts them while they are few (rows.SORTED_MAX), and
-    reads the jobs by id past that; either way the same jobs in the same order."""
-    monkeypatch.setattr(rows, "SORTED_MAX", sorted_max)
-    ids = [submit(store, T0 + i) for i in range(5)]
-    submit(store, T0, queue="other")
-    leases = store.jobs_claim(["q"], "w", 2, 60_000, T0 + 10)
-    store.jobs_ack(leases[0].job_id, "w", leases[0].token, None, T0 + 11)
-    store.jobs_claim(["other"], "w", 1, 60_000, T0 + 12)
-    expected = {ids[0]: "succeeded", ids[1]: "leased", **dict.fromkeys(ids[2:], "ready")}
-    for states in (["ready", "leased"], ["leased"], ["ready"], EVERY):
-        for newest in (True, False):
-            want = [i for i in ids if expected[i] in states]
-            got = every_page(store, 2, queue="q", states=states, newest=newest)
-            assert got == (want[::-1] if newest else want), (states, newest)

@@ -23,7 +23,7 @@ from relay.protocol.errors import (
 )
 from relay.protocol.model import Backoff, ErrorEntry, JobState, Priority, SubmitSpec, parse_job_id
 from relay.store import schema
-from relay.store.base import BROWSED, QueueSettings, StoreConfig
+from relay.store.base import QueueSettings, StoreConfig
 from relay.store.schema import (
     APPLICATION_ID,
     MIGRATIONS,
@@ -1114,37 +1114,3 @@ def test_a_version_12_file_migrates_to_keys_that_outlive_their_jobs(
     finally:
         store.close()
     assert inspect_file(path) == SCHEMA_VERSION
-
-
-def test_a_version_13_file_migrates_to_the_browsers_index_without_ready_and_leased(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Version 14 keeps ready and leased jobs out of the job browser's index (the hot
-    path writes it once per job, not five times); its pages of every state still list
-    the jobs of an older file, ready and leased ones from their own indexes."""
-    path = str(tmp_path / "relay.db")
-    with monkeypatch.context() as old_code:
-        old_code.setattr(schema, "SCHEMA_VERSION", 13)
-        store = SqliteStore.open(path)
-        done, held, waiting = (r.job_id for r in store.jobs_submit([spec()] * 3, T0))
-        [first] = store.jobs_claim(["q"], "w1", 1, 60_000, T0)
-        store.jobs_ack(first.job_id, "w1", first.token, None, T0 + 1)
-        store.jobs_claim(["q"], "w1", 1, 60_000, T0 + 2)
-        store.close()
-    conn = sqlite3.connect(path)
-    index = "SELECT sql FROM sqlite_master WHERE name = 'jobs_queue_state'"
-    assert "WHERE" not in conn.execute(index).fetchone()[0]
-    conn.close()
-
-    store = SqliteStore.open(path)
-    try:
-        assert pragma(store._db, "user_version") == SCHEMA_VERSION
-        assert store._db.execute(index).fetchone()[0].endswith(f"WHERE {BROWSED}")
-        everyone = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
-        jobs, cursor = store.jobs_list("q", everyone, None, None, 10)
-        assert [(job.job_id, job.state) for job in jobs] == [
-            (waiting, "ready"), (held, "leased"), (done, "succeeded"),
-        ]  # fmt: skip
-        assert cursor is None
-    finally:
-        store.close()

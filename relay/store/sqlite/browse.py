@@ -1,16 +1,13 @@
 """The job browser, as SQLite: a page of any states' jobs (``jobs_list``), and a promote
 of one waiting job (``job_promote``).
 
-A page of one queue is one seek of ``jobs_queue_state`` (queue, state, id) per state
-asked that holds jobs (the counts in memory say which), each read lazily and merged by
-id: the page costs those seeks and its own rows, at any number of jobs. Ready and leased
-jobs are not in that index (base.BROWSED): their runs read the queue's ready jobs of
-jobs_ready, or every leased job of jobs_leased, sorted by id, while those are at most
-rows.SORTED_MAX. A page of every queue does the same while at most MERGED_RUNS_MAX
-(queue, state) hold jobs in the states asked; past that it reads the jobs by id (the
-table's key; the dead ones by ``jobs_dead``), at most ROWS_EXAMINED_MAX of them, as a
-search by an id's start reads its range of ids: a page costs at most that many rows
-whatever the number of queues or jobs (rows.py).
+A page of one queue is one seek of ``jobs_queue_state`` (queue, state, id) per state asked
+that holds jobs (the counts in memory say which), each read lazily and merged by id: the
+page costs those seeks and its own rows, at any number of jobs. A page of every queue
+does the same while at most MERGED_RUNS_MAX (queue, state) hold jobs in the states asked;
+past that it reads the jobs by id (the table's key; the dead ones by ``jobs_dead``), at
+most ROWS_EXAMINED_MAX of them, as a search by an id's start reads its range of ids: a
+page costs at most that many rows whatever the number of queues or jobs (rows.py).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from collections.abc import Sequence
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import JobInfo, JobState, parse_job_id
 from relay.store import rows as browse_rows
-from relay.store.base import BROWSED, LEASED, PROMOTABLE, READY
+from relay.store.base import PROMOTABLE, READY
 from relay.store.rows import (
     KEY_SEARCH_MAX,
     SUMMARY_COLUMNS,
@@ -29,7 +26,6 @@ from relay.store.rows import (
     key_matches,
     list_page,
     search_ids,
-    sortable,
     summaries,
     window,
     window_page,
@@ -38,20 +34,10 @@ from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids
 
 # Where a page's jobs are, beyond the cursor's bound, oldest or newest first.
 _BOUND = {False: ("id > ?", ""), True: ("id <= ?", "DESC")}
-# One (queue, state)'s jobs beyond the cursor's bound: of a state in the browser's index
-# (its condition repeated, so that SQLite sees the partial index answers), or a queue's
-# ready jobs from jobs_ready, or its leased ones from every leased job's jobs_leased,
-# sorted (rows.SORTED_MAX).
+# One (queue, state)'s jobs beyond the cursor's bound.
 _RUN = {
     newest: f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY jobs_queue_state "
-    f"WHERE queue = ? AND state = ? AND {BROWSED} AND {bound} ORDER BY id {order} LIMIT ?"
-    for newest, (bound, order) in _BOUND.items()
-}
-_SORTED_RUN = {
-    (state, newest): f"SELECT {SUMMARY_COLUMNS} FROM jobs INDEXED BY {index} "
-    f"WHERE queue = ? AND state = ? AND state = '{state}' AND {bound} "
-    f"ORDER BY id {order} LIMIT ?"
-    for state, index in ((READY, "jobs_ready"), (LEASED, "jobs_leased"))
+    f"WHERE queue = ? AND state = ? AND {bound} ORDER BY id {order} LIMIT ?"
     for newest, (bound, order) in _BOUND.items()
 }
 # Every queue's dead jobs (the partial index ``jobs_dead`` by id).
@@ -113,28 +99,17 @@ class SqliteBrowse(SqliteBase):
                 else (((queue, state), self._counts.get((queue, state), 0)) for state in states)
             )
             pairs = held_runs(counts, states, browse_rows.MERGED_RUNS_MAX)
-            if pairs is not None and not sortable(pairs, self._count_of):
-                pairs = None
-            if pairs is None:  # too many to merge or to sort: the jobs by id
+            if pairs is None:  # too many to merge: the jobs by id
                 span, edge = self._window(window(None, bound, newest), newest)
                 filters = (_json_ids(list(states)), queue, queue, limit + 1)
                 runs = [self._db.execute(_SEARCH[False, newest], (*span, *filters))]
             else:
                 runs = [
-                    self._db.execute(
-                        _SORTED_RUN.get((state, newest)) or _RUN[newest],
-                        (q, state, bound, limit + 1),
-                    )
+                    self._db.execute(_RUN[newest], (q, state, bound, limit + 1))
                     for q, state in pairs
                 ]
         rows, after = window_page(runs, edge, limit, newest)
         return list_page(summaries(rows), after)
-
-    def _count_of(self, queue: str | None, state: str) -> int:
-        """Jobs of ``queue`` (None: every queue) in ``state``, from the counts in memory."""
-        if queue is not None:
-            return self._counts.get((queue, state), 0)
-        return sum(n for (_, s), n in self._counts.items() if s == state)
 
     def _window(self, span: tuple[int, int], newest: bool) -> tuple[tuple[int, int], int | None]:
         """``span``, the keys (lowest, highest) a read by id may take, cut at its edge:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from relay.protocol.errors import InvalidState, JobNotFound
 from relay.protocol.model import parse_job_id
-from relay.store.base import BROWSED, DEAD, PURGEABLE, READY, RETRYABLE, refusal_hint
+from relay.store.base import DEAD, PURGEABLE, READY, RETRYABLE, refusal_hint
 from relay.store.sqlite.sql import _JSON_IDS, SqliteBase, _json_ids, _json_rows, _json_select
 
 _DEAD_OF_QUEUE_SQL = _json_select(
@@ -21,8 +21,7 @@ _DEAD_OF_QUEUE_SQL = _json_select(
 # purge: a seek of jobs_queue_state.
 _OF_QUEUE_STATE_SQL = _json_select(
     "id, queue",
-    "FROM jobs INDEXED BY jobs_queue_state WHERE queue = ? AND state = ? "
-    f"AND {BROWSED} ORDER BY id LIMIT ?",
+    "FROM jobs INDEXED BY jobs_queue_state WHERE queue = ? AND state = ? ORDER BY id LIMIT ?",
 )
 
 
