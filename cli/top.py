@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import trio
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -442,8 +442,9 @@ def _failures_table(
     table.add_column("attempt", width=fixed[1], no_wrap=True, justify="right")
     table.add_column("error", width=error, no_wrap=True, style="red")
     for (job_id, name, _, _), attempt, text in zip(failures, attempts, errors, strict=True):
-        table.add_row(ids[job_id], views.cut_middle(name, queue), attempt,
-                      views.truncate(text, error))  # fmt: skip
+        table.add_row(
+            ids[job_id], views.cut_middle(name, queue), attempt, Text(views.truncate(text, error))
+        )  # fmt: skip (a worker's text: no markup)
     if not failures:
         table.add_row(Text(NO_FAILURES, style="dim"), "", "", "")
     return table
@@ -472,7 +473,10 @@ async def run_top(
 ) -> None:
     """Show the view until cancelled (Ctrl-C), reconnecting whenever the server goes.
     Raises what ``follow`` cannot retry, once the screen is restored."""
-    with Live(view.render(), refresh_per_second=REFRESH_PER_S, screen=True) as live:
+    # (A console that reads no markup in any text, as every command's: calls.console.)
+    live = Live(view.render(), refresh_per_second=REFRESH_PER_S, screen=True,
+                console=Console(markup=False, emoji=False))  # fmt: skip
+    with live:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_redraw, live, view)
             await follow(address, token, tls_ca, view, connect_timeout)

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import re
 
-# C0 and C1 control characters and DEL, but the newline (a traceback has lines).
-_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+# C0 and C1 control characters and DEL, but the newline (a traceback has lines); and the
+# bidirectional controls, which reorder what a terminal shows after them.
+_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:
     """``text`` with each control character but the newline shown as its escape: ESC as
-    the four characters ``\\x1b``."""
+    the four characters ``\\x1b``, a right-to-left override as ``\\u202e``."""
     return _CONTROLS.sub(_escape, text)
 
 
 def _escape(match: re.Match[str]) -> str:
-    return f"\\x{ord(match.group()):02x}"
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"

@@ -544,3 +544,12 @@ async def test_top_hides_the_workers_panel_for_a_server_without_workers_list(ser
         nursery.cancel_scope.cancel()
     lines = lines_of(view.render(), 80)
     assert "Workers" not in "\n".join(lines) and row(lines, "email ")
+
+
+def test_a_failures_text_is_shown_as_text_on_any_console():
+    """A worker's error holding "[/]" once ended top in a MarkupError (its console read
+    markup); it is shown as it is, its control characters as escapes."""
+    view = TopView(clock=lambda: 0.0)
+    view.failure(job_id(T0), "email", 1, "expected [/] got [bold]x\x1b[2J")
+    text = draw(view)
+    assert "expected [/] got [bold]x\\x1b[2J" in text and "\x1b[2J" not in text

@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 
 from relay.protocol.errors import LeaseExpired, QueueFull, StaleToken
 from relay.protocol.model import ID_MAX as MAX_JOB_KEY
-from relay.protocol.model import Backoff, JobState, Rate, SubmitSpec
+from relay.protocol.model import Backoff, JobState, Rate, SubmitResult, SubmitSpec
 from relay.store.base import StoreConfig
 from relay.store.postgres import PostgresStore
 from relay.store.postgres import browse as browse_sql
@@ -640,3 +640,35 @@ def test_a_server_learns_of_another_servers_limits_as_it_refreshes_its_counts(se
     b.counts_refresh(None, 100)
     assert b.view.limits == {"later": (1, None)}
     assert servers().view.limits == {"later": (1, None)}  # (as a server opens)
+
+
+# -- keys across servers ---------------------------------------------------------------------
+
+
+def test_a_job_that_loses_its_unique_key_to_another_server_leaves_no_idempotency_key(servers):
+    """A submit whose job took its idempotency key and then lost its unique key to another
+    server's job (committed while it waited) is answered as that job's duplicate, as on
+    SQLite, and records no key: the next submit with the key makes a job. (The lost job's
+    key once stayed, pointing at no job, and refused the key for its whole window.)"""
+    a, b = servers(), servers()
+    a.begin()
+    [held] = a.jobs_submit(specs(1, unique_key="u"), T0)  # holds the unique row
+    done = threading.Event()
+    answers: list[object] = []
+
+    def submit_on_b() -> None:
+        b.begin()
+        answers.extend(b.jobs_submit(specs(1, unique_key="u", idempotency_key="k"), T0))
+        b.commit()
+        done.set()
+
+    thread = threading.Thread(target=submit_on_b)
+    thread.start()
+    assert not done.wait(0.3)  # b waits for a's unique key
+    a.commit()
+    thread.join(10)
+    assert done.is_set() and answers == [SubmitResult(held.job_id, held.state, duplicate=True)]
+    [again] = b.jobs_submit(specs(1, idempotency_key="k"), T0 + 1)
+    assert not again.duplicate and again.job_id != held.job_id
+    [repeat] = a.jobs_submit(specs(1, idempotency_key="k"), T0 + 2)
+    assert repeat == SubmitResult(again.job_id, again.state, duplicate=True)

@@ -24,6 +24,7 @@ from relay.util.log import (
     flush,
     text_value,
 )
+from relay.util.printable import printable
 
 
 def test_a_flood_is_logged_once_per_interval_with_its_count():
@@ -243,3 +244,9 @@ def test_a_text_line_shows_a_workers_control_characters_as_escapes():
     lines = TextFormatter().format(record).splitlines()
     assert lines[0].endswith("job j dead: x\\x1b[2J\\x1b]0;title\\x07"), lines
     assert lines[1:] == ["    Traceback", "      \\x1b[31mred"]
+
+
+def test_printable_escapes_controls_and_bidirectional_overrides_and_keeps_the_rest():
+    assert printable("a\x1b[2Jb\x07\x9b\ttab\nnext") == "a\\x1b[2Jb\\x07\\x9b\\x09tab\nnext"
+    assert printable("abc\u202egnp.exe") == "abc\\u202egnp.exe"
+    assert printable("naïve 日本 [/] \\x1b") == "naïve 日本 [/] \\x1b"  # already text

@@ -239,7 +239,12 @@ class Jobs(PostgresBase):
         if fresh_uniques:
             lost.update(self._take_uniques(new, new_uniques, ids, lost))
         if lost:
-            self._write("DELETE FROM jobs WHERE id = ANY(%s)", ([ids[i] for i in lost],))
+            # Never made, as SQLite never makes them: with their idempotency keys, which a
+            # job that lost only its unique key took (a key outlives a job deleted
+            # otherwise, and would answer for this one until its window ends).
+            gone = [ids[i] for i in lost]
+            self._write("DELETE FROM idempotency_keys WHERE job_id = ANY(%s)", (gone,))
+            self._write("DELETE FROM jobs WHERE id = ANY(%s)", (gone,))
         results: list[SubmitResult] = []
         for answer in answers:
             if isinstance(answer, SubmitResult):
