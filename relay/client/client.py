@@ -59,7 +59,7 @@ from relay.client.replies import (
     structure_reply,
     submit_result,
 )
-from relay.client.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport
+from relay.client.tcp import CONNECT_TIMEOUT_S, RECONNECT_TIMEOUT_S, TcpTransport, client_name
 from relay.client.tls import TLS_SCHEME, client_context, parse_address, uses_tls
 from relay.protocol.errors import (
     InternalError,
@@ -132,7 +132,10 @@ class Client:
         return EventStream(self._call, self._transport, fields)
 
     async def hello(self, client: str | None = None) -> Hello:
-        reply = await self._call("hello", client=client)
+        """Say hello again (the server's limits, this connection's role); ``client`` names
+        this process in the server's workers list (default: as each connection's first
+        hello does, ``tcp.client_name``)."""
+        reply = await self._call("hello", client=client if client is not None else client_name())
         return structure_reply(reply, Hello)
 
     async def ping(self) -> None:

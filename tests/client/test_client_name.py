@@ -9,10 +9,12 @@ import socket
 
 import trio
 
+import relay
 from relay import connect
 from relay.client.client import open_client
 from tests.client.test_client import lease_one
 from tests.server.conftest import BOUND_S
+from tests.worker.helpers import running
 
 
 def expected_name() -> str:
@@ -40,3 +42,24 @@ async def test_the_blocking_client_names_itself_too(server):
     with trio.fail_after(BOUND_S):
         client = await trio.to_thread.run_sync(lease_and_list)
     assert client is not None and client.endswith(expected_name()), client
+
+
+async def test_a_relay_worker_keeps_its_name_after_its_own_hello(server):
+    """relay.Worker says hello again to read the limits: that hello names the process too
+    (it once cleared the name the connection's first hello gave)."""
+    started = trio.Event()
+    release = trio.Event()
+
+    async def handler(job: relay.LeasedJob) -> None:
+        started.set()
+        await release.wait()
+
+    worker = relay.Worker(server.address, queues=["q"], handler=handler, concurrency=1)
+    async with open_client(server.address) as admin, running(worker):
+        await admin.submit("q", 1)
+        with trio.fail_after(BOUND_S):
+            await started.wait()
+            page = await admin.workers_list()
+        release.set()
+    [entry] = page.workers
+    assert entry.client is not None and entry.client.endswith(expected_name()), entry
