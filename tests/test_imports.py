@@ -59,6 +59,7 @@ INTERFACE = {
         "relay.store.postgres.notify",  # the change feed's payloads (services/feed.py)
         "relay.store.postgres.schema",  # the feed's own connection
         "relay.store.backup",  # the online backup of a SQLite file (relay-trio backup)
+        "relay.store.rows",  # the job browser's bounds (scripts/bench_browse.py sets them)
     },
     "relay.server": {
         "relay.server.core",  # ServerConfig, open_core (relay.local)

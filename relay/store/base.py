@@ -87,6 +87,9 @@ TOKEN_BYTES = 16
 # errors and tracebacks of at most 8 KiB each, a job's history stays under 512 KiB of
 # text in a reply.
 ERRORS_SHOWN = 32
+# A job browser's item (jobs_list) carries the first this many characters of its last
+# error (relay/store/rows.py); the request's reply reservation counts on it.
+SUMMARY_ERROR_CHARS = 200
 # Ended attempts kept per job (the rows of job_errors): the most recent ones. Each write of
 # one past this deletes the oldest (only then: the job row counts its ended attempts,
 # ``attempts_ended``), so a job retried 10,000 times keeps this many rows. The errors

@@ -23,7 +23,7 @@ from relay.protocol.model import (
     job_id_keys,
     parse_job_id,
 )
-from relay.store.base import LEASE_EXPIRED_ERROR, RESTART_ERROR, info_size
+from relay.store.base import LEASE_EXPIRED_ERROR, RESTART_ERROR, SUMMARY_ERROR_CHARS, info_size
 
 # The columns of a job's row, in the order ``job_info`` reads them.
 JOB_COLUMNS = (
@@ -177,8 +177,6 @@ def page(
 SUMMARY_COLUMNS = JOB_COLUMNS.replace("payload", "'' AS payload").replace(
     "result", "NULL AS result"
 )
-# A browser's item carries the first this many characters of its last error.
-SUMMARY_ERROR_CHARS = 200
 # A search by key prefix takes at most this many keys of each kind (idempotency, unique);
 # a prefix that more keys begin with is refused: give more of it.
 KEY_SEARCH_MAX = 1000

@@ -15,7 +15,7 @@ import pytest
 from relay.protocol.errors import BadRequest, InvalidState, JobNotFound, StaleToken
 from relay.protocol.model import JobState
 from relay.store import rows
-from relay.store.rows import SUMMARY_ERROR_CHARS
+from relay.store.base import SUMMARY_ERROR_CHARS
 from tests.conftest import T0
 from tests.store.conformance import Store
 from tests.store.test_cancel import make

@@ -22,9 +22,14 @@ from relay.protocol.model import QUEUE_NAME_MAX
 from relay.server.requests import ops
 from relay.server.requests.auth import Role
 from relay.store import commands as cmd
-from relay.store.base import ATTEMPTS_KEPT, ERRORS_SHOWN, REPLY_OVERHEAD_BYTES, ScheduleSpec
+from relay.store.base import (
+    ATTEMPTS_KEPT,
+    ERRORS_SHOWN,
+    REPLY_OVERHEAD_BYTES,
+    SUMMARY_ERROR_CHARS,
+    ScheduleSpec,
+)
 from relay.store.items import Item
-from relay.store.rows import SUMMARY_ERROR_CHARS
 
 if TYPE_CHECKING:
     from relay.server.requests.connection import Connection
