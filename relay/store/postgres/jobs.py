@@ -301,7 +301,7 @@ class Jobs(PostgresBase):
             for spec in specs
         )
         if plain:  # the common batch: five arrays, not thirteen
-            self._write(
+            self._write_later(
                 _INSERT_PLAIN,
                 {
                     "now": now,
@@ -328,7 +328,7 @@ class Jobs(PostgresBase):
                 run_ats.append(spec.run_at)
         backoffs = [spec.backoff for spec in specs]
         queues = [spec.queue for spec in specs]
-        self._write(
+        self._write_later(
             _INSERT_JOBS,
             (
                 now,

@@ -47,15 +47,26 @@ from relay.store.postgres.sql import atomic, encode_text
 # A queue paused (a row of queue_settings, committed when the statement starts, by any
 # server) is left out before its jobs are looked at: one primary-key probe per queue asked,
 # which also says whether the queue has a limit (each row's last field).
+#
+# Each candidate also carries what its lease answers (locked, so it stays so until the
+# claim's update): its attempt so far, max_attempts, its schedule's slot, and its payload
+# if at most SMALL_PAYLOAD bytes (else NULL): a claim whose jobs all have theirs needs no
+# result of its update, which then goes with the commit (``_write_later``). A larger one
+# is read by the update, as it is taken, and never for a candidate left: a claim reads
+# a large payload once, as before.
+SMALL_PAYLOAD = 8192
 _CANDIDATES = (
-    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms, q.limited "
+    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms, q.limited, "
+    "j.attempt, j.max_attempts, j.scheduled_for, j.small "
     "FROM (SELECT u.queue, "
     "coalesce(s.max_leased IS NOT NULL OR s.rate_limit IS NOT NULL, false) AS limited "
     "FROM unnest(%s::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
     "WHERE s.paused IS NOT TRUE) AS q "
     "CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
     "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
-    "timeout_ms FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
+    "timeout_ms, attempt, max_attempts, scheduled_for, CASE WHEN octet_length(payload) <= "
+    f"{SMALL_PAYLOAD} THEN payload END AS small "
+    "FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
     "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
 )
 # The limited queues among those asked, locked, with their rate windows; skipping those
@@ -81,9 +92,10 @@ _CLAIM = (
     "deadline_at = CASE WHEN "
     f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
     "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
-    "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id "
-    "RETURNING jobs.id, jobs.attempt, jobs.max_attempts, jobs.payload, jobs.scheduled_for"
+    "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id"
 )
+# The same, for a claim that took a job whose payload its candidate left out.
+_CLAIM_READ = _CLAIM + " RETURNING jobs.id, jobs.payload"
 
 # The columns ``check_lease`` reads, in its order.
 _LEASE_COLUMNS = (
@@ -146,6 +158,7 @@ class Leases(PostgresBase):
         and other servers skip them meanwhile.
         """
 
+        self._expiry_told.now = max(self._expiry_told.now, now)
         room: dict[str, int] = {}  # (filled once a limited queue's candidate is met)
         limited: dict[str, tuple[QueueSettings, tuple[int | None, int]]] | None = None
         seen: dict[str, set[int]] = {}  # limited queue -> its candidates (some stay ready?)
@@ -174,31 +187,32 @@ class Leases(PostgresBase):
         # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 5.
         granted = claims_.grant(claims, chosen, now, found, 5)
         updates = [update for mine in granted for update in mine]
-        leased = {
-            key: (attempt, max_attempts, payload, slot)
-            for key, attempt, max_attempts, payload, slot in self._write(
-                _CLAIM,
-                (
-                    now,  # the attempt's start
-                    now,
-                    [u[0] for u in updates],
-                    [u[1] for u in updates],
-                    [encode_text(u[2]) for u in updates],
-                    [u[3] for u in updates],
-                ),
-            )
-        }
+        params = (
+            now,  # the attempt's start
+            now,
+            [u[0] for u in updates],
+            [u[1] for u in updates],
+            [encode_text(u[2]) for u in updates],
+            [u[3] for u in updates],
+        )
+        payloads = {key: candidate[10] for key, candidate in found.items()}
+        if None in payloads.values():  # (a large payload: read as the job is taken)
+            payloads.update(self._write(_CLAIM_READ, params).fetchall())
+        else:
+            self._write_later(_CLAIM, params)
         per_queue: dict[str, int] = {}
         results: list[list[Lease]] = []
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, priority, _, _, queue, timeout, _limited = found[key]
-                attempt, max_attempts, payload, slot = leased[key]
+                candidate = found[key]
+                _, priority, _, _, queue, timeout, _limited, attempt, max_attempts, slot = (
+                    candidate[:10]
+                )
                 leases.append(
                     Lease(
-                        f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
-                        token, expires_at, timeout, slot,
+                        f"job_{key:016x}", queue, payloads[key], priority, attempt + 1,
+                        max_attempts, token, expires_at, timeout, slot,
                     )
                 )  # fmt: skip
                 if timeout is not None:
@@ -289,10 +303,13 @@ class Leases(PostgresBase):
         comes first (an execution timeout); return the new expiry."""
         row = self._held_lease(job_id, worker_id, token, now, "renew")
         assert row is not None
+        self._expiry_told.now = max(self._expiry_told.now, now)
         expires_at = now + lease_ms
         if row[12] is not None and row[12] < expires_at:  # no later than its deadline
             expires_at = row[12]
-        self._write("UPDATE jobs SET lease_expires_at = %s WHERE id = %s", (expires_at, row[0]))
+        self._write_later(
+            "UPDATE jobs SET lease_expires_at = %s WHERE id = %s", (expires_at, row[0])
+        )
         self.changes.expiry(expires_at)
         return expires_at
 
@@ -304,7 +321,7 @@ class Leases(PostgresBase):
         row = self._held_lease(job_id, worker_id, token, now, "ack")
         if row is None:
             return
-        self._write(_ACK, (now, result, row[0]))
+        self._write_later(_ACK, (now, result, row[0]))
         self._move(row[1], LEASED, SUCCEEDED)
         self._count(row[1], "acked", 1, now)
         self._observe_ended([row[0]], [row[1]], now)
@@ -338,7 +355,9 @@ class Leases(PostgresBase):
                 updates.append((key, result))
                 per_queue[row[1]] = per_queue.get(row[1], 0) + 1
         if updates:
-            self._write(_ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates]))
+            self._write_later(
+                _ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates])
+            )
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
@@ -383,7 +402,7 @@ class Leases(PostgresBase):
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
-            self._write(_FAILED_RETRYING, {**params, "at": retry_at})
+            self._write_later(_FAILED_RETRYING, {**params, "at": retry_at})
             self._failed_trim(key, row[14])
             self._move(queue, LEASED, RETRYING)
             self._count(queue, "retried")
@@ -391,7 +410,7 @@ class Leases(PostgresBase):
             if self.recording:
                 self._record(key, queue, "leased", "retrying", attempt, now)
             return FailOutcome(RETRYING, retry_at)
-        self._write(_FAILED_DEAD, {**params, "at": now})
+        self._write_later(_FAILED_DEAD, {**params, "at": now})
         self._failed_trim(key, row[14])
         self._move(queue, LEASED, DEAD)
         self._count(queue, "dead", 1, now)

@@ -21,12 +21,13 @@ NOTIFY = f"SELECT pg_notify('{CHANNEL}', %s)"
 MAX_PAYLOAD = 7_900
 
 
-def payload(origin: str, changes: Changes) -> str | None:
-    """The notification of a commit of ``changes`` (None: nothing anyone waits for)."""
+def payload(origin: str, changes: Changes, expiry: bool = True) -> str | None:
+    """The notification of a commit of ``changes`` (None: nothing anyone waits for);
+    without its lease expiry if not ``expiry`` (see ``ExpiryTold``)."""
     if (
         not changes.ready_queues
         and changes.next_due_at is None
-        and changes.next_expiry_at is None
+        and (changes.next_expiry_at is None or not expiry)
         and changes.next_schedule_at is None
     ):
         return None
@@ -36,7 +37,7 @@ def payload(origin: str, changes: Changes) -> str | None:
         note["n"] = [changes.ready_counts.get(queue, 1) for queue in queues]
     if changes.next_due_at is not None:
         note["d"] = changes.next_due_at
-    if changes.next_expiry_at is not None:
+    if changes.next_expiry_at is not None and expiry:
         note["e"] = changes.next_expiry_at
     if changes.next_schedule_at is not None:  # a schedule's next slot (put or resumed)
         note["s"] = changes.next_schedule_at
@@ -46,6 +47,34 @@ def payload(origin: str, changes: Changes) -> str | None:
     note["q"], note["all"] = [], True
     note.pop("n", None)
     return orjson.dumps(note).decode()
+
+
+class ExpiryTold:
+    """The earliest lease expiry this store's notifications told the other servers of and
+    that is still to come: a later one need not be told. Each server's reaper, woken at
+    that expiry, reads the earliest expiry of every lease from the database
+    (``NextDeadlines``), later ones included, and so does a server as it starts or
+    listens again; a notification only wakes a reaper earlier than it would wake anyway
+    (it looks at least every ``MAX_SLEEP_MS``). So a run of claims, each setting an
+    expiry a lease later than the one before, notifies once per lease time, not once
+    per commit, unless it readies jobs or sets another deadline."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None  # the expiry told, if still to come at ``now``
+        self.now = 0  # the latest ``now`` a command that sets an expiry was given
+
+    def needed(self, expiry: int | None) -> bool:
+        """Whether a commit that sets ``expiry`` must tell it."""
+        return expiry is not None and (self.at is None or self.at <= self.now or expiry < self.at)
+
+    def told(self, expiry: int) -> None:
+        """A commit told ``expiry``."""
+        self.at = expiry
+
+    def forget(self) -> None:
+        """Whether what was told arrived is not known (a commit whose outcome is not):
+        the next expiry is told."""
+        self.at = None
 
 
 def parse(text: str, origin: str) -> Changes | bool | None:
