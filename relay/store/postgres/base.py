@@ -7,6 +7,7 @@ subclass, and ``PostgresStore`` joins them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import secrets
 from collections import Counter
@@ -23,6 +24,8 @@ from relay.store.counts import CountsBook
 from relay.store.postgres import notify
 from relay.store.postgres.schema import open_connection
 from relay.store.view import STATES, Entry, Limits
+
+log = logging.getLogger("relay.store")
 
 # How many rows of job_counts each (queue, state) may be spread over: a store adds its
 # counts to the rows of one slot, picked at random when it opens. With a handful of
@@ -419,8 +422,9 @@ class PostgresBase(CountsBook):
 
     def _flush_counts_and_commit(self) -> list[str]:
         """Send the writes still queued, add the transaction's moves to this store's slot
-        of job_counts and commit, in one round trip (a pipeline); return the queues the
-        transaction left without jobs (whose event totals are then forgotten).
+        of job_counts and commit, in one round trip (a pipeline), the commit's
+        notification after it (notify.NOTIFY); return the queues the transaction left
+        without jobs (whose event totals are then forgotten).
 
         One statement for all the moves, its rows in (queue, state) order: two stores that
         share a slot lock its rows in the same order, so they never deadlock. A transaction
@@ -430,29 +434,37 @@ class PostgresBase(CountsBook):
         queues = sorted(self._deleted_from)
         written: list[psycopg.Cursor] = []
         held: psycopg.Cursor | None = None
-        with self._db.pipeline():
-            self._send_waiting()  # (BEGIN, if nothing was sent yet, and the queued writes)
-            if moves:
-                params = (
-                    self.slot,
-                    [queue for (queue, _), _ in moves],
-                    [state for (_, state), _ in moves],
-                    [n for _, n in moves],
-                )
-                written.append(self._db.execute(_ADD_COUNTS, params))
-            if queues:
-                written.append(self._db.execute(_DROP_ZEROS, (queues,)))
-                held = self._db.execute(_HOLDING, (queues,))
-            expiry = self.changes.next_expiry_at
-            tell = self._expiry_told.needed(expiry)
-            payload = notify.payload(self.origin, self.changes, tell)
-            if payload is not None:  # sent by the database when (and if) this commits
-                self._db.execute(notify.NOTIFY, (payload,))
-                # (Until the commit's outcome is known, as if it were not told.)
-                self._expiry_told.forget()
-            self._db.execute("COMMIT")
-        if tell and expiry is not None:
-            self._expiry_told.told(expiry)
+        commit: psycopg.Cursor | None = None
+        expiry = self.changes.next_expiry_at
+        tell = self._expiry_told.needed(expiry)
+        payload = notify.payload(self.origin, self.changes, tell)
+        try:
+            with self._db.pipeline():
+                self._send_waiting()  # (BEGIN, if nothing was sent yet, the queued writes)
+                if moves:
+                    params = (
+                        self.slot,
+                        [queue for (queue, _), _ in moves],
+                        [state for (_, state), _ in moves],
+                        [n for _, n in moves],
+                    )
+                    written.append(self._db.execute(_ADD_COUNTS, params))
+                if queues:
+                    written.append(self._db.execute(_DROP_ZEROS, (queues,)))
+                    held = self._db.execute(_HOLDING, (queues,))
+                commit = self._db.execute("COMMIT")
+                if payload is not None:  # (not run if anything before it failed)
+                    self._expiry_told.forget()  # (until it is known to have gone)
+                    self._db.execute(notify.NOTIFY, (payload,))
+        except psycopg.Error:
+            if commit is None or commit.statusmessage != "COMMIT":
+                raise
+            # Only the notification failed (the notification queue full, say): the
+            # commit stands; the other servers learn of it as they look again.
+            log.warning("a commit's notification could not be sent", exc_info=True)
+        else:
+            if tell and payload is not None and expiry is not None:
+                self._expiry_told.told(expiry)
         self._count_queued()
         self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
         if held is None:

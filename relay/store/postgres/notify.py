@@ -2,10 +2,10 @@
 notification reads back. Never imports trio (the listening side is relay/server/services/feed.py).
 
 A commit that makes jobs ready, or sets an earlier due time, lease expiry or schedule slot,
-also sends one notification (``payload``) on ``CHANNEL``, in the same transaction:
-PostgreSQL delivers it when, and only if, the transaction commits. A notification is a
-hint, never a state: whoever it wakes claims or passes through its own writer as always,
-so one lost or repeated changes nothing but latency.
+also sends one notification (``payload``) on ``CHANNEL``, right after it and only if it
+committed (``NOTIFY``); it is lost if the connection is, between the two. A notification
+is a hint, never a state: whoever it wakes claims or passes through its own writer as
+always, so one lost or repeated changes nothing but latency.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import orjson
 from relay.store.base import Changes
 
 CHANNEL = "relay_changes"
-NOTIFY = f"SELECT pg_notify('{CHANNEL}', %s)"
+# Sent right after the COMMIT of the transaction it tells of, in the same round trip, as a
+# transaction of its own (the implicit one of a statement after COMMIT) that does not
+# wait for its commit record to reach the disk (``synchronous_commit`` off for it alone:
+# the notification is a hint, and the commit it tells of is durable already). Not inside
+# that transaction: PostgreSQL serializes the commits of the transactions that notify, on
+# one lock per database held until the commit is flushed, so the servers on one database
+# could never commit together (measured: docs/benchmarking.md, "PostgreSQL").
+NOTIFY = (
+    "SELECT pg_notify('{CHANNEL}', %s), set_config('synchronous_commit', 'off', true)"
+).replace("{CHANNEL}", CHANNEL)
 # PostgreSQL refuses payloads of 8,000 bytes or more; a commit that readied more queues
 # than fit says "every queue" instead.
 MAX_PAYLOAD = 7_900
