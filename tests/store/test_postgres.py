@@ -694,7 +694,7 @@ def test_a_batch_takes_the_same_few_round_trips_whatever_its_size(servers, monke
         more = a.jobs_claim_many(claims, T0 + 2)
         assert a.jobs_ack_many(acks, T0 + 2) == [None] * n
         a.commit()
-        # (BEGIN, candidates), (the claim's update, the acks' rows), (their update, COMMIT)
+        # (BEGIN, candidates), (the claim's update, the acks' update), (counts, COMMIT)
         assert trips.n - before == 3
         assert all(len(mine) == 1 for mine in more)
     assert recount(a)["q"]["succeeded"] == 41 and recount(a)["q"]["leased"] == 41

@@ -106,14 +106,17 @@ _LEASE_COLUMNS = (
 _LEASE_ROW = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = %s FOR UPDATE"
 # In id order: two servers locking the same rows lock them in the same order.
 _LEASE_ROWS = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
-_ACK = (
-    "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = %s, "
-    "lease_expires_at = NULL WHERE id = %s"
-)
-_ACK_MANY = (
+# The acks (id order) whose token and worker hold their job's unexpired lease complete it.
+# Each row is found by its primary key, in the order given (a nested loop over the
+# array): the state and the expiry are written as expressions that no index serves, as
+# jobs_leased otherwise would, and the planner then hashes every leased job (measured:
+# all 5,000 read to ack 64).
+_ACK_HELD = (
     "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = v.result, "
-    "lease_expires_at = NULL FROM unnest(%s::bigint[], %s::text[]) AS v(id, result) "
-    "WHERE jobs.id = v.id"
+    "lease_expires_at = NULL FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::text[]) "
+    "AS v(id, worker, token, result) WHERE jobs.id = v.id AND (jobs.state || '') = 'leased' "
+    "AND jobs.lease_token = v.token AND jobs.lease_worker = v.worker "
+    "AND jobs.lease_expires_at + 0 > %s RETURNING jobs.id, jobs.queue, jobs.attempt"
 )
 # A failed attempt: its row in the history (its start and worker from the lease's row),
 # its error on the job and one more ended attempt counted, in one statement.
@@ -318,56 +321,66 @@ class Leases(PostgresBase):
         self, job_id: str, worker_id: str, token: str, result: str | None, now: int
     ) -> None:
         """Complete a job. Repeating the ack with the completing token is answered ok."""
-        row = self._held_lease(job_id, worker_id, token, now, "ack")
-        if row is None:
-            return
-        self._write_later(_ACK, (now, result, row[0]))
-        self._move(row[1], LEASED, SUCCEEDED)
-        self._count(row[1], "acked", 1, now)
-        self._observe_ended([row[0]], [row[1]], now)
-        if self.recording:
-            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
+        [refused] = self.jobs_ack_many([(job_id, worker_id, token, result)], now)
+        if refused is not None:
+            raise refused
 
     @atomic
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
     ) -> list[RelayError | None]:
-        """Ack many jobs (job_id, worker_id, token, result) with one read and one write:
-        each ack's outcome (None, or the ``RelayError`` that refuses it), as if each had
-        been acked on its own. Raises ValueError, having changed nothing, if one job appears
-        twice."""
+        """Ack many jobs (job_id, worker_id, token, result) with one statement: each ack's
+        outcome (None, or the ``RelayError`` that refuses it), as if each had been acked on
+        its own. Raises ValueError, having changed nothing, if one job appears twice.
+
+        The update completes the jobs whose lease its ack holds (``_ACK_HELD``: it locks
+        each row, waits for another server's transaction that holds it, then checks the
+        row as committed, as ``check_lease`` does); only the others are read (locked), to
+        find why each is refused, or that it repeats the completing ack."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
         known = [key for key in keys if key is not None]  # (a malformed id: not found)
         if len(set(known)) != len(known):
             raise ValueError("not a run of distinct job ids")
-        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (known,))}
-        updates: list[tuple[int, str | None]] = []
+        # In id order: two servers locking the same rows lock them in the same order.
+        held = sorted(
+            (key, encode_text(worker_id), encode_text(token), result)
+            for key, (_job_id, worker_id, token, result) in zip(keys, acks, strict=True)
+            if key is not None
+        )
+        acked: dict[int, tuple[str, int]] = {}
+        if held:
+            params = [now, *([ack[i] for ack in held] for i in range(4)), now]
+            cursor = self._write(_ACK_HELD, params)
+            acked = {key: (queue, attempt) for key, queue, attempt in cursor}
+        others = [key for key in known if key not in acked]
+        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (others,))} if others else {}
         per_queue: dict[str, int] = {}
         outcomes: list[RelayError | None] = []
-        for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
+        for key, (job_id, worker_id, token, _result) in zip(keys, acks, strict=True):
+            if key in acked:
+                outcomes.append(None)
+                queue = acked[key][0]
+                per_queue[queue] = per_queue.get(queue, 0) + 1
+                continue
             try:
                 row = check_lease(rows.get(key), job_id, encode_text(worker_id), token, now, "ack")
             except RelayError as exc:
                 outcomes.append(exc)
                 continue
+            # None: an ack repeated with the completing token. (A lease held now that the
+            # update found not held cannot be: no lease is granted to a token twice.)
+            assert row is None, "a held lease the ack's update passed over"
             outcomes.append(None)
-            if row is not None:  # None: an ack repeated with the completing token
-                updates.append((key, result))
-                per_queue[row[1]] = per_queue.get(row[1], 0) + 1
-        if updates:
-            self._write_later(
-                _ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates])
-            )
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
-        if updates:  # (their history)
-            keys = [key for key, _result in updates]
-            self._observe_ended(keys, [rows[key][1] for key in keys], now)
-        if self.recording:
-            for key, _result in updates:
-                row = rows[key]
-                self._record(key, row[1], "leased", "succeeded", row[3], now)
+        if acked:  # (their history)
+            done = [key for key in keys if key in acked]
+            self._observe_ended(done, [acked[key][0] for key in done], now)
+            if self.recording:
+                for key in done:
+                    queue, attempt = acked[key]
+                    self._record(key, queue, "leased", "succeeded", attempt, now)
         return outcomes
 
     @atomic
