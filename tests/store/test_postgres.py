@@ -500,11 +500,11 @@ def _plan(conn: psycopg.Connection, statement: str, params: tuple | dict, prepar
                 names.append(match[1])
             return f"${names.index(match[1]) + 1}"
 
-        text = re.sub(r"%\((\w+)\)s", number, statement)
+        text = re.sub(r"%\((\w+)\)[sb]", number, statement)
         values = [params[name] for name in names]
     else:
         count = iter(range(1, 100))
-        text = re.sub("%s", lambda _: f"${next(count)}", statement)
+        text = re.sub("%[sb]", lambda _: f"${next(count)}", statement)
         values = list(params)
     arguments = f"({', '.join(sql.quote(value) for value in values)})" if values else ""
     # (prepare=False throughout: psycopg must not prepare these statements in turn.)

@@ -35,7 +35,7 @@ COUNT_SLOTS = 64
 
 _ADD_COUNTS = (
     "INSERT INTO job_counts (slot, queue, state, n) "
-    "SELECT %s, queue, state, n FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+    "SELECT %s, queue, state, n FROM unnest(%b::text[], %b::text[], %b::bigint[]) "
     "AS t(queue, state, n) "
     "ON CONFLICT (slot, queue, state) DO UPDATE SET n = job_counts.n + EXCLUDED.n"
 )

@@ -60,7 +60,7 @@ _CANDIDATES = (
     "j.attempt, j.max_attempts, j.scheduled_for, j.small "
     "FROM (SELECT u.queue, "
     "coalesce(s.max_leased IS NOT NULL OR s.rate_limit IS NOT NULL, false) AS limited "
-    "FROM unnest(%s::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
+    "FROM unnest(%b::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
     "WHERE s.paused IS NOT TRUE) AS q "
     "CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
     "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
@@ -91,7 +91,7 @@ _CLAIM = (
     "lease_worker = v.worker, lease_expires_at = v.expires_at, leased_at = %s, "
     "deadline_at = CASE WHEN "
     f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
-    "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
+    "FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::bigint[]) "
     "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id"
 )
 # The same, for a claim that took a job whose payload its candidate left out.
@@ -113,7 +113,7 @@ _LEASE_ROWS = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = ANY(%s) ORDER BY id
 # all 5,000 read to ack 64).
 _ACK_HELD = (
     "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = v.result, "
-    "lease_expires_at = NULL FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::text[]) "
+    "lease_expires_at = NULL FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::text[]) "
     "AS v(id, worker, token, result) WHERE jobs.id = v.id AND (jobs.state || '') = 'leased' "
     "AND jobs.lease_token = v.token AND jobs.lease_worker = v.worker "
     "AND jobs.lease_expires_at + 0 > %s RETURNING jobs.id, jobs.queue, jobs.attempt"
