@@ -735,6 +735,19 @@ def test_a_write_sent_later_that_fails_fails_its_own_command_only(servers):
     assert a.queue_stats()["q"]["succeeded"] == 1
 
 
+def test_a_command_that_raises_drops_its_writes_not_sent_yet(servers):
+    a = servers()
+    a.jobs_submit(specs(1), T0)
+    [lease] = a.jobs_claim(["q"], "w", 1, LEASE_MS, T0)
+    a.begin()
+    with pytest.raises(ValueError), a.command():
+        a._write_later("SELECT 1 / 0")  # (would fail the transaction if it were sent)
+        raise ValueError("refused")
+    a.jobs_ack(lease.job_id, "w", lease.token, None, T0 + 1)
+    a.commit()
+    assert recount(a)["q"]["succeeded"] == 1
+
+
 def test_a_commit_whose_notification_fails_stands_and_one_that_fails_sends_none(
     servers, url, monkeypatch
 ):

@@ -277,10 +277,16 @@ class PostgresBase(CountsBook):
     @contextlib.contextmanager
     def command(self) -> Iterator[None]:
         """``CountsBook.command``, whose writes are all sent before its savepoint ends:
-        one that fails so is undone by its own savepoint, never by the next command's."""
+        one that fails so is undone by its own savepoint, never by the next command's. A
+        command that raises drops its writes not sent yet (every write queued since its
+        SAVEPOINT is its own), so that they do not run before its ROLLBACK TO."""
         with super().command():
-            yield
-            self._flush()
+            try:
+                yield
+                self._flush()
+            except BaseException:
+                self._queued.clear()
+                raise
 
     def _end_leases(self, keys: list[int], outcome: str, error: str, now: int) -> None:
         """Record the attempts of these leased jobs as ended now with ``outcome`` (before
