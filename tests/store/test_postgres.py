@@ -10,6 +10,7 @@ two servers at once makes one job.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import re
@@ -499,11 +500,11 @@ def _plan(conn: psycopg.Connection, statement: str, params: tuple | dict, prepar
                 names.append(match[1])
             return f"${names.index(match[1]) + 1}"
 
-        text = re.sub(r"%\((\w+)\)s", number, statement)
+        text = re.sub(r"%\((\w+)\)[sb]", number, statement)
         values = [params[name] for name in names]
     else:
         count = iter(range(1, 100))
-        text = re.sub("%s", lambda _: f"${next(count)}", statement)
+        text = re.sub("%[sb]", lambda _: f"${next(count)}", statement)
         values = list(params)
     arguments = f"({', '.join(sql.quote(value) for value in values)})" if values else ""
     # (prepare=False throughout: psycopg must not prepare these statements in turn.)
@@ -672,3 +673,158 @@ def test_a_job_that_loses_its_unique_key_to_another_server_leaves_no_idempotency
     assert not again.duplicate and again.job_id != held.job_id
     [repeat] = a.jobs_submit(specs(1, idempotency_key="k"), T0 + 2)
     assert repeat == SubmitResult(again.job_id, again.state, duplicate=True)
+
+
+# -- round trips -------------------------------------------------------------------------
+
+
+class RoundTrips:
+    """Counts the round trips of a store's connection: a statement outside a pipeline is
+    one, and so is a pipeline (its statements go out together, their results come back
+    together)."""
+
+    def __init__(self, store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        conn = store._db
+        execute, pipeline = conn.execute, conn.pipeline
+
+        def counted_execute(*args: object, **kwargs: object) -> object:
+            if conn._pipeline is None:
+                self.n += 1
+            return execute(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def counted_pipeline() -> Iterator[object]:
+            with pipeline() as p:
+                yield p
+            self.n += 1
+
+        monkeypatch.setattr(conn, "execute", counted_execute)
+        monkeypatch.setattr(conn, "pipeline", counted_pipeline)
+
+
+def test_a_batch_takes_the_same_few_round_trips_whatever_its_size(servers, monkeypatch):
+    a = servers()
+    a.jobs_submit(specs(1, queue="first"), T0)  # (the first moves the id sequence up)
+    trips = RoundTrips(a, monkeypatch)
+    for n in (1, 40):
+        before = trips.n
+        a.begin()
+        a.jobs_submit(specs(2 * n), T0)
+        a.commit()
+        assert trips.n - before == 2  # (BEGIN, the ids), (the insert, the counts, COMMIT)
+        claims = [(("q",), f"w{i}", 1, LEASE_MS, None) for i in range(n)]
+        before = trips.n
+        a.begin()
+        leases = [lease for mine in a.jobs_claim_many(claims, T0 + 1) for lease in mine]
+        a.commit()
+        assert len(leases) == n and trips.n - before == 2  # (candidates), (update, COMMIT)
+        acks = [(lease.job_id, f"w{i}", lease.token, None) for i, lease in enumerate(leases)]
+        claims = [(("q",), f"v{i}", 1, LEASE_MS, None) for i in range(n)]
+        before = trips.n
+        a.begin()
+        more = a.jobs_claim_many(claims, T0 + 2)
+        assert a.jobs_ack_many(acks, T0 + 2) == [None] * n
+        a.commit()
+        # (BEGIN, candidates), (the claim's update, the acks' update), (counts, COMMIT)
+        assert trips.n - before == 3
+        assert all(len(mine) == 1 for mine in more)
+    assert recount(a)["q"]["succeeded"] == 41 and recount(a)["q"]["leased"] == 41
+
+
+def test_a_claim_reads_its_leases_with_the_candidates_also_a_large_payload(servers):
+    a = servers()
+    large = "x" * (leases_sql.SMALL_PAYLOAD + 1)
+    a.jobs_submit([SubmitSpec("q", large), SubmitSpec("q", '"small"')], T0)
+    a.jobs_submit([SubmitSpec("q", '"retried"', max_attempts=3)], T0)
+    leases = a.jobs_claim(["q"], "w", 3, LEASE_MS, T0 + 1)
+    assert [lease.payload for lease in leases] == [large, '"small"', '"retried"']
+    assert [lease.attempt for lease in leases] == [1, 1, 1]
+    assert [lease.max_attempts for lease in leases][2] == 3
+    a.jobs_fail(leases[2].job_id, "w", leases[2].token, "no", True, T0 + 2)
+    a._db.execute("UPDATE jobs SET state = 'ready', run_at = NULL WHERE state = 'retrying'")
+    [again] = a.jobs_claim(["q"], "w", 1, LEASE_MS, T0 + 3)
+    assert (again.payload, again.attempt) == ('"retried"', 2)
+    row = a._db.execute(
+        "SELECT state, attempt, lease_token, leased_at FROM jobs WHERE payload = %s",
+        ('"retried"',),
+    ).fetchone()
+    assert row == ("leased", 2, again.token, T0 + 3)
+
+
+def test_a_write_sent_later_that_fails_fails_its_own_command_only(servers):
+    a = servers()
+    a.jobs_submit(specs(2), T0)
+    [one, two] = a.jobs_claim(["q"], "w", 2, LEASE_MS, T0)
+    a.begin()
+    with a.command():
+        a.jobs_ack(one.job_id, "w", one.token, None, T0 + 1)
+    with pytest.raises(psycopg.errors.DivisionByZero), a.command():
+        a.jobs_ack(two.job_id, "w", two.token, None, T0 + 1)
+        a._write_later("SELECT 1 / 0")  # (fails as it is sent: at the command's end)
+    a.commit()
+    assert recount(a)["q"] == {**recount(a)["q"], "succeeded": 1, "leased": 1}
+    assert a.queue_stats()["q"]["succeeded"] == 1
+
+
+def test_a_command_that_raises_drops_its_writes_not_sent_yet(servers):
+    a = servers()
+    a.jobs_submit(specs(1), T0)
+    [lease] = a.jobs_claim(["q"], "w", 1, LEASE_MS, T0)
+    a.begin()
+    with pytest.raises(ValueError), a.command():
+        a._write_later("SELECT 1 / 0")  # (would fail the transaction if it were sent)
+        raise ValueError("refused")
+    a.jobs_ack(lease.job_id, "w", lease.token, None, T0 + 1)
+    a.commit()
+    assert recount(a)["q"]["succeeded"] == 1
+
+
+def test_a_commit_whose_notification_fails_stands_and_one_that_fails_sends_none(
+    servers, url, monkeypatch
+):
+    from relay.store.postgres import notify
+
+    a = servers()
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {notify.CHANNEL}")
+        a.begin()
+        a.jobs_submit(specs(1), T0)
+        a._write_later("SELECT 1 / 0")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            a.commit()
+        a.rollback()
+        assert recount(a) == {}
+        with monkeypatch.context() as failing:
+            failing.setattr(notify, "NOTIFY", "SELECT 1 / 0, %s::text")
+            a.begin()
+            a.jobs_submit(specs(1, queue="x"), T0)
+            a.commit()  # (logged, not raised)
+        assert recount(a)["x"]["ready"] == 1
+        a.begin()
+        a.jobs_submit(specs(1, queue="r"), T0)
+        a.commit()
+        notes = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    heard = [notify.parse(note, "another server") for note in notes]
+    assert [changes.ready_counts for changes in heard] == [{"r": 1}]
+
+
+def test_a_lease_expiry_is_told_once_until_it_has_passed(servers, url):
+    from relay.store.postgres import notify
+
+    a = servers()
+    a.jobs_submit(specs(4), T0)
+    heard = []
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {notify.CHANNEL}")
+        for at in (T0 + 1, T0 + 2, T0 + LEASE_MS + 1, T0 + LEASE_MS + 2):
+            a.take_changes()
+            a.jobs_claim(["q"], "w", 1, LEASE_MS, at)
+        a.begin()
+        a.jobs_submit(specs(1, queue="r"), T0 + LEASE_MS + 3)  # (the last one: a queue)
+        a.commit()
+        for note in listener.notifies(timeout=5):
+            heard.append(notify.parse(note.payload, "another server"))
+            if heard[-1].ready_queues:
+                break
+    assert [c.next_expiry_at for c in heard] == [T0 + 1 + LEASE_MS, T0 + 2 * LEASE_MS + 1, None]

@@ -94,10 +94,11 @@ def before_queue_settings(old_code: pytest.MonkeyPatch) -> None:
 def before_schedules(old_code: pytest.MonkeyPatch) -> None:
     """The store as the code before schema version 9 ran it: a claim reads no slot (nor,
     as before version 11, writes its start)."""
-    claim = leases_sql._CLAIM.replace("jobs.scheduled_for", "NULL::bigint")
-    claim = before_attempt_history_claim(claim)
-    assert claim != leases_sql._CLAIM
-    old_code.setattr(leases_sql, "_CLAIM", claim)
+    candidates = leases_sql._CANDIDATES.replace("j.scheduled_for", "NULL::bigint")
+    candidates = candidates.replace("max_attempts, scheduled_for, ", "max_attempts, ")
+    assert "scheduled_for" not in candidates
+    old_code.setattr(leases_sql, "_CANDIDATES", candidates)
+    before_attempt_history(old_code)
 
 
 def before_attempt_history_claim(claim: str) -> str:
@@ -111,6 +112,8 @@ def before_attempt_history_claim(claim: str) -> str:
 def before_attempt_history(old_code: pytest.MonkeyPatch) -> None:
     """The store as the code before schema version 11 ran it: a claim writes no start."""
     old_code.setattr(leases_sql, "_CLAIM", before_attempt_history_claim(leases_sql._CLAIM))
+    read = before_attempt_history_claim(leases_sql._CLAIM_READ)
+    old_code.setattr(leases_sql, "_CLAIM_READ", read)
 
 
 def before_queue_limits(old_code: pytest.MonkeyPatch) -> None:

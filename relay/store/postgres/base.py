@@ -7,10 +7,11 @@ subclass, and ``PostgresStore`` joins them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -24,6 +25,8 @@ from relay.store.postgres import notify
 from relay.store.postgres.schema import open_connection
 from relay.store.view import STATES, Entry, Limits
 
+log = logging.getLogger("relay.store")
+
 # How many rows of job_counts each (queue, state) may be spread over: a store adds its
 # counts to the rows of one slot, picked at random when it opens. With a handful of
 # servers, two rarely share a slot (and if they do, they take turns on its rows, in one
@@ -32,7 +35,7 @@ COUNT_SLOTS = 64
 
 _ADD_COUNTS = (
     "INSERT INTO job_counts (slot, queue, state, n) "
-    "SELECT %s, queue, state, n FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+    "SELECT %s, queue, state, n FROM unnest(%b::text[], %b::text[], %b::bigint[]) "
     "AS t(queue, state, n) "
     "ON CONFLICT (slot, queue, state) DO UPDATE SET n = job_counts.n + EXCLUDED.n"
 )
@@ -131,6 +134,12 @@ class PostgresBase(CountsBook):
         self._rows = 0
         # BEGIN not sent yet: it goes with the transaction's first statement (``_read``).
         self._begin_pending = False
+        # Writes whose results no one reads (``_write_later``), not sent yet: they go out
+        # with the transaction's next read, or with its commit, in one round trip.
+        self._queued: list[tuple[str, Any]] = []
+        # The lease expiry the other servers were last told of (notify.py).
+        self._expiry_told = notify.ExpiryTold()
+        self._in_flight: list[psycopg.Cursor] = []  # (those sent, until their rows count)
         self.changes = Changes()
         # Whether transitions append to ``changes.events``; the writer sets it per batch.
         self.recording = False
@@ -197,6 +206,8 @@ class PostgresBase(CountsBook):
         self._db = conn
         self._undo_transaction()
         self._begin_pending = False
+        self._queued.clear()
+        self._expiry_told.forget()
         self._moves.clear()
         self._deleted_from.clear()
         self._settings_touched.clear()
@@ -210,17 +221,32 @@ class PostgresBase(CountsBook):
     # -- statements --------------------------------------------------------------------------
 
     def _read(self, sql: str, params: Any = None) -> psycopg.Cursor:
-        """Run a statement, in the open transaction if there is one."""
-        if not self._begin_pending:
+        """Run a statement, in the open transaction if there is one. What waits to be
+        sent goes with it, in one round trip (a pipeline: the results come back once all
+        have run, in order): BEGIN, if this is the transaction's first statement, and the
+        writes queued since the last round trip (``_write_later``)."""
+        if not self._begin_pending and not self._queued:
             return self._db.execute(sql, params)
-        # The transaction's first statement: BEGIN goes with it, in one round trip (a
-        # pipeline: the results come back once both have run). READ COMMITTED whatever the
-        # database's default: every rule here re-reads a row once it is locked.
-        self._begin_pending = False
         with self._db.pipeline():
-            self._db.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            self._send_waiting()
             cursor = self._db.execute(sql, params)
+        self._count_queued()
         return cursor
+
+    def _send_waiting(self) -> None:
+        """Inside a pipeline: BEGIN if it waits, then the queued writes, in order. READ
+        COMMITTED whatever the database's default: every rule here re-reads a row once it
+        is locked."""
+        if self._begin_pending:
+            self._begin_pending = False
+            self._db.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        queued, self._queued = self._queued, []
+        self._in_flight = [self._db.execute(sql, params) for sql, params in queued]
+
+    def _count_queued(self) -> None:
+        """After the pipeline that sent them: the queued writes' rows, for ``write_mark``."""
+        self._rows += sum(max(cursor.rowcount, 0) for cursor in self._in_flight)
+        self._in_flight = []
 
     def _write(self, sql: str, params: Any = None) -> psycopg.Cursor:
         """Run a statement that writes; its rows count in ``write_mark``."""
@@ -228,6 +254,39 @@ class PostgresBase(CountsBook):
         if cursor.rowcount > 0:
             self._rows += cursor.rowcount
         return cursor
+
+    def _write_later(self, sql: str, params: Any = None) -> None:
+        """A write whose result no one reads: sent with the transaction's next round trip
+        (a read's, or the commit's), not in one of its own. In the open transaction
+        (``begin``) only. An error of it is raised by that round trip; the transaction has
+        failed then, as if the write had raised here (the careful pass sends every
+        command's writes before its savepoint ends: ``command``). It counts in
+        ``write_mark`` as written at once (one row; its own rows once sent)."""
+        assert self._journal is not None, "a write sent later needs a transaction"
+        self._queued.append((sql, params))
+        self._rows += 1
+
+    def _flush(self) -> None:
+        """Send the queued writes now (one round trip), if there are any."""
+        if not self._queued:
+            return
+        with self._db.pipeline():
+            self._send_waiting()
+        self._count_queued()
+
+    @contextlib.contextmanager
+    def command(self) -> Iterator[None]:
+        """``CountsBook.command``, whose writes are all sent before its savepoint ends:
+        one that fails so is undone by its own savepoint, never by the next command's. A
+        command that raises drops its writes not sent yet (every write queued since its
+        SAVEPOINT is its own), so that they do not run before its ROLLBACK TO."""
+        with super().command():
+            try:
+                yield
+                self._flush()
+            except BaseException:
+                self._queued.clear()
+                raise
 
     def _end_leases(self, keys: list[int], outcome: str, error: str, now: int) -> None:
         """Record the attempts of these leased jobs as ended now with ``outcome`` (before
@@ -279,12 +338,15 @@ class PostgresBase(CountsBook):
         return changes
 
     def _commit(self) -> None:
-        if self._begin_pending:  # no statement ran: nothing to send
+        if self._begin_pending and not self._queued:  # no statement: nothing to send
             assert not any(self._moves.values()), "counts moved without a statement"
             self._begin_pending = False
             empty: list[str] = []
         else:
-            if self._db.info.transaction_status != TransactionStatus.INTRANS:
+            if (
+                not self._begin_pending
+                and self._db.info.transaction_status != TransactionStatus.INTRANS
+            ):
                 # COMMIT would answer ROLLBACK without an error: say so instead.
                 raise psycopg.errors.InFailedSqlTransaction(
                     "the transaction failed before its commit; nothing of it was kept"
@@ -320,6 +382,7 @@ class PostgresBase(CountsBook):
         self.changes = Changes()
 
     def _roll_back(self) -> None:
+        self._queued.clear()  # (never sent)
         if self._begin_pending:  # nothing was sent
             self._begin_pending = False
         else:
@@ -373,9 +436,10 @@ class PostgresBase(CountsBook):
             self._deleted_from.add(queue)
 
     def _flush_counts_and_commit(self) -> list[str]:
-        """Add the transaction's moves to this store's slot of job_counts and commit, in
-        one round trip (a pipeline); return the queues the transaction left without jobs
-        (whose event totals are then forgotten).
+        """Send the writes still queued, add the transaction's moves to this store's slot
+        of job_counts and commit, in one round trip (a pipeline), the commit's
+        notification after it (notify.NOTIFY); return the queues the transaction left
+        without jobs (whose event totals are then forgotten).
 
         One statement for all the moves, its rows in (queue, state) order: two stores that
         share a slot lock its rows in the same order, so they never deadlock. A transaction
@@ -385,22 +449,38 @@ class PostgresBase(CountsBook):
         queues = sorted(self._deleted_from)
         written: list[psycopg.Cursor] = []
         held: psycopg.Cursor | None = None
-        with self._db.pipeline():
-            if moves:
-                params = (
-                    self.slot,
-                    [queue for (queue, _), _ in moves],
-                    [state for (_, state), _ in moves],
-                    [n for _, n in moves],
-                )
-                written.append(self._db.execute(_ADD_COUNTS, params))
-            if queues:
-                written.append(self._db.execute(_DROP_ZEROS, (queues,)))
-                held = self._db.execute(_HOLDING, (queues,))
-            payload = notify.payload(self.origin, self.changes)
-            if payload is not None:  # sent by the database when (and if) this commits
-                self._db.execute(notify.NOTIFY, (payload,))
-            self._db.execute("COMMIT")
+        commit: psycopg.Cursor | None = None
+        expiry = self.changes.next_expiry_at
+        tell = self._expiry_told.needed(expiry)
+        payload = notify.payload(self.origin, self.changes, tell)
+        try:
+            with self._db.pipeline():
+                self._send_waiting()  # (BEGIN, if nothing was sent yet, the queued writes)
+                if moves:
+                    params = (
+                        self.slot,
+                        [queue for (queue, _), _ in moves],
+                        [state for (_, state), _ in moves],
+                        [n for _, n in moves],
+                    )
+                    written.append(self._db.execute(_ADD_COUNTS, params))
+                if queues:
+                    written.append(self._db.execute(_DROP_ZEROS, (queues,)))
+                    held = self._db.execute(_HOLDING, (queues,))
+                commit = self._db.execute("COMMIT")
+                if payload is not None:  # (not run if anything before it failed)
+                    self._expiry_told.forget()  # (until it is known to have gone)
+                    self._db.execute(notify.NOTIFY, (payload,))
+        except psycopg.Error:
+            if commit is None or commit.statusmessage != "COMMIT":
+                raise
+            # Only the notification failed (the notification queue full, say): the
+            # commit stands; the other servers learn of it as they look again.
+            log.warning("a commit's notification could not be sent", exc_info=True)
+        else:
+            if tell and payload is not None and expiry is not None:
+                self._expiry_told.told(expiry)
+        self._count_queued()
         self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
         if held is None:
             return []

@@ -88,9 +88,9 @@ _INSERT_PLAIN = (
     "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
     "timeout_ms) SELECT t.id, t.queue, 'ready', t.priority, t.payload, 0, "
     f"{_with_defaults(False)}, %(now)s, %(now)s, s.default_timeout_ms "
-    "FROM unnest(%(ids)s::bigint[], %(queues)s::text[], %(priorities)s::int[], "
-    "%(payloads)s::text[], %(max_attempts)s::int[]) "
-    f"AS t(id, queue, priority, payload, max_attempts) {_defaults('%(queues)s')}"
+    "FROM unnest(%(ids)b::bigint[], %(queues)b::text[], %(priorities)b::int[], "
+    "%(payloads)b::text[], %(max_attempts)b::int[]) "
+    f"AS t(id, queue, priority, payload, max_attempts) {_defaults('%(queues)b')}"
 )
 _INSERT_JOBS = (
     "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
@@ -98,11 +98,11 @@ _INSERT_JOBS = (
     "run_at, idempotency_key, timeout_ms) "
     f"SELECT t.id, t.queue, t.state, t.priority, t.payload, 0, {_with_defaults(True)}, "
     "%s, t.ready_at, t.run_at, t.key, coalesce(t.timeout, s.default_timeout_ms) "
-    "FROM unnest(%s::bigint[], %s::text[], "
-    "%s::text[], %s::int[], %s::text[], %s::int[], %s::text[], %s::bigint[], %s::bigint[], "
-    "%s::boolean[], %s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS t(id, queue, "
+    "FROM unnest(%b::bigint[], %b::text[], "
+    "%b::text[], %b::int[], %b::text[], %b::int[], %b::text[], %b::bigint[], %b::bigint[], "
+    "%b::boolean[], %b::bigint[], %b::bigint[], %b::text[], %b::bigint[]) AS t(id, queue, "
     "state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, "
-    f"key, timeout) {_defaults('%s')}"
+    f"key, timeout) {_defaults('%b')}"
 )
 # The keys among these within their window, with their job's state (or, for a job
 # deleted since, by a purge or a prune, the state it was deleted in).
@@ -309,7 +309,7 @@ class Jobs(PostgresBase):
             for spec in specs
         )
         if plain:  # the common batch: five arrays, not thirteen
-            self._write(
+            self._write_later(
                 _INSERT_PLAIN,
                 {
                     "now": now,
@@ -336,7 +336,7 @@ class Jobs(PostgresBase):
                 run_ats.append(spec.run_at)
         backoffs = [spec.backoff for spec in specs]
         queues = [spec.queue for spec in specs]
-        self._write(
+        self._write_later(
             _INSERT_JOBS,
             (
                 now,

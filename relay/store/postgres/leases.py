@@ -47,15 +47,26 @@ from relay.store.postgres.sql import atomic, encode_text
 # A queue paused (a row of queue_settings, committed when the statement starts, by any
 # server) is left out before its jobs are looked at: one primary-key probe per queue asked,
 # which also says whether the queue has a limit (each row's last field).
+#
+# Each candidate also carries what its lease answers (locked, so it stays so until the
+# claim's update): its attempt so far, max_attempts, its schedule's slot, and its payload
+# if at most SMALL_PAYLOAD bytes (else NULL): a claim whose jobs all have theirs needs no
+# result of its update, which then goes with the commit (``_write_later``). A larger one
+# is read by the update, as it is taken, and never for a candidate left: a claim reads
+# a large payload once, as before.
+SMALL_PAYLOAD = 8192
 _CANDIDATES = (
-    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms, q.limited "
+    "SELECT j.id, j.priority, j.ready_at, j.size, j.queue, j.timeout_ms, q.limited, "
+    "j.attempt, j.max_attempts, j.scheduled_for, j.small "
     "FROM (SELECT u.queue, "
     "coalesce(s.max_leased IS NOT NULL OR s.rate_limit IS NOT NULL, false) AS limited "
-    "FROM unnest(%s::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
+    "FROM unnest(%b::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
     "WHERE s.paused IS NOT TRUE) AS q "
     "CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
     "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
-    "timeout_ms FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
+    "timeout_ms, attempt, max_attempts, scheduled_for, CASE WHEN octet_length(payload) <= "
+    f"{SMALL_PAYLOAD} THEN payload END AS small "
+    "FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
     "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
 )
 # The limited queues among those asked, locked, with their rate windows; skipping those
@@ -80,10 +91,11 @@ _CLAIM = (
     "lease_worker = v.worker, lease_expires_at = v.expires_at, leased_at = %s, "
     "deadline_at = CASE WHEN "
     f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
-    "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[]) "
-    "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id "
-    "RETURNING jobs.id, jobs.attempt, jobs.max_attempts, jobs.payload, jobs.scheduled_for"
+    "FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::bigint[]) "
+    "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id"
 )
+# The same, for a claim that took a job whose payload its candidate left out.
+_CLAIM_READ = _CLAIM + " RETURNING jobs.id, jobs.payload"
 
 # The columns ``check_lease`` reads, in its order.
 _LEASE_COLUMNS = (
@@ -94,14 +106,18 @@ _LEASE_COLUMNS = (
 _LEASE_ROW = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = %s FOR UPDATE"
 # In id order: two servers locking the same rows lock them in the same order.
 _LEASE_ROWS = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
-_ACK = (
-    "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = %s, "
-    "lease_expires_at = NULL WHERE id = %s"
-)
-_ACK_MANY = (
+# The acks (id order) whose token and worker hold their job's unexpired lease complete it.
+# Each row is found by its primary key, in the order given (a nested loop over the
+# array): the state and the expiry are written as expressions that no index serves, as
+# jobs_leased otherwise would, and the planner then hashes every leased job (measured:
+# all 5,000 read to ack 64).
+_ACK_HELD = (
     "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = v.result, "
-    "lease_expires_at = NULL FROM unnest(%s::bigint[], %s::text[]) AS v(id, result) "
-    "WHERE jobs.id = v.id"
+    "lease_expires_at = NULL FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::text[]) "
+    "AS v(id, worker, token, result) WHERE jobs.id = v.id AND (jobs.state || '') = 'leased' "
+    "AND jobs.lease_token = v.token AND jobs.lease_worker = v.worker "
+    "AND jobs.lease_expires_at + 0 > %s "
+    "RETURNING jobs.id, jobs.queue, jobs.attempt, jobs.leased_at"
 )
 # A failed attempt: its row in the history (its start and worker from the lease's row),
 # its error on the job and one more ended attempt counted, in one statement.
@@ -146,6 +162,7 @@ class Leases(PostgresBase):
         and other servers skip them meanwhile.
         """
 
+        self._expiry_told.now = max(self._expiry_told.now, now)
         room: dict[str, int] = {}  # (filled once a limited queue's candidate is met)
         limited: dict[str, tuple[QueueSettings, tuple[int | None, int]]] | None = None
         seen: dict[str, set[int]] = {}  # limited queue -> its candidates (some stay ready?)
@@ -174,31 +191,32 @@ class Leases(PostgresBase):
         # Per claim: (key, token, worker, expiry); a candidate's timeout is its field 5.
         granted = claims_.grant(claims, chosen, now, found, 5)
         updates = [update for mine in granted for update in mine]
-        leased = {
-            key: (attempt, max_attempts, payload, slot)
-            for key, attempt, max_attempts, payload, slot in self._write(
-                _CLAIM,
-                (
-                    now,  # the attempt's start
-                    now,
-                    [u[0] for u in updates],
-                    [u[1] for u in updates],
-                    [encode_text(u[2]) for u in updates],
-                    [u[3] for u in updates],
-                ),
-            )
-        }
+        params = (
+            now,  # the attempt's start
+            now,
+            [u[0] for u in updates],
+            [u[1] for u in updates],
+            [encode_text(u[2]) for u in updates],
+            [u[3] for u in updates],
+        )
+        payloads = {key: candidate[10] for key, candidate in found.items()}
+        if None in payloads.values():  # (a large payload: read as the job is taken)
+            payloads.update(self._write(_CLAIM_READ, params).fetchall())
+        else:
+            self._write_later(_CLAIM, params)
         per_queue: dict[str, int] = {}
         results: list[list[Lease]] = []
         for claim, mine in zip(claims, granted, strict=True):
             leases = []
             for key, token, _worker, expires_at in mine:
-                _, priority, _, _, queue, timeout, _limited = found[key]
-                attempt, max_attempts, payload, slot = leased[key]
+                candidate = found[key]
+                _, priority, _, _, queue, timeout, _limited, attempt, max_attempts, slot = (
+                    candidate[:10]
+                )
                 leases.append(
                     Lease(
-                        f"job_{key:016x}", queue, payload, priority, attempt, max_attempts,
-                        token, expires_at, timeout, slot,
+                        f"job_{key:016x}", queue, payloads[key], priority, attempt + 1,
+                        max_attempts, token, expires_at, timeout, slot,
                     )
                 )  # fmt: skip
                 if timeout is not None:
@@ -288,10 +306,13 @@ class Leases(PostgresBase):
         comes first (an execution timeout); return the new expiry."""
         row = self._held_lease(job_id, worker_id, token, now, "renew")
         assert row is not None
+        self._expiry_told.now = max(self._expiry_told.now, now)
         expires_at = now + lease_ms
         if row[12] is not None and row[12] < expires_at:  # no later than its deadline
             expires_at = row[12]
-        self._write("UPDATE jobs SET lease_expires_at = %s WHERE id = %s", (expires_at, row[0]))
+        self._write_later(
+            "UPDATE jobs SET lease_expires_at = %s WHERE id = %s", (expires_at, row[0])
+        )
         self.changes.expiry(expires_at)
         return expires_at
 
@@ -300,54 +321,68 @@ class Leases(PostgresBase):
         self, job_id: str, worker_id: str, token: str, result: str | None, now: int
     ) -> None:
         """Complete a job. Repeating the ack with the completing token is answered ok."""
-        row = self._held_lease(job_id, worker_id, token, now, "ack")
-        if row is None:
-            return
-        self._write(_ACK, (now, result, row[0]))
-        self._move(row[1], LEASED, SUCCEEDED)
-        self._count(row[1], "acked", 1, now)
-        self._observe_ended([row[1]], [row[13]], now)
-        if self.recording:
-            self._record(row[0], row[1], "leased", "succeeded", row[3], now)
+        [refused] = self.jobs_ack_many([(job_id, worker_id, token, result)], now)
+        if refused is not None:
+            raise refused
 
     @atomic
     def jobs_ack_many(
         self, acks: Sequence[tuple[str, str, str, str | None]], now: int
     ) -> list[RelayError | None]:
-        """Ack many jobs (job_id, worker_id, token, result) with one read and one write:
-        each ack's outcome (None, or the ``RelayError`` that refuses it), as if each had
-        been acked on its own. Raises ValueError, having changed nothing, if one job appears
-        twice."""
+        """Ack many jobs (job_id, worker_id, token, result) with one statement: each ack's
+        outcome (None, or the ``RelayError`` that refuses it), as if each had been acked on
+        its own. Raises ValueError, having changed nothing, if one job appears twice.
+
+        The update completes the jobs whose lease its ack holds (``_ACK_HELD``: it locks
+        each row, waits for another server's transaction that holds it, then checks the
+        row as committed, as ``check_lease`` does); only the others are read (locked), to
+        find why each is refused, or that it repeats the completing ack."""
         keys = [parse_job_id(job_id) for job_id, *_ in acks]
         known = [key for key in keys if key is not None]  # (a malformed id: not found)
         if len(set(known)) != len(known):
             raise ValueError("not a run of distinct job ids")
-        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (known,))}
-        updates: list[tuple[int, str | None]] = []
+        # In id order: two servers locking the same rows lock them in the same order.
+        held = sorted(
+            (key, encode_text(worker_id), encode_text(token), result)
+            for key, (_job_id, worker_id, token, result) in zip(keys, acks, strict=True)
+            if key is not None
+        )
+        acked: dict[int, tuple[str, int]] = {}
+        if held:
+            params = [now, *([ack[i] for ack in held] for i in range(4)), now]
+            cursor = self._write(_ACK_HELD, params)
+            acked = {key: (queue, attempt, started) for key, queue, attempt, started in cursor}
+        others = [key for key in known if key not in acked]
+        rows = {row[0]: row for row in self._read(_LEASE_ROWS, (others,))} if others else {}
         per_queue: dict[str, int] = {}
         outcomes: list[RelayError | None] = []
-        for key, (job_id, worker_id, token, result) in zip(keys, acks, strict=True):
+        for key, (job_id, worker_id, token, _result) in zip(keys, acks, strict=True):
+            if key in acked:
+                outcomes.append(None)
+                queue = acked[key][0]
+                per_queue[queue] = per_queue.get(queue, 0) + 1
+                continue
             try:
                 row = check_lease(rows.get(key), job_id, encode_text(worker_id), token, now, "ack")
             except RelayError as exc:
                 outcomes.append(exc)
                 continue
+            # None: an ack repeated with the completing token. (A lease held now that the
+            # update found not held cannot be: no lease is granted to a token twice.)
+            assert row is None, "a held lease the ack's update passed over"
             outcomes.append(None)
-            if row is not None:  # None: an ack repeated with the completing token
-                updates.append((key, result))
-                per_queue[row[1]] = per_queue.get(row[1], 0) + 1
-        if updates:
-            self._write(_ACK_MANY, (now, [key for key, _ in updates], [r for _, r in updates]))
         for queue, n in per_queue.items():
             self._move(queue, LEASED, SUCCEEDED, n)
             self._count(queue, "acked", n, now)
-        if updates:  # (their history)
-            ended = [rows[key] for key, _result in updates]
-            self._observe_ended([row[1] for row in ended], [row[13] for row in ended], now)
-        if self.recording:
-            for key, _result in updates:
-                row = rows[key]
-                self._record(key, row[1], "leased", "succeeded", row[3], now)
+        if acked:  # (their history)
+            done = [key for key in keys if key in acked]
+            self._observe_ended(
+                [acked[key][0] for key in done], [acked[key][2] for key in done], now
+            )
+            if self.recording:
+                for key in done:
+                    queue, attempt, _started = acked[key]
+                    self._record(key, queue, "leased", "succeeded", attempt, now)
         return outcomes
 
     @atomic
@@ -382,7 +417,7 @@ class Leases(PostgresBase):
         if retryable and attempt < max_attempts:
             backoff = Backoff(row[8], row[9], row[10], bool(row[11]))
             retry_at = now + backoff.delay_ms(attempt, self._rng)
-            self._write(_FAILED_RETRYING, {**params, "at": retry_at})
+            self._write_later(_FAILED_RETRYING, {**params, "at": retry_at})
             self._failed_trim(key, row[14])
             self._move(queue, LEASED, RETRYING)
             self._count(queue, "retried")
@@ -390,7 +425,7 @@ class Leases(PostgresBase):
             if self.recording:
                 self._record(key, queue, "leased", "retrying", attempt, now)
             return FailOutcome(RETRYING, retry_at)
-        self._write(_FAILED_DEAD, {**params, "at": now})
+        self._write_later(_FAILED_DEAD, {**params, "at": now})
         self._failed_trim(key, row[14])
         self._move(queue, LEASED, DEAD)
         self._count(queue, "dead", 1, now)

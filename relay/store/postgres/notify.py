@@ -2,10 +2,10 @@
 notification reads back. Never imports trio (the listening side is relay/server/services/feed.py).
 
 A commit that makes jobs ready, or sets an earlier due time, lease expiry or schedule slot,
-also sends one notification (``payload``) on ``CHANNEL``, in the same transaction:
-PostgreSQL delivers it when, and only if, the transaction commits. A notification is a
-hint, never a state: whoever it wakes claims or passes through its own writer as always,
-so one lost or repeated changes nothing but latency.
+also sends one notification (``payload``) on ``CHANNEL``, right after it and only if it
+committed (``NOTIFY``); it is lost if the connection is, between the two. A notification
+is a hint, never a state: whoever it wakes claims or passes through its own writer as
+always, so one lost or repeated changes nothing but latency.
 """
 
 from __future__ import annotations
@@ -15,18 +15,28 @@ import orjson
 from relay.store.base import Changes
 
 CHANNEL = "relay_changes"
-NOTIFY = f"SELECT pg_notify('{CHANNEL}', %s)"
+# Sent right after the COMMIT of the transaction it tells of, in the same round trip, as a
+# transaction of its own (the implicit one of a statement after COMMIT) that does not
+# wait for its commit record to reach the disk (``synchronous_commit`` off for it alone:
+# the notification is a hint, and the commit it tells of is durable already). Not inside
+# that transaction: PostgreSQL serializes the commits of the transactions that notify, on
+# one lock per database held until the commit is flushed, so the servers on one database
+# could never commit together (measured: docs/benchmarking.md, "PostgreSQL").
+NOTIFY = (
+    "SELECT pg_notify('{CHANNEL}', %s), set_config('synchronous_commit', 'off', true)"
+).replace("{CHANNEL}", CHANNEL)
 # PostgreSQL refuses payloads of 8,000 bytes or more; a commit that readied more queues
 # than fit says "every queue" instead.
 MAX_PAYLOAD = 7_900
 
 
-def payload(origin: str, changes: Changes) -> str | None:
-    """The notification of a commit of ``changes`` (None: nothing anyone waits for)."""
+def payload(origin: str, changes: Changes, expiry: bool = True) -> str | None:
+    """The notification of a commit of ``changes`` (None: nothing anyone waits for);
+    without its lease expiry if not ``expiry`` (see ``ExpiryTold``)."""
     if (
         not changes.ready_queues
         and changes.next_due_at is None
-        and changes.next_expiry_at is None
+        and (changes.next_expiry_at is None or not expiry)
         and changes.next_schedule_at is None
     ):
         return None
@@ -36,7 +46,7 @@ def payload(origin: str, changes: Changes) -> str | None:
         note["n"] = [changes.ready_counts.get(queue, 1) for queue in queues]
     if changes.next_due_at is not None:
         note["d"] = changes.next_due_at
-    if changes.next_expiry_at is not None:
+    if changes.next_expiry_at is not None and expiry:
         note["e"] = changes.next_expiry_at
     if changes.next_schedule_at is not None:  # a schedule's next slot (put or resumed)
         note["s"] = changes.next_schedule_at
@@ -46,6 +56,34 @@ def payload(origin: str, changes: Changes) -> str | None:
     note["q"], note["all"] = [], True
     note.pop("n", None)
     return orjson.dumps(note).decode()
+
+
+class ExpiryTold:
+    """The earliest lease expiry this store's notifications told the other servers of and
+    that is still to come: a later one need not be told. Each server's reaper, woken at
+    that expiry, reads the earliest expiry of every lease from the database
+    (``NextDeadlines``), later ones included, and so does a server as it starts or
+    listens again; a notification only wakes a reaper earlier than it would wake anyway
+    (it looks at least every ``MAX_SLEEP_MS``). So a run of claims, each setting an
+    expiry a lease later than the one before, notifies once per lease time, not once
+    per commit, unless it readies jobs or sets another deadline."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None  # the expiry told, if still to come at ``now``
+        self.now = 0  # the latest ``now`` a command that sets an expiry was given
+
+    def needed(self, expiry: int | None) -> bool:
+        """Whether a commit that sets ``expiry`` must tell it."""
+        return expiry is not None and (self.at is None or self.at <= self.now or expiry < self.at)
+
+    def told(self, expiry: int) -> None:
+        """A commit told ``expiry``."""
+        self.at = expiry
+
+    def forget(self) -> None:
+        """Whether what was told arrived is not known (a commit whose outcome is not):
+        the next expiry is told."""
+        self.at = None
 
 
 def parse(text: str, origin: str) -> Changes | bool | None:
