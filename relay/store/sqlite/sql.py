@@ -167,14 +167,13 @@ class SqliteBase(CountsBook):
     # (``_move``), undone with the journal (``CountsBook``), so never a scan of the table.
     _counts: Counter[tuple[str, str]]
     # job id, as the lease gave it -> (key, token, worker, expires_at, queue, attempt,
-    # leased_at) of
-    # each lease this store granted (jobs_claim_many) and has not seen end: what an ack of
-    # it needs to know, without a read of its row or a parse of its id (an id written
-    # otherwise, in capitals say, is not found here and takes the read). A cache: every ack
-    # is still conditioned on the row's lease, and one that changes fewer rows than
-    # expected reads them (jobs_ack_many). A rolled-back claim leaves leases nobody holds
-    # (their tokens were never sent); a rolled-back ack, fail or release forgets a lease
-    # still held (its ack then reads its row).
+    # leased_at) of each lease this store granted (jobs_claim_many) and has not seen end:
+    # what an ack of it needs to know, without a read of its row or a parse of its id (an
+    # id written otherwise, in capitals say, is not found here and takes the read). A
+    # cache: every ack is still conditioned on the row's lease, and one that changes fewer
+    # rows than expected reads them (jobs_ack_many). A rolled-back claim leaves leases
+    # nobody holds (their tokens were never sent); a rolled-back ack, fail or release
+    # forgets a lease still held (its ack then reads its row).
     _held: dict[str, tuple[int, str, str, int, str, int, int]]
     # The queues with a concurrency or rate limit, as committed (settings.py).
     _limited: frozenset[str] = frozenset()
