@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import trio
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -29,7 +29,7 @@ from relay.client.client import Client, WorkersPage, open_client
 from relay.client.tcp import tls_refused
 from relay.protocol.errors import BadRequest, RelayError, Unauthorized, UnknownOp, WrongServer
 from relay.protocol.model import JobState
-from relay_cli import views
+from relay_cli import calls, views
 from relay_cli.errors import _leaves, _reason
 from relay_cli.ids import server_short_ids
 from relay_cli.queue import limited_queues
@@ -473,9 +473,9 @@ async def run_top(
 ) -> None:
     """Show the view until cancelled (Ctrl-C), reconnecting whenever the server goes.
     Raises what ``follow`` cannot retry, once the screen is restored."""
-    # (A console that reads no markup in any text, as every command's: calls.console.)
+    # (Every command's console: it reads no markup in any text.)
     live = Live(view.render(), refresh_per_second=REFRESH_PER_S, screen=True,
-                console=Console(markup=False, emoji=False))  # fmt: skip
+                console=calls.console())  # fmt: skip
     with live:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_redraw, live, view)

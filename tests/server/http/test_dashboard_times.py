@@ -10,7 +10,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
 import relay
-from tests.server.conftest import BOUND_S, RunningServer, start_server
+from tests.server.conftest import BOUND_S
 from tests.server.http.test_dashboard import (
     MOVE_S,
     W,
@@ -21,6 +21,7 @@ from tests.server.http.test_dashboard import (
     status_is,
 )
 from tests.server.http.test_dashboard import browser as browser  # the fixture
+from tests.server.http.test_dashboard_views import start_flushing
 from tests.worker.helpers import serving
 
 TIMES_JS = """
@@ -31,11 +32,8 @@ return [f.dataset.waitMean, f.dataset.runMean, f.querySelectorAll("svg polyline.
 
 
 async def test_the_times_chart_shows_the_hours_mean_wait_and_run_time(tmp_path, browser):
-    async def start(nursery: trio.Nursery, db: str) -> RunningServer:
-        return await start_server(nursery, db, history_flush_ms=100)
-
     async with (
-        serving(start, str(tmp_path / "relay.db")) as server,
+        serving(start_flushing, str(tmp_path / "relay.db")) as server,
         relay.open_client("{}:{}".format(*server.handle.address)) as client,
     ):
         for n in range(2):
