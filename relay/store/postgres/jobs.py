@@ -27,7 +27,7 @@ from relay.protocol.model import (
 )
 from relay.store.base import PENDING, READY, UNFINISHED
 from relay.store.postgres.base import PostgresBase
-from relay.store.postgres.sql import atomic, encode_text
+from relay.store.postgres.sql import atomic, encode_text, opaque
 
 # Job ids come from the sequence job_ids (one per database: an in-process generator would
 # collide across servers), in the layout of relay.protocol.model: milliseconds << 21 plus a count.
@@ -40,7 +40,7 @@ from relay.store.postgres.sql import atomic, encode_text
 ID_LAG_MS = 1_000
 ID_LOCK = 0x524C5954_00000002
 _ID_LAG = ID_LAG_MS << ID_SEQ_BITS
-_NEXT_IDS = "SELECT nextval('job_ids') FROM generate_series(1, %s)"
+_NEXT_IDS = f"SELECT nextval('job_ids') FROM generate_series(1, {opaque('%s::int')})"
 _CATCH_UP = "SELECT setval('job_ids', %s) FROM job_ids WHERE last_value < %s"
 
 

@@ -39,7 +39,7 @@ from relay.store.base import (
     check_lease,
 )
 from relay.store.postgres.base import PostgresBase
-from relay.store.postgres.sql import atomic, encode_text
+from relay.store.postgres.sql import atomic, encode_text, opaque
 
 # The oldest ready jobs of each (queue, priority class), locked, skipping the ones other
 # servers have locked: the only candidates, since within a class the oldest job has both
@@ -60,14 +60,15 @@ _CANDIDATES = (
     "j.attempt, j.max_attempts, j.scheduled_for, j.small "
     "FROM (SELECT u.queue, "
     "coalesce(s.max_leased IS NOT NULL OR s.rate_limit IS NOT NULL, false) AS limited "
-    "FROM unnest(%b::text[]) AS u(queue) LEFT JOIN queue_settings s ON s.queue = u.queue "
+    f"FROM unnest({opaque('%b::text[]')}) AS u(queue) "
+    "LEFT JOIN queue_settings s ON s.queue = u.queue "
     "WHERE s.paused IS NOT TRUE) AS q "
     "CROSS JOIN unnest(ARRAY[3, 2, 1, 0]) AS p(priority) "
     "CROSS JOIN LATERAL (SELECT id, priority, ready_at, octet_length(payload) AS size, queue, "
     "timeout_ms, attempt, max_attempts, scheduled_for, CASE WHEN octet_length(payload) <= "
     f"{SMALL_PAYLOAD} THEN payload END AS small "
     "FROM jobs WHERE state = 'ready' AND queue = q.queue AND priority = p.priority "
-    "ORDER BY ready_at, id LIMIT %s FOR UPDATE SKIP LOCKED) AS j"
+    f"ORDER BY ready_at, id LIMIT {opaque('%s::bigint')} FOR UPDATE SKIP LOCKED) AS j"
 )
 # The limited queues among those asked, locked, with their rate windows; skipping those
 # another transaction holds: a claim never waits for a lock (so never deadlocks and never
@@ -84,6 +85,8 @@ _LOCK_LIMITS = (
 _SET_WINDOW = (
     "UPDATE queue_settings SET rate_window_start = %s, rate_window_count = %s WHERE queue = %s"
 )
+# A batch's rows: four arrays of these types, their lengths unseen by the planner.
+_ARRAYS = "unnest(" + ", ".join(opaque("%b::{}[]") for _ in range(4)) + ")"
 # The attempt starts now (``leased_at``); a job with an execution timeout gets its
 # attempt's deadline (its expiry is already no later than that: claims.grant).
 _CLAIM = (
@@ -91,7 +94,7 @@ _CLAIM = (
     "lease_worker = v.worker, lease_expires_at = v.expires_at, leased_at = %s, "
     "deadline_at = CASE WHEN "
     f"jobs.timeout_ms IS NULL THEN NULL ELSE %s + jobs.timeout_ms + {TIMEOUT_GRACE_MS} END "
-    "FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::bigint[]) "
+    f"FROM {_ARRAYS.format('bigint', 'text', 'text', 'bigint')} "
     "AS v(id, token, worker, expires_at) WHERE jobs.id = v.id"
 )
 # The same, for a claim that took a job whose payload its candidate left out.
@@ -113,7 +116,7 @@ _LEASE_ROWS = f"SELECT {_LEASE_COLUMNS} FROM jobs WHERE id = ANY(%s) ORDER BY id
 # all 5,000 read to ack 64).
 _ACK_HELD = (
     "UPDATE jobs SET state = 'succeeded', finished_at = %s, result = v.result, "
-    "lease_expires_at = NULL FROM unnest(%b::bigint[], %b::text[], %b::text[], %b::text[]) "
+    f"lease_expires_at = NULL FROM {_ARRAYS.format('bigint', 'text', 'text', 'text')} "
     "AS v(id, worker, token, result) WHERE jobs.id = v.id AND (jobs.state || '') = 'leased' "
     "AND jobs.lease_token = v.token AND jobs.lease_worker = v.worker "
     "AND jobs.lease_expires_at + 0 > %s "
