@@ -543,7 +543,7 @@ def test_the_statements_of_every_batch_keep_one_plan_and_are_not_planned_per_run
         store.jobs_ack_many(
             [
                 (x.job_id, worker, x.token, None)
-                for leased, worker in zip(leases, "wv")
+                for leased, worker in zip(leases, "wv", strict=True)
                 for x in leased
             ],
             now,
