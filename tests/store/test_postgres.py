@@ -578,6 +578,17 @@ def test_every_pass_scans_only_its_state_through_a_partial_index(servers, url, p
     with psycopg.connect(url, autocommit=True) as conn:
         for statement, params, index in [
             (leases_sql._CANDIDATES, (["q0", "q2"], 10), "jobs_ready"),
+            # A claim's update and an ack's: each job by its key, whatever the batch.
+            (
+                leases_sql._CLAIM,
+                (now, now, [1, 2], ["t", "t"], ["w", "w"], [now, now]),
+                "jobs_pkey",
+            ),
+            (
+                leases_sql._ACK_HELD,
+                (now, [1, 2], ["w", "w"], ["t", "t"], ["r", "r"], now),
+                "jobs_pkey",
+            ),
             (maintenance_sql._PROMOTE, (now, 100), "jobs_due"),
             (maintenance_sql._REAP, {"now": now, "limit": 100, "error": "e"}, "jobs_leased"),
             (maintenance_sql._PRUNE_JOBS, (now, 100), "jobs_succeeded"),
