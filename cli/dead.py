@@ -133,11 +133,13 @@ async def _whole(client: Client, target: dict[str, Any]) -> dict[str, Any]:
     return {"job_id": (await client.inspect(job_id, prefix=True)).job_id}
 
 
-async def refused(client: Client, exc: InvalidState, job_id: str) -> click.ClickException:
-    """The one-line error for a job refused for its state: where another command takes a
-    job in that state, the server's advice (in the wire's words) is replaced by it."""
+async def refused(
+    client: Client, exc: InvalidState, job_id: str, operation: str
+) -> click.ClickException:
+    """The one-line error for a job refused for its state by ``operation`` (retry, purge,
+    promote): where another command takes a job in that state, the server's advice (in
+    the wire's words) is replaced by it."""
     state = str((await client.inspect(job_id)).state)
-    operation = exc.message.split(" ", 2)[1]  # "cannot retry job_...: it is ..."
     reason = exc.message.split(" (", 1)[0]
     if operation == "promote" and state in RETRY_STATES:
         hint = f"relay-trio jobs retry {job_id} makes it ready again"
@@ -173,7 +175,7 @@ def dead_retry(
         try:
             return await client.dead_retry(**target)
         except InvalidState as exc:
-            raise await refused(client, exc, target["job_id"]) from None
+            raise await refused(client, exc, target["job_id"], "retry") from None
 
     count = call(address, retry, timeout=_timeout(every))
     if as_json:
@@ -208,7 +210,7 @@ def dead_purge(
         try:
             return await client.dead_purge(**target)
         except InvalidState as exc:
-            raise await refused(client, exc, target["job_id"]) from None
+            raise await refused(client, exc, target["job_id"], "purge") from None
 
     count = call(address, purge, timeout=_timeout(every))
     if as_json:

@@ -114,7 +114,7 @@ def _one(verb: str, allowed: tuple[str, ...], job_id: str, address: str, as_json
         try:
             await action(whole, states=allowed)
         except InvalidState as exc:
-            raise await refused(client, exc, whole) from None
+            raise await refused(client, exc, whole, verb) from None
         return whole
 
     whole = call(address, one, timeout=DEFAULT_TIMEOUT_S)
@@ -213,7 +213,7 @@ def jobs_promote(job_id: str, address: str, as_json: bool) -> None:
         try:
             was = await client.promote(whole)
         except InvalidState as exc:
-            raise await refused(client, exc, whole) from None
+            raise await refused(client, exc, whole, "promote") from None
         return {"job_id": whole, "state": "ready", "was": str(was)}
 
     reply = call(address, promote, timeout=DEFAULT_TIMEOUT_S)
