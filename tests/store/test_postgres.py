@@ -10,7 +10,6 @@ two servers at once makes one job.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import re
@@ -30,7 +29,7 @@ from relay.protocol.errors import LeaseExpired, QueueFull, StaleToken
 from relay.protocol.model import ID_MAX as MAX_JOB_KEY
 from relay.protocol.model import Backoff, JobState, Rate, SubmitResult, SubmitSpec
 from relay.store.base import StoreConfig
-from relay.store.postgres import PostgresStore
+from relay.store.postgres import PostgresStore, notify
 from relay.store.postgres import browse as browse_sql
 from relay.store.postgres import cancel as cancel_sql
 from relay.store.postgres import dead as dead_sql
@@ -525,7 +524,7 @@ def test_the_statements_of_every_batch_keep_one_plan_and_are_not_planned_per_run
     (an array's length, a LIMIT, known only then) is planned anew on every run for as long
     as the connection lives: 0.2-0.4 ms of the database's CPU each time, a claim's most.
     The statements of submits, claims and acks, run as the writer runs them, with batches
-    of every size, settle on their generic plan after psycopg prepares them."""
+    of every size, settle on their generic plan once prepared (at their first run)."""
     store = servers()
     sizes = [1, 64, 2, 40, 3, 17, 8, 100, 5, 33, 1, 64, 7, 50]
     now = T0
@@ -730,28 +729,26 @@ def test_a_job_that_loses_its_unique_key_to_another_server_leaves_no_idempotency
 
 
 class RoundTrips:
-    """Counts the round trips of a store's connection: a statement outside a pipeline is
-    one, and so is a pipeline (its statements go out together, their results come back
-    together)."""
+    """Counts the round trips of a store's connection: a statement run by the connection
+    itself is one, and so is each pipeline of the store's ``Pipe`` (its statements go out
+    together, their results come back together)."""
 
     def __init__(self, store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.n = 0
+        self._direct = 0
+        self._pipe = store._pipe
+        self._start = self._pipe.round_trips
         conn = store._db
-        execute, pipeline = conn.execute, conn.pipeline
+        execute = conn.execute
 
         def counted_execute(*args: object, **kwargs: object) -> object:
-            if conn._pipeline is None:
-                self.n += 1
+            self._direct += 1
             return execute(*args, **kwargs)
 
-        @contextlib.contextmanager
-        def counted_pipeline() -> Iterator[object]:
-            with pipeline() as p:
-                yield p
-            self.n += 1
-
         monkeypatch.setattr(conn, "execute", counted_execute)
-        monkeypatch.setattr(conn, "pipeline", counted_pipeline)
+
+    @property
+    def n(self) -> int:
+        return self._direct + self._pipe.round_trips - self._start
 
 
 def test_a_batch_takes_the_same_few_round_trips_whatever_its_size(servers, monkeypatch):
@@ -781,6 +778,33 @@ def test_a_batch_takes_the_same_few_round_trips_whatever_its_size(servers, monke
         assert trips.n - before == 3
         assert all(len(mine) == 1 for mine in more)
     assert recount(a)["q"]["succeeded"] == 41 and recount(a)["q"]["leased"] == 41
+
+
+def test_a_commit_stands_when_only_its_notification_fails(servers, monkeypatch, caplog):
+    a = servers()
+    # (fails as it runs, after the COMMIT, in the same round trip)
+    monkeypatch.setattr(notify, "NOTIFY", "SELECT 1 / 0 WHERE %s IS NOT NULL")
+    a.begin()
+    a.jobs_submit(specs(2), T0)
+    a.commit()
+    assert "a commit's notification could not be sent" in caplog.text
+    assert recount(a)["q"]["ready"] == 2 == a.queue_stats()["q"]["ready"]
+    a.begin()  # (and the connection is ready for the next transaction)
+    a.jobs_submit(specs(1), T0 + 1)
+    a.commit()
+    assert recount(a)["q"]["ready"] == 3
+
+
+def test_a_failed_commit_raises_its_own_error(servers):
+    a = servers()
+    a._db.execute("CREATE TABLE later (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    a.begin()
+    a._write_later("INSERT INTO later VALUES (1), (1)")  # (refused at the COMMIT only)
+    a._flush()
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        a.commit()  # (the COMMIT alone: no counts moved)
+    a.rollback()
+    assert a._db.execute("SELECT count(*) FROM later").fetchone() == (0,)
 
 
 def test_a_claim_reads_its_leases_with_the_candidates_also_a_large_payload(servers):

@@ -22,6 +22,7 @@ from relay.store import claims as claims_
 from relay.store.base import ATTEMPTS_KEPT, LEASED, READY, Changes, StoreConfig
 from relay.store.counts import CountsBook
 from relay.store.postgres import notify
+from relay.store.postgres.pipe import Pipe, Result
 from relay.store.postgres.schema import open_connection
 from relay.store.view import STATES, Entry, Limits
 
@@ -111,6 +112,7 @@ class PostgresBase(CountsBook):
         slot: int | None = None,
     ) -> None:
         self._db = conn
+        self._pipe = Pipe(conn)  # (the round trips of the writer's statements)
         self.url: str | None = None  # where to reconnect to (``open``)
         # Tells the other servers' change feeds (relay/server/services/feed.py) which
         # commits are this store's own.
@@ -139,7 +141,6 @@ class PostgresBase(CountsBook):
         self._queued: list[tuple[str, Any]] = []
         # The lease expiry the other servers were last told of (notify.py).
         self._expiry_told = notify.ExpiryTold()
-        self._in_flight: list[psycopg.Cursor] = []  # (those sent, until their rows count)
         self.changes = Changes()
         # Whether transitions append to ``changes.events``; the writer sets it per batch.
         self.recording = False
@@ -204,6 +205,7 @@ class PostgresBase(CountsBook):
         with contextlib.suppress(psycopg.Error):
             self._db.close()
         self._db = conn
+        self._pipe = Pipe(conn)
         self._undo_transaction()
         self._begin_pending = False
         self._queued.clear()
@@ -220,40 +222,38 @@ class PostgresBase(CountsBook):
 
     # -- statements --------------------------------------------------------------------------
 
-    def _read(self, sql: str, params: Any = None) -> psycopg.Cursor:
+    def _read(self, sql: str, params: Any = None) -> Result:
         """Run a statement, in the open transaction if there is one. What waits to be
         sent goes with it, in one round trip (a pipeline: the results come back once all
         have run, in order): BEGIN, if this is the transaction's first statement, and the
         writes queued since the last round trip (``_write_later``)."""
-        if not self._begin_pending and not self._queued:
-            return self._db.execute(sql, params)
-        with self._db.pipeline():
-            self._send_waiting()
-            cursor = self._db.execute(sql, params)
-        self._count_queued()
-        return cursor
+        statements = self._waiting()
+        statements.append((sql, params))
+        *sent, result = self._pipe.run(statements)
+        self._count_rows(sent)
+        return result
 
-    def _send_waiting(self) -> None:
-        """Inside a pipeline: BEGIN if it waits, then the queued writes, in order. READ
-        COMMITTED whatever the database's default: every rule here re-reads a row once it
-        is locked."""
+    def _waiting(self) -> list[tuple[str, Any]]:
+        """What goes first in the next round trip, taken: BEGIN if it waits, then the
+        queued writes, in order. READ COMMITTED whatever the database's default: every
+        rule here re-reads a row once it is locked."""
+        statements = self._queued
+        self._queued = []
         if self._begin_pending:
             self._begin_pending = False
-            self._db.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-        queued, self._queued = self._queued, []
-        self._in_flight = [self._db.execute(sql, params) for sql, params in queued]
+            statements.insert(0, ("BEGIN ISOLATION LEVEL READ COMMITTED", None))
+        return statements
 
-    def _count_queued(self) -> None:
-        """After the pipeline that sent them: the queued writes' rows, for ``write_mark``."""
-        self._rows += sum(max(cursor.rowcount, 0) for cursor in self._in_flight)
-        self._in_flight = []
+    def _count_rows(self, results: list[Result]) -> None:
+        """The rows of the queued writes (and BEGIN's none) just sent, for ``write_mark``."""
+        self._rows += sum(max(result.rowcount, 0) for result in results)
 
-    def _write(self, sql: str, params: Any = None) -> psycopg.Cursor:
+    def _write(self, sql: str, params: Any = None) -> Result:
         """Run a statement that writes; its rows count in ``write_mark``."""
-        cursor = self._read(sql, params)
-        if cursor.rowcount > 0:
-            self._rows += cursor.rowcount
-        return cursor
+        result = self._read(sql, params)
+        if result.rowcount > 0:
+            self._rows += result.rowcount
+        return result
 
     def _write_later(self, sql: str, params: Any = None) -> None:
         """A write whose result no one reads: sent with the transaction's next round trip
@@ -268,11 +268,8 @@ class PostgresBase(CountsBook):
 
     def _flush(self) -> None:
         """Send the queued writes now (one round trip), if there are any."""
-        if not self._queued:
-            return
-        with self._db.pipeline():
-            self._send_waiting()
-        self._count_queued()
+        if self._queued:
+            self._count_rows(self._pipe.run(self._waiting()))
 
     @contextlib.contextmanager
     def command(self) -> Iterator[None]:
@@ -447,32 +444,33 @@ class PostgresBase(CountsBook):
         (``_DROP_ZEROS``)."""
         moves = sorted((key, n) for key, n in self._moves.items() if n)
         queues = sorted(self._deleted_from)
-        written: list[psycopg.Cursor] = []
-        held: psycopg.Cursor | None = None
-        commit: psycopg.Cursor | None = None
+        statements = self._waiting()  # (BEGIN, if nothing was sent yet, the queued writes)
+        if moves:
+            params = (
+                self.slot,
+                [queue for (queue, _), _ in moves],
+                [state for (_, state), _ in moves],
+                [n for _, n in moves],
+            )
+            statements.append((_ADD_COUNTS, params))
+        if queues:
+            statements.append((_DROP_ZEROS, (queues,)))
+        written = len(statements)  # (the statements whose rows count in write_mark)
+        if queues:
+            statements.append((_HOLDING, (queues,)))
+        commit = len(statements)
+        statements.append(("COMMIT", None))
         expiry = self.changes.next_expiry_at
         tell = self._expiry_told.needed(expiry)
         payload = notify.payload(self.origin, self.changes, tell)
+        if payload is not None:  # (not run if anything before it failed)
+            self._expiry_told.forget()  # (until it is known to have gone)
+            statements.append((notify.NOTIFY, (payload,)))
         try:
-            with self._db.pipeline():
-                self._send_waiting()  # (BEGIN, if nothing was sent yet, the queued writes)
-                if moves:
-                    params = (
-                        self.slot,
-                        [queue for (queue, _), _ in moves],
-                        [state for (_, state), _ in moves],
-                        [n for _, n in moves],
-                    )
-                    written.append(self._db.execute(_ADD_COUNTS, params))
-                if queues:
-                    written.append(self._db.execute(_DROP_ZEROS, (queues,)))
-                    held = self._db.execute(_HOLDING, (queues,))
-                commit = self._db.execute("COMMIT")
-                if payload is not None:  # (not run if anything before it failed)
-                    self._expiry_told.forget()  # (until it is known to have gone)
-                    self._db.execute(notify.NOTIFY, (payload,))
+            results = self._pipe.run(statements)
         except psycopg.Error:
-            if commit is None or commit.statusmessage != "COMMIT":
+            results = self._pipe.completed  # (those that ran)
+            if len(results) <= commit or results[commit].statusmessage != "COMMIT":
                 raise
             # Only the notification failed (the notification queue full, say): the
             # commit stands; the other servers learn of it as they look again.
@@ -480,11 +478,10 @@ class PostgresBase(CountsBook):
         else:
             if tell and payload is not None and expiry is not None:
                 self._expiry_told.told(expiry)
-        self._count_queued()
-        self._rows += sum(max(cursor.rowcount, 0) for cursor in written)
-        if held is None:
+        self._count_rows(results[:written])
+        if not queues:
             return []
-        holding = {queue for (queue,) in held}
+        holding = {queue for (queue,) in results[written]}
         return [queue for queue in queues if queue not in holding]
 
     def _entry(self, queue: str) -> Entry | None:

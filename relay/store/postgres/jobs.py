@@ -7,7 +7,7 @@ idempotency key is taken with ``INSERT ... ON CONFLICT`` on its primary key, so 
 two servers submitting one key at once, one creates the job and the other answers it.
 
 A batch is a few statements whatever its size: many rows go in as arrays (``unnest``),
-and psycopg prepares each statement after a few runs, since their texts do not vary.
+and each statement is prepared at its first run (pipe.py), since their texts do not vary.
 """
 
 from __future__ import annotations

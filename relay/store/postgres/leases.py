@@ -7,7 +7,7 @@ LOCKED``, so a job another server is leasing is skipped, never waited for and ne
 twice; a command on a held lease locks the job's row before it checks the token.
 
 Batches are a few statements whatever their size: many rows go in as arrays (``unnest``),
-and psycopg prepares each statement after a few runs, since their texts do not vary.
+and each statement is prepared at its first run (pipe.py), since their texts do not vary.
 """
 
 from __future__ import annotations

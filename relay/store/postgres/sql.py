@@ -36,8 +36,8 @@ def opaque(value: str) -> str:
     """``value`` (a placeholder and its cast, ``%b::bigint[]``) read through a sub-select,
     so that the planner does not see it.
 
-    psycopg prepares a statement after its fifth run; PostgreSQL plans a prepared
-    statement with its values for five runs more, then keeps the generic plan unless the
+    The store prepares a statement at its first run (pipe.py); PostgreSQL plans a prepared
+    statement with its values for five runs, then keeps the generic plan unless the
     plans with values cost less on average. An array's length (in ``unnest``), a LIMIT or
     a count of rows make those plans cheaper than the generic one's guess, whose cost they
     then never reach: such a statement was planned anew on every run for as long as the
