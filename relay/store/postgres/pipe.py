@@ -4,10 +4,10 @@ pipeline mode, each statement prepared once per connection.
 psycopg's own pipeline (``Connection.pipeline``) gives every statement a cursor, a queue of
 pending results and a send of its own; for the writer's few statements per transaction that
 cost more of the writer thread's time than the database took to run them (measured in
-docs/benchmarking.md, "The writer's own round trips"). Here the statements' parameters are
+docs/benchmarking.md, "The writer's own share"). Here the statements' parameters are
 adapted by psycopg's ``Transformer`` exactly as a cursor adapts them, and their rows loaded
 by it too: the values are the same either way. What is left out is what the store never
-uses: server-side cursors, COPY, several statements in one string, notices per cursor.
+uses: server-side cursors, COPY, several statements in one string.
 
 Not thread-safe: the store's one thread uses it, between the connection's own statements
 (the connection is out of pipeline mode before and after each round trip).
