@@ -44,17 +44,28 @@ def test_statements_go_in_one_round_trip_and_each_is_prepared_once(conn):
     ]
 
 
-def test_a_percent_sign_is_written_twice_and_a_command_tag_is_kept(conn):
+def test_placeholders_and_percent_signs_are_read_as_psycopg_reads_them(conn):
     pipe = Pipe(conn)
     conn.execute("CREATE TEMPORARY TABLE t (s text)")
-    [insert, select] = pipe.run(
+    [insert, select, plain] = pipe.run(
         [
             ("INSERT INTO t VALUES (%s), (%s)", ("50%", "x")),
-            ("SELECT s FROM t WHERE s LIKE '%%\\%%'", None),
+            ("SELECT s FROM t WHERE s LIKE '%%\\%%' AND %s", (True,)),
+            ("SELECT '%%', '%s'", None),  # (no values: the text as it is)
         ]
     )
     assert (insert.rowcount, insert.statusmessage, insert.rows) == (2, "INSERT 0 2", [])
     assert (select.fetchall(), select.fetchone()) == ([("50%",)], ("50%",))
+    assert plain.rows == [("%%", "%s")]
+    for sql, params in [
+        ("SELECT %x", (1,)),
+        ("SELECT 1 %", (1,)),
+        ("SELECT %(a)s, %s", {"a": 1}),
+        ("SELECT %(a)s, %(b)s", {"a": 1}),
+    ]:
+        with pytest.raises(psycopg.ProgrammingError):
+            pipe.run([(sql, params)])
+    assert pipe.run([("SELECT %(a)s::int", {"a": 5})])[0].rows == [(5,)]
 
 
 def test_a_failure_raises_the_error_a_cursor_would_and_skips_the_rest(conn):
@@ -83,10 +94,57 @@ def test_a_value_that_cannot_be_sent_raises_and_leaves_the_connection_ready(conn
     pipe = Pipe(conn)
     with pytest.raises(psycopg.ProgrammingError):
         pipe.run([("SELECT 1", None), ("SELECT %s", (object(),))])
+    assert [r.rows for r in pipe.completed] == [[(1,)]]  # (the statement before it ran)
     with pytest.raises(psycopg.ProgrammingError):
         pipe.run([("SELECT %s, %s", (1,))])  # (a value too few)
     assert pipe.run([("SELECT %s::int", (7,))])[0].rows == [(7,)]
     assert conn.execute("SELECT 8").fetchone() == (8,)
+
+
+def test_a_statement_failed_by_postgresql_is_what_raises_also_if_sending_stopped(conn):
+    pipe = Pipe(conn)
+    pipe.run([("BEGIN", None)])
+    with pytest.raises(psycopg.errors.DivisionByZero) as raised:
+        pipe.run([("SELECT 1 / %s", (0,)), ("SELECT %s", (object(),))])
+    assert isinstance(raised.value.__cause__, psycopg.ProgrammingError)
+    conn.execute("ROLLBACK")
+
+
+def test_a_statement_libpq_refuses_to_send_is_not_thought_prepared(conn):
+    pipe = Pipe(conn)
+    many = 70_000  # (more parameters than the protocol carries)
+    sql = "SELECT " + "+".join(["%s::int"] * many)
+    for _ in range(2):
+        with pytest.raises(psycopg.Error):
+            pipe.run([("SELECT 1", None), (sql, [1] * many)])
+        assert pipe.run([("SELECT %s::int", (2,))])[0].rows == [(2,)]
+    assert len(prepared(conn)) == len(pipe._prepared) == 2
+
+
+def test_an_error_of_the_sync_itself_raises_after_every_statement_ran(conn):
+    """The commit of an implicit transaction happens at the sync: a deferred constraint
+    (here) or a NOTIFY over a full notification queue fail there, after the statements."""
+    pipe = Pipe(conn)
+    conn.execute("CREATE TEMPORARY TABLE t (n int)")
+    conn.execute("CREATE TEMPORARY TABLE later (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        pipe.run(
+            [
+                ("BEGIN", None),
+                ("INSERT INTO t VALUES (%s)", (1,)),
+                ("COMMIT", None),
+                ("INSERT INTO later VALUES (%s), (%s)", (1, 1)),
+            ]
+        )
+    assert [r.statusmessage for r in pipe.completed] == [
+        "BEGIN",
+        "INSERT 0 1",
+        "COMMIT",
+        "INSERT 0 2",
+    ]
+    assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
+    assert conn.execute("SELECT count(*) FROM later").fetchone() == (0,)
+    assert pipe.run([("SELECT %s::int", (3,))])[0].rows == [(3,)]
 
 
 def test_its_statements_outlive_a_rollback_and_come_back_after_a_deallocate(conn):

@@ -30,8 +30,8 @@ from psycopg.adapt import PyFormat, Transformer
 MAX_PREPARED = 512
 
 # A placeholder as psycopg writes them: %s (any format), %b (binary), %t (text), each
-# optionally named, %(name)s; %% is a percent sign.
-_PLACEHOLDER = re.compile(rb"%(?:\(([^)]+)\))?([sbt%])")
+# optionally named, %(name)s; %% is a percent sign. Anything else after a % is refused.
+_PLACEHOLDER = re.compile(rb"%(?:\(([^)]*)\))?(.?)", re.DOTALL)
 _FORMATS = {b"s": PyFormat.AUTO, b"b": PyFormat.BINARY, b"t": PyFormat.TEXT}
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK, pq.ExecStatus.EMPTY_QUERY)
@@ -61,24 +61,33 @@ class Result:
 
 class _Statement:
     """A statement's SQL in PostgreSQL's form ($1, $2, ...), and how to take its
-    parameters: by position, or by name (``names``), each in its psycopg format."""
+    parameters: by position, or by name (``names``), each in its psycopg format. Without
+    parameters (None) the text goes as it is, as psycopg sends it then."""
 
     __slots__ = ("formats", "names", "query")
 
-    def __init__(self, sql: str) -> None:
+    def __init__(self, sql: str, plain: bool = False) -> None:
+        self.names: tuple[str, ...] | None = None
+        self.formats: tuple[PyFormat, ...] = ()
+        self.query = text = sql.encode()
+        if plain:
+            return
         parts: list[bytes] = []
         names: list[str] = []
         formats: list[PyFormat] = []
         named: set[bool] = set()
         position = 0
-        text = sql.encode()
         for match in _PLACEHOLDER.finditer(text):
             parts.append(text[position : match.start()])
             position = match.end()
             name, kind = match.groups()
-            if kind == b"%":
+            if kind == b"%" and name is None:
                 parts.append(b"%")
                 continue
+            if kind not in _FORMATS or name == b"":
+                raise psycopg.ProgrammingError(
+                    f"only %s, %b, %t (or named: %(name)s) are placeholders: {sql!r}"
+                )
             named.add(name is not None)
             if name is not None and name.decode() in names:  # (a name used twice: once)
                 parts.append(b"$%d" % (names.index(name.decode()) + 1))
@@ -88,7 +97,7 @@ class _Statement:
             parts.append(b"$%d" % len(formats))
         parts.append(text[position:])
         if len(named) > 1:
-            raise ValueError(f"placeholders both named and not: {sql!r}")
+            raise psycopg.ProgrammingError(f"placeholders both named and not: {sql!r}")
         self.query = b"".join(parts)
         self.names = tuple(names) if named == {True} else None
         self.formats = tuple(formats)
@@ -97,6 +106,9 @@ class _Statement:
         if params is None:
             params = ()
         if self.names is not None:
+            missing = [name for name in self.names if name not in params]
+            if missing:
+                raise psycopg.ProgrammingError(f"query parameters missing: {missing}")
             return [params[name] for name in self.names]
         if len(params) != len(self.formats):
             raise psycopg.ProgrammingError(
@@ -138,31 +150,37 @@ class Pipe:
         pg = self._pg
         self.completed = []
         sent: list[bytes | None] = []  # (per result expected: the name being prepared)
+        refused: Exception | None = None  # (a statement that could not be sent)
         pg.enter_pipeline_mode()
         try:
             try:
                 for sql, params in statements:
                     self._send(sql, params, sent)
-            finally:
-                # Also after a failure to send one (a value psycopg cannot adapt): those
-                # sent before it run, as a cursor's would have, and the caller, raising,
-                # rolls back; the connection is left ready either way.
-                pg.pipeline_sync()
-                self._send_all()
-                results = self._receive(len(sent))
-                self._settle(sent, results)
+            except Exception as exc:
+                if pg.status != pq.ConnStatus.OK:
+                    raise  # (the connection is lost: nothing more can be read)
+                # A value psycopg cannot adapt, say: those sent before it run, as a
+                # cursor's would have, and the caller, raising, rolls back; the
+                # connection is left ready either way.
+                refused = exc
+            pg.pipeline_sync()
+            self._send_all()
+            results = self._receive()
+            self._settle(sent, results)
         finally:
             if pg.pipeline_status != pq.PipelineStatus.OFF and pg.status == pq.ConnStatus.OK:
                 pg.exit_pipeline_mode()
         self.round_trips += 1
-        return self._outcomes(sent, results)
+        return self._outcomes(sent, results, refused)
 
     def _send(self, sql: str, params: Any, sent: list[bytes | None]) -> None:
         pg = self._pg
         tx = self._tx
-        statement = self._statements.get(sql)
+        statements = self._statements
+        key = sql if params is not None else (sql, None)
+        statement = statements.get(key)
         if statement is None:
-            statement = self._statements[sql] = _Statement(sql)
+            statement = statements[key] = _Statement(sql, plain=params is None)
         values = tx.dump_sequence(statement.values(params), statement.formats)
         types = tuple(tx.types or ())
         formats = tx.formats or ()
@@ -170,8 +188,9 @@ class Pipe:
         name = self._prepared.get(key)
         if name is None and len(self._prepared) < MAX_PREPARED:
             self._names += 1
-            name = self._prepared[key] = b"relay_%d" % self._names
+            name = b"relay_%d" % self._names
             pg.send_prepare(name, statement.query, param_types=types)
+            self._prepared[key] = name  # (once libpq took it: its result will say)
             sent.append(name)
         if name is None:
             pg.send_query_params(statement.query, values, types, formats)
@@ -193,9 +212,10 @@ class Pipe:
             finally:
                 poll.modify(pg.socket, select.POLLIN)
 
-    def _receive(self, expected: int) -> list[pq.abc.PGresult]:
-        """Every result up to the pipeline's sync: ``expected`` of them, one per command
-        sent (a skipped command's says so)."""
+    def _receive(self) -> list[pq.abc.PGresult]:
+        """Every result up to the pipeline's sync: one per command sent (a skipped
+        command's says so), and an error of the sync itself if it failed (the commit of
+        an implicit transaction, e.g. a NOTIFY's over a full notification queue)."""
         pg = self._pg
         poll = self._poll
         results = []
@@ -207,32 +227,36 @@ class Pipe:
             if result is None:  # (the end of one command's results)
                 continue
             if result.status == pq.ExecStatus.PIPELINE_SYNC:
-                break
+                return results
             results.append(result)
-        if len(results) != expected:
-            raise psycopg.InternalError(f"{len(results)} results for {expected} commands")
-        return results
 
     def _settle(self, sent: list[bytes | None], results: list[Any]) -> None:
         """Forget the names whose preparing failed or was skipped: the next run of their
         statement prepares it again."""
-        for name, result in zip(sent, results, strict=True):
+        for name, result in zip(sent, results, strict=False):
             if name is not None and result.status != pq.ExecStatus.COMMAND_OK:
                 for key, known in list(self._prepared.items()):
                     if known == name:
                         del self._prepared[key]
 
-    def _outcomes(self, sent: list[bytes | None], results: list[Any]) -> list[Result]:
+    def _outcomes(
+        self, sent: list[bytes | None], results: list[Any], refused: Exception | None
+    ) -> list[Result]:
+        """The statements' results, or the first failure raised: a statement's, the
+        sync's, or (if PostgreSQL refused nothing) the one that stopped the sending."""
+        if len(results) < len(sent) or (
+            len(results) > len(sent)
+            and any(r.status != pq.ExecStatus.FATAL_ERROR for r in results[len(sent) :])
+        ):
+            raise psycopg.InternalError(f"{len(results)} results for {len(sent)} commands")
         outcomes: list[Result] = []
         failure: BaseException | None = None
         tx = self._tx
-        for name, result in zip(sent, results, strict=True):
+        for name, result in zip(sent, results, strict=False):
             status = result.status
             if status not in _OK:
                 if failure is None and status == pq.ExecStatus.FATAL_ERROR:
-                    failure = psycopg.errors.error_from_result(
-                        result, encoding=self._conn.info.encoding
-                    )
+                    failure = self._error(result)
                 continue
             if name is not None:
                 continue
@@ -245,12 +269,19 @@ class Pipe:
             count = result.command_tuples
             outcomes.append(Result(rows, -1 if count is None else count, tag))
         self.completed = outcomes
+        if failure is None and len(results) > len(sent):  # (every statement ran)
+            failure = self._error(results[len(sent)])
         if failure is not None:
             if isinstance(failure, psycopg.errors.InvalidSqlStatementName):
                 # Someone deallocated them (DEALLOCATE ALL): prepared again from the next
                 # round trip on (this one's transaction, if any, has failed).
                 self._prepared.clear()
+            if refused is not None:
+                raise failure from refused
             raise failure
-        if len(outcomes) != sum(name is None for name in sent):
-            raise psycopg.InternalError("a statement was skipped without a failure")
+        if refused is not None:
+            raise refused
         return outcomes
+
+    def _error(self, result: Any) -> psycopg.Error:
+        return psycopg.errors.error_from_result(result, encoding=self._conn.info.encoding)
