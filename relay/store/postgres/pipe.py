@@ -125,7 +125,9 @@ class Pipe:
     the same round trip; later runs send only its parameters. If one statement fails,
     PostgreSQL skips the rest of the round trip; ``run`` raises the failure as the
     psycopg error a cursor would raise (after every result has been read: the connection
-    is ready for the next statement, its transaction failed).
+    is ready for the next statement, its transaction failed). The round trip's sync can
+    fail too, after every statement ran (the commit of an implicit transaction): its
+    error is raised then, and ``completed`` holds every statement's outcome.
     """
 
     def __init__(self, conn: psycopg.Connection) -> None:
@@ -135,7 +137,9 @@ class Pipe:
         self._conn = conn
         self._pg = conn.pgconn
         self._tx = Transformer(conn)
-        self._statements: dict[str, _Statement] = {}
+        # Statements by text (and whether they take values), converted once; the store's
+        # texts are its code's, a few hundred at most.
+        self._statements: dict[tuple[str, bool], _Statement] = {}
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
         self._names = 0  # (names given so far: each name is given once)
         self._poll = select.poll()
@@ -176,21 +180,20 @@ class Pipe:
     def _send(self, sql: str, params: Any, sent: list[bytes | None]) -> None:
         pg = self._pg
         tx = self._tx
-        statements = self._statements
-        key = sql if params is not None else (sql, None)
-        statement = statements.get(key)
+        plain = params is None
+        statement = self._statements.get((sql, plain))
         if statement is None:
-            statement = statements[key] = _Statement(sql, plain=params is None)
+            statement = self._statements[sql, plain] = _Statement(sql, plain)
         values = tx.dump_sequence(statement.values(params), statement.formats)
         types = tuple(tx.types or ())
         formats = tx.formats or ()
-        key = (statement.query, types)
-        name = self._prepared.get(key)
+        name = self._prepared.get((statement.query, types))
         if name is None and len(self._prepared) < MAX_PREPARED:
             self._names += 1
             name = b"relay_%d" % self._names
             pg.send_prepare(name, statement.query, param_types=types)
-            self._prepared[key] = name  # (once libpq took it: its result will say)
+            # (once libpq took it; if PostgreSQL refuses it, _settle forgets it)
+            self._prepared[statement.query, types] = name
             sent.append(name)
         if name is None:
             pg.send_query_params(statement.query, values, types, formats)
