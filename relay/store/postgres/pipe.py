@@ -224,7 +224,10 @@ class Pipe:
         results = []
         while True:
             while pg.is_busy():
-                poll.poll()  # (releases the GIL while it waits)
+                # (Releases the GIL while it waits. Its deadline is the connection's:
+                # schema.LIVENESS has the kernel end a silent one within ~30 s, and the
+                # poll then returns an error that consume_input raises.)
+                poll.poll()
                 pg.consume_input()
             result = pg.get_result()
             if result is None:  # (the end of one command's results)
