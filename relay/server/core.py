@@ -282,6 +282,11 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
 
                 feed = ChangeFeed(store.url, store.origin, deliver, recheck)
                 await services.start(feed.run)
+                from relay.server.services.waiters import WaiterRows
+
+                waiters = WaiterRows(writer, longpolls)
+                longpolls.on_park = waiters.parked
+                await services.start(waiters.run)
                 await services.start(run_counts_refresher, writer)
             yield Core(
                 writer, dispatcher, longpolls, watchers, services, store.view, scheduler,

@@ -276,6 +276,19 @@ class RefreshCounts:
 
 
 @attrs.frozen
+class PutWaiters:
+    """PostgreSQL: this server's rows of ``waiters``: held until ``ttl_ms`` from now for
+    ``put``, removed for ``drop`` (the queues of ``put`` that had none)."""
+
+    put: tuple[str, ...]
+    drop: tuple[str, ...]
+    ttl_ms: int
+
+    def apply(self, store: Store, now: int) -> Any:
+        return store.waiters_put(self.put, self.drop, now + self.ttl_ms, now)  # type: ignore[attr-defined]
+
+
+@attrs.frozen
 class OldestReadyAt:
     """When the oldest ready job of each of these queues became ready (those with one)."""
 

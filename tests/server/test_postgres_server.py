@@ -6,6 +6,7 @@ test_servers_postgres.py."""
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,7 @@ import psycopg
 import pytest
 import trio
 
+from relay.server.services import waiters as waiters_service
 from tests import pg
 from tests.server.conftest import BOUND_S, LineClient, RunningServer, start_server
 
@@ -81,6 +83,105 @@ async def test_a_submit_through_one_server_wakes_a_long_poll_parked_on_another(s
         assert waited < 1.0, f"woken after {waited:.3f} s"
         await ca.aclose()
         await cb.aclose()
+
+
+class Heard:
+    """The notifications on the servers' channel, as another server's feed hears them."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.execute("LISTEN relay_changes")
+
+    async def until_now(self) -> list[str]:
+        """The payloads notified since the last call: a marker notified now comes after
+        every notification of a commit made before (one channel's arrive in commit order)."""
+        marker = f"marker-{secrets.token_hex(4)}"
+        self.conn.execute("SELECT pg_notify('relay_changes', %s)", (marker,))
+
+        def read() -> list[str]:
+            heard = []
+            for note in self.conn.notifies(timeout=BOUND_S):
+                if note.payload == marker:
+                    return heard
+                heard.append(note.payload)
+            raise AssertionError(f"the marker never came back; heard {heard}")
+
+        return await trio.to_thread.run_sync(read)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def rows_of_waiters(url: str) -> list[str]:
+    with psycopg.connect(url, autocommit=True) as admin:
+        return [row[0] for row in admin.execute("SELECT queue FROM waiters ORDER BY queue")]
+
+
+async def until_waiting(url: str, queue: str) -> None:
+    """Until a server holds a row in ``waiters`` for ``queue``."""
+    with trio.fail_after(BOUND_S):
+        while queue not in rows_of_waiters(url):  # noqa: ASYNC110 (another process's view)
+            await trio.sleep(0.02)
+
+
+async def test_a_commit_notifies_only_if_another_server_has_a_long_poll_on_its_queue(shared_url):
+    """Jobs made ready are told to the other servers only where one of them waits: a busy
+    producer's commits otherwise cost every server a notification to read and drop."""
+    heard = Heard(shared_url)
+    try:
+        async with servers(shared_url, 2) as (a, b):
+            ca, cb = await a.connect(), await b.connect()
+            await ca.ok("submit", queue="nobody", payload={})
+            assert not [text for text in await heard.until_now() if "nobody" in text]
+            rid = await parked_lease(cb, "someone")
+            await until_waiting(shared_url, "someone")
+            job = (await ca.ok("submit", queue="someone", payload={}))["job_id"]
+            told = [text for text in await heard.until_now() if "someone" in text]
+            assert len(told) == 1, told
+            with trio.fail_after(2):
+                reply = await cb.read()
+            assert reply["id"] == rid and [j["job_id"] for j in reply["jobs"]] == [job], reply
+            # A's own long-polls are not another server's: its commits tell nobody of them.
+            rid = await parked_lease(ca, "own")
+            await until_waiting(shared_url, "own")
+            job = (await ca.ok("submit", queue="own", payload={}))["job_id"]
+            with trio.fail_after(2):
+                reply = await ca.read()
+            assert reply["id"] == rid and [j["job_id"] for j in reply["jobs"]] == [job], reply
+            assert not [text for text in await heard.until_now() if "own" in text]
+            await ca.aclose()
+            await cb.aclose()
+    finally:
+        heard.close()
+
+
+async def test_a_long_poll_whose_row_went_is_woken_once_its_server_writes_it_again(
+    shared_url, monkeypatch
+):
+    """A commit made while a server's row was missing told nobody; the row written again
+    (at its renewal) wakes the leases parked on its queue, which find the job."""
+    monkeypatch.setattr(waiters_service, "RENEW_S", 1.0)
+    heard = Heard(shared_url)
+    try:
+        async with servers(shared_url, 2) as (a, b):
+            ca, cb = await a.connect(), await b.connect()
+            rid = await parked_lease(cb, "lapsed", wait_ms=30_000)
+            await until_waiting(shared_url, "lapsed")
+            with psycopg.connect(shared_url, autocommit=True) as admin:
+                admin.execute("DELETE FROM waiters")
+            job = (await ca.ok("submit", queue="lapsed", payload={}))["job_id"]
+            told = [text for text in await heard.until_now() if "lapsed" in text]
+            with trio.fail_after(BOUND_S):
+                reply = await cb.read()
+            assert reply["id"] == rid and [j["job_id"] for j in reply["jobs"]] == [job], reply
+            assert rows_of_waiters(shared_url) == ["lapsed"]
+            # (Told only if the renewal came first, on a slow machine: then the notification
+            # woke it, as in the test above.)
+            assert len(told) <= 1, told
+            await ca.aclose()
+            await cb.aclose()
+    finally:
+        heard.close()
 
 
 async def test_the_feed_listens_again_after_its_connection_is_lost(shared_url):

@@ -652,9 +652,10 @@ def test_a_pause_through_one_server_stops_the_next_claim_of_every_server(servers
 def test_a_resume_notifies_the_other_servers_of_its_ready_jobs(servers, url):
     from relay.store.postgres import notify
 
-    a = servers()
+    a, b = servers(), servers()
     a.jobs_submit(specs(2), T0)
     a.queue_pause("q", True, T0)
+    b.waiters_put(["q"], [], T0 + 60_000, T0)  # (b has long-polls parked on q)
     with psycopg.connect(url, autocommit=True) as listener:
         listener.execute(f"LISTEN {notify.CHANNEL}")
         a.take_changes()  # (what the submit made ready: a writer takes it at its commit)
@@ -782,10 +783,12 @@ def test_a_batch_takes_the_same_few_round_trips_whatever_its_size(servers, monke
 
 # A notification that fails as it runs, and one that fails at its own transaction's
 # commit (as PostgreSQL refuses one over a full notification queue): after the COMMIT,
-# in the same round trip.
+# in the same round trip. (With the values of NOTIFY_IF_WAITED: the payload, the queues,
+# the origin.)
+_WAITED = "WHERE %s::text > '' AND %s::text[] IS NOT NULL AND %s::text > ''"
 FAILING_NOTIFY = {
-    "as-it-runs": "SELECT 1 / 0 WHERE %s::text > ''",
-    "at-its-commit": "INSERT INTO later SELECT 1 FROM (VALUES (1), (1)) v WHERE %s::text > ''",
+    "as-it-runs": f"SELECT 1 / 0 {_WAITED}",
+    "at-its-commit": f"INSERT INTO later SELECT 1 FROM (VALUES (1), (1)) v {_WAITED}",
 }
 
 
@@ -793,7 +796,7 @@ FAILING_NOTIFY = {
 def test_a_commit_stands_when_only_its_notification_fails(servers, monkeypatch, caplog, failing):
     a = servers()
     a._db.execute("CREATE TABLE later (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
-    monkeypatch.setattr(notify, "NOTIFY", FAILING_NOTIFY[failing])
+    monkeypatch.setattr(notify, "NOTIFY_IF_WAITED", FAILING_NOTIFY[failing])
     a.begin()
     a.jobs_submit(specs(2), T0)
     a.commit()
@@ -870,7 +873,8 @@ def test_a_commit_whose_notification_fails_stands_and_one_that_fails_sends_none(
 ):
     from relay.store.postgres import notify
 
-    a = servers()
+    a, b = servers(), servers()
+    b.waiters_put(["q", "x", "r"], [], T0 + 60_000, T0)  # (b waits on them: a tells b)
     with psycopg.connect(url, autocommit=True) as listener:
         listener.execute(f"LISTEN {notify.CHANNEL}")
         a.begin()
@@ -881,7 +885,7 @@ def test_a_commit_whose_notification_fails_stands_and_one_that_fails_sends_none(
         a.rollback()
         assert recount(a) == {}
         with monkeypatch.context() as failing:
-            failing.setattr(notify, "NOTIFY", "SELECT 1 / 0, %s::text")
+            failing.setattr(notify, "NOTIFY_IF_WAITED", "SELECT 1 / 0, %s, %s, %s")
             a.begin()
             a.jobs_submit(specs(1, queue="x"), T0)
             a.commit()  # (logged, not raised)
@@ -897,8 +901,9 @@ def test_a_commit_whose_notification_fails_stands_and_one_that_fails_sends_none(
 def test_a_lease_expiry_is_told_once_until_it_has_passed(servers, url):
     from relay.store.postgres import notify
 
-    a = servers()
+    a, b = servers(), servers()
     a.jobs_submit(specs(4), T0)
+    b.waiters_put(["r"], [], T0 + 60_000, T0)  # (b waits on r: a tells b of r's job)
     heard = []
     with psycopg.connect(url, autocommit=True) as listener:
         listener.execute(f"LISTEN {notify.CHANNEL}")

@@ -652,3 +652,24 @@ def test_a_version_13_schema_migrates_to_keys_that_outlive_their_jobs(url, monke
         assert (again.job_id, again.state, again.duplicate) == (new.job_id, "ready", True)
     finally:
         store.close()
+
+
+def test_a_version_14_schema_migrates_to_waiters_and_keeps_its_jobs(url, monkeypatch):
+    with monkeypatch.context() as old_code:
+        old_code.setattr(schema_module, "SCHEMA_VERSION", 14)
+        store = PostgresStore.open(url)
+        [old] = store.jobs_submit([SubmitSpec("q", '{"n": 1}')], T0)
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('waiters')").fetchone() == (None,)
+
+    store = PostgresStore.open(url)
+    try:
+        meta = dict(store._db.execute("SELECT key, value FROM relay_meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
+        assert store.waiters_put(["q"], [], T0 + 60_000, T0) == ["q"]
+        assert store.waiters_put(["q"], [], T0 + 70_000, T0 + 10_000) == []
+        [lease] = store.jobs_claim(["q"], "w1", 1, 60_000, T0 + 250)
+        assert lease.job_id == old.job_id
+    finally:
+        store.close()

@@ -24,6 +24,7 @@ import itertools
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -109,6 +110,9 @@ class LongPolls:
         self._lot = trio.lowlevel.ParkingLot()
         self._parked = 0
         self.closing = False
+        # Told the queues of each lease as it parks (the queues another server's commits
+        # must tell this one of: relay/server/services/waiters.py).
+        self.on_park: Callable[[tuple[str, ...]], None] | None = None
 
     @property
     def parked(self) -> int:
@@ -144,6 +148,8 @@ class LongPolls:
                 heapq.heappush(turns.setdefault(key, []), (lease.place, next(self._order), entry))
             self._queued += len(lease.queues)
             self._links += len(lease.queues)
+            if self.on_park is not None:
+                self.on_park(lease.queues)
         self._by_sink.setdefault(id(sink), set()).add(entry)
         heapq.heappush(self._deadlines, (lease.deadline, next(self._order), entry))
         if len(self._deadlines) > 2 * self.parked + COMPACT_SLACK:
@@ -220,6 +226,21 @@ class LongPolls:
         """Writer thread: whether ``on_commit`` would wake a lease (plain reads only)."""
         by_queue = self._by_queue
         return any(queue in by_queue for queue in changes.ready_queues)
+
+    def wake_queues(self, queues: set[str]) -> None:
+        """Wake every lease parked on one of ``queues`` to claim again: commits to them
+        may have gone untold (another server's, before this one's row in ``waiters``)."""
+        woke = False
+        for queue in queues:
+            if queue in self._by_queue:
+                woke = self._wake(queue, math.inf) or woke
+        if woke:
+            self._lot.unpark_all()
+
+    def parked_on(self, queue: str) -> bool:
+        """Whether a lease may be parked on ``queue`` (one no longer parked may still
+        count until its entry comes up)."""
+        return queue in self._by_queue
 
     def wake_all(self) -> None:
         """Wake every parked lease to claim again: commits may have been missed (another

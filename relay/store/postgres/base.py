@@ -462,10 +462,10 @@ class PostgresBase(CountsBook):
         statements.append(("COMMIT", None))
         expiry = self.changes.next_expiry_at
         tell = self._expiry_told.needed(expiry)
-        payload = notify.payload(self.origin, self.changes, tell)
-        if payload is not None:  # (not run if anything before it failed)
+        notification = notify.statement(self.origin, self.changes, tell)
+        if notification is not None:  # (not run if anything before it failed)
             self._expiry_told.forget()  # (until it is known to have gone)
-            statements.append((notify.NOTIFY, (payload,)))
+            statements.append(notification)
         try:
             results = self._pipe.run(statements)
         except psycopg.Error:
@@ -476,7 +476,7 @@ class PostgresBase(CountsBook):
             # commit stands; the other servers learn of it as they look again.
             log.warning("a commit's notification could not be sent", exc_info=True)
         else:
-            if tell and payload is not None and expiry is not None:
+            if tell and notification is not None and expiry is not None:
                 self._expiry_told.told(expiry)
         self._count_rows(results[:written])
         if not queues:

@@ -3,9 +3,11 @@ notification reads back. Never imports trio (the listening side is relay/server/
 
 A commit that makes jobs ready, or sets an earlier due time, lease expiry or schedule slot,
 also sends one notification (``payload``) on ``CHANNEL``, right after it and only if it
-committed (``NOTIFY``); it is lost if the connection is, between the two. A notification
-is a hint, never a state: whoever it wakes claims or passes through its own writer as
-always, so one lost or repeated changes nothing but latency.
+committed (``NOTIFY``); it is lost if the connection is, between the two. One that only
+made jobs ready goes only if another server has long-polls parked on one of its queues
+(``NOTIFY_IF_WAITED``, waiters.py): most commits of a busy producer then send none. A
+notification is a hint, never a state: whoever it wakes claims or passes through its own
+writer as always, so one lost or repeated changes nothing but latency.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 import orjson
 
 from relay.store.base import Changes
+
+# A server's row in ``waiters`` for this queue name waits on every queue (queue names are 1
+# to 128 characters).
+EVERY = ""
 
 CHANNEL = "relay_changes"
 # Sent right after the COMMIT of the transaction it tells of, in the same round trip, as a
@@ -25,6 +31,12 @@ CHANNEL = "relay_changes"
 NOTIFY = (
     "SELECT pg_notify('{CHANNEL}', %s), set_config('synchronous_commit', 'off', true)"
 ).replace("{CHANNEL}", CHANNEL)
+# The same, only if another server waits on one of the queues (or on every queue): checked
+# after the commit, in the notification's own transaction (waiters.py says why that order
+# loses no wake-up). An index probe per queue, and no transaction id when nobody waits.
+NOTIFY_IF_WAITED = (
+    NOTIFY + " WHERE EXISTS (SELECT FROM waiters WHERE queue = ANY(%s) AND origin <> %s)"
+)
 # PostgreSQL refuses payloads of 8,000 bytes or more; a commit that readied more queues
 # than fit says "every queue" instead.
 MAX_PAYLOAD = 7_900
@@ -33,6 +45,12 @@ MAX_PAYLOAD = 7_900
 def payload(origin: str, changes: Changes, expiry: bool = True) -> str | None:
     """The notification of a commit of ``changes`` (None: nothing anyone waits for);
     without its lease expiry if not ``expiry`` (see ``ExpiryTold``)."""
+    note = _note(origin, changes, expiry)
+    return None if note is None else note[0]
+
+
+def _note(origin: str, changes: Changes, expiry: bool) -> tuple[str, bool] | None:
+    """``payload``, and whether it says "every queue" (too many to name)."""
     if (
         not changes.ready_queues
         and changes.next_due_at is None
@@ -52,10 +70,28 @@ def payload(origin: str, changes: Changes, expiry: bool = True) -> str | None:
         note["s"] = changes.next_schedule_at
     text = orjson.dumps(note).decode()
     if len(text.encode()) < MAX_PAYLOAD:
-        return text
+        return text, False
     note["q"], note["all"] = [], True
     note.pop("n", None)
-    return orjson.dumps(note).decode()
+    return orjson.dumps(note).decode(), True
+
+
+def statement(origin: str, changes: Changes, expiry: bool = True) -> tuple[str, tuple] | None:
+    """The statement that notifies of a commit of ``changes`` (see ``payload``), and its
+    values: conditional on a waiting server if it only tells of ready jobs, and of at most
+    as many queues as fit in one notification."""
+    note = _note(origin, changes, expiry)
+    if note is None:
+        return None
+    text, every = note
+    only_ready = (
+        changes.next_due_at is None
+        and (changes.next_expiry_at is None or not expiry)
+        and changes.next_schedule_at is None
+    )
+    if only_ready and not every:
+        return NOTIFY_IF_WAITED, (text, [EVERY, *sorted(changes.ready_queues)], origin)
+    return NOTIFY, (text,)
 
 
 class ExpiryTold:

@@ -20,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 
 APPLICATION = "relay-trio"
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 # The key of the advisory lock held while the schema is checked, created or migrated:
 # "RLYT" (as in the SQLite file's application_id) and 1. Advisory locks are per database,
@@ -62,6 +62,7 @@ TABLES = (
     "unique_keys",
     "queue_settings",
     "schedules",
+    "waiters",
 )
 SEQUENCES = ("job_ids",)
 
@@ -321,6 +322,18 @@ def _v14_keys_outlive_jobs(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE idempotency_keys ADD COLUMN final_state text")
 
 
+def _v15_waiters(conn: psycopg.Connection) -> None:
+    # The queues each server has long-polls parked on (relay/store/postgres/waiters.py).
+    conn.execute(
+        """CREATE TABLE waiters (
+            queue text NOT NULL,
+            origin text NOT NULL,
+            until bigint NOT NULL,
+            PRIMARY KEY (queue, origin)
+        )"""
+    )
+
+
 # MIGRATIONS[n] turns a schema of version n - 1 into version n. Append, never edit.
 MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     1: _create_v1,
@@ -337,6 +350,7 @@ MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {
     12: _v12_job_browser,
     13: _v13_history,
     14: _v14_keys_outlive_jobs,
+    15: _v15_waiters,
 }
 
 

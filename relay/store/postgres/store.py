@@ -43,6 +43,7 @@ from relay.store.postgres.reads import Reads
 from relay.store.postgres.schedules import Schedules
 from relay.store.postgres.schema import open_connection
 from relay.store.postgres.settings import Settings
+from relay.store.postgres.waiters import Waiters
 
 
 class PostgresStore(
@@ -56,6 +57,7 @@ class PostgresStore(
     Schedules,
     Browse,
     History,
+    Waiters,
     PostgresBase,
 ):
     """The job store on one PostgreSQL connection, which it owns.
