@@ -42,8 +42,10 @@ class WaiterRows:
         self._longpolls = longpolls
         self._seen: dict[str, float] = {}  # queue -> when a lease last parked on it
         self.held: set[str] = set()  # the queues with a row of ours, as last committed
-        # Queues of a write whose outcome is not known: woken after the next one.
+        # Queues of a write whose outcome is not known (its rows may be there): put or
+        # dropped by the next write, and woken after it if put.
         self._unsure: set[str] = set()
+        self._pending: tuple[str, ...] = ()  # the put of the write under way
         self._wanted = trio.Event()  # a lease parked on a queue without a row
         self.writes = 0
 
@@ -68,13 +70,14 @@ class WaiterRows:
         try:
             await self._run()
         finally:
-            if self.held:
+            # (A write under way still runs: its rows go too, removed after it.)
+            if mine := self.held | self._unsure | set(self._pending):
                 with (
                     trio.CancelScope(shield=True),
                     trio.move_on_after(REMOVE_S),
                     contextlib.suppress(RelayError),
                 ):
-                    await self._writer.execute(cmd.PutWaiters((), tuple(self.held), 0))
+                    await self._writer.execute(cmd.PutWaiters((), tuple(sorted(mine)), 0))
 
     async def _run(self) -> None:
         renew_at = math.inf
@@ -86,18 +89,21 @@ class WaiterRows:
             rows = self._rows(now)
             renew = now >= renew_at
             put = rows if renew else rows - self.held
-            drop = self.held - rows
+            drop = (self.held | self._unsure) - rows
             if not put and not drop:
                 if renew:  # (nothing held: nothing to renew until a lease parks)
                     renew_at = now + RENEW_S if self.held else math.inf
                 continue
+            self._pending = tuple(sorted(put))
             try:
                 new = await self._writer.execute(
-                    cmd.PutWaiters(tuple(sorted(put)), tuple(sorted(drop)), TTL_MS)
+                    cmd.PutWaiters(self._pending, tuple(sorted(drop)), TTL_MS)
                 )
-            except ShuttingDown:
+            except ShuttingDown:  # (refused: not written)
+                self._pending = ()
                 return
             except Exception as exc:
+                self._pending = ()
                 self._unsure |= put
                 if isinstance(exc, Unavailable):
                     log.debug("waiters.unavailable")
@@ -106,6 +112,7 @@ class WaiterRows:
                 await trio.sleep(ERROR_BACKOFF_S)
                 self._wanted.set()
                 continue
+            self._pending = ()
             self.writes += 1
             self.held = (self.held - drop) | put
             woken = set(new) | (self._unsure & put)
