@@ -13,17 +13,15 @@ from __future__ import annotations
 import functools
 import random
 import re
-import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pytest
 from hypothesis import given, strategies
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from relay.protocol.errors import LeaseExpired, QueueFull, StaleToken
 from relay.protocol.model import ID_MAX as MAX_JOB_KEY
@@ -40,40 +38,6 @@ from relay.store.postgres.sql import decode_text, encode_text
 from tests.conftest import T0
 
 LEASE_MS = 30_000
-# How long a statement may wait for a row lock in these tests before it fails: far longer
-# than any statement takes, far shorter than the transactions held open to block it.
-LOCK_TIMEOUT = "500ms"
-
-
-@pytest.fixture
-def url(pg_url: str) -> Iterator[str]:
-    """A new schema of the run's database (dropped after the test), as a URL."""
-    name = f"t_{secrets.token_hex(4)}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(pg_url, options=f"-c search_path={name}")
-    finally:
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
-
-
-@pytest.fixture
-def servers(url: str) -> Iterator[Callable[..., PostgresStore]]:
-    """Opens stores on one database, as many servers would; closes them after the test."""
-    opened: list[PostgresStore] = []
-
-    def open_store(slot: int | None = None, config: StoreConfig | None = None) -> PostgresStore:
-        store = PostgresStore.open(url, config, rng=random.Random(len(opened)), slot=slot)
-        store._db.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
-        opened.append(store)
-        return store
-
-    try:
-        yield open_store
-    finally:
-        for store in opened:
-            store.close()
 
 
 def specs(n: int, queue: str = "q", **kw: object) -> list[SubmitSpec]:
