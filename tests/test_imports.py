@@ -56,7 +56,7 @@ INTERFACE = {
         "relay.store.writer",  # the writer thread's trio side
         "relay.store.sqlite",  # SqliteStore
         "relay.store.postgres",  # PostgresStore
-        "relay.store.postgres.notify",  # the change feed's payloads (services/feed.py)
+        "relay.store.postgres.notify",  # the feed's payloads, EVERY (services/feed.py, waiters.py)
         "relay.store.postgres.schema",  # the feed's own connection
         "relay.store.backup",  # the online backup of a SQLite file (relay-trio backup)
         "relay.store.rows",  # the job browser's bounds (scripts/bench_browse.py sets them)

@@ -225,7 +225,8 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
 
     Owns: the writer thread (through ``open_writer``) and a services nursery with the
     long-poll hub, promoter, reaper, pruner and scheduler (and, on PostgreSQL, the feed of the other
-    servers' commits, relay/server/services/feed.py). Leaving the block cancels the services,
+    servers' commits, relay/server/services/feed.py, and this server's rows of ``waiters``,
+    relay/server/services/waiters.py). Leaving the block cancels the services,
     then stops the writer (commit, checkpoint, close). Raises StoreError if the database
     is refused. Exceptions of the body come out as they are, not in a group.
     """

@@ -277,8 +277,9 @@ class RefreshCounts:
 
 @attrs.frozen
 class PutWaiters:
-    """PostgreSQL: this server's rows of ``waiters``: held until ``ttl_ms`` from now for
-    ``put``, removed for ``drop`` (the queues of ``put`` that had none)."""
+    """PostgreSQL: write this server's rows of ``waiters``: one for each queue of ``put``
+    (its time ``ttl_ms`` from now), none for those of ``drop``. Answers the queues of
+    ``put`` that had no row."""
 
     put: tuple[str, ...]
     drop: tuple[str, ...]

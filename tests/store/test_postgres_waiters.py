@@ -343,3 +343,23 @@ def test_a_statement_for_queues_that_just_fit_stays_conditional():
     assert params[1] == [EVERY, *sorted(queues)]
     sent, _ = notify.statement("me", ready(*queues, "zzzz" + "x" * 124))  # type: ignore[misc]
     assert sent == notify.NOTIFY
+
+
+def test_a_commit_that_tells_of_ready_jobs_only_leaves_the_expiry_told_as_it_was(servers, listener):
+    """A lease expiry is told once while it is ahead; a notification of ready jobs in
+    between (which carries none) does not make the next claim tell its expiry again."""
+    a, b = servers(), servers()
+    b.waiters_put(["r"], [], UNTIL, T0)
+    for _ in range(2):
+        submit(a)  # (nobody waits on q: not told)
+    a.take_changes()
+    lease_ms = 30_000
+    a.jobs_claim(["q"], "w", 1, lease_ms, T0 + 1)
+    submit(a, queue="r", now=T0 + 2)
+    a.take_changes()
+    a.jobs_claim(["q"], "w", 1, lease_ms, T0 + 3)  # (its expiry is after the one told)
+    heard = listener.heard(a)
+    assert [(note.get("e"), note["q"]) for note in heard] == [
+        (T0 + 1 + lease_ms, []),
+        (None, ["r"]),
+    ], heard

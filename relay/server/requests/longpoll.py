@@ -237,6 +237,10 @@ class LongPolls:
         if woke:
             self._lot.unpark_all()
 
+    def queues(self) -> set[str]:
+        """The queues leases may be parked on (as ``parked_on``)."""
+        return set(self._by_queue)
+
     def parked_on(self, queue: str) -> bool:
         """Whether a lease may be parked on ``queue`` (one no longer parked may still
         count until its entry comes up)."""

@@ -6,7 +6,7 @@ no row of ours wakes it: it writes the row and, once that is committed, wakes th
 parked on the queues whose rows are new, to claim again (a commit elsewhere before the row
 told nobody). Rows are renewed every RENEW_S (each lasts TTL_MS, for the servers that clean
 up after one that stopped) while leases park on their queue within LINGER_S, then removed.
-Past MAX_ROWS queues, one row for every queue instead.
+Past MAX_ROWS queues, one row for every queue instead (until they are half as many).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from typing import Protocol
 
 import trio
 
 from relay.protocol.errors import RelayError, ShuttingDown, Unavailable
-from relay.server.requests.longpoll import LongPolls
 from relay.store import commands as cmd
 from relay.store.postgres.notify import EVERY
 from relay.store.writer import Writer
@@ -32,6 +32,14 @@ MAX_ROWS = 1_000
 ERROR_BACKOFF_S = 1.0
 # How long a stopping server tries to remove its rows (else they go STALE_MS after TTL_MS).
 REMOVE_S = 1.0
+
+
+class LongPolls(Protocol):
+    """What this service asks of the long-poll hub (relay/server/requests/longpoll.py)."""
+
+    def parked_on(self, queue: str) -> bool: ...
+    def queues(self) -> set[str]: ...
+    def wake_queues(self, queues: set[str]) -> None: ...
 
 
 class WaiterRows:
@@ -61,7 +69,8 @@ class WaiterRows:
         """The queues that should have a row now."""
         parked_on = self._longpolls.parked_on
         self._seen = {q: at for q, at in self._seen.items() if now - at < LINGER_S or parked_on(q)}
-        return set(self._seen) if len(self._seen) <= MAX_ROWS else {EVERY}
+        most = MAX_ROWS // 2 if EVERY in self.held else MAX_ROWS  # (no flapping at the edge)
+        return set(self._seen) if len(self._seen) <= most else {EVERY}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Write the rows as leases park, renew and remove them, until cancelled; then
@@ -103,8 +112,11 @@ class WaiterRows:
                 self._pending = ()
                 return
             except Exception as exc:
+                # Its outcome is not known: neither its rows nor its removals are taken
+                # for done (a lease that parks on a dropped queue asks for its row again).
                 self._pending = ()
-                self._unsure |= put
+                self.held -= drop
+                self._unsure |= put | drop
                 if isinstance(exc, Unavailable):
                     log.debug("waiters.unavailable")
                 else:
@@ -114,12 +126,18 @@ class WaiterRows:
                 continue
             self._pending = ()
             self.writes += 1
+            # A new row wakes its queue's leases (it was missing: a commit may have gone
+            # untold), as does one that may be new (a failed write's) unless the row was
+            # known there before; none does while our row for every queue stood.
+            before = self.held
             self.held = (self.held - drop) | put
-            woken = set(new) | (self._unsure & put)
+            woken = set(new) | ((self._unsure & put) - before)
             self._unsure.clear()
+            if EVERY in before and EVERY not in new:
+                woken = set()
             if EVERY in woken:
-                self._longpolls.wake_all()
-            elif woken:
+                woken = self._longpolls.queues() - (before - {EVERY})
+            if woken:
                 self._longpolls.wake_queues(woken)
             if renew or renew_at == math.inf:
                 renew_at = now + RENEW_S

@@ -464,7 +464,8 @@ class PostgresBase(CountsBook):
         tell = self._expiry_told.needed(expiry)
         notification = notify.statement(self.origin, self.changes, tell)
         if notification is not None:  # (not run if anything before it failed)
-            self._expiry_told.forget()  # (until it is known to have gone)
+            if tell:  # (it tells the expiry: until it is known to have gone)
+                self._expiry_told.forget()
             statements.append(notification)
         try:
             results = self._pipe.run(statements)

@@ -34,8 +34,11 @@ NOTIFY = (
 # The same, only if another server waits on one of the queues (or on every queue): checked
 # after the commit, in the notification's own transaction (waiters.py says why that order
 # loses no wake-up). An index probe per queue, and no transaction id when nobody waits.
+# Its queues through a sub-select (as sql.opaque, which this module cannot import): the
+# generic plan holds whatever their number.
 NOTIFY_IF_WAITED = (
-    NOTIFY + " WHERE EXISTS (SELECT FROM waiters WHERE queue = ANY(%s) AND origin <> %s)"
+    NOTIFY + " WHERE EXISTS (SELECT FROM waiters "
+    "WHERE queue = ANY((SELECT %s::text[])::text[]) AND origin <> %s)"
 )
 # PostgreSQL refuses payloads of 8,000 bytes or more; a commit that readied more queues
 # than fit says "every queue" instead.

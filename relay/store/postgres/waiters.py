@@ -26,12 +26,14 @@ __all__ = ["EVERY", "Waiters"]
 # How long past its ``until`` another server's row is taken for left behind.
 STALE_MS = 10 * 60_000
 
-# Inserted rows only: a row that was there already stays (and is renewed next).
-_INSERT = (
-    "INSERT INTO waiters (queue, origin, until) SELECT q, %s, %s FROM unnest(%s::text[]) AS q "
+# The rows there already renewed (locked: a server removing them as left behind waits, or
+# they are gone and inserted anew), the others inserted; the inserted ones returned.
+_PUT = (
+    "WITH renewed AS (UPDATE waiters SET until = %s WHERE origin = %s AND queue = ANY(%s) "
+    "RETURNING queue) INSERT INTO waiters (queue, origin, until) SELECT q, %s, %s "
+    "FROM unnest(%s::text[]) AS q WHERE q NOT IN (SELECT queue FROM renewed) "
     "ON CONFLICT (queue, origin) DO NOTHING RETURNING queue"
 )
-_RENEW = "UPDATE waiters SET until = %s WHERE origin = %s AND queue = ANY(%s)"
 _DROP = "DELETE FROM waiters WHERE origin = %s AND queue = ANY(%s)"
 # Never waits for a row another server holds (its own writes), so never deadlocks.
 _DROP_STALE = (
@@ -51,11 +53,11 @@ class Waiters(PostgresBase):
         ``drop``; return the queues of ``put`` that had none (their rows are new). Also
         removes the rows other servers left behind (STALE_MS)."""
         inserted: list[str] = []
-        if put:
-            queues = sorted(put)
-            inserted = [row[0] for row in self._write(_INSERT, (self.origin, until, queues))]
-            self._write(_RENEW, (until, self.origin, queues))
         if drop:
-            self._write(_DROP, (self.origin, sorted(drop)))
-        self._write(_DROP_STALE, (now - STALE_MS, self.origin))
+            self._write_later(_DROP, (self.origin, sorted(drop)))
+        self._write_later(_DROP_STALE, (now - STALE_MS, self.origin))
+        if put:  # (the one round trip, with the writes above)
+            queues = sorted(put)
+            params = (until, self.origin, queues, self.origin, until, queues)
+            inserted = [row[0] for row in self._write(_PUT, params)]
         return inserted

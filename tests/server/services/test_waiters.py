@@ -79,6 +79,9 @@ class FakeLongPolls:
     def parked_on(self, queue: str) -> bool:
         return queue in self.parked
 
+    def queues(self) -> set[str]:
+        return set(self.parked)
+
     def wake_queues(self, queues: set[str]) -> None:
         self.woken.append(set(queues))
 
@@ -197,7 +200,7 @@ async def test_a_queue_without_parks_for_linger_s_is_dropped_unless_a_lease_is_p
     assert longpolls.woken == [{"a", "b", "c"}]
 
 
-async def test_past_max_rows_one_every_row_replaces_the_per_queue_rows_and_wakes_all(
+async def test_past_max_rows_one_every_row_replaces_the_per_queue_rows_and_wakes_the_rest(
     autojump_clock,
 ):
     writer, longpolls, rows = make()
@@ -207,20 +210,20 @@ async def test_past_max_rows_one_every_row_replaces_the_per_queue_rows_and_wakes
         await until(writer, 1)
         assert [c for _, c in writer.commands] == [put(queues)]
         assert longpolls.woken == [set(queues)]
-        assert longpolls.woke_all == 0
+        longpolls.parked = {*queues, "one-more"}
         rows.parked(("one-more",))
         await until(writer, 2)
         assert writer.at(1) == [put((EVERY,), drop=queues)]
         assert writer.table == {EVERY}
         assert rows.held == {EVERY}
-        assert longpolls.woke_all == 1
-        assert longpolls.woken == [set(queues)]  # no per-queue wake for the EVERY row
+        # Only the queue no row of ours covered until now: the others had theirs.
+        assert longpolls.woken == [set(queues), {"one-more"}]
         rows.parked(("yet-another",))  # covered by the EVERY row
         await until(writer, 10)
         assert len(writer.commands) == 2
         await until(writer, RENEW_S + 1)
         assert writer.at(RENEW_S) == [put((EVERY,))]  # renewed, not new: nobody woken
-    assert longpolls.woke_all == 1
+    assert longpolls.woke_all == 0 and len(longpolls.woken) == 2
     assert writer.commands[-1][1] == cmd.PutWaiters((), (EVERY,), 0)
 
 
@@ -273,8 +276,8 @@ async def test_a_failed_renewal_is_retried_as_a_renewal(autojump_clock):
         await until(writer, RENEW_S + 3 * ERROR_BACKOFF_S)
     assert writer.times[:4] == [0.0, RENEW_S, RENEW_S + ERROR_BACKOFF_S, RENEW_S + 2]
     assert [c for _, c in writer.commands[1:4]] == [put(("a",))] * 3
-    # The renewal's outcome was unknown: its queues are woken after the one that worked.
-    assert longpolls.woken == [{"a"}, {"a"}]
+    # The renewal's outcome was unknown, but its row was there before it: nobody woken.
+    assert longpolls.woken == [{"a"}]
 
 
 async def test_shutting_down_ends_run_and_nothing_held_is_removed(autojump_clock):
@@ -367,3 +370,42 @@ async def test_the_rows_of_a_failed_write_are_dropped_once_their_queue_is_not_wa
     written = [c for _, c in writer.commands]
     assert written[:failures] == [put(("a",))] * failures
     assert written[failures:] == [put((), ("a",))]
+
+
+async def test_a_failed_drop_is_not_taken_for_done_nor_for_undone(autojump_clock):
+    """A removal whose outcome is not known: a lease that parks on its queue then asks
+    for the row again, and is woken once it is written (the row may have gone)."""
+    writer, longpolls, rows = make()
+    async with running(rows):
+        rows.parked(("a",))
+        await until(writer, RENEW_S + 1)
+        writer.script = [Unavailable("lost")]  # the drop at the renewal after LINGER_S
+        await until(writer, 2 * RENEW_S + 0.5)
+        assert writer.at(2 * RENEW_S) == [put((), ("a",))]
+        assert rows.held == set()
+        rows.parked(("a",))  # (during the backoff)
+        await until(writer, 2 * RENEW_S + ERROR_BACKOFF_S + 0.5)
+    assert writer.at(2 * RENEW_S + ERROR_BACKOFF_S) == [put(("a",))]
+    assert longpolls.woken == [{"a"}, {"a"}]
+
+
+async def test_below_half_max_rows_the_per_queue_rows_come_back_and_wake_nobody(
+    autojump_clock, monkeypatch
+):
+    monkeypatch.setattr(waiters, "MAX_ROWS", 4)
+    writer, longpolls, rows = make()
+    async with running(rows):
+        longpolls.parked = {"a", "b", "c", "d", "e"}
+        rows.parked(("a", "b", "c", "d", "e"))
+        await until(writer, 1)
+        assert rows.held == {EVERY}
+        longpolls.parked = {"a", "b", "c"}  # 3: not below half of 4, the EVERY row stays
+        await until(writer, LINGER_S + RENEW_S + 1)
+        assert rows.held == {EVERY}
+        longpolls.parked = {"a", "b"}
+        await until(writer, LINGER_S + 2 * RENEW_S + 1)
+        assert rows.held == {"a", "b"}
+    assert writer.at(3 * RENEW_S) == [put(("a", "b"), (EVERY,))]
+    # Woken as the EVERY row was new; not as their own rows came in the transaction that
+    # removed it (covered all along).
+    assert longpolls.woken == [{"a", "b", "c", "d", "e"}] and longpolls.woke_all == 0
