@@ -47,16 +47,22 @@ LOCK_TIMEOUT = "500ms"
 
 
 @pytest.fixture
-def url(pg_url: str) -> Iterator[str]:
-    """A new schema of the run's database (dropped after the test), as a URL."""
+def schema(pg_url: str) -> Iterator[str]:
+    """A new, empty schema of the run's database (dropped after the test); its name."""
     name = f"t_{secrets.token_hex(4)}"
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
     try:
-        yield make_conninfo(pg_url, options=f"-c search_path={name}")
+        yield name
     finally:
         with psycopg.connect(pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def url(pg_url: str, schema: str) -> str:
+    """``schema`` as a URL."""
+    return make_conninfo(pg_url, options=f"-c search_path={schema}")
 
 
 @pytest.fixture

@@ -5,14 +5,10 @@ tables have our names."""
 from __future__ import annotations
 
 import re
-import secrets
 import threading
-from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
 from relay.protocol.model import ErrorEntry, SubmitSpec, parse_job_id
@@ -28,24 +24,6 @@ OURS = {
     "relay_meta", "jobs", "job_errors", "idempotency_keys", "job_counts", "queue_settings",
     "job_ids",
 }  # fmt: skip
-
-
-@pytest.fixture
-def schema(pg_url: str) -> Iterator[str]:
-    """A new, empty schema of the run's database (dropped after the test); its name."""
-    name = f"t_{secrets.token_hex(4)}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
-    try:
-        yield name
-    finally:
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
-
-
-@pytest.fixture
-def url(pg_url: str, schema: str) -> str:
-    return make_conninfo(pg_url, options=f"-c search_path={schema}")
 
 
 def catalog(url: str) -> list[tuple]:
