@@ -22,7 +22,7 @@ from tests.conftest import T0
 
 OURS = {
     "relay_meta", "jobs", "job_errors", "idempotency_keys", "job_counts", "queue_settings",
-    "job_ids",
+    "unique_keys", "schedules", "history", "waiters", "job_ids",
 }  # fmt: skip
 
 
@@ -370,6 +370,18 @@ def test_tables_of_another_application_with_our_names_are_refused_and_left_alone
     message = _one_line(refused.value)
     assert "another application" in message or "did not create" in message
     assert "nothing was changed" in message
+    assert catalog(url) == before
+
+
+@pytest.mark.parametrize("table", ["history", "waiters"])
+def test_a_schema_of_this_version_missing_one_of_its_tables_is_refused(url, table):
+    PostgresStore.open(url).close()
+    execute(url, f"DROP TABLE {table}")
+    before = catalog(url)
+    with pytest.raises(StoreError) as refused:
+        PostgresStore.open(url)
+    message = _one_line(refused.value)
+    assert f"but {table} missing" in message and "nothing was changed" in message
     assert catalog(url) == before
 
 

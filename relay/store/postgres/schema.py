@@ -62,6 +62,7 @@ TABLES = (
     "unique_keys",
     "queue_settings",
     "schedules",
+    "history",
     "waiters",
 )
 SEQUENCES = ("job_ids",)
