@@ -268,7 +268,7 @@ async def open_core(config: ServerConfig) -> AsyncIterator[Core]:
             if is_postgres_url(config.db):  # other servers may commit too: follow them
                 from relay.server.services.feed import ChangeFeed
 
-                others = [longpolls.on_commit, commit_listener(promoter, reaper),
+                others = [longpolls.on_remote_commit, commit_listener(promoter, reaper),
                           scheduler.listener()]  # fmt: skip
 
                 def deliver(changes: Changes) -> None:

@@ -130,6 +130,17 @@ async def until_waiting(url: str, queue: str) -> None:
             await trio.sleep(0.02)
 
 
+async def waiting(client: LineClient, url: str, queue: str) -> None:
+    """Until the client's server holds a row for ``queue`` and is done waking the leases
+    parked before it: a first lease parks on the queue until its short wait ends, the row
+    written meanwhile. (So what follows is told through the row, not found by that wake.)"""
+    rid = await parked_lease(client, queue, wait_ms=300)
+    await until_waiting(url, queue)
+    with trio.fail_after(BOUND_S):
+        reply = await client.read()
+    assert reply == {"id": rid, "ok": True, "jobs": []}, reply
+
+
 async def test_a_commit_notifies_only_if_another_server_has_a_long_poll_on_its_queue(shared_url):
     """Jobs made ready are told to the other servers only where one of them waits: a busy
     producer's commits otherwise cost every server a notification to read and drop."""
@@ -139,8 +150,8 @@ async def test_a_commit_notifies_only_if_another_server_has_a_long_poll_on_its_q
             ca, cb = await a.connect(), await b.connect()
             await ca.ok("submit", queue="nobody", payload={})
             assert not [text for text in await heard.until_now() if "nobody" in queues(text)]
+            await waiting(cb, shared_url, "someone")
             rid = await parked_lease(cb, "someone")
-            await until_waiting(shared_url, "someone")
             job = (await ca.ok("submit", queue="someone", payload={}))["job_id"]
             told = [text for text in await heard.until_now() if "someone" in queues(text)]
             assert len(told) == 1, told
@@ -148,8 +159,8 @@ async def test_a_commit_notifies_only_if_another_server_has_a_long_poll_on_its_q
                 reply = await cb.read()
             assert reply["id"] == rid and [j["job_id"] for j in reply["jobs"]] == [job], reply
             # A's own long-polls are not another server's: its commits tell nobody of them.
+            await waiting(ca, shared_url, "own")
             rid = await parked_lease(ca, "own")
-            await until_waiting(shared_url, "own")
             job = (await ca.ok("submit", queue="own", payload={}))["job_id"]
             with trio.fail_after(2):
                 reply = await ca.read()
@@ -171,8 +182,8 @@ async def test_a_long_poll_whose_row_went_is_woken_once_its_server_writes_it_aga
     try:
         async with servers(shared_url, 2) as (a, b):
             ca, cb = await a.connect(), await b.connect()
+            await waiting(cb, shared_url, "lapsed")
             rid = await parked_lease(cb, "lapsed", wait_ms=30_000)
-            await until_waiting(shared_url, "lapsed")
             with psycopg.connect(shared_url, autocommit=True) as admin:
                 admin.execute("DELETE FROM waiters")
             job = (await ca.ok("submit", queue="lapsed", payload={}))["job_id"]

@@ -325,6 +325,7 @@ class Dispatcher(AdminHandlers):
             reply_bytes=reply_bytes,
             job_bytes=job,
             reserved=reply_bytes,
+            sent=started,
         )
         self.workers.leased(connection, worker_id, queues, started)
         connection.reserve(reply_bytes)

@@ -47,6 +47,10 @@ COMPACT_SLACK = 1024
 # dropping them all would hold the trio thread for seconds. Past it, a lease that finds
 # nothing is answered ``jobs: []`` at once, as if its wait had ended.
 PARKED_PER_CONNECTION = 16
+# Other servers' commits that made jobs ready, remembered per queue for this long (and the
+# memory cleared of older ones past HEARD_MAX queues): a claim on its way longer than that
+# is not looked after (the writer answers in milliseconds).
+HEARD_S, HEARD_MAX = 10.0, 4096
 # The log says the cap turned long-polls away at most this often (with how many).
 FULL_LOG_INTERVAL_S = 60.0
 
@@ -64,6 +68,7 @@ class LeaseArgs(Protocol):
     reserved: int  # what it holds reserved now (nothing while parked)
     woken: bool  # it parked once, and was woken to claim again
     place: int  # its place in the order of parking (from its first park; -1: none yet)
+    sent: float  # trio time its claim was last handed to the writer
 
 
 class LongPollSink(ReplySink, Protocol):
@@ -113,6 +118,8 @@ class LongPolls:
         # Told the queues of each lease as it parks (the queues another server's commits
         # must tell this one of: relay/server/services/waiters.py).
         self.on_park: Callable[[tuple[str, ...]], None] | None = None
+        # queue -> when another server's commit that made jobs ready in it was heard.
+        self._heard: dict[str, float] = {}
 
     @property
     def parked(self) -> int:
@@ -130,8 +137,30 @@ class LongPolls:
 
     def park(self, item: Item, sink: LongPollSink) -> None:
         """Register a lease that found nothing (a woken one at its old place). Sync:
-        called from a reply delivery."""
-        self._register(item, sink)
+        called from a reply delivery.
+
+        One whose claim was on its way as another server's commit to one of its queues
+        was heard claims again at once: its claim may have looked before that commit,
+        and the wake-up came before it parked (this server's own commits wake after the
+        replies of their batch, so never come too early)."""
+        entry = self._register(item, sink)
+        lease: LeaseArgs = item[4]
+        heard = self._heard
+        if heard and any(heard.get(queue, -math.inf) > lease.sent for queue in lease.queues):
+            self._unregister(entry)
+            self._woken.append(entry)
+            self._lot.unpark_all()
+
+    def on_remote_commit(self, changes: Changes) -> None:
+        """Commit listener for other servers' commits (the change feed): ``on_commit``,
+        and the queues remembered for leases whose claims are on their way (``park``)."""
+        now = trio.current_time()
+        heard = self._heard
+        for queue in changes.ready_queues:
+            heard[queue] = now
+        if len(heard) > HEARD_MAX:
+            self._heard = {q: at for q, at in heard.items() if now - at < HEARD_S}
+        self.on_commit(changes)
 
     def _register(self, item: Item, sink: LongPollSink, short: bool = False) -> _Parked:
         entry = _Parked(item, sink, short=short)
@@ -356,6 +385,7 @@ class LongPolls:
                 # reply_bytes is at most that plus one job.)
                 lease.max_bytes = lease.reserved - lease.job_bytes
                 lease.woken = True
+                lease.sent = trio.current_time()
                 try:
                     self._writer.put(item)
                 except ShuttingDown:

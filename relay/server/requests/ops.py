@@ -64,6 +64,7 @@ class PendingLease:
     reserved: int = 0
     woken: bool = False  # claimed again after it parked (LongPolls.run)
     place: int = -1  # its place among parked leases, from its first park (LongPolls)
+    sent: float = 0.0  # trio time its claim was last handed to the writer
 
     def claim_args(self) -> cmd.ClaimArgs:
         return self.queues, self.worker_id, self.count, self.lease_ms, self.max_bytes

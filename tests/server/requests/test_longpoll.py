@@ -30,6 +30,7 @@ class Lease:
     count: int = 1
     woken: bool = False
     place: int = -1
+    sent: float = 0.0
 
 
 def item(lease: Lease, sink: Any) -> tuple:
@@ -265,3 +266,27 @@ async def test_no_job_made_ready_while_leases_are_parked_stays_unleased(autojump
         assert len(leased) == len(set(leased))
         stats = store.queue_stats()
         assert len(leased) == made - stats["a"]["ready"] - stats["b"]["ready"]
+
+
+async def test_a_lease_whose_claim_was_on_its_way_as_another_servers_commit_came_claims_again(
+    autojump_clock, store
+):
+    """Another server's commit heard while a claim was with the writer: the claim may have
+    looked before it, and the wake-up came before the lease parked. It claims again at
+    once; one sent after the commit was heard parks."""
+    async with running_hub(store) as (writer, hub):
+        early, late = Worker(hub, "early"), Worker(hub, "late")
+        sent_early = lease_item(early, wait_s=30)
+        sent_early[4].sent = trio.current_time()
+        await trio.sleep(1)
+        changes = Changes()
+        changes.made_ready("q")
+        hub.on_remote_commit(changes)  # (nobody parked on q yet: it wakes no one)
+        await trio.sleep(1)
+        sent_late = lease_item(late, wait_s=30)
+        sent_late[4].sent = trio.current_time()
+        hub.park(sent_early, early)
+        hub.park(sent_late, late)
+        await trio.testing.wait_all_tasks_blocked()
+        assert claims(writer) == [early]
+        assert hub.parked == 2  # (the early one found nothing again, and parked)
