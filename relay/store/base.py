@@ -389,6 +389,18 @@ class Changes:
             self.next_schedule_at = at
 
 
+class Later:
+    """The answers of a call that a store knows only once its transaction has sent its
+    writes: ``results``, None until then. The PostgreSQL store's new jobs draw their ids
+    in the insert, which goes with the commit's round trip (``jobs_submit_later``); the
+    writer reads the answers after the commit, when it makes the replies."""
+
+    __slots__ = ("results",)
+
+    def __init__(self, results: list[SubmitResult] | None = None) -> None:
+        self.results = results
+
+
 def check_cancel(job_id: str, row: tuple | None, leased_ok: bool) -> tuple[str, str, int]:
     """A job's (queue, state, attempt) as read for a cancel, if it may be cancelled; else
     the refusal, raised, the store having written nothing: ``JobNotFound`` (no row),
@@ -531,6 +543,11 @@ class Store(Protocol):
         spec leaves out (None) gets its queue's default as this transaction sees the
         queue's settings, else the protocol's (``with_defaults``); the job keeps it.
         ``alone``: one self-committing statement, or None having written nothing."""
+
+    def jobs_submit_later(self, specs: Sequence[SubmitSpec], now: int) -> Later:
+        """``jobs_submit`` in the open transaction, its answers (``Later.results``) known
+        once the transaction's writes are sent (by its commit at the latest): a store may
+        so create the jobs without a round trip of their own."""
 
     def jobs_claim(
         self,

@@ -99,7 +99,7 @@ def before_queue_limits(old_code: pytest.MonkeyPatch) -> None:
     or defaults' columns to read (nor, as before version 9, a job's slot)."""
     old_code.setattr(PostgresStore, "_load_paused", lambda store: None)
     before_schedules(old_code)
-    old_code.setattr(jobs_sql, "_INSERT_PLAIN", PLAIN_SUBMIT_BEFORE_DEFAULTS)
+    old_code.setitem(jobs_sql._INSERTS, (False, True), PLAIN_SUBMIT_BEFORE_DEFAULTS)
 
 
 def execute(url: str, *statements: str) -> None:

@@ -25,6 +25,7 @@ from relay.store import commands as cmd
 from relay.store.base import (
     READY,
     REPLY_OVERHEAD_BYTES,
+    Later,
     QueueSettings,
     ScheduleInfo,
     ScheduleSpec,
@@ -127,6 +128,21 @@ def _pass_on(store: Store, lease: PendingLease, jobs: list[Lease], ran: bool) ->
         store.changes.made_ready(queue, left)
 
 
+class _Share:
+    """An item's part of a merged submit's answers (``Later``), known after the commit,
+    when the replies are made: the answer at ``at``, or the list of those in ``at``."""
+
+    __slots__ = ("at", "later")
+
+    def __init__(self, later: Later, at: int | slice) -> None:
+        self.later = later
+        self.at = at
+
+    def get(self) -> Any:
+        assert self.later.results is not None, "read before its transaction was sent"
+        return self.later.results[self.at]
+
+
 class _Submit(RequestOp):
     """``submit``: args is one ``SubmitSpec``; a batch's submits are one insert."""
 
@@ -134,18 +150,21 @@ class _Submit(RequestOp):
 
     @staticmethod
     def run_many(store: Store, now: int, specs: list[SubmitSpec]) -> list[Any]:
-        return store.jobs_submit(specs, now)
+        later = store.jobs_submit_later(specs, now)
+        return [_Share(later, i) for i in range(len(specs))]
 
     @staticmethod
     def run_alone(store: Store, now: int, specs: list[SubmitSpec]) -> list[Any] | None:
         return store.jobs_submit(specs, now, alone=True)
 
     def run(self, store: Store, now: int, spec: SubmitSpec) -> Any:
-        return store.jobs_submit([spec], now)[0]
+        return _Share(store.jobs_submit_later([spec], now), 0)
 
     def reply(self, item: Item, outcome: Any) -> Any:
         if isinstance(outcome, RelayError):
             return wire.encode_error(item[2], outcome)
+        if type(outcome) is _Share:
+            outcome = outcome.get()
         # Written out, as the batch's common reply is (job ids and states need no escaping).
         return _SUBMITTED % (
             orjson.dumps(item[2]),
@@ -166,8 +185,12 @@ class _SubmitBatch(RequestOp):
 
     @staticmethod
     def run_many(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
-        results = store.jobs_submit([spec for specs in batches for spec in specs], now)
-        return cmd.split_results(results, batches)
+        later = store.jobs_submit_later([spec for specs in batches for spec in specs], now)
+        shares, start = [], 0
+        for specs in batches:
+            shares.append(_Share(later, slice(start, start + len(specs))))
+            start += len(specs)
+        return shares
 
     @staticmethod
     def run_alone(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> Any:
@@ -175,11 +198,13 @@ class _SubmitBatch(RequestOp):
         return None if results is None else cmd.split_results(results, batches)
 
     def run(self, store: Store, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
-        return store.jobs_submit(specs, now)
+        return _Share(store.jobs_submit_later(specs, now), slice(None))
 
     def reply(self, item: Item, outcome: Any) -> Any:
         if isinstance(outcome, RelayError):
             return wire.encode_error(item[2], outcome)
+        if type(outcome) is _Share:
+            outcome = outcome.get()
         if outcome and all([state is READY and not dup for _id, state, dup in outcome]):
             # The common batch, every job new and ready: the ids joined into the one text
             # (job ids need no JSON escaping), several times cheaper than a dict per job.

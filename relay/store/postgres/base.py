@@ -139,6 +139,10 @@ class PostgresBase(CountsBook):
         # Writes whose results no one reads (``_write_later``), not sent yet: they go out
         # with the transaction's next read, or with its commit, in one round trip.
         self._queued: list[tuple[str, Any]] = []
+        # Of those, the ones whose rows someone reads once sent: (position in _queued,
+        # what takes the result); and, once taken for a round trip, (position in it, ...).
+        self._then: list[tuple[int, Callable[[Result], None]]] = []
+        self._sending: list[tuple[int, Callable[[Result], None]]] = []
         # The lease expiry the other servers were last told of (notify.py).
         self._expiry_told = notify.ExpiryTold()
         self.changes = Changes()
@@ -209,6 +213,7 @@ class PostgresBase(CountsBook):
         self._undo_transaction()
         self._begin_pending = False
         self._queued.clear()
+        self._then.clear()
         self._expiry_told.forget()
         self._moves.clear()
         self._deleted_from.clear()
@@ -239,14 +244,22 @@ class PostgresBase(CountsBook):
         rule here re-reads a row once it is locked."""
         statements = self._queued
         self._queued = []
+        first = 0
         if self._begin_pending:
             self._begin_pending = False
             statements.insert(0, ("BEGIN ISOLATION LEVEL READ COMMITTED", None))
+            first = 1
+        self._sending = [(first + i, then) for i, then in self._then]
+        self._then = []
         return statements
 
     def _count_rows(self, results: list[Result]) -> None:
-        """The rows of the queued writes (and BEGIN's none) just sent, for ``write_mark``."""
+        """The rows of the queued writes (and BEGIN's none) just sent, for ``write_mark``;
+        the results that are read (``_write_later``'s ``then``) handed over."""
         self._rows += sum(max(result.rowcount, 0) for result in results)
+        sending, self._sending = self._sending, []
+        for i, then in sending:
+            then(results[i])
 
     def _write(self, sql: str, params: Any = None) -> Result:
         """Run a statement that writes; its rows count in ``write_mark``."""
@@ -255,14 +268,19 @@ class PostgresBase(CountsBook):
             self._rows += result.rowcount
         return result
 
-    def _write_later(self, sql: str, params: Any = None) -> None:
-        """A write whose result no one reads: sent with the transaction's next round trip
-        (a read's, or the commit's), not in one of its own. In the open transaction
-        (``begin``) only. An error of it is raised by that round trip; the transaction has
-        failed then, as if the write had raised here (the careful pass sends every
-        command's writes before its savepoint ends: ``command``). It counts in
-        ``write_mark`` as written at once (one row; its own rows once sent)."""
+    def _write_later(
+        self, sql: str, params: Any = None, then: Callable[[Result], None] | None = None
+    ) -> None:
+        """A write sent with the transaction's next round trip (a read's, or the
+        commit's), not in one of its own; ``then``, if given, is called with its result
+        as that round trip ends. In the open transaction (``begin``) only. An error of it
+        is raised by that round trip; the transaction has failed then, as if the write had
+        raised here (the careful pass sends every command's writes before its savepoint
+        ends: ``command``), and ``then`` is never called. It counts in ``write_mark`` as
+        written at once (one row; its own rows once sent)."""
         assert self._journal is not None, "a write sent later needs a transaction"
+        if then is not None:
+            self._then.append((len(self._queued), then))
         self._queued.append((sql, params))
         self._rows += 1
 
@@ -283,6 +301,7 @@ class PostgresBase(CountsBook):
                 self._flush()
             except BaseException:
                 self._queued.clear()
+                self._then.clear()
                 raise
 
     def _end_leases(self, keys: list[int], outcome: str, error: str, now: int) -> None:
@@ -380,6 +399,7 @@ class PostgresBase(CountsBook):
 
     def _roll_back(self) -> None:
         self._queued.clear()  # (never sent)
+        self._then.clear()
         if self._begin_pending:  # nothing was sent
             self._begin_pending = False
         else:

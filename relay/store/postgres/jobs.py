@@ -13,7 +13,8 @@ and each statement is prepared at its first run (pipe.py), since their texts do 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from relay.protocol.errors import QueueFull
 from relay.protocol.model import (
@@ -25,23 +26,34 @@ from relay.protocol.model import (
     SubmitSpec,
     unique_key_held,
 )
-from relay.store.base import PENDING, READY, UNFINISHED
+from relay.store.base import PENDING, READY, UNFINISHED, Later
 from relay.store.postgres.base import PostgresBase
+from relay.store.postgres.pipe import Result
 from relay.store.postgres.sql import atomic, encode_text, opaque
 
 # Job ids come from the sequence job_ids (one per database: an in-process generator would
 # collide across servers), in the layout of relay.protocol.model: milliseconds << 21 plus a count.
-# The sequence only counts; a submit that finds it more than ID_LAG_MS behind its `now`
-# moves it up to now << 21 (forward only, under ID_LOCK, so that two servers never move
-# it back past ids the other issued). Ids so sort by creation (the order the sequence
+# The sequence only counts; a submit that finds it more than half of ID_LAG_MS behind its
+# `now` moves it up to now << 21 (forward only, under ID_LOCK, so that two servers never
+# move it back past ids the other issued). Ids so sort by creation (the order the sequence
 # hands them out), also across servers and clocks set back, and their time part is at
-# most about ID_LAG_MS behind. The lag is large next to the ids any server can draw while
-# another moves the sequence (2**31 ids), and makes the move rare: once a second at most.
+# most ID_LAG_MS behind. The lag is large next to the ids any server can draw while
+# another moves the sequence (2**31 ids), and makes the move rare: twice a second at most.
+# Once an id is seen, the sequence is known to be fresh enough until ``_fresh_until``: till
+# then jobs without keys draw their ids in their insert (``jobs_submit_later``), with no
+# round trip of their own; the first submit after it reads ids first, and moves the
+# sequence if it must.
 ID_LAG_MS = 1_000
 ID_LOCK = 0x524C5954_00000002
 _ID_LAG = ID_LAG_MS << ID_SEQ_BITS
 _NEXT_IDS = f"SELECT nextval('job_ids') FROM generate_series(1, {opaque('%s::int')})"
 _CATCH_UP = "SELECT setval('job_ids', %s) FROM job_ids WHERE last_value < %s"
+
+
+def _fresh_until(drawn: int) -> int:
+    """Until when (the callers' ``now``) the sequence, having given the id ``drawn``, is
+    known to be at most ID_LAG_MS behind: its ids only grow."""
+    return (drawn >> ID_SEQ_BITS) + ID_LAG_MS
 
 
 def _defaults(queues: str) -> str:
@@ -82,28 +94,55 @@ def _with_defaults(given: bool) -> str:
     return ", ".join(columns)
 
 
-# Every job ready now, with no backoff, timeout or key of its own: five arrays.
-_INSERT_PLAIN = (
-    "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
-    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
-    "timeout_ms) SELECT t.id, t.queue, 'ready', t.priority, t.payload, 0, "
-    f"{_with_defaults(False)}, %(now)s, %(now)s, s.default_timeout_ms "
-    "FROM unnest(%(ids)b::bigint[], %(queues)b::text[], %(priorities)b::int[], "
-    "%(payloads)b::text[], %(max_attempts)b::int[]) "
-    f"AS t(id, queue, priority, payload, max_attempts) {_defaults('%(queues)b')}"
+def _insert(values: str, arrays: str, names: str, drawn: bool) -> str:
+    """An insert of one job per element of ``arrays`` (each a named placeholder and its
+    cast; ``queues`` among them), their columns ``names`` as ``t``, the jobs' columns
+    ``_COLUMNS`` made of them by ``values``.
+
+    The ids are the array ``ids``; or, ``drawn``, the insert draws them from the sequence
+    itself, in the order of the arrays (nextval runs after the sort), and returns them in
+    that order: the jobs are then made with no round trip of their own (``_new_ids``)."""
+    if not drawn:
+        return (
+            f"INSERT INTO jobs ({_COLUMNS}) SELECT {values} FROM unnest(%(ids)b::bigint[], "
+            f"{arrays}) AS t(id, {names}) {_defaults('%(queues)b')}"
+        )
+    return (
+        "WITH t AS MATERIALIZED (SELECT nextval('job_ids') AS id, u.* "
+        f"FROM unnest({arrays}) WITH ORDINALITY AS u({names}, ord) ORDER BY u.ord), "
+        f"made AS (INSERT INTO jobs ({_COLUMNS}) SELECT {values} FROM t "
+        f"{_defaults('%(queues)b')}) SELECT id FROM t ORDER BY ord"
+    )
+
+
+_COLUMNS = (
+    "id, queue, state, priority, payload, attempt, max_attempts, backoff_kind, "
+    "backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, run_at, "
+    "idempotency_key, timeout_ms"
 )
-_INSERT_JOBS = (
-    "INSERT INTO jobs (id, queue, state, priority, payload, attempt, max_attempts, "
-    "backoff_kind, backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, "
-    "run_at, idempotency_key, timeout_ms) "
-    f"SELECT t.id, t.queue, t.state, t.priority, t.payload, 0, {_with_defaults(True)}, "
-    "%s, t.ready_at, t.run_at, t.key, coalesce(t.timeout, s.default_timeout_ms) "
-    "FROM unnest(%b::bigint[], %b::text[], "
-    "%b::text[], %b::int[], %b::text[], %b::int[], %b::text[], %b::bigint[], %b::bigint[], "
-    "%b::boolean[], %b::bigint[], %b::bigint[], %b::text[], %b::bigint[]) AS t(id, queue, "
-    "state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, ready_at, run_at, "
-    f"key, timeout) {_defaults('%b')}"
+# Every job ready now, with no backoff, timeout or key of its own: four arrays.
+_PLAIN = (
+    f"t.id, t.queue, 'ready', t.priority, t.payload, 0, {_with_defaults(False)}, "
+    "%(now)s, %(now)s, NULL::bigint, NULL::text, s.default_timeout_ms",
+    "%(queues)b::text[], %(priorities)b::int[], %(payloads)b::text[], %(max_attempts)b::int[]",
+    "queue, priority, payload, max_attempts",
 )
+_ANY = (
+    f"t.id, t.queue, t.state, t.priority, t.payload, 0, {_with_defaults(True)}, "
+    "%(now)s, t.ready_at, t.run_at, t.key, coalesce(t.timeout, s.default_timeout_ms)",
+    "%(queues)b::text[], %(states)b::text[], %(priorities)b::int[], %(payloads)b::text[], "
+    "%(max_attempts)b::int[], %(kinds)b::text[], %(base_ms)b::bigint[], "
+    "%(max_ms)b::bigint[], %(jitters)b::boolean[], %(ready_ats)b::bigint[], "
+    "%(run_ats)b::bigint[], %(keys)b::text[], %(timeouts)b::bigint[]",
+    "queue, state, priority, payload, max_attempts, kind, base_ms, max_ms, jitter, "
+    "ready_at, run_at, key, timeout",
+)
+# (drawn, plain) -> the insert
+_INSERTS = {
+    (drawn, plain): _insert(*(_PLAIN if plain else _ANY), drawn)
+    for drawn in (False, True)
+    for plain in (False, True)
+}
 # The keys among these within their window, with their job's state (or, for a job
 # deleted since, by a purge or a prune, the state it was deleted in).
 _LIVE_KEYS = (
@@ -166,6 +205,10 @@ def _duplicate(
 class Jobs(PostgresBase):
     """Submit: part of ``PostgresStore``."""
 
+    # Until when (``now``) the ids the sequence gives are known to be fresh enough to be
+    # drawn by an insert unchecked (``_fresh_until``); nothing is known at first.
+    _ids_fresh_until = 0
+
     # -- submit ----------------------------------------------------------------------------
 
     @atomic
@@ -182,6 +225,26 @@ class Jobs(PostgresBase):
         """
         if alone:
             return None
+        results = self._submit(specs, now, None)
+        assert results is not None
+        return results
+
+    @atomic
+    def jobs_submit_later(self, specs: Sequence[SubmitSpec], now: int) -> Later:
+        """``jobs_submit``, whose answers may come with the transaction's next round trip:
+        jobs without keys draw their ids in their insert (``_insert``), which waits for
+        it, rather than in a round trip of their own first."""
+        later = Later()
+        results = self._submit(specs, now, later)
+        if results is not None:
+            later.results = results
+        return later
+
+    def _submit(
+        self, specs: Sequence[SubmitSpec], now: int, later: Later | None
+    ) -> list[SubmitResult] | None:
+        """``jobs_submit``'s answers; or None if they are to be ``later``'s, once the
+        insert is sent (only with ``later``, for jobs without keys)."""
         keyed = {
             (spec.queue, encode_text(spec.idempotency_key))
             for spec in specs
@@ -229,6 +292,9 @@ class Jobs(PostgresBase):
         self._check_depth(per_queue)
         if not new:
             return [answer for answer in answers if isinstance(answer, SubmitResult)]
+        if later is not None and not keyed and not unique and now <= self._ids_fresh_until:
+            self._submit_drawn(new, now, later)
+            return None
         ids = self._next_ids(len(new), now)
         states = self._insert_jobs(new, ids, now)
         # New jobs that another server's job beat to their key: answered as its duplicate.
@@ -256,22 +322,50 @@ class Jobs(PostgresBase):
             else:
                 results.append(SubmitResult(f"job_{ids[i]:016x}", states[i], duplicate))
         made = [i for i in range(len(new)) if i not in lost]
-        moves: Counter[tuple[str, str]] = Counter()
-        for i in made:
-            queue, state = new[i].queue, states[i]
-            moves[queue, state] += 1
-            if state is READY:
-                self.changes.ready_queues.add(queue)
-            else:
-                self.changes.due(new[i].due_at(now))
-        for (queue, state), n in moves.items():
-            self._move(queue, None, state, n)
-            self._count(queue, "submitted", n, now)
+        self._made([new[i] for i in made], [states[i] for i in made], now)
         if self.recording:  # (a duplicate created nothing: no event)
             self.changes.events += [
                 (f"job_{ids[i]:016x}", new[i].queue, states[i].value, 0, now, None) for i in made
             ]
         return results
+
+    def _submit_drawn(self, specs: list[SubmitSpec], now: int, later: Later) -> None:
+        """Make a job of each spec (none has a key), their ids drawn by the insert; the
+        answers, and the events, filled in as its result comes back. The events' places
+        are taken now, so that they keep their order among the transaction's."""
+        events = self.changes.events
+        first = len(events)
+        if self.recording:
+            events += [None] * len(specs)  # type: ignore[list-item]
+
+        def made(result: Result) -> None:
+            ids = [row[0] for row in result]
+            self._ids_fresh_until = max(self._ids_fresh_until, _fresh_until(ids[-1]))
+            later.results = [
+                SubmitResult(f"job_{key:016x}", state, False)
+                for key, state in zip(ids, states, strict=True)
+            ]
+            if self.recording:
+                events[first : first + len(ids)] = [
+                    (f"job_{key:016x}", spec.queue, state.value, 0, now, None)
+                    for key, spec, state in zip(ids, specs, states, strict=True)
+                ]
+
+        states = self._insert_jobs(specs, None, now, made)
+        self._made(specs, states, now)
+
+    def _made(self, specs: list[SubmitSpec], states: list[JobState], now: int) -> None:
+        """Count the jobs just made of ``specs``, in ``states``, and say whom they wake."""
+        moves: Counter[tuple[str, str]] = Counter()
+        for spec, state in zip(specs, states, strict=True):
+            moves[spec.queue, state] += 1
+            if state is READY:
+                self.changes.ready_queues.add(spec.queue)
+            else:
+                self.changes.due(spec.due_at(now))
+        for (queue, state), n in moves.items():
+            self._move(queue, None, state, n)
+            self._count(queue, "submitted", n, now)
 
     def _live_keys(
         self, keys: set[tuple[str, str]], now: int
@@ -290,16 +384,24 @@ class Jobs(PostgresBase):
         """``n`` new job ids, ascending (see ID_LAG_MS)."""
         ids = [row[0] for row in self._read(_NEXT_IDS, (n,))]
         floor = now << ID_SEQ_BITS
-        if ids[0] < floor - _ID_LAG:
+        if ids[0] < floor - _ID_LAG // 2:
             self._read("SELECT pg_advisory_xact_lock(%s)", (ID_LOCK,))
-            self._read(_CATCH_UP, (floor, floor - _ID_LAG))
+            self._read(_CATCH_UP, (floor, floor - _ID_LAG // 2))
             ids = [row[0] for row in self._read(_NEXT_IDS, (n,))]
         ids.sort()
+        self._ids_fresh_until = max(self._ids_fresh_until, _fresh_until(ids[-1]))
         return ids
 
-    def _insert_jobs(self, specs: list[SubmitSpec], ids: list[int], now: int) -> list[JobState]:
-        """Insert one job per spec, with these ids; return their states. What a spec left
-        out (None) the statement fills in (``_DEFAULTS``)."""
+    def _insert_jobs(
+        self,
+        specs: list[SubmitSpec],
+        ids: list[int] | None,
+        now: int,
+        then: Callable[[Result], None] | None = None,
+    ) -> list[JobState]:
+        """Insert one job per spec, with these ids (None: drawn by the insert, which
+        ``then`` is given the result of: ``_insert``); return their states. What a spec
+        left out (None) the statement fills in (``_defaults``)."""
         plain = all(
             spec.idempotency_key is None
             and spec.timeout_ms is None
@@ -308,18 +410,18 @@ class Jobs(PostgresBase):
             and spec.backoff is None
             for spec in specs
         )
-        if plain:  # the common batch: five arrays, not thirteen
-            self._write_later(
-                _INSERT_PLAIN,
-                {
-                    "now": now,
-                    "ids": ids,
-                    "queues": [spec.queue for spec in specs],
-                    "priorities": [int(spec.priority) for spec in specs],
-                    "payloads": [spec.payload for spec in specs],
-                    "max_attempts": [spec.max_attempts for spec in specs],
-                },
-            )
+        params: dict[str, Any] = {
+            "now": now,
+            "queues": [spec.queue for spec in specs],
+            "priorities": [int(spec.priority) for spec in specs],
+            "payloads": [spec.payload for spec in specs],
+            "max_attempts": [spec.max_attempts for spec in specs],
+        }
+        if ids is not None:
+            params["ids"] = ids
+        insert = _INSERTS[ids is None, plain]
+        if plain:  # the common batch: four arrays, not thirteen
+            self._write_later(insert, params, then)
             return [READY] * len(specs)
         states: list[JobState] = []
         ready_ats: list[int | None] = []
@@ -335,31 +437,21 @@ class Jobs(PostgresBase):
                 ready_ats.append(now)
                 run_ats.append(spec.run_at)
         backoffs = [spec.backoff for spec in specs]
-        queues = [spec.queue for spec in specs]
-        self._write_later(
-            _INSERT_JOBS,
-            (
-                now,
-                ids,
-                queues,
-                [state.value for state in states],
-                [int(spec.priority) for spec in specs],
-                [spec.payload for spec in specs],
-                [spec.max_attempts for spec in specs],
-                [None if backoff is None else backoff.kind for backoff in backoffs],
-                [None if backoff is None else backoff.base_ms for backoff in backoffs],
-                [None if backoff is None else backoff.max_ms for backoff in backoffs],
-                [None if backoff is None else bool(backoff.jitter) for backoff in backoffs],
-                ready_ats,
-                run_ats,
-                [
-                    None if spec.idempotency_key is None else encode_text(spec.idempotency_key)
-                    for spec in specs
-                ],
-                [spec.timeout_ms for spec in specs],
-                queues,  # (the queues whose settings the join reads: _defaults)
-            ),
+        params.update(
+            states=[state.value for state in states],
+            kinds=[None if backoff is None else backoff.kind for backoff in backoffs],
+            base_ms=[None if backoff is None else backoff.base_ms for backoff in backoffs],
+            max_ms=[None if backoff is None else backoff.max_ms for backoff in backoffs],
+            jitters=[None if backoff is None else bool(backoff.jitter) for backoff in backoffs],
+            ready_ats=ready_ats,
+            run_ats=run_ats,
+            keys=[
+                None if spec.idempotency_key is None else encode_text(spec.idempotency_key)
+                for spec in specs
+            ],
+            timeouts=[spec.timeout_ms for spec in specs],
         )
+        self._write_later(insert, params, then)
         return states
 
     def _take_keys(

@@ -28,6 +28,7 @@ from relay.store.base import (
     READY,
     SETTINGS_COLUMNS,
     UNFINISHED,
+    Later,
     QueueSettings,
     SubmitDefaults,
     with_defaults,
@@ -102,6 +103,10 @@ class SqliteJobs(SqliteBase):
     _settings_touched: set[str]
 
     # -- submit ----------------------------------------------------------------------------
+
+    def jobs_submit_later(self, specs: Sequence[SubmitSpec], now: int) -> Later:
+        """``jobs_submit``, whose answers SQLite knows at once."""
+        return Later(self.jobs_submit(specs, now))
 
     def jobs_submit(
         self, specs: Sequence[SubmitSpec], now: int, *, alone: bool = False

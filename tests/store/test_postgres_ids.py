@@ -1,0 +1,135 @@
+"""Job ids that a PostgreSQL insert draws itself (``jobs_submit_later``), as the writer's
+submits do: the answers come with the transaction's next round trip, and must be those of
+the rows made, in the batch's order, ordered across servers, and as fresh in their time
+part as ids drawn first."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.protocol.model import ID_SEQ_BITS, Backoff, SubmitSpec
+from relay.store.postgres.jobs import ID_LAG_MS
+from tests.conftest import T0
+from tests.store.test_postgres import LEASE_MS, RoundTrips, specs
+
+
+def _key(job_id: str) -> int:
+    return int(job_id[4:], 16)
+
+
+def _submit_later(store, batch, now):
+    """``jobs_submit_later`` in a transaction of the writer's; (answers before the commit,
+    answers after it)."""
+    store.begin()
+    later = store.jobs_submit_later(batch, now)
+    before = later.results
+    store.commit()
+    return before, later.results
+
+
+def test_an_insert_draws_the_ids_of_its_jobs_in_their_order_and_answers_with_the_commit(
+    servers,
+):
+    store = servers()
+    [first] = store.jobs_submit(specs(1), T0)  # (the sequence is seen: fresh for a while)
+    batch = [SubmitSpec("q", f'{{"n": {i}}}') for i in range(500)]
+    batch += [SubmitSpec("d", '"later"', delay_ms=5_000), SubmitSpec("b", "1", timeout_ms=9)]
+    before, after = _submit_later(store, batch, T0 + 1)
+    assert before is None  # (no round trip of their own)
+    keys = [_key(result.job_id) for result in after]
+    assert keys == sorted(set(keys)) and keys[0] > _key(first.job_id)
+    assert [result.state.value for result in after] == ["ready"] * 500 + ["pending", "ready"]
+    rows = dict(store._db.execute("SELECT id, payload FROM jobs WHERE id = ANY(%s)", (keys,)))
+    assert [rows[key] for key in keys] == [spec.payload for spec in batch]
+    info = store.job_inspect(after[-2].job_id)
+    assert (info.queue, info.state.value, info.run_at) == ("d", "pending", T0 + 1 + 5_000)
+    assert store.job_inspect(after[-1].job_id).timeout_ms == 9
+    stats = store.queue_stats()
+    assert (stats["q"]["ready"], stats["d"]["pending"]) == (501, 1)
+
+
+def test_the_events_of_drawn_ids_keep_their_place_among_the_transactions_events(servers):
+    store = servers()
+    store.jobs_submit(specs(1, "a"), T0)
+    [lease] = store.jobs_claim(["a"], "w", 1, LEASE_MS, T0)
+    store.begin()
+    store.recording = True
+    store.jobs_ack(lease.job_id, "w", lease.token, None, T0 + 1)
+    later = store.jobs_submit_later(specs(2), T0 + 1)
+    [leased] = store.jobs_claim(["q"], "w", 1, LEASE_MS, T0 + 1)  # (a read: sends the insert)
+    assert later.results is not None
+    changes = store.commit()
+    made = [result.job_id for result in later.results]
+    assert [(event[0], event[2]) for event in changes.events] == [
+        (lease.job_id, "succeeded"),
+        (made[0], "ready"),
+        (made[1], "ready"),
+        (leased.job_id, "leased"),
+    ]
+    assert leased.job_id == made[0]
+
+
+def test_drawn_ids_from_servers_whose_clocks_differ_are_distinct_and_in_order(servers):
+    ahead, behind = servers(), servers()
+    ahead.jobs_submit(specs(1), T0 + 60_000)
+    behind.jobs_submit(specs(1), T0 - 60_000)
+    ids = []
+    for i in range(20):
+        store, now = (ahead, T0 + 60_000) if i % 2 else (behind, T0 - 60_000)
+        before, after = _submit_later(store, specs(3), now + i)
+        assert before is None
+        ids += [result.job_id for result in after]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+def test_ids_are_read_first_once_the_sequence_may_have_fallen_behind(servers):
+    """The sequence only counts: once its last id seen is ID_LAG_MS older than ``now``,
+    a submit reads ids first (and moves the sequence up if it must), so that an id's time
+    part is never more than ID_LAG_MS behind."""
+    store = servers()
+    store.jobs_submit(specs(1), T0)
+    now = T0 + 10 * ID_LAG_MS
+    before, after = _submit_later(store, specs(2), now)
+    assert before == after  # (known at once: read first)
+    assert _key(after[0].job_id) >> ID_SEQ_BITS >= now - ID_LAG_MS
+    before, _ = _submit_later(store, specs(2), now + 1)
+    assert before is None  # (and fresh again)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SubmitSpec("q", "1", idempotency_key="k"), SubmitSpec("q", "1", unique_key="u")],
+    ids=["idempotency-key", "unique-key"],
+)
+def test_a_batch_with_a_key_reads_its_ids_first(servers, spec):
+    store = servers()
+    store.jobs_submit(specs(1), T0)
+    before, after = _submit_later(store, [SubmitSpec("q", "0"), spec], T0 + 1)
+    assert before is not None and before == after
+    # (and a second one is its duplicate, answered without writing)
+    _, again = _submit_later(store, [spec], T0 + 2)
+    assert again[0].job_id == after[1].job_id and again[0].duplicate
+
+
+def test_a_failed_transaction_leaves_drawn_answers_unknown_and_makes_nothing(servers):
+    store = servers()
+    store.jobs_submit(specs(1), T0)
+    store.begin()
+    later = store.jobs_submit_later([SubmitSpec("q", "1", backoff=Backoff("fixed", 1, 1))], T0)
+    store._write_later("SELECT 1 / 0")
+    with pytest.raises(Exception, match="division by zero"):
+        store.commit()
+    store.rollback()
+    assert later.results is None
+    assert store.queue_stats()["q"]["ready"] == 1
+    assert store._db.execute("SELECT count(*) FROM jobs").fetchone() == (1,)
+
+
+def test_a_drawn_submit_takes_one_round_trip_with_its_commit(servers, monkeypatch):
+    store = servers()
+    store.jobs_submit(specs(1), T0)
+    trips = RoundTrips(store, monkeypatch)
+    for n in (1, 64):
+        before = trips.n
+        assert _submit_later(store, specs(n), T0 + 1)[0] is None
+        assert trips.n - before == 1  # (BEGIN, the insert, the counts, COMMIT)
