@@ -243,3 +243,55 @@ async def test_a_lost_store_connection_is_unavailable_then_made_again(shared_url
         assert stats["ready"] == 1 + sum(reply["ok"] for reply in answers), stats
         assert (await c.ok("inspect", job_id=kept))["job"]["state"] == "ready"
         await c.aclose()
+
+
+async def test_submits_answer_the_ids_of_the_jobs_they_made_in_order_through_any_server(
+    shared_url,
+):
+    """A submit without keys has its ids drawn by its insert, with the commit: through the
+    wire, every answer names the job made of its own request, ids grow from one commit to
+    the next through either server, and a watcher sees each job under its id."""
+    async with servers(shared_url, 2) as (a, b):
+        ca, cb, watcher = await a.connect(), await b.connect(), await a.connect()
+        await watcher.ok("watch", queues=["ids"])
+        sent: dict[int, list[int]] = {}  # request id -> the payloads' n
+        for n in range(40):  # pipelined: many in one writer batch
+            if n % 10 == 9:
+                batch = [{"queue": "ids", "payload": {"n": 1000 + n * 10 + i}} for i in range(3)]
+                sent[await ca.send("submit_batch", jobs=batch)] = [
+                    1000 + n * 10 + i for i in range(3)
+                ]
+            else:
+                sent[await ca.send("submit", queue="ids", payload={"n": n})] = [n]
+        answers: dict[int, list[str]] = {}
+        with trio.fail_after(BOUND_S):
+            while len(answers) < len(sent):
+                reply = await ca.read()
+                assert reply["ok"], reply
+                results = reply.get("results") or [reply]
+                answers[reply["id"]] = [result["job_id"] for result in results]
+        # (Pipelined requests are made in the writer's order, a batch's submits before
+        # its submit_batches: ids grow within a request, and are each a job of its own.)
+        ids = [job for rid in sorted(sent) for job in answers[rid]]
+        assert all(jobs == sorted(jobs) for jobs in answers.values())
+        assert len(set(ids)) == len(ids)
+        for rid in sorted(sent)[::7]:
+            for job, n in zip(answers[rid], sent[rid], strict=True):
+                job_info = (await ca.ok("inspect", job_id=job))["job"]
+                assert (job_info["queue"], job_info["payload"]) == ("ids", {"n": n})
+        # One at a time through either server: each id above the one before.
+        last = ids[-1]
+        for i in range(10):
+            job = (await (ca, cb)[i % 2].ok("submit", queue="other", payload=i))["job_id"]
+            assert job > last
+            last = job
+        seen = []
+        with trio.fail_after(BOUND_S):
+            while len(seen) < len(ids):
+                event = await watcher.read()
+                assert event["event"] == "job" and event["state"] == "ready", event
+                assert "from" not in event
+                seen.append(event["job_id"])
+        assert sorted(seen) == sorted(ids) and seen == sorted(seen)  # (in commit order)
+        for c in (ca, cb, watcher):
+            await c.aclose()
