@@ -335,7 +335,8 @@ class Jobs(PostgresBase):
         are taken now, so that they keep their order among the transaction's."""
         events = self.changes.events
         first = len(events)
-        if self.recording:
+        recording = self.recording
+        if recording:
             events += [None] * len(specs)  # type: ignore[list-item]
 
         def made(result: Result) -> None:
@@ -345,7 +346,7 @@ class Jobs(PostgresBase):
                 SubmitResult(f"job_{key:016x}", state, False)
                 for key, state in zip(ids, states, strict=True)
             ]
-            if self.recording:
+            if recording:
                 events[first : first + len(ids)] = [
                     (f"job_{key:016x}", spec.queue, state.value, 0, now, None)
                     for key, spec, state in zip(ids, specs, states, strict=True)
