@@ -151,6 +151,8 @@ class _Submit(RequestOp):
     @staticmethod
     def run_many(store: Store, now: int, specs: list[SubmitSpec]) -> list[Any]:
         later = store.jobs_submit_later(specs, now)
+        if later.results is not None:  # (known at once: SQLite's, or ids read first)
+            return later.results
         return [_Share(later, i) for i in range(len(specs))]
 
     @staticmethod
@@ -186,6 +188,8 @@ class _SubmitBatch(RequestOp):
     @staticmethod
     def run_many(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
         later = store.jobs_submit_later([spec for specs in batches for spec in specs], now)
+        if later.results is not None:
+            return cmd.split_results(later.results, batches)
         shares, start = [], 0
         for specs in batches:
             shares.append(_Share(later, slice(start, start + len(specs))))
