@@ -400,6 +400,7 @@ class PostgresBase(CountsBook):
     def _roll_back(self) -> None:
         self._queued.clear()  # (never sent)
         self._then.clear()
+        self._sending.clear()
         if self._begin_pending:  # nothing was sent
             self._begin_pending = False
         else:

@@ -101,7 +101,8 @@ def _insert(values: str, arrays: str, names: str, drawn: bool) -> str:
 
     The ids are the array ``ids``; or, ``drawn``, the insert draws them from the sequence
     itself, in the order of the arrays (nextval runs after the sort), and returns them in
-    that order: the jobs are then made with no round trip of their own (``_new_ids``)."""
+    that order: the jobs are then made with no round trip of their own
+    (``jobs_submit_later``)."""
     if not drawn:
         return (
             f"INSERT INTO jobs ({_COLUMNS}) SELECT {values} FROM unnest(%(ids)b::bigint[], "
