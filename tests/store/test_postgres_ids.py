@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from relay.protocol.model import ID_SEQ_BITS, Backoff, SubmitSpec
+from relay.store.postgres import notify
 from relay.store.postgres.jobs import ID_LAG_MS
 from tests.conftest import T0
-from tests.store.test_postgres import LEASE_MS, RoundTrips, specs
+from tests.store.test_postgres import FAILING_NOTIFY, LEASE_MS, RoundTrips, specs
 
 
 def _key(job_id: str) -> int:
@@ -133,3 +134,33 @@ def test_a_drawn_submit_takes_one_round_trip_with_its_commit(servers, monkeypatc
         before = trips.n
         assert _submit_later(store, specs(n), T0 + 1)[0] is None
         assert trips.n - before == 1  # (BEGIN, the insert, the counts, COMMIT)
+
+
+def test_a_drawn_submit_is_answered_when_only_its_notification_fails(servers, monkeypatch, caplog):
+    store, other = servers(), servers()
+    other.waiters_put(["q"], [], T0 + 60_000, T0)  # (so that the commit notifies)
+    store.jobs_submit(specs(1), T0)
+    monkeypatch.setattr(notify, "NOTIFY_IF_WAITED", FAILING_NOTIFY["as-it-runs"])
+    before, after = _submit_later(store, specs(2), T0 + 1)
+    assert before is None and "a commit's notification could not be sent" in caplog.text
+    assert [store.job_inspect(result.job_id).payload for result in after] == [
+        spec.payload for spec in specs(2)
+    ]
+
+
+def test_a_committed_batch_stands_when_taking_a_result_fails(servers, caplog):
+    """A ``then`` that raises once the commit has gone through (a bug) is logged; the
+    commit is not reported as failed, and the other results are still handed over."""
+    store = servers()
+    store.jobs_submit(specs(1), T0)
+    store.begin()
+
+    def broken(result: object) -> None:
+        raise RuntimeError("a bug")
+
+    store._write_later("SELECT 1", None, broken)
+    later = store.jobs_submit_later(specs(2), T0 + 1)
+    store.commit()
+    assert "taking the result of a committed write failed" in caplog.text
+    assert later.results is not None and len(later.results) == 2
+    assert store.queue_stats()["q"]["ready"] == 3

@@ -143,6 +143,9 @@ class PostgresBase(CountsBook):
         # what takes the result); and, once taken for a round trip, (position in it, ...).
         self._then: list[tuple[int, Callable[[Result], None]]] = []
         self._sending: list[tuple[int, Callable[[Result], None]]] = []
+        # Until when (``now``) the ids the sequence gives are known to be fresh enough to
+        # be drawn by an insert unchecked (jobs.py, ``_fresh_until``); nothing at first.
+        self._ids_fresh_until = 0
         # The lease expiry the other servers were last told of (notify.py).
         self._expiry_told = notify.ExpiryTold()
         self.changes = Changes()
@@ -214,6 +217,8 @@ class PostgresBase(CountsBook):
         self._begin_pending = False
         self._queued.clear()
         self._then.clear()
+        self._sending.clear()
+        self._ids_fresh_until = 0  # (the database may have been restored meanwhile)
         self._expiry_told.forget()
         self._moves.clear()
         self._deleted_from.clear()
@@ -253,13 +258,21 @@ class PostgresBase(CountsBook):
         self._then = []
         return statements
 
-    def _count_rows(self, results: list[Result]) -> None:
+    def _count_rows(self, results: list[Result], committed: bool = False) -> None:
         """The rows of the queued writes (and BEGIN's none) just sent, for ``write_mark``;
-        the results that are read (``_write_later``'s ``then``) handed over."""
+        the results that are read (``_write_later``'s ``then``) handed over. Once
+        ``committed``, a ``then`` that raises (a bug) is logged, not raised: the commit
+        stands, and the answers it was to fill are left unknown (their replies say so)."""
         self._rows += sum(max(result.rowcount, 0) for result in results)
         sending, self._sending = self._sending, []
         for i, then in sending:
-            then(results[i])
+            if not committed:
+                then(results[i])
+                continue
+            try:
+                then(results[i])
+            except Exception:
+                log.exception("taking the result of a committed write failed")
 
     def _write(self, sql: str, params: Any = None) -> Result:
         """Run a statement that writes; its rows count in ``write_mark``."""
@@ -500,7 +513,7 @@ class PostgresBase(CountsBook):
         else:
             if tell and notification is not None and expiry is not None:
                 self._expiry_told.told(expiry)
-        self._count_rows(results[:written])
+        self._count_rows(results[:written], committed=True)
         if not queues:
             return []
         holding = {queue for (queue,) in results[written]}

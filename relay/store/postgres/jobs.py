@@ -37,8 +37,8 @@ from relay.store.postgres.sql import atomic, encode_text, opaque
 # `now` moves it up to now << 21 (forward only, under ID_LOCK, so that two servers never
 # move it back past ids the other issued). Ids so sort by creation (the order the sequence
 # hands them out), also across servers and clocks set back, and their time part is at
-# most ID_LAG_MS behind. The lag is large next to the ids any server can draw while
-# another moves the sequence (2**31 ids), and makes the move rare: twice a second at most.
+# most ID_LAG_MS behind. Half the lag is large next to the ids any server can draw while
+# another moves the sequence (2**30 ids), and makes the move rare: twice a second at most.
 # Once an id is seen, the sequence is known to be fresh enough until ``_fresh_until``: till
 # then jobs without keys draw their ids in their insert (``jobs_submit_later``), with no
 # round trip of their own; the first submit after it reads ids first, and moves the
@@ -100,9 +100,9 @@ def _insert(values: str, arrays: str, names: str, drawn: bool) -> str:
     ``_COLUMNS`` made of them by ``values``.
 
     The ids are the array ``ids``; or, ``drawn``, the insert draws them from the sequence
-    itself, in the order of the arrays (nextval runs after the sort), and returns them in
-    that order: the jobs are then made with no round trip of their own
-    (``jobs_submit_later``)."""
+    itself, in the order of the arrays (the scan is in ordinality order; volatile output
+    runs after a sort, were there one), and returns them in that order: the jobs are
+    then made with no round trip of their own (``jobs_submit_later``)."""
     if not drawn:
         return (
             f"INSERT INTO jobs ({_COLUMNS}) SELECT {values} FROM unnest(%(ids)b::bigint[], "
@@ -205,10 +205,6 @@ def _duplicate(
 
 class Jobs(PostgresBase):
     """Submit: part of ``PostgresStore``."""
-
-    # Until when (``now``) the ids the sequence gives are known to be fresh enough to be
-    # drawn by an insert unchecked (``_fresh_until``); nothing is known at first.
-    _ids_fresh_until = 0
 
     # -- submit ----------------------------------------------------------------------------
 
