@@ -53,13 +53,18 @@ class Submit:
         return split_results(results, [c.specs for c in commands])
 
 
+def parts(groups: Sequence[Sequence[Any]]) -> list[slice]:
+    """Where each of ``groups`` lies in the list of all their items, in order."""
+    slices, start = [], 0
+    for group in groups:
+        slices.append(slice(start, start + len(group)))
+        start += len(group)
+    return slices
+
+
 def split_results(results: Any, groups: Sequence[Sequence[Any]]) -> list[Any]:
     """``results`` (one per spec of all ``groups``, in order) cut into one list per group."""
-    outcomes, start = [], 0
-    for group in groups:
-        outcomes.append(results[start : start + len(group)])
-        start += len(group)
-    return outcomes
+    return [results[part] for part in parts(groups)]
 
 
 @attrs.frozen

@@ -47,9 +47,10 @@ COMPACT_SLACK = 1024
 # dropping them all would hold the trio thread for seconds. Past it, a lease that finds
 # nothing is answered ``jobs: []`` at once, as if its wait had ended.
 PARKED_PER_CONNECTION = 16
-# Other servers' commits that made jobs ready, remembered per queue for this long (and the
-# memory cleared of older ones past HEARD_MAX queues): a claim on its way longer than that
-# is not looked after (the writer answers in milliseconds).
+# Other servers' commits that made jobs ready, remembered per queue for this long (the
+# memory cleared of older ones once it holds HEARD_MAX queues, or twice as many as it kept
+# at the last clearing): a claim on its way longer than that is not looked after (the
+# writer answers in milliseconds).
 HEARD_S, HEARD_MAX = 10.0, 4096
 # The log says the cap turned long-polls away at most this often (with how many).
 FULL_LOG_INTERVAL_S = 60.0
@@ -120,6 +121,7 @@ class LongPolls:
         self.on_park: Callable[[tuple[str, ...]], None] | None = None
         # queue -> when another server's commit that made jobs ready in it was heard.
         self._heard: dict[str, float] = {}
+        self._heard_limit = HEARD_MAX  # (its size at which it is cleared next)
 
     @property
     def parked(self) -> int:
@@ -158,8 +160,9 @@ class LongPolls:
         heard = self._heard
         for queue in changes.ready_queues:
             heard[queue] = now
-        if len(heard) > HEARD_MAX:
+        if len(heard) > self._heard_limit:
             self._heard = {q: at for q, at in heard.items() if now - at < HEARD_S}
+            self._heard_limit = max(HEARD_MAX, 2 * len(self._heard))
         self.on_commit(changes)
 
     def _register(self, item: Item, sink: LongPollSink, short: bool = False) -> _Parked:

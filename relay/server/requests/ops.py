@@ -143,6 +143,14 @@ class _Share:
         return self.later.results[self.at]
 
 
+def _share(later: Later, at: int | slice) -> Any:
+    """The answer (or answers) of ``later`` at ``at``: as they are if already known (as
+    SQLite's always are), else a ``_Share`` of them."""
+    if later.results is not None:
+        return later.results[at]
+    return _Share(later, at)
+
+
 class _Submit(RequestOp):
     """``submit``: args is one ``SubmitSpec``; a batch's submits are one insert."""
 
@@ -160,7 +168,7 @@ class _Submit(RequestOp):
         return store.jobs_submit(specs, now, alone=True)
 
     def run(self, store: Store, now: int, spec: SubmitSpec) -> Any:
-        return _Share(store.jobs_submit_later([spec], now), 0)
+        return _share(store.jobs_submit_later([spec], now), 0)
 
     def reply(self, item: Item, outcome: Any) -> Any:
         if isinstance(outcome, RelayError):
@@ -188,13 +196,7 @@ class _SubmitBatch(RequestOp):
     @staticmethod
     def run_many(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> list:
         later = store.jobs_submit_later([spec for specs in batches for spec in specs], now)
-        if later.results is not None:
-            return cmd.split_results(later.results, batches)
-        shares, start = [], 0
-        for specs in batches:
-            shares.append(_Share(later, slice(start, start + len(specs))))
-            start += len(specs)
-        return shares
+        return [_share(later, part) for part in cmd.parts(batches)]
 
     @staticmethod
     def run_alone(store: Store, now: int, batches: list[tuple[SubmitSpec, ...]]) -> Any:
@@ -202,7 +204,7 @@ class _SubmitBatch(RequestOp):
         return None if results is None else cmd.split_results(results, batches)
 
     def run(self, store: Store, now: int, specs: tuple[SubmitSpec, ...]) -> Any:
-        return _Share(store.jobs_submit_later(specs, now), slice(None))
+        return _share(store.jobs_submit_later(specs, now), slice(None))
 
     def reply(self, item: Item, outcome: Any) -> Any:
         if isinstance(outcome, RelayError):
