@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from relay.protocol.model import ID_SEQ_BITS, Backoff, SubmitSpec
+from relay.protocol.model import DEFAULT_MAX_ATTEMPTS, ID_SEQ_BITS, Backoff, SubmitSpec
+from relay.store.postgres import jobs as jobs_sql
 from relay.store.postgres import notify
 from relay.store.postgres.jobs import ID_LAG_MS
 from tests.conftest import T0
@@ -164,3 +165,52 @@ def test_a_committed_batch_stands_when_taking_a_result_fails(servers, caplog):
     assert "taking the result of a committed write failed" in caplog.text
     assert later.results is not None and len(later.results) == 2
     assert store.queue_stats()["q"]["ready"] == 3
+
+
+_ROW = (
+    "SELECT queue, state, priority, payload, attempt, max_attempts, backoff_kind, "
+    "backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, run_at, "
+    "idempotency_key, timeout_ms FROM jobs WHERE id = %s"
+)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["left-out", "given"])
+def test_a_job_submitted_alone_is_the_row_a_batch_would_make_with_its_queues_defaults(
+    servers, monkeypatch, given
+):
+    """A submit of one job takes an insert of its own (four values, not arrays): its row
+    is the one the batch's insert makes of the same spec, its queue's defaults, as this
+    transaction sees them, and the protocol's included; its id is answered and fresh."""
+    store = servers()
+    store.jobs_submit(specs(1), T0)
+    store.queue_config(
+        "set",
+        {"default_retries": 6, "default_backoff": Backoff("fixed", 250, 250, False),
+         "default_timeout_ms": 9_000},
+        T0,
+    )  # fmt: skip
+    trips = RoundTrips(store, monkeypatch)
+    rows = []
+    for queue in ("set", "unset"):
+        spec = SubmitSpec(queue, '{"n": 1}', priority=2, max_attempts=4 if given else None)
+        before = trips.n
+        (alone,) = _submit_later(store, [spec], T0 + 5)[1]
+        assert trips.n - before == 1  # (BEGIN, the insert, the counts, COMMIT)
+        pair = _submit_later(store, [spec, spec], T0 + 5)[1]
+        assert _key(pair[0].job_id) > _key(alone.job_id)
+        made = [store._db.execute(_ROW, (_key(r.job_id),)).fetchone() for r in (alone, *pair)]
+        assert made[0] == made[1] == made[2]
+        rows.append(made[0])
+    (_, _, _, _, _, attempts, kind, base, top, jitter, *_, timeout), unset = rows
+    assert (attempts, kind, base, top, jitter, timeout) == (
+        4 if given else 7,
+        "fixed",
+        250,
+        250,
+        False,
+        9_000,
+    )
+    assert unset[5] == (4 if given else DEFAULT_MAX_ATTEMPTS) and unset[-1] is None
+    assert store.queue_stats()["set"]["ready"] == 3 == store.queue_stats()["unset"]["ready"]
+    # (The one-job insert made the first of each, the batch's the others.)
+    assert (jobs_sql._INSERT_ONE, False) in store._pipe._statements
