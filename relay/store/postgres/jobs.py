@@ -69,11 +69,16 @@ def _defaults(queues: str) -> str:
     +0.1 ms a submit with 10,000 queues' settings); this way the generic plan holds, one
     index scan whatever the size.
     """
+    # (Cast again: ANY of a bare sub-select would compare with its rows.)
+    return _settings_join(f"queue = ANY({opaque(queues + '::text[]')}::text[])")
+
+
+def _settings_join(where: str) -> str:
+    """``_defaults``'s join, of the settings rows ``where`` says."""
     return (
         "LEFT JOIN (SELECT queue, default_retries + 1 AS attempts, default_timeout_ms, "
-        "default_backoff::jsonb AS b FROM queue_settings "
-        # (Cast again: ANY of a bare sub-select would compare with its rows.)
-        f"WHERE queue = ANY({opaque(queues + '::text[]')}::text[])) s ON s.queue = t.queue"
+        f"default_backoff::jsonb AS b FROM queue_settings WHERE {where}) s "
+        "ON s.queue = t.queue"
     )
 
 
@@ -121,10 +126,14 @@ _COLUMNS = (
     "backoff_base_ms, backoff_max_ms, backoff_jitter, created_at, ready_at, run_at, "
     "idempotency_key, timeout_ms"
 )
-# Every job ready now, with no backoff, timeout or key of its own: four arrays.
+# A job ready now, with no backoff, timeout or key of its own: its columns after the id.
+_PLAIN_ROW = (
+    f"t.queue, 'ready', t.priority, t.payload, 0, {_with_defaults(False)}, "
+    "%(now)s, %(now)s, NULL::bigint, NULL::text, s.default_timeout_ms"
+)
+# Such jobs: four arrays.
 _PLAIN = (
-    f"t.id, t.queue, 'ready', t.priority, t.payload, 0, {_with_defaults(False)}, "
-    "%(now)s, %(now)s, NULL::bigint, NULL::text, s.default_timeout_ms",
+    f"t.id, {_PLAIN_ROW}",
     "%(queues)b::text[], %(priorities)b::int[], %(payloads)b::text[], %(max_attempts)b::int[]",
     "queue, priority, payload, max_attempts",
 )
@@ -150,14 +159,10 @@ _INSERTS = {
 # a tenth less time and 8% less database CPU per transaction (docs/benchmarking.md,
 # "One job, an insert of its own").
 _INSERT_ONE = (
-    f"INSERT INTO jobs ({_COLUMNS}) SELECT nextval('job_ids'), t.queue, 'ready', "
-    f"t.priority, t.payload, 0, {_with_defaults(False)}, %(now)s, %(now)s, NULL::bigint, "
-    "NULL::text, s.default_timeout_ms FROM (SELECT %(queue)s::text AS queue, "
-    "%(priority)s::int AS priority, %(payload)s::text AS payload, "
-    "%(max_attempts)s::int AS max_attempts) t "
-    "LEFT JOIN (SELECT queue, default_retries + 1 AS attempts, default_timeout_ms, "
-    "default_backoff::jsonb AS b FROM queue_settings WHERE queue = %(queue)s) s "
-    "ON s.queue = t.queue RETURNING id"
+    f"INSERT INTO jobs ({_COLUMNS}) SELECT nextval('job_ids'), {_PLAIN_ROW} "
+    "FROM (SELECT %(queue)s::text AS queue, %(priority)s::int AS priority, "
+    "%(payload)s::text AS payload, %(max_attempts)s::int AS max_attempts) t "
+    f"{_settings_join('queue = %(queue)s')} RETURNING id"
 )
 # The keys among these within their window, with their job's state (or, for a job
 # deleted since, by a purge or a prune, the state it was deleted in).
