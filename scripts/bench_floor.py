@@ -191,7 +191,6 @@ def measure(args, directory: str, admin: psycopg.Connection, urls: list[str]) ->
         clock = Clock()
         for store in (sqlite, postgres):
             fill(store, args.backlog)
-        db.execute("INSERT INTO jobs SELECT * FROM jobs LIMIT 0")  # (warms the connection)
         fill_floor = floor_submit(db, 5_000, clock)
         for _ in range(0, args.backlog, 5_000):
             fill_floor()
