@@ -42,12 +42,24 @@ class Op(Protocol):
     # nothing. If it raises after its statement committed, the writer answers every item
     # ``internal`` and never runs them again (relay/store/thread.py).
     run_alone: Callable[[Store, int, list[Any]], list[Any] | None] | None
-    # How much of a batch an item's args weigh: the jobs it touches (None: one). One
-    # connection's items weigh at most ``max_share`` in a batch (relay/store/thread.py).
+    # How much of a batch an item's args weigh: the jobs it touches (None: one), or a read
+    # of up to thousands of rows a whole share (``whole_share``). One connection's items
+    # weigh at most ``max_share`` in a batch (relay/store/thread.py).
     weigh: Callable[[Any], int] | None
 
     def run(self, store: Store, now: int, args: Any) -> Any: ...
     def reply(self, item: Item, outcome: Any) -> Any: ...  # writer thread, after commit
+
+
+# What a read of up to thousands of rows weighs (a page of the job browser examines up to
+# 10,000 jobs): more than any ``max_share``, so that it is its connection's whole share of
+# a batch, as a submit_batch of 1,000 is: pipelined, they take turns with the others.
+WHOLE_SHARE = 1 << 62
+
+
+def whole_share(args: Any) -> int:
+    """``Op.weigh`` of a read of up to thousands of rows, whatever its args."""
+    return WHOLE_SHARE
 
 
 class ReplySink(Protocol):

@@ -31,7 +31,7 @@ from relay.store.base import (
     ScheduleSpec,
     Store,
 )
-from relay.store.items import Item
+from relay.store.items import Item, whole_share
 from relay.store.view import STATES
 from relay.util.log import event
 
@@ -373,6 +373,7 @@ class _ShortIds(RequestOp):
 
 class _DeadList(RequestOp):
     reserves = True
+    weigh = staticmethod(whole_share)  # up to 1,000 jobs with their texts
 
     def run(self, store: Store, now: int, args: Reserving) -> Any:
         return store.dead_list(*args.args)
@@ -387,6 +388,7 @@ class _JobsList(RequestOp):
     newest)."""
 
     reserves = True
+    weigh = staticmethod(whole_share)  # up to 10,000 jobs examined
 
     def run(self, store: Store, now: int, args: Reserving) -> Any:
         return store.jobs_list(*args.args)
@@ -472,6 +474,8 @@ class _QueueList(RequestOp):
     """``queue_list``: args is (cursor, limit, queues). The queues that hold jobs (the
     store's view, as committed) or have settings (read in this transaction), merged by
     name; or the queues named, each with its settings and counts."""
+
+    weigh = staticmethod(whole_share)  # up to 1,000 queues' settings
 
     def run(self, store: Store, now: int, args: tuple[str | None, int, list[str] | None]) -> Any:
         after, limit, named = args

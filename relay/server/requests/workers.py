@@ -7,10 +7,14 @@ last ``WORKER_IDS_KEPT`` are kept), and it is one worker, listed once. The book 
 off the hot path: a lease request costs one dict look-up and a few attribute writes
 (``leased``); an ack, a fail or a renew costs nothing here.
 
-What a worker holds now is read from the store when asked (``Store.leases_held``: the
-unexpired leases of its worker ids, with each attempt's start), so it is true whichever
+What a worker holds is read from the store (``Store.leases_held``: the unexpired leases
+of the connected workers' ids, with each attempt's start), so it is true whichever
 connection acked a job (a worker that reconnected acks on its new one) and however long
-ago a job was leased, and a lease that expired is not shown.
+ago a job was leased, and a lease that expired is not shown. A read is of up to
+HELD_READ leases, so there is one at a time, of every connected worker's, and it answers
+every request made before it began: a connection that pipelines pages (or many that ask)
+costs the writer one read at a time, not one per request in front of the other clients'
+requests, and no reply is older than its request.
 
 Trio thread only.
 """
@@ -34,7 +38,7 @@ from relay.store.writer import Writer
 WORKER_IDS_KEPT = 4
 JOBS_SHOWN = 10
 QUEUES_SHOWN = 32
-# Leases read from the store per request, at most (past it, ``held_truncated``).
+# Leases read from the store at once, at most (past it, ``held_truncated``).
 HELD_READ = 10_000
 # The most one connection's entry takes in a reply: its texts of up to 256 bytes (worker
 # ids, client, the jobs' worker ids), each at most 6 times as long escaped, its queue
@@ -57,11 +61,54 @@ class WorkerRecord:
         return {queue for queues in self.worker_ids.values() for queue in queues}
 
 
+# A lease held, as a reply shows it: (job id, queue, worker id, expires at, held ms).
+Held = tuple[str, str, str, int, int | None]
+
+
+def _longest_first(held: Held) -> int:
+    return -1 if held[4] is None else -held[4]
+
+
+@attrs.frozen
+class HeldRead:
+    """One read of the leases held by the connected workers: per worker id, how many
+    and the JOBS_SHOWN held longest (the longest first)."""
+
+    seq: int  # reads began before it, and it
+    now_ms: int  # the store's clock at the read
+    names: frozenset[str]  # the worker ids read
+    counts: dict[str, int]
+    longest: dict[str, list[Held]]
+    longest_ms: dict[str, int]  # (of those whose attempt's start is known)
+    truncated: bool  # HELD_READ leases read: there may be more
+
+    @classmethod
+    def of(cls, seq: int, names: frozenset[str], rows: list, now_ms: int) -> HeldRead:
+        by_worker: dict[str, list[Held]] = {}
+        for job_id, queue, worker_id, expires, leased_at in rows:
+            held_ms = None if leased_at is None else max(0, now_ms - leased_at)
+            by_worker.setdefault(worker_id, []).append((job_id, queue, worker_id, expires, held_ms))
+        counts = {worker_id: len(held) for worker_id, held in by_worker.items()}
+        longest = {
+            worker_id: sorted(held, key=_longest_first)[:JOBS_SHOWN]
+            for worker_id, held in by_worker.items()
+        }
+        longest_ms = {}
+        for worker_id, held in by_worker.items():
+            known = [held_ms for *_, held_ms in held if held_ms is not None]
+            if known:
+                longest_ms[worker_id] = max(known)
+        return cls(seq, now_ms, names, counts, longest, longest_ms, len(rows) >= HELD_READ)
+
+
 class WorkerBook:
     def __init__(self) -> None:
         self._records: dict[Connection, WorkerRecord] = {}  # in the order of first leases
         self._clients: dict[Connection, str] = {}  # the client names given in hellos
         self._seq = itertools.count(1)
+        self._held: HeldRead | None = None  # the last read of the leases held
+        self._reads = 0  # reads of them begun
+        self._reading = trio.Lock()  # one at a time
 
     def __len__(self) -> int:
         return len(self._records)
@@ -112,9 +159,9 @@ class WorkerBook:
         server: str,
         parked: Any,
     ) -> dict[str, Any]:
-        """The fields of a ``workers_list`` reply:
-        up to ``limit`` workers after ``cursor``, with what they hold now read from the
-        store. ``clock``: the store's (wall ms); ``parked(connection)``: its parked long-polls."""
+        """The fields of a ``workers_list`` reply: up to ``limit`` workers after
+        ``cursor``, with what they hold read from the store (``leases_held``).
+        ``clock``: the store's (wall ms); ``parked(connection)``: its parked long-polls."""
         after = int(cursor) if cursor else 0
         chosen: list[tuple[Connection, WorkerRecord]] = []
         for connection, record in self._records.items():
@@ -124,39 +171,34 @@ class WorkerBook:
                     break
         more = len(chosen) > limit
         chosen = chosen[:limit]
-        names = sorted({w for _, record in chosen for w in record.worker_ids})
-        held: list[tuple[str, str, str, int, int | None]] = []
-        now_ms = None
-        if names:
-            held, now_ms = await writer.execute(cmd.LeasesHeld(tuple(names), HELD_READ))
+        names = {w for _, record in chosen for w in record.worker_ids}
+        held = await self.leases_held(writer, names) if names else None
         trio_now = trio.current_time()
-        if now_ms is None:
-            now_ms = clock()
-        by_worker: dict[str, list[WorkerRecord]] = {}
+        now_ms = clock() if held is None else held.now_ms
+        # One connection: a worker id's jobs are its own. Several under one worker id: the
+        # one that leased last's.
+        owner: dict[str, WorkerRecord] = {}
         for _, record in chosen:
             for w in record.worker_ids:
-                by_worker.setdefault(w, []).append(record)
-        jobs_of: dict[int, list[dict[str, Any]]] = {id(r): [] for _, r in chosen}
-        for job_id, queue, worker_id, expires, at in held:
-            owners = by_worker.get(worker_id, ())
-            if not owners:
-                continue
-            # One connection: its own. Several under one worker id: the one that leased last.
-            owner = max(owners, key=lambda r: r.last_lease)
-            jobs_of[id(owner)].append({
-                "job_id": job_id, "queue": queue, "worker_id": worker_id,
-                "held_ms": None if at is None else max(0, now_ms - at),
-                "lease_expires_at": expires,
-            })  # fmt: skip
+                if w not in owner or record.last_lease > owner[w].last_lease:
+                    owner[w] = record
 
         def wall(t: float) -> int:
             return now_ms - max(0, round((trio_now - t) * 1000))
 
         entries = []
         for connection, record in chosen:
-            jobs = jobs_of[id(record)]
-            jobs.sort(key=lambda j: -1 if j["held_ms"] is None else -j["held_ms"])
-            helds = [j["held_ms"] for j in jobs if j["held_ms"] is not None]
+            mine = [w for w in record.worker_ids if owner[w] is record]
+            jobs: list[Held] = []
+            held_n, longest = 0, None
+            if held is not None:
+                for w in mine:
+                    jobs += held.longest.get(w, ())
+                    held_n += held.counts.get(w, 0)
+                    ms = held.longest_ms.get(w)
+                    if ms is not None and (longest is None or ms > longest):
+                        longest = ms
+                jobs.sort(key=_longest_first)
             queues = sorted(record.queues())
             last = max(record.last_lease, getattr(connection, "last_request", record.last_lease))
             entries.append({
@@ -166,9 +208,13 @@ class WorkerBook:
                 "peer": connection.peer,
                 "queues": queues[:QUEUES_SHOWN],
                 "queues_total": len(queues),
-                "jobs": jobs[:JOBS_SHOWN],
-                "jobs_held": len(jobs),
-                "longest_held_ms": max(helds) if helds else None,
+                "jobs": [
+                    {"job_id": job_id, "queue": queue, "worker_id": worker_id,
+                     "held_ms": held_ms, "lease_expires_at": expires}
+                    for job_id, queue, worker_id, expires, held_ms in jobs[:JOBS_SHOWN]
+                ],
+                "jobs_held": held_n,
+                "longest_held_ms": longest,
                 "connected_at": wall(getattr(connection, "opened_at", record.first_lease)),
                 "first_lease_at": wall(record.first_lease),
                 "last_request_at": wall(last),
@@ -179,10 +225,26 @@ class WorkerBook:
             "workers": entries,
             "total": len(self._records),
             "next_cursor": str(chosen[-1][1].seq) if more else None,
-            "held_truncated": len(held) >= HELD_READ,
+            "held_truncated": held is not None and held.truncated,
             "at": now_ms,
         }
         return reply
+
+    async def leases_held(self, writer: Writer, names: set[str]) -> HeldRead:
+        """The leases held by (at least) the worker ids ``names``, read after this call
+        began: by the read that began next, which every call waiting for it shares (one
+        read at a time), of every connected worker's."""
+        begun = self._reads
+        async with self._reading:
+            held = self._held
+            if held is None or held.seq <= begun or not names <= held.names:
+                self._reads += 1
+                seq = self._reads
+                every = frozenset(w for r in self._records.values() for w in r.worker_ids)
+                every |= names  # (a connection that closed meanwhile: still asked for)
+                rows, now_ms = await writer.execute(cmd.LeasesHeld(tuple(sorted(every)), HELD_READ))
+                held = self._held = HeldRead.of(seq, every, rows, now_ms)
+            return held
 
 
 assert WORKERS_PAGE * ENTRY_BYTES < 32 * 1024 * 1024  # within a connection's MAX_OWED_BYTES
