@@ -159,11 +159,19 @@ def _explain(exc: BaseException, address: str | None) -> click.ClickException | 
     import orjson
     import trio
 
-    from relay.protocol.errors import BadRequest, RelayError, StoreError, WrongServer
+    from relay.protocol.errors import (
+        BadRequest,
+        RelayError,
+        StoreError,
+        StoreUnreachable,
+        WrongServer,
+    )
 
     for leaf in _leaves(exc):
         if isinstance(leaf, click.ClickException):
             return leaf
+        if isinstance(leaf, StoreUnreachable):  # (a failure that may pass: exit 1)
+            return click.ClickException(f"cannot open {leaf.path}: {leaf.problem}")
         if isinstance(leaf, StoreError):
             return ConfigurationError(f"refusing to open {leaf.path}: {leaf.problem}")
         if isinstance(leaf, BadRequest):

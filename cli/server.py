@@ -21,7 +21,7 @@ import click
 import trio
 
 from relay.protocol import wire
-from relay.protocol.errors import StoreError
+from relay.protocol.errors import StoreError, StoreUnreachable
 from relay.protocol.model import QUEUE_NAME_RE
 from relay.server.connections.listen import JOBS, METRICS, WEBSOCKET, ListenError
 from relay.server.connections.tls import TlsConfigError
@@ -29,7 +29,7 @@ from relay.server.core import ServerConfig, is_postgres_url
 from relay.server.requests.auth import AuthConfigError, ExposureError, load_tokens
 from relay.util import log as relay_log
 from relay_cli.config import configurable, print_config, print_config_requested
-from relay_cli.errors import fail
+from relay_cli.errors import EXIT_FAILED, fail
 from relay_cli.options import DEFAULT_ADDRESS, parse_address
 
 if TYPE_CHECKING:
@@ -277,6 +277,12 @@ def server(
         option = LISTEN_OPTIONS[exc.listener]
         fail(f"cannot open the {exc.listener} listener ({option}) on {exc.address}: "
              f"{exc.reason}", EXIT_CONFIGURATION)  # fmt: skip
+    except StoreUnreachable as exc:
+        # (A failure that may pass, PostgreSQL down or starting: exit 1, which the
+        # systemd unit restarts, as it does not restart a configuration error's 2.)
+        fail(f"cannot connect to {exc.path}: {exc.problem.removeprefix('cannot connect: ')} "
+             f"(check that PostgreSQL runs there and takes this URL's user, password and "
+             f"database)", EXIT_FAILED)  # fmt: skip
     except StoreError as exc:
         fail(f"refusing to open {exc.path}: {exc.problem}", EXIT_CONFIGURATION)
     except (ExposureError, TlsConfigError) as exc:

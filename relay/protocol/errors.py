@@ -228,6 +228,12 @@ class StoreError(RelayError):
         self.problem = problem
 
 
+class StoreUnreachable(StoreError):
+    """No connection to the database server could be made: it may be down, starting or
+    full (a failure that may pass), or it refused this one (its user, password or
+    database): the server exits 1, and a service is restarted until it connects."""
+
+
 class NotADatabase(StoreError):
     """The file is not a SQLite database."""
 

@@ -26,6 +26,7 @@ import pytest
 import trio
 
 import relay
+from tests import pg
 
 from .conftest import BOUND_S, RELAY, assert_one_line_error, cli_env, relay_trio
 
@@ -96,6 +97,28 @@ async def test_a_database_error_is_not_reported_as_a_listener(tmp_path):
     result = await relay_trio(*server_args(tmp_path), env=env())
     assert result.code != 0, result
     assert "listen" not in result.stderr, result.stderr
+
+
+async def test_a_postgresql_server_it_cannot_reach_exits_1_to_be_restarted(tmp_path):
+    """PostgreSQL down (or still starting) when the server starts: a failure that may
+    pass, exit 1, which the systemd unit restarts (not 2, a configuration to fix, which
+    it does not: RestartPreventExitStatus=2). Found from outside, 2026-12-04."""
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/relay"  # (nobody listens there)
+    result = await relay_trio(*server_args(url), env=env())  # type: ignore[arg-type]
+    assert_one_line_error(result, "cannot connect to", "127.0.0.1", "refused", code=1)
+    assert "PostgreSQL runs there" in result.stderr
+    unit = (Path(relay.__file__).parents[1] / "docs/deploy/relay-trio.service").read_text()
+    assert "RestartPreventExitStatus=2" in unit and "Restart=on-failure" in unit
+    assert "StartLimitIntervalSec=0" in unit  # (restarted for as long as it is down)
+
+
+async def test_a_postgresql_database_refusing_the_connection_exits_1_naming_it(pg_url):
+    """Reached, and refused (no such database): libpq tells it from a server that is down
+    only by its message's text, so it is the same failure, exit 1, with the server's word."""
+    url = pg.server_url(pg_url).rpartition("/")[0] + "/relay_no_such_database"
+    result = await relay_trio(*server_args(url), env=env())  # type: ignore[arg-type]
+    assert_one_line_error(result, "cannot connect to", "relay_no_such_database", code=1)
+    assert "does not exist" in result.stderr
 
 
 @pytest.mark.parametrize(("variable", "value"), [("RELAY_LOG", "loud"),

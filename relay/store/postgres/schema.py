@@ -17,7 +17,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError
+from relay.protocol.errors import ForeignDatabase, SchemaTooNew, StoreError, StoreUnreachable
 
 APPLICATION = "relay-trio"
 SCHEMA_VERSION = 15
@@ -380,14 +380,18 @@ def open_connection(url: str) -> psycopg.Connection:
     be handed to one other thread, which then owns it.
 
     Raises:
-        StoreError: cannot connect, or the schema cannot be created (one line, no password).
+        StoreUnreachable: cannot connect (one line, no password).
+        StoreError: the schema cannot be created or used.
         ForeignDatabase, SchemaTooNew: refused; nothing in the database was changed.
     """
     where = display_url(url)
     try:
         conn = psycopg.connect(connection_info(url, APPLICATION), autocommit=True)
     except psycopg.Error as exc:
-        raise StoreError(where, f"cannot connect: {_first_line(exc)}") from exc
+        # (Whether a server answered or not: libpq gives no SQLSTATE for a failed
+        # connection, so a refusal, an authentication or a database name, cannot be told
+        # from a server that is down or starting but by its message's text.)
+        raise StoreUnreachable(where, f"cannot connect: {_first_line(exc)}") from exc
     try:
         _check_connection(conn, where)
         migrate(conn, where)
