@@ -21,6 +21,7 @@ from rich.text import Text
 
 from relay.protocol.errors import BadRequest
 from relay.util import log as relay_log
+from relay.util.log import event
 from relay.worker.worker import DEFAULT_LEASE_MS, Worker, run_worker
 from relay_cli import views
 from relay_cli.calls import console, plural
@@ -110,13 +111,33 @@ def worker(
     relay_log.configure()
     address, tls_ca = client_target(address)
     worker = Worker(
-        address, queues=list(queues), handler=handler or demo_handler, concurrency=concurrency,
+        address, queues=list(queues), handler=handler or _told_demo_handler(),
+        concurrency=concurrency,
         lease_ms=lease_ms, shutdown_timeout=shutdown_timeout_ms / 1000, token=client_token(),
         tls_ca=tls_ca, connect_timeout=client_timeout(),
     )  # fmt: skip
     received = run(_work, worker, address=address)
     if signal.SIGINT in received or len(received) > 1:
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _told_demo_handler() -> Callable[..., Any]:
+    """The demo executor, which says once, as it takes its first job, that it runs and
+    acks whatever it leases: a worker started without --handler by mistake empties real
+    queues otherwise without a word (found from outside, 2026-12-04)."""
+    told = False
+
+    async def run(job: Any) -> Any:
+        nonlocal told
+        if not told:
+            told = True
+            event(logging.getLogger("relay.worker"), logging.WARNING, "worker.demo_handler",
+                  message=f"no --handler: the demo executor runs {job.queue}'s jobs and acks "
+                  "them (sleep_ms sleeps, fail fails, anything else succeeds); give "
+                  "--handler MODULE:FUNCTION to run your own", queue=job.queue)  # fmt: skip
+        return await demo_handler(job)
+
+    return run
 
 
 # The worker's settings that the server may refuse at start, by the field its error names.

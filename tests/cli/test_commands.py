@@ -722,6 +722,9 @@ async def test_worker_runs_the_demo_executor_and_stops_on_sigterm(address, clien
     worker = await run_worker_until(address, args, body)
     assert worker.process.returncode == 0, worker.stderr
     assert "worker.draining" in worker.events() and "worker.stopped" in worker.events()
+    # No --handler: said once, as the first job is taken, since it acks every job (found
+    # from outside: a worker started without one emptied a real queue without a word).
+    assert worker.events().count("worker.demo_handler") == 1, worker.events()
     # Every line is one JSON object (events() reads them all): the failed job's traceback
     # is a field of its one job.failed line, never lines of its own.
     assert not [line for line in worker.stderr.splitlines() if not line.startswith(b"{")]
@@ -762,6 +765,7 @@ async def test_worker_runs_a_handler_imported_from_the_path(address, client, tmp
     worker = await run_worker_until(address, ["--queue", "math", "--handler", "myjobs:double"],
                                     body, env=env)  # fmt: skip
     assert worker.process.returncode == 0, worker.stderr
+    assert "worker.demo_handler" not in worker.events()
     results = [(await client.inspect(job_id)).result for job_id in job_ids]
     assert results == [{"doubled": 2, "queue": "math"}, {"doubled": 42, "queue": "math"}]
 
