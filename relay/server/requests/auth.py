@@ -175,6 +175,14 @@ def parse_token_file(text: str, source: str) -> list[tuple[str, Role]]:
     return pairs
 
 
+def _exposed(mode: int, group: int) -> bool:
+    """Whether users other than the server's may read or write a token file of ``mode``
+    owned by ``group``: others may, or its group may write, or read when it is not the
+    server's own group. (Root's file, 0640, of the service's group, which docs/operations.md
+    installs, lets the server read its tokens and not change them.)"""
+    return bool(mode & 0o026) or (bool(mode & 0o040) and group != os.getegid())
+
+
 def load_tokens(path: str | None, env_token: str | None) -> Tokens | None:
     """The tokens of the file at ``path`` and of ``env_token`` (the value of
     RELAY_AUTH_TOKEN; empty counts as unset), or None if neither gives any."""
@@ -187,11 +195,11 @@ def load_tokens(path: str | None, env_token: str | None) -> Tokens | None:
         except (OSError, UnicodeDecodeError) as exc:
             raise AuthConfigError(f"cannot read the token file {path}: {exc}") from None
         mode = stat.S_IMODE(info.st_mode)
-        if stat.S_ISREG(info.st_mode) and mode & 0o066:  # (a pipe keeps no tokens)
+        if stat.S_ISREG(info.st_mode) and _exposed(mode, info.st_gid):  # (not a pipe's)
             event(
                 log, logging.WARNING, "auth.token_file_exposed", path=path, mode=f"{mode:04o}",
                 message=f"the token file {path} may be read or written by other users "
-                f"(mode {mode:04o}): chmod 600 it",
+                f"(mode {mode:04o}): chmod 600 it, or 640 with the server's group",
             )  # fmt: skip
         pairs += [(token, role, path) for token, role in parse_token_file(text, path)]
     if env_token:

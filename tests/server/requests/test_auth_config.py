@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from relay.server.requests.auth import (
     Role,
     Throttle,
     Tokens,
+    _exposed,
     bearer_guard,
     bearer_token,
     check_exposure,
@@ -395,3 +397,12 @@ def test_exposure_allowed_with_tokens():
 def test_loopback_only_needs_neither_tokens_nor_insecure():
     assert check_exposure([("jobs", "127.0.0.1"), ("metrics", "::1")], None, False) == []
     assert check_exposure([("jobs", "localhost")], None, False) == []
+
+
+def test_a_token_file_is_exposed_to_others_to_a_group_not_the_servers_or_to_writers():
+    own = os.getegid()
+    assert not _exposed(0o600, own) and not _exposed(0o400, own)
+    assert not _exposed(0o640, own) and not _exposed(0o440, own)  # root's, the service's group
+    assert _exposed(0o640, own + 1) and _exposed(0o440, own + 1)  # a group of other users
+    assert _exposed(0o620, own) and _exposed(0o660, own)  # its group may change it
+    assert _exposed(0o604, own) and _exposed(0o602, own) and _exposed(0o644, own)
