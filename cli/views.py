@@ -1345,7 +1345,8 @@ def _workers_layout(
     shown = f"{len(workers)} worker" + ("" if len(workers) == 1 else "s")
     notes: list[RenderableType] = [table]
     if not workers:
-        notes = [Text(title, style="table.title"), Text("no worker connected", style="dim")]
+        notes = [Text(title, style="table.title"),
+                 Text("no worker connected to this server", style="dim")]  # fmt: skip
     caption = f"{shown} · each server lists its own"
     if any(worker.parked for worker in workers):
         caption += " · * waiting for jobs"
@@ -1370,7 +1371,11 @@ def _idle_queues_table(
     headers = ["ready", OLDEST_READY]
     widths = [column_width(h, [row[i] for row in rows]) for i, h in enumerate(headers)]
     queue = queue_width([*idle, "queue"], width - tables_width([0, *widths]))
-    title = "Ready jobs and no worker" + (" (of the workers read)" if partial else "")
+    # (This server's workers: with several servers on one database, another's may serve
+    # them, and its own `workers` lists those.)
+    title = "Ready jobs and no worker on this server" + (
+        " (of the workers read)" if partial else ""
+    )
     table = plain_table()
     table.add_column("queue", width=queue, no_wrap=True, style="bold red")
     for header, w in zip(headers, widths, strict=True):

@@ -70,14 +70,15 @@ def test_each_worker_is_one_line_with_its_jobs_and_longest_hold(width):
     if width >= 200:
         assert "relay.Worker/0.1" in first
     # A queue with ready jobs that no worker asks for is flagged with its oldest wait.
-    flagged = lines[lines.index(next(x for x in lines if "Ready jobs and no worker" in x)) :]
+    title = next(x for x in lines if "Ready jobs and no worker on this server" in x)
+    flagged = lines[lines.index(title) :]
     assert "reports" in row(flagged, "reports") and "12m 34s" in row(flagged, "reports")
     assert not [x for x in flagged if "email" in x]
 
 
 def test_no_workers_and_no_idle_queue_say_so():
     lines = lines_of(views.workers_table(page(), server_stats(email=counts(leased=2))), 80)
-    assert any("no worker connected" in line for line in lines)
+    assert any("no worker connected to this server" in line for line in lines)
     assert any("every queue with ready jobs has a worker" in line for line in lines)
 
 

@@ -297,8 +297,10 @@ async def test_workers_view_shows_what_each_worker_holds_and_queues_nobody_works
         await client.submit("orphans", {"n": 0})
         await open_page(browser, server, "#/workers")
         await see(browser, status_is("connected"), "connected")
+        # (Of this server's workers: with several servers, another's may serve a queue.)
         await see(browser, lambda d: d.execute_script(WORKERS_JS) == [[], "Ready jobs and no "
-                  "worker: orphans (1)"], "no worker, and orphans idle", MOVE_S)  # fmt: skip
+                  "worker on this server: orphans (1)"], "no worker, and orphans idle",
+                  MOVE_S)  # fmt: skip
         worker = relay.Worker(address, queues=["email"], handler=handler, worker_id="mailer-1")
         async with running(worker):
             held = (await client.submit("email", {"n": 1})).job_id
