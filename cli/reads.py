@@ -90,9 +90,10 @@ def watch(queues: tuple[str, ...], states: tuple[str, ...], address: str) -> Non
 @address_option
 def top(full: bool, address: str) -> None:
     """A live view of the queues until Ctrl-C: counts by state, jobs submitted, succeeded
-    and failed per second over the last 10 s, and the latest failures. Reconnects when
-    the server restarts; ends at once on what no reconnection fixes (a token refused, a
-    TLS mismatch, a server that is not relay-trio)."""
+    and failed per second over the last 10 s, and the latest failures. Waits for a server
+    that is down, and reconnects when it restarts (--timeout bounds each attempt); ends at
+    once on what no reconnection fixes (a token refused, a TLS mismatch, a server that is
+    not relay-trio)."""
     from relay_cli.top import TopView, run_top
 
     token = client_token()

@@ -494,6 +494,7 @@ async def follow(
     (or cannot be made) say so in the view and try again every RECONNECT_S. Raises the
     first error that trying again cannot fix (see ``incurable``)."""
     connected = False
+    view.status = f"connecting to {address}"
     while True:
         try:
             async with open_client(
