@@ -112,7 +112,8 @@ SET_OPTIONS = {
     "--rate": ("rate", _setting(parse_rate, RATE_FORMS), "LIMIT/PERIOD",
                f"At most LIMIT leases of the queue per PERIOD ({RATE_FORMS})."),
     "--default-timeout": ("default_timeout_ms", _setting(parse_duration, DURATION_FORMS),
-                          "DURATION", "The timeout of a submit that gives none (30s, 5m)."),
+                          "DURATION", "The timeout of a submit that gives none (30s, 5m; a "
+                          "bare number is milliseconds)."),
     "--default-retries": ("default_retries", _setting(_count(0), "a number, 0 or more"), "N",
                           "The retries of a submit that gives none."),
     "--default-backoff": ("default_backoff", _setting(parse_backoff, BACKOFF_FORMS), "SPEC",
