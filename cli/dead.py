@@ -17,6 +17,7 @@ from relay.protocol.errors import InvalidState
 from relay.protocol.requests import PURGE_STATES, RETRY_STATES
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
+from relay_cli.confirm import confirm
 from relay_cli.ids import server_short_ids
 from relay_cli.options import (
     DEFAULT_TIMEOUT_S,
@@ -201,9 +202,7 @@ def dead_purge(
                 f"--all would delete every dead job of queue {queue} for good, and there is "
                 "no terminal to confirm on: add --yes"
             )
-        click.confirm(
-            f"Delete every dead job of queue {queue}? This cannot be undone", abort=True, err=True
-        )
+        confirm(f"Delete every dead job of queue {queue}? This cannot be undone")
 
     async def purge(client: Client) -> int:
         target.update(await _whole(client, target))

@@ -17,6 +17,7 @@ from relay.protocol.model import JobState
 from relay.protocol.requests import DEFAULT_JOBS_LIST, MAX_JOBS_LIST, PURGE_STATES, RETRY_STATES
 from relay_cli import views
 from relay_cli.calls import call, console, plural, print_json
+from relay_cli.confirm import confirm
 from relay_cli.dead import WHOLE_QUEUE_TIMEOUT_S, _whole, paging_caption, refused
 from relay_cli.ids import server_short_ids
 from relay_cli.options import DEFAULT_TIMEOUT_S, JOB_HELP, address_option, check_job, json_option
@@ -162,9 +163,7 @@ def _bulk(verb: str, allowed: tuple[str, ...], what: str) -> Callable[..., None]
                 return sum(counts.get(state, 0) for state in chosen)
 
             n = call(address, counting)
-            click.confirm(
-                f"{verb.capitalize()} {plural(n, 'job')} of {named}{what}", abort=True, err=True
-            )
+            confirm(f"{verb.capitalize()} {plural(n, 'job')} of {named}{what}")
 
         async def bulk(client: Client) -> int:
             action = client.dead_retry if verb == "retry" else client.dead_purge

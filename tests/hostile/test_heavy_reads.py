@@ -13,58 +13,22 @@ leases held are read once for everyone who asks within a second.
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 import orjson
-import trio
 
-from tests.server.conftest import BOUND_S, LineClient, start_server
+from tests.hostile.test_fairness import waits_of_another_client
+from tests.server.conftest import start_server
 from tests.worker.helpers import serving
 
 IN_FLIGHT = 256  # the attacker's pipelined reads: max_in_flight
-SAMPLES = 10
 # The other client's submit, its median wait: a few ms to ~0.1 s on a busy test machine
 # (a read in progress, and the attacker's frames parsed on the trio thread it shares);
 # before the fix 0.8 s (jobs_list) and over 10 s (workers_list) here. Generous.
 BOUND_MEDIAN_S = 0.3
 
 
-async def flood(client: LineClient, request: dict[str, Any], stop: trio.Event) -> None:
-    """Keep IN_FLIGHT copies of ``request`` in flight until ``stop``."""
-    line = orjson.dumps(request) + b"\n"
-    credit = trio.Semaphore(IN_FLIGHT)
-
-    async def read() -> None:
-        while True:
-            reply = await client.read_line()
-            assert reply is not None
-            assert orjson.loads(reply)["ok"], reply[:200]
-            credit.release()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(read)
-        while not stop.is_set():
-            await credit.acquire()
-            await client.send_raw(line)
-        nursery.cancel_scope.cancel()
-
-
-async def waits_of_another_client(server: Any, attacker: LineClient, request: dict) -> list[float]:
-    other = await server.connect()
-    await other.ok("hello")
-    stop = trio.Event()
-    waits: list[float] = []
-    with trio.fail_after(20 * BOUND_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(flood, attacker, request, stop)
-            await trio.sleep(0.5)  # the attacker's reads fill the writer
-            for i in range(SAMPLES):
-                began = trio.current_time()
-                await other.ok("submit", queue="mine", payload=i)
-                waits.append(trio.current_time() - began)
-                await trio.sleep(0.05)
-            stop.set()
-    return waits
+def line(request: dict) -> bytes:
+    return orjson.dumps(request) + b"\n"
 
 
 async def test_pipelined_job_browser_pages_delay_another_client_by_about_one(tmp_path):
@@ -80,7 +44,7 @@ async def test_pipelined_job_browser_pages_delay_another_client_by_about_one(tmp
         page = await attacker.ok("jobs_list", states=["pending"], limit=1)
         assert page["jobs"] == [] and page["next_cursor"] is not None  # (the bound reached)
         request = {"op": "jobs_list", "id": 1, "states": ["pending"], "limit": 1}
-        waits = await waits_of_another_client(server, attacker, request)
+        waits = await waits_of_another_client(server, attacker, [line(request)], IN_FLIGHT)
     assert statistics.median(waits) < BOUND_MEDIAN_S, sorted(waits)
 
 
@@ -97,5 +61,5 @@ async def test_pipelined_workers_lists_delay_another_client_by_about_one(tmp_pat
         listed = await attacker.ok("workers_list")
         assert listed["workers"][0]["jobs_held"] == 10_000
         request = {"op": "workers_list", "id": 1, "limit": 1}
-        waits = await waits_of_another_client(server, attacker, request)
+        waits = await waits_of_another_client(server, attacker, [line(request)], IN_FLIGHT)
     assert statistics.median(waits) < BOUND_MEDIAN_S, sorted(waits)
