@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from relay.client.client import Client
-from relay_cli.calls import call, print_json
+from relay_cli.calls import call, plural, print_json
 from relay_cli.errors import fail
 from relay_cli.options import address_option, json_option
 
@@ -31,12 +31,14 @@ def reload(address: str, as_json: bool) -> None:
     else:
         tokens = reply["tokens"]
         said = [
-            "no token file" if tokens is None else f"{tokens} tokens in force",
+            "no token file" if tokens is None else f"{plural(tokens, 'token')} in force",
             "a new certificate in force" if reply["tls"] else "no new certificate",
         ]
         if reply["closing"]:
-            said.append(f"{reply['closing']} connections of removed tokens close in "
-                        f"{reply['grace_ms'] / 1000:g} s")  # fmt: skip
-        click.echo("reloaded: " + ", ".join(said))
+            said.append(f"{plural(reply['closing'], 'connection')} of removed tokens close "
+                        f"in {reply['grace_ms'] / 1000:g} s")  # fmt: skip
+        # (A file it could not use is kept out, and said on stderr: then what is in force
+        # is the file before, not a reload.)
+        click.echo(("kept" if reply["errors"] else "reloaded") + ": " + ", ".join(said))
     if reply["errors"]:
         fail("; ".join(reply["errors"]))

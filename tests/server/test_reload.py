@@ -255,3 +255,6 @@ async def test_relay_trio_reload_says_what_is_in_force_and_fails_in_one_line(ser
     failed = await relay_trio("reload", "--json", env=env(OLD))
     assert failed.code == 1 and failed.json()["tokens"] == 3
     assert_one_line_error(failed, "tokens kept", "at least 16 characters")
+    # Without --json: what stays in force is not called a reload (found from outside).
+    kept = await relay_trio("reload", env=env(OLD))
+    assert kept.code == 1 and kept.stdout.strip() == "kept: 3 tokens in force, no new certificate"
