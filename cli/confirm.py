@@ -32,6 +32,8 @@ def confirm(question: str) -> None:
             answer = _read_line(sys.stdin.fileno(), wake)
     except KeyboardInterrupt:
         raise click.Abort() from None  # (its context: the KeyboardInterrupt)
+    if answer is None:  # (Ctrl-D: the terminal showed no newline)
+        click.echo(err=True)
     if answer is None or answer.strip().lower() not in YES:
         raise click.Abort()
 

@@ -132,7 +132,7 @@ def _told_demo_handler() -> Callable[..., Any]:
         if not told:
             told = True
             event(logging.getLogger("relay.worker"), logging.WARNING, "worker.demo_handler",
-                  message=f"no --handler: the demo executor runs {job.queue}'s jobs and acks "
+                  message=f"no --handler: the demo executor runs the jobs of {job.queue} and acks "
                   "them (sleep_ms sleeps, fail fails, anything else succeeds); give "
                   "--handler MODULE:FUNCTION to run your own", queue=job.queue)  # fmt: skip
         return await demo_handler(job)
