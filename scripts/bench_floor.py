@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import statistics
 import tempfile
@@ -39,10 +38,11 @@ from relay.protocol.model import SubmitSpec
 from relay.store.base import Store
 from relay.store.postgres import PostgresStore
 from relay.store.sqlite import SqliteStore
+from relay_scripts.bench.postgres import PgDatabase
+from relay_scripts.bench.sampling import cpu_seconds
 
 T0 = 1_800_000_000_000
 PAYLOAD = '{"n": 1}'
-TICKS = os.sysconf("SC_CLK_TCK")
 
 # The columns a submit fills and a claim and an ack change, with constants for the
 # settings a store would read from the queue's.
@@ -132,14 +132,7 @@ def backend_cpu(db: psycopg.Connection, name: str) -> float:
         "SELECT pid FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'",
         (name,),
     ).fetchall()
-    total = 0
-    for (pid,) in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # (not on this machine: no CPU to report)
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICKS
+    return cpu_seconds([pid for (pid,) in pids])
 
 
 def timed(run: Callable[[], None], seconds: float, cpu: Callable[[], float]) -> tuple[float, float]:
@@ -167,22 +160,23 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,8,100", help="jobs per submit transaction")
     parser.add_argument("--claims", default="8,16", help="jobs per lease+ack transaction")
     args = parser.parse_args()
-    base, _, _ = args.db.rpartition("/")
-    names = [f"relay_floor_{os.getpid()}_{which}" for which in ("store", "floor")]
-    admin = psycopg.connect(args.db, autocommit=True)
-    for name in names:
-        admin.execute(f"CREATE DATABASE {name}")
+    databases: list[PgDatabase] = []  # (the store's, the floor's)
     try:
-        with tempfile.TemporaryDirectory() as directory:
-            report = measure(args, directory, admin, [f"{base}/{name}" for name in names])
+        for _ in range(2):
+            databases.append(PgDatabase(args.db))
+        with (
+            psycopg.connect(args.db, autocommit=True) as admin,
+            tempfile.TemporaryDirectory() as directory,
+        ):
+            report = measure(args, directory, admin, databases)
         print(json.dumps(report))
     finally:
-        for name in names:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.close()
+        for database in databases:
+            database.drop()
 
 
-def measure(args, directory: str, admin: psycopg.Connection, urls: list[str]) -> dict:
+def measure(args, directory: str, admin: psycopg.Connection, databases: list[PgDatabase]) -> dict:
+    urls = [database.url for database in databases]
     sqlite = SqliteStore.open(str(Path(directory) / "floor.db"))
     postgres = PostgresStore.open(urls[0])
     PostgresStore.open(urls[1]).close()  # (the same schema, for the bare statements)
@@ -199,8 +193,8 @@ def measure(args, directory: str, admin: psycopg.Connection, urls: list[str]) ->
                 analyze.execute("VACUUM ANALYZE jobs")
         cpu = {
             "sqlite": lambda: 0.0,
-            "postgres": lambda: backend_cpu(admin, urls[0].rpartition("/")[2]),
-            "floor": lambda: backend_cpu(admin, urls[1].rpartition("/")[2]),
+            "postgres": lambda: backend_cpu(admin, databases[0].name),
+            "floor": lambda: backend_cpu(admin, databases[1].name),
         }
         variants: dict[str, dict[str, Callable[[], None]]] = {}
         for n in (int(size) for size in args.sizes.split(",")):

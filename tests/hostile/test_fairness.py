@@ -45,24 +45,38 @@ async def flood(
     stop: trio.Event,
     lines: list[bytes] | None = None,
     in_flight: int = IN_FLIGHT,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``in_flight`` of ``lines`` (in turn; by default the heavy requests) in flight
-    until ``stop``, each answered ok."""
+    until ``stop``, each answered ok; started once a window of them was answered, the
+    writer busy with them since."""
     requests = itertools.cycle(lines or heavy_requests())
     credit = trio.Semaphore(in_flight)
+    answered = trio.Event()  # a whole window's worth: the flood is at its steady state
 
     async def read() -> None:
+        n = 0
         while True:
             line = await client.read_line()
             assert line is not None
             assert orjson.loads(line)["ok"], line[:200]
             credit.release()
+            n += 1
+            if n == in_flight:
+                answered.set()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(read)
+    async def send() -> None:
         while not stop.is_set():
             await credit.acquire()
             await client.send_raw(next(requests))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        nursery.start_soon(send)
+        await answered.wait()
+        task_status.started()
+        await stop.wait()
         nursery.cancel_scope.cancel()
 
 
@@ -77,8 +91,7 @@ async def waits_of_another_client(
     waits: list[float] = []
     with trio.fail_after(20 * BOUND_S):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(flood, attacker, stop, lines, in_flight)
-            await trio.sleep(0.5)  # the attacker's requests fill the writer
+            await nursery.start(flood, attacker, stop, lines, in_flight)
             for i in range(SAMPLES):
                 began = trio.current_time()
                 await other.ok("submit", queue="mine", payload=i)

@@ -29,6 +29,6 @@ def test_bench_floor_runs_every_transaction_three_ways_and_drops_its_databases(p
         assert ways["sqlite"]["db_cpu_us"] == 0, (transaction, ways)  # (no database process)
     with psycopg.connect(url, autocommit=True) as admin:
         left = admin.execute(
-            "SELECT datname FROM pg_database WHERE datname LIKE 'relay\\_floor\\_%'"
+            "SELECT datname FROM pg_database WHERE datname LIKE 'relay\\_bench\\_%'"
         ).fetchall()
-    assert left == []
+    assert left == []  # (relay-bench's fresh databases, PgDatabase: none left)
